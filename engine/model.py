@@ -1,0 +1,119 @@
+"""Llama-family decoder over the paged KV cache, readable top to bottom.
+
+Weights are plain tensors (q/k/v and gate/up fused at load time so each layer does four
+matmuls). `forward` takes one step's flat batch of tokens and returns logits only for the rows
+that will be sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model_config import ModelConfig
+from kernels.attention import AttentionBackend, AttentionMetadata
+
+# Called after layer l's K/V is written: the hook for layer-wise KV streaming (transport).
+LayerHook = Callable[[int], None]
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q + 2 kv, hidden]
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor
+
+
+def rope_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_position, head_dim] in HF's rotate_half layout, computed in fp32."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
+    freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos/sin: [T, 1, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaModel:
+    """The decoder. Stateless between steps except for the KV cache passed in."""
+
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
+                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.backend = backend
+        self.dtype = dtype
+        self.embed = weights["model.embed_tokens.weight"]
+        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.final_norm = weights["model.norm.weight"]
+        self.layers = [self._fuse_layer(weights, i) for i in range(cfg.num_layers)]
+        self.cos, self.sin = rope_tables(cfg, dtype)
+
+    @staticmethod
+    def _fuse_layer(w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        p = f"model.layers.{i}."
+        qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
+        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], dim=0)
+        return LayerWeights(
+            input_norm=w[p + "input_layernorm.weight"],
+            qkv=qkv.contiguous(),
+            o=w[p + "self_attn.o_proj.weight"],
+            post_norm=w[p + "post_attention_layernorm.weight"],
+            gate_up=gate_up.contiguous(),
+            down=w[p + "mlp.down_proj.weight"],
+        )
+
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights one decode step reads (every layer + final norm + lm head)."""
+        tensors = [self.final_norm, self.lm_head]
+        for lw in self.layers:
+            tensors += [lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, logits_rows: torch.Tensor,
+                layer_hook: LayerHook | None = None) -> torch.Tensor:
+        """input_ids/positions: [T]; returns logits [len(logits_rows), vocab] in fp32."""
+        cfg = self.cfg
+        x = F.embedding(input_ids, self.embed)
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        attn_out = torch.empty(x.shape[0], cfg.q_size, dtype=x.dtype)
+        for i, lw in enumerate(self.layers):
+            x = self._layer(x, lw, kv_cache[i], cos, sin, meta, attn_out)
+            if layer_hook is not None:
+                layer_hook(i)
+        h = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)
+        return F.linear(h, self.lm_head).float()
+
+    def _layer(self, x: torch.Tensor, lw: LayerWeights, cache: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, meta: AttentionMetadata, attn_out: torch.Tensor) -> torch.Tensor:
+        cfg = self.cfg
+        t = x.shape[0]
+        qkv = F.linear(rms_norm(x, lw.input_norm, cfg.rms_norm_eps), lw.qkv)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+        self.backend.write_kv(cache, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), meta.slot_mapping)
+        self.backend.forward(q, cache, meta, attn_out)
+        x = x + F.linear(attn_out, lw.o)
+        gate, up = F.linear(rms_norm(x, lw.post_norm, cfg.rms_norm_eps), lw.gate_up).chunk(2, dim=-1)
+        return x + F.linear(F.silu(gate) * up, lw.down)

@@ -1,0 +1,92 @@
+"""What the engine reports per step and at the end of a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.request import FinishReason, Request
+from engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class CompletionResult:
+    """A finished request, as `Engine.generate` returns it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    ttft_ms: float
+    tpot_ms: float
+    num_preemptions: int = 0
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One request's progress in one step: new tokens, new text, and whether it is done."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: FinishReason | None = None
+    result: CompletionResult | None = None  # set on the final output
+
+
+@dataclass(slots=True)
+class TextState:
+    """Streaming text of one request, holding back what could still become a stop string.
+
+    ```
+    | emitted | held back (< longest stop string) |
+    ```
+    """
+
+    detok: IncrementalDetokenizer
+    stops: tuple[str, ...]
+    text: str = ""
+    emitted: int = 0
+    stopped: bool = False
+    holdback: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+
+    def push(self, token_id: int) -> str | None:
+        """Add a token; returns the stop string it completed, if any."""
+        delta = self.detok.push(token_id)
+        if not delta:
+            return None
+        self.text += delta
+        if not self.stops:
+            return None
+        window_start = max(0, len(self.text) - len(delta) - self.holdback)
+        hits = [(self.text.find(s, window_start), s) for s in self.stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        self.text = self.text[:index]
+        self.stopped = True
+        return stop
+
+    def take(self, final: bool) -> str:
+        """Text not yet emitted (all of it when final, else all but the held-back tail)."""
+        if final and not self.stopped:
+            self.text += self.detok.flush()
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
+        chunk = self.text[self.emitted : end]
+        self.emitted = end
+        return chunk
+
+
+def completion_result(req: Request, text: str) -> CompletionResult:
+    """Summarise a finished request with its timing figures."""
+    assert req.finish_reason is not None and req.finish_time is not None
+    first = req.first_token_time if req.first_token_time is not None else req.finish_time
+    n_out = req.num_output_tokens
+    tpot = (req.finish_time - first) / (n_out - 1) * 1e3 if n_out > 1 else 0.0
+    return CompletionResult(req.request_id, req.token_ids[: req.num_prompt_tokens], req.output_ids,
+                            text, req.finish_reason, (first - req.arrival_time) * 1e3, tpot,
+                            req.num_preemptions)

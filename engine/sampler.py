@@ -1,0 +1,56 @@
+"""Batched sampling: greedy, temperature, top-k, top-p, with a generator per request.
+
+Each sampled row draws exactly one uniform number from its own request's generator per step, so
+a seeded request gives the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.request import Request
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    """logits: [B, vocab] fp32, one row per request -> one token id per request."""
+    if all(r.params.greedy for r in requests):
+        return logits.argmax(dim=-1).tolist()
+    tokens = logits.argmax(dim=-1)
+    rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    picked = _sample_rows(logits[rows], [requests[i] for i in rows])
+    tokens[rows] = picked
+    return tokens.tolist()
+
+
+def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Inverse-CDF sampling over the temperature-scaled, top-k/top-p filtered distribution."""
+    temps = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
+    probs_sorted, idx_sorted = torch.sort(logits / temps.unsqueeze(1), dim=-1, descending=True)
+    probs_sorted = _apply_top_k(probs_sorted, [r.params.top_k for r in requests])
+    probs_sorted = torch.softmax(probs_sorted, dim=-1)
+    probs_sorted = _apply_top_p(probs_sorted, [r.params.top_p for r in requests])
+    cdf = probs_sorted.cumsum(dim=-1)
+    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in requests])
+    uniforms = uniforms * cdf[:, -1]  # the filtered mass is renormalised implicitly
+    choice = torch.searchsorted(cdf, uniforms.unsqueeze(1)).clamp_(max=cdf.shape[1] - 1)
+    return idx_sorted.gather(1, choice).squeeze(1)
+
+
+def _apply_top_k(sorted_logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
+    if not any(top_ks):
+        return sorted_logits
+    vocab = sorted_logits.shape[1]
+    k = torch.tensor([k if k > 0 else vocab for k in top_ks]).unsqueeze(1)
+    beyond = torch.arange(vocab).unsqueeze(0) >= k
+    return sorted_logits.masked_fill(beyond, float("-inf"))
+
+
+def _apply_top_p(sorted_probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    if all(p >= 1.0 for p in top_ps):
+        return sorted_probs
+    p = torch.tensor(top_ps, dtype=torch.float32).unsqueeze(1)
+    # Drop a token when the mass strictly before it already reaches top_p; the first always stays.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    return sorted_probs.masked_fill(mass_before >= p, 0.0)

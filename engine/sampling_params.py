@@ -1,0 +1,48 @@
+"""Per-request sampling and stop parameters, validated when a request is added."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; seed None = random."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers but keep the frozen object hashable and immutable.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise `InvalidRequestError` naming the first bad field."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise InvalidRequestError("stop_token_ids", f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop", "stop strings must be non-empty")

@@ -1,0 +1,139 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step has a token budget. Running requests go first (a decode costs one token, an
+unfinished prefill takes what is left of the budget); then waiting requests are admitted while
+budget, sequence slots and KV blocks last. When a running request needs a block and none is
+free, the most recently admitted running request is preempted: its blocks are freed and it goes
+back to the head of the queue to be recomputed (prompt + outputs so far) later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+from engine.request import FinishReason, Request, RequestStatus
+from kvpool.block_pool import BlockPool
+
+
+class ScheduledRequest(NamedTuple):
+    request: Request
+    num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
+    sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+
+
+class SchedulerOutput(NamedTuple):
+    scheduled: list[ScheduledRequest]
+    preempted: list[Request]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
+                 max_num_seqs: int) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        batch: list[ScheduledRequest] = []
+        preempted: list[Request] = []
+        budget = self._schedule_running(batch, preempted, self.max_num_batched_tokens)
+        if not preempted:  # under memory pressure, admit nobody new this step
+            self._schedule_waiting(batch, budget)
+        return SchedulerOutput(batch, preempted)
+
+    def _schedule_running(self, batch: list[ScheduledRequest], preempted: list[Request],
+                          budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._reserve_or_preempt(req, n, preempted):
+                break  # req itself was preempted (it was the last running request)
+            batch.append(self._entry(req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, batch: list[ScheduledRequest], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            need = self._blocks_needed(req, n)
+            if not self.pool.can_allocate(need):
+                break
+            self.waiting.popleft()
+            req.block_table.extend(self.pool.allocate(need))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.append(self._entry(req, n))
+            budget -= n
+
+    def _entry(self, req: Request, n: int) -> ScheduledRequest:
+        return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        total = -(-(req.num_computed_tokens + n) // self.block_size)
+        return max(0, total - len(req.block_table))
+
+    def _reserve_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
+        need = self._blocks_needed(req, n)
+        while not self.pool.can_allocate(need):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is req:
+                return False
+        req.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.pool.free(req.block_table)
+        req.block_table = []
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+
+    def update(self, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens (one per `sample` entry, in order).
+
+        Returns the requests that received a token this step.
+        """
+        got_token: list[Request] = []
+        tokens = iter(sampled)
+        for req, n, do_sample in output.scheduled:
+            req.num_computed_tokens += n
+            if do_sample:
+                req.token_ids.append(next(tokens))
+                got_token.append(req)
+        return got_token
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """Finish a request (any state) and return its blocks to the pool."""
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        else:
+            return
+        self.pool.free(req.block_table)
+        req.block_table = []
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]

@@ -1,0 +1,294 @@
+"""Text <-> token ids for a byte-level BPE model, its chat template, and streaming detokenization.
+
+The HF `tokenizers` Rust library does the BPE work; this module only builds it from a GGUF's
+vocabulary (or loads a `tokenizer.json`) and adds what serving needs on top:
+
+    Tokenizer.encode / decode            prompt text <-> ids
+    Tokenizer.apply_chat_template        messages -> prompt text (sandboxed jinja2, like HF)
+    IncrementalDetokenizer.push / flush  one generated id -> newly completed text
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import gguf
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+from engine.errors import ChatTemplateError, TokenizerError, UnsupportedTokenizerError
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable char table: byte-level vocabularies spell every token with it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    shifted = [b for b in range(256) if b not in printable]
+    table = {b: chr(b) for b in printable}
+    table.update({b: chr(256 + i) for i, b in enumerate(shifted)})
+    return table
+
+
+_BYTE_TO_CHAR: Mapping[int, str] = MappingProxyType(_bytes_to_unicode())
+_CHAR_TO_BYTE: Mapping[str, int] = MappingProxyType({c: b for b, c in _BYTE_TO_CHAR.items()})
+
+
+def _spelled_bytes(token: str) -> bytes:
+    """Raw bytes of a vocabulary token; text outside the byte alphabet is taken as utf-8."""
+    if all(c in _CHAR_TO_BYTE for c in token):
+        return bytes(_CHAR_TO_BYTE[c] for c in token)
+    return token.encode("utf-8")
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """The pre-tokenizer the vocabulary's merges were learned with, from `tokenizer.ggml.pre`."""
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "gpt2":
+        return byte_level
+    if pre == "smollm":  # as in SmolLM2's own tokenizer.json
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        return pre_tokenizers.Sequence([digits, byte_level])
+    raise UnsupportedTokenizerError(
+        f"unsupported GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre); supported: gpt2, smollm")
+
+
+def _gguf_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
+    """The `tokenizer.*` metadata as Python values, keyed without `tokenizer.` / `ggml.`."""
+    fields = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            fields[key.removeprefix("tokenizer.").removeprefix("ggml.")] = field.contents()
+    for key in ("model", "tokens", "merges", "eos_token_id"):
+        if key not in fields:
+            raise TokenizerError(f"GGUF has no tokenizer.ggml.{key}; cannot build its tokenizer")
+    if fields["model"] != "gpt2":
+        raise UnsupportedTokenizerError(
+            f"unsupported GGUF tokenizer model {fields['model']!r}; only byte-level BPE 'gpt2'")
+    return fields
+
+
+def _backend_from_gguf(fields: dict[str, Any]) -> BackendTokenizer:
+    """A byte-level BPE `tokenizers.Tokenizer` from the GGUF vocabulary, merges and token types."""
+    tokens: list[str] = fields["tokens"]
+    types: list[int] = fields.get("token_type") or [1] * len(tokens)
+    pre = _pre_tokenizer(fields.get("pre", "gpt2"))  # files older than the `pre` key are gpt2
+    # Added tokens keep their text so AddedToken(text) lands on the same id, not a new one.
+    vocab = {t if ty in (_CONTROL, _USER_DEFINED) else _respell(t): i
+             for i, (t, ty) in enumerate(zip(tokens, types))}
+    merges = [tuple(m.split(" ", 1)) for m in fields["merges"]]
+    backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
+    backend.pre_tokenizer = pre
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens (<|im_start|>) are special: matched whole, skipped by decode(skip_special).
+    # User-defined ones (<think>) are matched whole too but are ordinary text, as in llama.cpp.
+    special = [AddedToken(t, normalized=False, special=True)
+               for t, ty in zip(tokens, types) if ty == _CONTROL]
+    backend.add_special_tokens(special)
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    return backend
+
+
+def _respell(token: str) -> str:
+    """The token spelled in the byte alphabet the BPE model works in (a no-op if it already is)."""
+    if all(c in _CHAR_TO_BYTE for c in token):
+        return token
+    return "".join(_BYTE_TO_CHAR[b] for b in token.encode("utf-8"))
+
+
+def _config_token(config: dict[str, Any], key: str) -> str | None:
+    """`bos_token` / `eos_token` from tokenizer_config.json: a string or an AddedToken dict."""
+    value = config.get(key)
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
+    """The chat template: `chat_template.jinja`, else tokenizer_config's string or named list."""
+    jinja_file = folder / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) else None
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    """HF's `tojson`: unlike jinja's own, it keeps non-ASCII text and does not HTML-escape."""
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(f"chat template rejected the conversation: {message}")
+
+
+def _check_messages(messages: list[dict[str, str]]) -> None:
+    """Every message must be a mapping with string `role` and `content`."""
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages must be a non-empty list of {'role', 'content'} dicts")
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(f"messages[{i}] is a {type(message).__name__}, not a dict")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ChatTemplateError(f"messages[{i}] needs a string {key!r}")
+
+
+class Tokenizer:
+    """A byte-level BPE tokenizer with the model's special ids and chat template."""
+
+    def __init__(self, backend: BackendTokenizer, *, eos_id: int, bos_id: int | None,
+                 add_bos: bool, chat_template: str | None) -> None:
+        if add_bos and bos_id is None:
+            raise TokenizerError("add_bos_token is set but the model has no BOS token")
+        self._backend = backend
+        self.eos_id = eos_id
+        self.bos_id = bos_id
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        added = backend.get_added_tokens_decoder()
+        self._special = frozenset(i for i, tok in added.items() if tok.special)
+        self.vocab_size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=0) + 1)
+        # Precomputed so streaming detokenization is a list index per token.
+        self._bytes = [b""] * self.vocab_size
+        for text, i in backend.get_vocab(with_added_tokens=True).items():
+            self._bytes[i] = text.encode("utf-8") if i in added else _spelled_bytes(text)
+        turn_ends = (backend.token_to_id(t) for t in _TURN_END_TOKENS)
+        self.stop_ids = frozenset({eos_id, *(i for i in turn_ends if i in self._special)})
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
+        return cls.from_gguf_reader(gguf.GGUFReader(str(path)))
+
+    @classmethod
+    def from_gguf_reader(cls, reader: gguf.GGUFReader) -> Tokenizer:
+        """Like `from_gguf`, reusing a reader the weight loader already opened."""
+        fields = _gguf_fields(reader)
+        return cls(_backend_from_gguf(fields), eos_id=int(fields["eos_token_id"]),
+                   bos_id=fields.get("bos_token_id"), add_bos=bool(fields.get("add_bos_token")),
+                   chat_template=fields.get("chat_template"))
+
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja` if present)."""
+        folder = Path(path)
+        if not (folder / "tokenizer.json").is_file():
+            raise TokenizerError(f"{folder} has no tokenizer.json")
+        backend = BackendTokenizer.from_file(str(folder / "tokenizer.json"))
+        if not isinstance(backend.decoder, decoders.ByteLevel):  # token_bytes() assumes it
+            raise UnsupportedTokenizerError(f"{folder}/tokenizer.json is not byte-level BPE")
+        config_file = folder / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        bos, eos = (_config_token(config, k) for k in ("bos_token", "eos_token"))
+        bos_id = backend.token_to_id(bos) if bos else None
+        eos_id = backend.token_to_id(eos) if eos else None
+        if eos_id is None:
+            raise TokenizerError(f"{folder}: no eos_token in tokenizer_config.json or vocabulary")
+        add_bos = config.get("add_bos_token")
+        if not isinstance(add_bos, bool):  # not stated: does tokenizer.json's post-processor add it?
+            add_bos = bos_id is not None and backend.encode("a").ids[:1] == [bos_id]
+        return cls(backend, eos_id=eos_id, bos_id=bos_id, add_bos=add_bos,
+                   chat_template=_hf_chat_template(folder, config))
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in it become their single ids."""
+        ids = self._backend.encode(text, add_special_tokens=False).ids
+        if self.add_bos if add_bos is None else add_bos:
+            if self.bos_id is None:
+                raise TokenizerError("add_bos requested but the model has no BOS token")
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        """Text of `ids`; invalid utf-8 becomes U+FFFD."""
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """Raw bytes of one token (a special token gives its utf-8 text)."""
+        if not 0 <= token_id < self.vocab_size:  # a negative index would wrap silently
+            raise TokenizerError(f"token id {token_id} outside the vocabulary [0, {self.vocab_size})")
+        return self._bytes[token_id]
+
+    def is_special(self, token_id: int) -> bool:
+        """True for control tokens such as `<|im_start|>`, which decode skips by default."""
+        return token_id in self._special
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """Render a conversation into prompt text with the model's template, as HF does."""
+        _check_messages(messages)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id))
+        except jinja2.TemplateError as err:
+            raise ChatTemplateError(f"chat template failed to render: {err}") from err
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if self.chat_template is None:
+            raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception,
+                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        try:
+            return env.from_string(self.chat_template)
+        except jinja2.TemplateSyntaxError as err:
+            raise ChatTemplateError(f"chat template does not parse: {err}") from err
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else self._backend.id_to_token(token_id) or ""
+
+
+class IncrementalDetokenizer:
+    """Generated ids -> text, one id at a time, never splitting a utf-8 character.
+
+    Bytes of an incomplete character wait in the utf-8 decoder (at most 3) until the character
+    completes, so each `push` costs O(token length), independent of the text so far.
+    """
+
+    __slots__ = ("_tokenizer", "_skip_special", "_utf8", "_chunks")
+
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chunks: list[str] = []
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (may be empty)."""
+        if self._skip_special and self._tokenizer.is_special(token_id):
+            return ""
+        return self._emit(self._utf8.decode(self._tokenizer.token_bytes(token_id)))
+
+    def flush(self) -> str:
+        """End of stream: return any withheld bytes, an incomplete character becoming U+FFFD."""
+        return self._emit(self._utf8.decode(b"", final=True))
+
+    @property
+    def text(self) -> str:
+        """All text returned by `push`/`flush` so far."""
+        if len(self._chunks) > 1:  # join lazily, once per read, not once per token
+            self._chunks[:] = ["".join(self._chunks)]
+        return self._chunks[0] if self._chunks else ""
+
+    def _emit(self, chunk: str) -> str:
+        if chunk:
+            self._chunks.append(chunk)
+        return chunk

@@ -1,0 +1,92 @@
+"""Attention over the paged KV layout: the interface both backends implement.
+
+Device KV layout (DESIGN.md): one tensor per worker
+
+    kv_cache: [layers, 2, num_blocks, block_size, kv_heads, head_dim]   (2 = K, V)
+
+A request owns a block table; token t of a request lives in slot
+`block_table[t // block_size] * block_size + t % block_size` of the flattened
+`[num_blocks * block_size]` axis.
+
+A step's tokens are laid out flat, decodes first, then prefill chunks:
+
+    | decode q (1 token per request) ... | prefill chunk 0 | prefill chunk 1 | ...
+
+Metadata is built once per step and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillSegment:
+    """One request's prefill chunk: queries [q_start, q_start+q_len) of the flat batch.
+
+    ```
+    | cached / earlier chunks (ctx - q_len) | this chunk (q_len) |
+    ```
+    `kv_slots` ([ctx]) are the cache slots of every key it attends to; `mask` is None when
+    the chunk starts at position 0 (plain causal), else a [q_len, ctx] bool mask.
+    """
+
+    q_start: int
+    q_len: int
+    kv_slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class DecodeBatch:
+    """`num` single-token queries at the head of the flat batch.
+
+    `kv_slots` is [num, max_ctx] (padded with slot 0); `mask` [num, 1, 1, max_ctx] marks real
+    keys, or None when every request has the same context length.
+    """
+
+    num: int
+    kv_slots: torch.Tensor
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    decode: DecodeBatch | None
+    prefills: list[PrefillSegment]
+    num_tokens: int
+
+
+class AttentionBackend(ABC):
+    """Writes new K/V into the paged cache and computes attention for a flat batch."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def write_kv(self, layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Store k, v ([T, kv_heads, head_dim]) into `layer_cache` ([2, blocks, bs, kvh, hd])."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
+                out: torch.Tensor) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> `out` [T, heads * head_dim] (written in place)."""
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """Backend registry; the flashinfer one is imported only when asked for (CUDA only)."""
+    if name == "torch":
+        from kernels.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "flashinfer":
+        from kernels.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r} (choose 'torch' or 'flashinfer')")
