@@ -61,7 +61,8 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         digits = pre_tokenizers.Digits(individual_digits=True)
         return pre_tokenizers.Sequence([digits, byte_level])
     raise UnsupportedTokenizerError(
-        f"unsupported GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre); supported: gpt2, smollm")
+        f"unsupported GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre); "
+        "supported: gpt2, smollm")
 
 
 def _gguf_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
@@ -161,7 +162,8 @@ class Tokenizer:
         self.chat_template = chat_template
         added = backend.get_added_tokens_decoder()
         self._special = frozenset(i for i, tok in added.items() if tok.special)
-        self.vocab_size = max(backend.get_vocab_size(with_added_tokens=True), max(added, default=0) + 1)
+        # Max id + 1, not a count: added-token ids may leave gaps after the model's vocabulary.
+        self.vocab_size = max(backend.get_vocab_size(True), max(added, default=0) + 1)
         # Precomputed so streaming detokenization is a list index per token.
         self._bytes = [b""] * self.vocab_size
         for text, i in backend.get_vocab(with_added_tokens=True).items():
@@ -192,14 +194,14 @@ class Tokenizer:
         if not isinstance(backend.decoder, decoders.ByteLevel):  # token_bytes() assumes it
             raise UnsupportedTokenizerError(f"{folder}/tokenizer.json is not byte-level BPE")
         config_file = folder / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        config = json.loads(config_file.read_text("utf-8")) if config_file.is_file() else {}
         bos, eos = (_config_token(config, k) for k in ("bos_token", "eos_token"))
         bos_id = backend.token_to_id(bos) if bos else None
         eos_id = backend.token_to_id(eos) if eos else None
         if eos_id is None:
             raise TokenizerError(f"{folder}: no eos_token in tokenizer_config.json or vocabulary")
         add_bos = config.get("add_bos_token")
-        if not isinstance(add_bos, bool):  # not stated: does tokenizer.json's post-processor add it?
+        if not isinstance(add_bos, bool):  # unstated: does tokenizer.json's post-processor add it?
             add_bos = bos_id is not None and backend.encode("a").ids[:1] == [bos_id]
         return cls(backend, eos_id=eos_id, bos_id=bos_id, add_bos=add_bos,
                    chat_template=_hf_chat_template(folder, config))
@@ -220,7 +222,7 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (a special token gives its utf-8 text)."""
         if not 0 <= token_id < self.vocab_size:  # a negative index would wrap silently
-            raise TokenizerError(f"token id {token_id} outside the vocabulary [0, {self.vocab_size})")
+            raise TokenizerError(f"token id {token_id} not in 0..{self.vocab_size - 1}")
         return self._bytes[token_id]
 
     def is_special(self, token_id: int) -> bool:

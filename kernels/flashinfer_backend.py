@@ -1,46 +1,181 @@
-"""FlashInfer paged attention (CUDA only). Imported lazily; never touched on a CPU machine.
+"""FlashInfer paged attention (CUDA only). flashinfer is imported lazily, in the constructor.
 
-The KV layout is already FlashInfer's paged NHD layout ([blocks, block_size, kv_heads, head_dim]
-per K and V), so the wrapper plans once per step from the same metadata the torch backend uses.
+The per-layer cache `[2, blocks, block_size, kv_heads, head_dim]` already is FlashInfer's paged
+"NHD" layout: `(layer_cache[0], layer_cache[1])` is its `(k_cache, v_cache)` tuple, one page per
+block. Each step the metadata is turned into FlashInfer's CSR page tables once, both wrappers are
+planned once, and every layer only calls `run`:
+
+    | decode q (1 per request) -> BatchDecode | prefill chunks (qo_indptr) -> BatchPrefill |
+
+A request with context length `ctx` owns pages `kv_slots[::block_size] // block_size` (its first
+`ceil(ctx / block_size)` of them); the last one holds `ctx - (pages - 1) * block_size` tokens.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any, NamedTuple
 
-from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.torch_backend import TorchAttentionBackend
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionBackend, AttentionMetadata, DecodeBatch, PrefillSegment
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-k partials)
 
 
 class FlashInferUnavailableError(RuntimeError):
     """flashinfer is not installed or there is no CUDA device."""
 
 
-def _require_flashinfer() -> object:
+class PageTable(NamedTuple):
+    """FlashInfer's CSR page table for a batch of requests (int32, on the host)."""
+
+    indptr: torch.Tensor  # [batch + 1]; request b owns indices[indptr[b]:indptr[b + 1]]
+    indices: torch.Tensor  # [total pages] block ids, in token order per request
+    last_page_len: torch.Tensor  # [batch], each in 1..block_size
+
+
+def page_table(block_starts: Sequence[torch.Tensor], ctx_lens: torch.Tensor,
+               block_size: int) -> PageTable:
+    """CSR page table of requests whose keys start pages at slots `block_starts[i]`.
+
+    `block_starts[i]` is `kv_slots[i][::block_size]`; entries past the request's
+    `ceil(ctx / block_size)` pages (decode padding) are ignored. Every page must start at offset 0
+    of its block, which holds when slots come from a block table.
+    """
+    ctx = ctx_lens.to("cpu", torch.int64)
+    if bool((ctx < 1).any()):
+        raise ValueError(f"every request needs at least one key, got lengths {ctx.tolist()}")
+    num_pages = (ctx + block_size - 1) // block_size
+    starts = torch.cat([s[:n] for s, n in zip(block_starts, num_pages.tolist(), strict=True)])
+    starts = starts.cpu()  # one device-to-host copy per step
+    if bool((starts % block_size).any()):
+        raise ValueError("kv_slots do not start pages at block offset 0; not a block-table layout")
+    return PageTable(
+        indptr=F.pad(num_pages.cumsum(0), (1, 0)).int(),
+        indices=(starts // block_size).int(),
+        last_page_len=(ctx - (num_pages - 1) * block_size).int(),
+    )
+
+
+def decode_page_table(dec: DecodeBatch, block_size: int) -> PageTable:
+    """Page table of the decode batch; context lengths come from the padding mask."""
+    max_ctx = dec.kv_slots.shape[1]
+    if dec.mask is None:
+        ctx = torch.full((dec.num,), max_ctx, dtype=torch.int64)
+    else:
+        ctx = dec.mask.reshape(dec.num, max_ctx).sum(1)
+    return page_table(dec.kv_slots[:, ::block_size].unbind(0), ctx, block_size)
+
+
+def prefill_page_table(prefills: Sequence[PrefillSegment], block_size: int) -> PageTable:
+    ctx = torch.tensor([seg.kv_slots.numel() for seg in prefills], dtype=torch.int64)
+    return page_table([seg.kv_slots[::block_size] for seg in prefills], ctx, block_size)
+
+
+def prefill_qo_indptr(prefills: Sequence[PrefillSegment]) -> torch.Tensor:
+    """[segments + 1] query offsets relative to the first chunk; chunks must be back to back."""
+    for prev, seg in zip(prefills, prefills[1:]):
+        if seg.q_start != prev.q_start + prev.q_len:
+            raise ValueError(f"prefill chunks are not contiguous: {prev.q_start}+{prev.q_len} "
+                             f"then {seg.q_start}")
+    lens = torch.tensor([seg.q_len for seg in prefills], dtype=torch.int64)
+    return F.pad(lens.cumsum(0), (1, 0)).int()
+
+
+def _require_flashinfer() -> ModuleType:
     if not torch.cuda.is_available():
-        raise FlashInferUnavailableError("flashinfer backend needs a CUDA device; none is visible")
+        raise FlashInferUnavailableError(
+            "the flashinfer attention backend needs a CUDA device and none is visible; "
+            "use the 'torch' backend on CPU, or run on a GPU with `pip install 'halfmoon[gpu]'`"
+        )
     try:
         import flashinfer  # noqa: PLC0415 — optional extra `halfmoon[gpu]`
     except ImportError as e:
-        raise FlashInferUnavailableError("flashinfer is not installed: pip install 'halfmoon[gpu]'") from e
+        raise FlashInferUnavailableError(
+            "flashinfer is not installed; install it with `pip install 'halfmoon[gpu]'` "
+            "or choose the 'torch' attention backend"
+        ) from e
     return flashinfer
 
 
 class FlashInferAttentionBackend(AttentionBackend):
-    """Writes K/V with FlashInfer's page append; attention via its ragged/paged wrappers."""
+    """K/V written by slot; attention by FlashInfer's paged decode / prefill wrappers.
+
+    The wrappers are planned on the first `forward` of a step and reused by every layer: the
+    runner passes one AttentionMetadata object to all layers of a step, so object identity
+    marks the step. The planned meta is held (not just its id) so its id cannot be reused.
+    """
 
     name = "flashinfer"
 
-    def __init__(self) -> None:
-        self._fi = _require_flashinfer()
-        # Until the paged wrappers are planned per step (GPU issue), the math runs through the
-        # torch kernels on the CUDA tensors: same layout, same results.
-        self._fallback_math = TorchAttentionBackend()
+    def __init__(self, module: ModuleType | None = None) -> None:
+        """`module` stands in for the flashinfer package (tests); by default it is imported."""
+        self._fi = module if module is not None else _require_flashinfer()
+        self._workspace: torch.Tensor | None = None  # allocated once, on the cache's device
+        self._decode: Any = None
+        self._prefill: Any = None
+        self._planned_for: AttentionMetadata | None = None
 
     def write_kv(self, layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        self._fallback_math.write_kv(layer_cache, k, v, slot_mapping)
+        # A scatter by slot on the flattened [blocks * block_size] axis; valid on CUDA as is.
+        kv_heads, head_dim = layer_cache.shape[-2:]
+        flat = layer_cache.view(2, -1, kv_heads, head_dim)
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)
 
     def forward(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
                 out: torch.Tensor) -> torch.Tensor:
-        return self._fallback_math.forward(q, layer_cache, meta, out)
+        if meta is not self._planned_for:
+            self._plan(q, layer_cache, meta)
+        q = q.contiguous()
+        heads, head_dim = q.shape[1:]
+        paged_kv = (layer_cache[0], layer_cache[1])
+        dec = meta.decode
+        if dec is not None and dec.num:
+            self._decode.run(q[: dec.num], paged_kv,
+                             out=out[: dec.num].view(dec.num, heads, head_dim))
+        if meta.prefills:
+            start = meta.prefills[0].q_start
+            end = meta.prefills[-1].q_start + meta.prefills[-1].q_len
+            self._prefill.run(q[start:end], paged_kv,
+                              out=out[start:end].view(end - start, heads, head_dim))
+        return out
+
+    def _plan(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Once per step: page tables from the metadata, then plan() on each wrapper used."""
+        _, _, block_size, kv_heads, head_dim = layer_cache.shape
+        heads = q.shape[1]
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
+        self._ensure_wrappers(layer_cache.device, heads // kv_heads)
+        dtypes = {"q_data_type": q.dtype, "kv_data_type": layer_cache.dtype}
+        dec = meta.decode
+        if dec is not None and dec.num:
+            pt = decode_page_table(dec, block_size)
+            self._decode.plan(pt.indptr, pt.indices, pt.last_page_len, heads, kv_heads,
+                              head_dim, block_size, **dtypes)
+        if meta.prefills:
+            pt = prefill_page_table(meta.prefills, block_size)
+            # causal=True aligns each chunk's queries to the end of its keys, so a chunk after
+            # a cached prefix sees the whole prefix: exactly PrefillSegment.mask.
+            self._prefill.plan(prefill_qo_indptr(meta.prefills), pt.indptr, pt.indices,
+                               pt.last_page_len, heads, kv_heads, head_dim, block_size,
+                               causal=True, **dtypes)
+        self._planned_for = meta
+
+    def _ensure_wrappers(self, device: torch.device, group_size: int) -> None:
+        if self._workspace is not None:
+            if self._workspace.device != device:
+                raise ValueError(f"flashinfer backend was set up on {self._workspace.device}, "
+                                 f"got a KV cache on {device}")
+            return
+        # One float workspace for both wrappers, as vLLM does: their runs never overlap.
+        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        # Tensor-core decode pays off for wide GQA groups (vLLM's threshold).
+        self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_tensor_cores=group_size > 4)
+        self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")

@@ -108,7 +108,7 @@ def test_token_bytes(tok: Tokenizer) -> None:
     ids = tok.encode("Ångström 😀")
     assert b"".join(tok.token_bytes(i) for i in ids) == "Ångström 😀".encode()
     for bad in (-1, tok.vocab_size):
-        with pytest.raises(TokenizerError, match="outside the vocabulary"):
+        with pytest.raises(TokenizerError, match=r"not in 0\.\.49151"):
             tok.token_bytes(bad)
 
 
@@ -230,7 +230,8 @@ def test_malformed_messages(tok: Tokenizer, messages: list, match: str) -> None:
 
 def test_template_raise_exception_becomes_chat_template_error(oracle: Any, tmp_path: Path) -> None:
     oracle.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
-    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+    template = ("{% if messages[0]['role'] != 'user' %}"
+                "{{ raise_exception('user first') }}{% endif %}")
     config = {"eos_token": "<|endoftext|>", "chat_template": template}
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
     hf = Tokenizer.from_hf_folder(tmp_path)

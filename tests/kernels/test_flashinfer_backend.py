@@ -1,0 +1,361 @@
+"""FlashInfer backend: a clear error without CUDA, exact page tables, and parity with torch.
+
+Three layers of checks:
+- always (CPU): constructing the backend here raises FlashInferUnavailableError; the metadata ->
+  CSR page-table translation gives exact block ids;
+- always (CPU): the backend driven by a stand-in flashinfer module that implements FlashInfer's
+  documented paged semantics in torch matches the torch backend, and plans once per step;
+- CUDA only: the real flashinfer kernels match the torch backend within fp16/bf16 tolerance.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels.attention import AttentionMetadata, DecodeBatch, PrefillSegment, get_backend
+from kernels.flashinfer_backend import (
+    FlashInferAttentionBackend,
+    FlashInferUnavailableError,
+    decode_page_table,
+    page_table,
+    prefill_page_table,
+    prefill_qo_indptr,
+)
+from kernels.torch_backend import TorchAttentionBackend
+
+needs_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="flashinfer backend needs CUDA; this machine has none"
+)
+
+
+# ---------------------------------------------------------------- a step laid out like the runner
+
+
+@dataclass(slots=True)
+class Scene:
+    q: torch.Tensor  # [T, heads, head_dim]
+    k: torch.Tensor  # [T, kv_heads, head_dim] new keys, written at meta.slot_mapping
+    v: torch.Tensor
+    cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata
+
+
+def _slots(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
+    all_slots = (torch.tensor(table).unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
+    return all_slots[start:end]
+
+
+def _decode_batch(tables: list[list[int]], ctx: list[int], block_size: int) -> DecodeBatch:
+    max_ctx = max(ctx)
+    kv_slots = torch.zeros(len(ctx), max_ctx, dtype=torch.long)  # padded with slot 0
+    for i, (table, n) in enumerate(zip(tables, ctx, strict=True)):
+        kv_slots[i, :n] = _slots(table, 0, n, block_size)
+    mask = None
+    if min(ctx) != max_ctx:
+        lengths = torch.tensor(ctx).unsqueeze(1)
+        mask = (torch.arange(max_ctx) < lengths).view(len(ctx), 1, 1, max_ctx)
+    return DecodeBatch(len(ctx), kv_slots, mask)
+
+
+def _prefill(table: list[int], cached: int, new: int, q_start: int,
+             block_size: int) -> PrefillSegment:
+    kv_slots = _slots(table, 0, cached + new, block_size)
+    mask = None
+    if cached:  # query i (position cached+i) sees keys 0..cached+i
+        mask = torch.arange(cached + new).unsqueeze(0) <= (torch.arange(new) + cached).unsqueeze(1)
+    return PrefillSegment(q_start, new, kv_slots, mask)
+
+
+def make_scene(*, decode_ctx: list[int], prefills: list[tuple[int, int]], heads: int = 4,
+               kv_heads: int = 2, head_dim: int = 16, block_size: int = 4, spare_blocks: int = 3,
+               dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Scene:
+    """Random cache and block tables; decodes first, then prefill chunks `(cached, new)`."""
+    g = torch.Generator().manual_seed(seed)
+    spans = [(c - 1, 1) for c in decode_ctx] + prefills
+    need = [-(-(cached + new) // block_size) for cached, new in spans]
+    perm = torch.randperm(sum(need) + spare_blocks, generator=g).tolist()
+    tables = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(spans))]
+    slot_mapping = torch.cat([_slots(t, c, c + n, block_size) for t, (c, n) in zip(tables, spans)])
+    nd = len(decode_ctx)
+    segments, q_start = [], nd
+    for table, (cached, new) in zip(tables[nd:], prefills, strict=True):
+        segments.append(_prefill(table, cached, new, q_start, block_size))
+        q_start += new
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        decode=_decode_batch(tables[:nd], decode_ctx, block_size) if nd else None,
+        prefills=segments,
+        num_tokens=q_start,
+    )
+    num_tokens = q_start
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    return Scene(
+        q=randn(num_tokens, heads, head_dim),
+        k=randn(num_tokens, kv_heads, head_dim),
+        v=randn(num_tokens, kv_heads, head_dim),
+        cache=randn(2, len(perm), block_size, kv_heads, head_dim),
+        meta=_to(meta, device),
+    )
+
+
+def _to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
+    def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.to(device)
+
+    dec = meta.decode
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping.to(device),
+        decode=None if dec is None else DecodeBatch(dec.num, dec.kv_slots.to(device), mv(dec.mask)),
+        prefills=[PrefillSegment(s.q_start, s.q_len, s.kv_slots.to(device), mv(s.mask))
+                  for s in meta.prefills],
+        num_tokens=meta.num_tokens,
+    )
+
+
+def run_backend(backend: Any, scene: Scene, cache: torch.Tensor) -> torch.Tensor:
+    heads, head_dim = scene.q.shape[1:]
+    out = torch.full((scene.meta.num_tokens, heads * head_dim), float("nan"),
+                     dtype=scene.q.dtype, device=scene.q.device)
+    backend.write_kv(cache, scene.k, scene.v, scene.meta.slot_mapping)
+    backend.forward(scene.q, cache, scene.meta, out)
+    return out
+
+
+MIXED = {"decode_ctx": [9, 1, 4, 13], "prefills": [(0, 7), (5, 6), (8, 1), (0, 4)]}
+
+
+# ---------------------------------------------------------------- CPU: the error a user sees
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
+def test_constructor_without_cuda_raises_helpful_error() -> None:
+    with pytest.raises(FlashInferUnavailableError) as e:
+        FlashInferAttentionBackend()
+    msg = str(e.value)
+    assert "CUDA" in msg and "pip install 'halfmoon[gpu]'" in msg and "'torch'" in msg
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only error path")
+def test_registry_raises_the_same_error() -> None:
+    with pytest.raises(FlashInferUnavailableError, match=r"pip install 'halfmoon\[gpu\]'"):
+        get_backend("flashinfer")
+
+
+def test_missing_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # makes `import flashinfer` fail
+    with pytest.raises(FlashInferUnavailableError, match="not installed") as e:
+        FlashInferAttentionBackend()
+    assert "pip install 'halfmoon[gpu]'" in str(e.value)
+    assert isinstance(e.value.__cause__, ImportError)
+
+
+# ---------------------------------------------------------------- CPU: metadata -> page tables
+
+
+def test_page_table_exact_block_ids() -> None:
+    # block_size 4: request A has 9 keys over blocks [7, 2, 5]; B has 4 keys in block [3].
+    a, b = _slots([7, 2, 5], 0, 9, 4), _slots([3], 0, 4, 4)
+    pt = page_table([a[::4], b[::4]], torch.tensor([9, 4]), 4)
+    assert pt.indptr.tolist() == [0, 3, 4]
+    assert pt.indices.tolist() == [7, 2, 5, 3]
+    assert pt.last_page_len.tolist() == [1, 4]
+    assert {pt.indptr.dtype, pt.indices.dtype, pt.last_page_len.dtype} == {torch.int32}
+
+
+def test_decode_page_table_ignores_padding() -> None:
+    dec = _decode_batch([[7, 2, 5], [3], [6, 1]], [9, 4, 5], block_size=4)
+    pt = decode_page_table(dec, 4)
+    assert pt.indptr.tolist() == [0, 3, 4, 6]
+    assert pt.indices.tolist() == [7, 2, 5, 3, 6, 1]
+    assert pt.last_page_len.tolist() == [1, 4, 1]
+
+
+def test_decode_page_table_without_mask_uses_full_width() -> None:
+    dec = _decode_batch([[4, 0], [1, 3]], [6, 6], block_size=4)
+    assert dec.mask is None
+    pt = decode_page_table(dec, 4)
+    assert pt.indices.tolist() == [4, 0, 1, 3]
+    assert pt.last_page_len.tolist() == [2, 2]
+
+
+def test_prefill_tables_cover_cached_prefix_and_chunk() -> None:
+    segs = [_prefill([4, 9], 3, 2, q_start=2, block_size=4),  # 5 keys, 2 new queries
+            _prefill([1], 0, 4, q_start=4, block_size=4)]
+    pt = prefill_page_table(segs, 4)
+    assert pt.indptr.tolist() == [0, 2, 3]
+    assert pt.indices.tolist() == [4, 9, 1]
+    assert pt.last_page_len.tolist() == [1, 4]
+    assert prefill_qo_indptr(segs).tolist() == [0, 2, 6]
+
+
+def test_non_contiguous_prefill_chunks_are_rejected() -> None:
+    segs = [_prefill([0], 0, 2, q_start=0, block_size=4),
+            _prefill([1], 0, 2, q_start=3, block_size=4)]  # row 2 belongs to nobody
+    with pytest.raises(ValueError, match="not contiguous"):
+        prefill_qo_indptr(segs)
+
+
+def test_slots_not_starting_at_block_offset_zero_are_rejected() -> None:
+    with pytest.raises(ValueError, match="offset 0"):
+        page_table([torch.arange(5, 10)[::4]], torch.tensor([5]), 4)
+
+
+# ---------------------------------------------------------------- CPU: stand-in flashinfer module
+
+
+def _paged_attention(q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor],
+                     qo_indptr: list[int], plan: tuple[torch.Tensor, ...], causal: bool,
+                     out: torch.Tensor) -> None:
+    """FlashInfer's documented semantics: CSR pages, NHD, causal aligned to the end of the keys."""
+    indptr, indices, last_page_len = (t.tolist() for t in plan)
+    k_cache, v_cache = paged_kv
+    page_size = k_cache.shape[1]
+    for b in range(len(last_page_len)):
+        pages = torch.tensor(indices[indptr[b] : indptr[b + 1]], dtype=torch.long)
+        kv_len = (len(pages) - 1) * page_size + last_page_len[b]
+        k = k_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1)
+        v = v_cache[pages].flatten(0, 1)[:kv_len].transpose(0, 1)
+        qb = q[qo_indptr[b] : qo_indptr[b + 1]].transpose(0, 1)
+        mask = None
+        if causal:  # tril(diagonal=kv_len - qo_len), as in flashinfer's prefill docstring
+            mask = torch.ones(qb.shape[1], kv_len, dtype=torch.bool).tril(kv_len - qb.shape[1])
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True)
+        out[qo_indptr[b] : qo_indptr[b + 1]] = o.transpose(0, 1)
+
+
+class _FakeDecode:
+    def __init__(self, log: list[str], workspace: torch.Tensor, kv_layout: str, **_: Any) -> None:
+        assert kv_layout == "NHD" and workspace.dtype == torch.uint8
+        self.log = log
+
+    def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
+             heads: int, kv_heads: int, head_dim: int, page_size: int, **kw: Any) -> None:
+        assert indptr.dtype == indices.dtype == last_page_len.dtype == torch.int32
+        assert {"q_data_type", "kv_data_type"} <= kw.keys()
+        self.log.append("decode")
+        self.tables = (indptr, indices, last_page_len)
+
+    def run(self, q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor], *,
+            out: torch.Tensor) -> torch.Tensor:
+        _paged_attention(q, paged_kv, list(range(q.shape[0] + 1)), self.tables, False, out)
+        return out
+
+
+class _FakePrefill(_FakeDecode):
+    def plan(self, qo_indptr: torch.Tensor, indptr: torch.Tensor, indices: torch.Tensor,
+             last_page_len: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+             page_size: int, *, causal: bool, **kw: Any) -> None:
+        assert qo_indptr.dtype == torch.int32
+        self.log.append("prefill")
+        self.qo_indptr, self.causal, self.tables = qo_indptr.tolist(), causal, (
+            indptr, indices, last_page_len)
+
+    def run(self, q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor], *,
+            out: torch.Tensor) -> torch.Tensor:
+        assert q.shape[0] == self.qo_indptr[-1]
+        _paged_attention(q, paged_kv, self.qo_indptr, self.tables, self.causal, out)
+        return out
+
+
+def fake_flashinfer() -> SimpleNamespace:
+    log: list[str] = []
+    return SimpleNamespace(
+        plan_log=log,
+        BatchDecodeWithPagedKVCacheWrapper=functools.partial(_FakeDecode, log),
+        BatchPrefillWithPagedKVCacheWrapper=functools.partial(_FakePrefill, log),
+    )
+
+
+@pytest.mark.parametrize("step", [
+    MIXED,
+    {"decode_ctx": [5, 5, 5], "prefills": []},  # equal lengths: no decode mask
+    {"decode_ctx": [], "prefills": [(9, 3), (0, 1)]},
+    {"decode_ctx": [1], "prefills": [(4, 4)]},  # chunk ends exactly on a block boundary
+])
+def test_translation_matches_torch_backend(step: dict[str, Any]) -> None:
+    scene = make_scene(**step, seed=3)
+    expected = run_backend(TorchAttentionBackend(), scene, scene.cache.clone())
+    cache = scene.cache.clone()
+    got = run_backend(FlashInferAttentionBackend(module=fake_flashinfer()), scene, cache)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_plans_once_per_step_not_per_layer() -> None:
+    fi = fake_flashinfer()
+    backend = FlashInferAttentionBackend(module=fi)
+    step1 = make_scene(**MIXED, seed=1)
+    for _ in range(3):  # three layers share the step's metadata object
+        run_backend(backend, step1, step1.cache.clone())
+    assert fi.plan_log == ["decode", "prefill"]
+    step2 = make_scene(decode_ctx=[3, 7], prefills=[], seed=2)  # a new step: planned again
+    for _ in range(2):
+        run_backend(backend, step2, step2.cache.clone())
+    assert fi.plan_log == ["decode", "prefill", "decode"]
+
+
+# ---------------------------------------------------------------- CUDA: the real kernels
+
+
+@needs_cuda
+@pytest.mark.gpu
+class TestOnCuda:
+    @pytest.fixture(autouse=True)
+    def _flashinfer(self) -> None:
+        pytest.importorskip("flashinfer", reason="needs flashinfer: pip install 'halfmoon[gpu]'")
+
+    @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+    @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [
+        (8, 2, 64, 16),  # group 4: CUDA-core decode
+        (32, 4, 128, 16),  # group 8: tensor-core decode
+        (4, 4, 128, 32),
+    ])
+    def test_matches_torch_backend(self, dtype: torch.dtype, heads: int, kv_heads: int,
+                                   head_dim: int, block_size: int) -> None:
+        step = {"decode_ctx": [40, 1, 17, 130], "prefills": [(0, 37), (50, 20), (16, 1), (0, 5)]}
+        scene = make_scene(**step, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                           block_size=block_size, dtype=dtype, device="cuda", seed=7)
+        got = run_backend(FlashInferAttentionBackend(), scene, scene.cache.clone())
+        ref_scene = Scene(scene.q.float(), scene.k.float(), scene.v.float(),
+                          scene.cache.float(), scene.meta)
+        expected = run_backend(TorchAttentionBackend(), ref_scene, ref_scene.cache.clone())
+        torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+    def test_write_kv_matches_torch_backend(self) -> None:
+        scene = make_scene(**MIXED, dtype=torch.float16, device="cuda", seed=5)
+        a, b = scene.cache.clone(), scene.cache.clone()
+        FlashInferAttentionBackend().write_kv(a, scene.k, scene.v, scene.meta.slot_mapping)
+        TorchAttentionBackend().write_kv(b, scene.k, scene.v, scene.meta.slot_mapping)
+        assert torch.equal(a, b)
+
+    def test_plans_once_per_step(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import flashinfer  # noqa: PLC0415
+
+        calls: list[str] = []
+        for name in ("BatchDecodeWithPagedKVCacheWrapper", "BatchPrefillWithPagedKVCacheWrapper"):
+            cls = getattr(flashinfer, name)
+            original = cls.plan
+
+            def counted(self: Any, *a: Any, _orig: Any = original, _n: str = name,
+                        **kw: Any) -> Any:
+                calls.append(_n)
+                return _orig(self, *a, **kw)
+
+            monkeypatch.setattr(cls, "plan", counted)
+        backend = FlashInferAttentionBackend()
+        scene = make_scene(**MIXED, dtype=torch.float16, device="cuda", seed=9)
+        for _ in range(4):
+            run_backend(backend, scene, scene.cache.clone())
+        assert sorted(calls) == ["BatchDecodeWithPagedKVCacheWrapper",
+                                 "BatchPrefillWithPagedKVCacheWrapper"]
