@@ -1,0 +1,68 @@
+"""`halfmoon` command line: generate, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from engine.errors import HalfmoonError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    p.add_argument("--model", default="smollm2", help="alias (smollm2), GGUF file or HF folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="compute/KV dtype")
+    p.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache size in GiB")
+    p.add_argument("--num-blocks", type=int, default=None, help="KV cache size in blocks (overrides GB)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="max concurrent requests")
+    p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: model's)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def engine_config(args: argparse.Namespace):  # -> EngineConfig (import kept lazy: torch is slow)
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                        kv_cache_gb=args.kv_cache_gb, num_blocks=args.num_blocks,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+                        num_threads=args.threads)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="halfmoon", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    from halfmoon import generate_cmd, serve_cmd
+
+    generate_cmd.add_parser(sub)
+    serve_cmd.add_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks (each measures its baseline in the same run)")
+    bench.add_argument("name", choices=["engine"], help="which benchmark")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    return parser
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from bench import engine_bench
+
+    return engine_bench.main(args.rest)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "bench":
+            return run_bench(args)
+        return args.func(args)
+    except HalfmoonError as e:
+        print(f"halfmoon: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
