@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.model_config import ModelConfig
 from kernels.attention import AttentionBackend, AttentionMetadata
+from kernels.linear import Linear
 
 # Called after layer l's K/V is written: the hook for layer-wise KV streaming (transport).
 LayerHook = Callable[[int], None]
@@ -23,11 +24,11 @@ LayerHook = Callable[[int], None]
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # [q + 2 kv, hidden]
-    o: torch.Tensor
+    qkv: Linear  # [q + 2 kv, hidden]
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear
 
 
 def rope_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,10 +40,8 @@ def rope_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, tor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF LlamaRMSNorm: normalise in fp32, cast back, then scale."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """HF LlamaRMSNorm (normalise, then scale); torch's fused op, bit-identical in fp32."""
+    return F.rms_norm(x, weight.shape, weight, eps)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -61,7 +60,7 @@ class LlamaModel:
         self.backend = backend
         self.dtype = dtype
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"])
         self.final_norm = weights["model.norm.weight"]
         self.layers = [self._fuse_layer(weights, i) for i in range(cfg.num_layers)]
         self.cos, self.sin = rope_tables(cfg, dtype)
@@ -73,19 +72,21 @@ class LlamaModel:
         gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], dim=0)
         return LayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=qkv.contiguous(),
-            o=w[p + "self_attn.o_proj.weight"],
+            qkv=Linear(qkv),
+            o=Linear(w[p + "self_attn.o_proj.weight"]),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=gate_up.contiguous(),
-            down=w[p + "mlp.down_proj.weight"],
+            gate_up=Linear(gate_up),
+            down=Linear(w[p + "mlp.down_proj.weight"]),
         )
 
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights one decode step reads (every layer + final norm + lm head)."""
-        tensors = [self.final_norm, self.lm_head]
+        total = self.final_norm.numel() * self.final_norm.element_size() + self.lm_head.nbytes()
         for lw in self.layers:
-            tensors += [lw.input_norm, lw.qkv, lw.o, lw.post_norm, lw.gate_up, lw.down]
-        return sum(t.numel() * t.element_size() for t in tensors)
+            norms = lw.input_norm.numel() + lw.post_norm.numel()
+            total += norms * lw.input_norm.element_size()
+            total += lw.qkv.nbytes() + lw.o.nbytes() + lw.gate_up.nbytes() + lw.down.nbytes()
+        return total
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -102,18 +103,20 @@ class LlamaModel:
             if layer_hook is not None:
                 layer_hook(i)
         h = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()
 
     def _layer(self, x: torch.Tensor, lw: LayerWeights, cache: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, meta: AttentionMetadata, attn_out: torch.Tensor) -> torch.Tensor:
+        """One decoder layer; updates `x` (the residual stream, owned by forward) in place."""
         cfg = self.cfg
-        t = x.shape[0]
-        qkv = F.linear(rms_norm(x, lw.input_norm, cfg.rms_norm_eps), lw.qkv)
-        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-        q = apply_rope(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-        k = apply_rope(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-        self.backend.write_kv(cache, k, v.view(t, cfg.num_kv_heads, cfg.head_dim), meta.slot_mapping)
+        t, heads, kv_heads = x.shape[0], cfg.num_heads, cfg.num_kv_heads
+        qkv = lw.qkv(rms_norm(x, lw.input_norm, cfg.rms_norm_eps)).view(t, heads + 2 * kv_heads, cfg.head_dim)
+        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)  # q and k rotated in one pass
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
+        self.backend.write_kv(cache, k, v, meta.slot_mapping)
         self.backend.forward(q, cache, meta, attn_out)
-        x = x + F.linear(attn_out, lw.o)
-        gate, up = F.linear(rms_norm(x, lw.post_norm, cfg.rms_norm_eps), lw.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, lw.down)
+        x += lw.o(attn_out)
+        gate_up = lw.gate_up(rms_norm(x, lw.post_norm, cfg.rms_norm_eps))
+        gate, up = gate_up.chunk(2, dim=-1)
+        x += lw.down(F.silu(gate, inplace=True).mul_(up))
+        return x

@@ -80,23 +80,26 @@ class ModelRunner:
     def _decode_batch(self, decodes: list[ScheduledRequest]) -> DecodeBatch:
         ctx = [s.request.num_computed_tokens + 1 for s in decodes]
         max_ctx = max(ctx)
-        kv_slots = torch.zeros(len(decodes), max_ctx, dtype=torch.long)
+        max_blocks = -(-max_ctx // self.block_size)
+        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for i, s in enumerate(decodes):
-            kv_slots[i, : ctx[i]] = self._slots(torch.tensor(s.request.block_table), 0, ctx[i])
+            table = s.request.block_table[:max_blocks]
+            tables[i, : len(table)] = torch.tensor(table)
+        lengths = torch.tensor(ctx)
         mask = None
         if min(ctx) != max_ctx:
-            lengths = torch.tensor(ctx).unsqueeze(1)
-            mask = (torch.arange(max_ctx).unsqueeze(0) < lengths).view(len(decodes), 1, 1, max_ctx)
-        return DecodeBatch(len(decodes), kv_slots, mask)
+            mask = (torch.arange(max_ctx).unsqueeze(0) < lengths.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
+        return DecodeBatch(len(decodes), tables, lengths, max_ctx, mask)
 
     def _prefill_segments(self, prefills: list[ScheduledRequest], q_start: int) -> list[PrefillSegment]:
         segments = []
         for s in prefills:
             start, n = s.request.num_computed_tokens, s.num_tokens
-            kv_slots = self._slots(torch.tensor(s.request.block_table), 0, start + n)
+            ctx = start + n
+            table = torch.tensor(s.request.block_table[: -(-ctx // self.block_size)])
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i
-                mask = torch.arange(start + n).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
-            segments.append(PrefillSegment(q_start, n, kv_slots, mask))
+                mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
+            segments.append(PrefillSegment(q_start, n, table, ctx, mask))
             q_start += n
         return segments

@@ -28,15 +28,17 @@ class PrefillSegment:
     """One request's prefill chunk: queries [q_start, q_start+q_len) of the flat batch.
 
     ```
-    | cached / earlier chunks (ctx - q_len) | this chunk (q_len) |
+    | cached / earlier chunks (ctx_len - q_len) | this chunk (q_len) |
     ```
-    `kv_slots` ([ctx]) are the cache slots of every key it attends to; `mask` is None when
-    the chunk starts at position 0 (plain causal), else a [q_len, ctx] bool mask.
+    It attends to the first `ctx_len` tokens of the blocks in `block_table`
+    ([ceil(ctx_len / block_size)] int64). `mask` is None when the chunk starts at position 0
+    (plain causal), else a [q_len, ctx_len] bool mask (True = visible).
     """
 
     q_start: int
     q_len: int
-    kv_slots: torch.Tensor
+    block_table: torch.Tensor
+    ctx_len: int
     mask: torch.Tensor | None
 
 
@@ -44,12 +46,15 @@ class PrefillSegment:
 class DecodeBatch:
     """`num` single-token queries at the head of the flat batch.
 
-    `kv_slots` is [num, max_ctx] (padded with slot 0); `mask` [num, 1, 1, max_ctx] marks real
-    keys, or None when every request has the same context length.
+    `block_tables` is [num, max_blocks] int64 (rows padded with block 0); request i attends to
+    its first `ctx_lens[i]` tokens. `mask` is [num, 1, 1, max_ctx] (True = real key) or None
+    when every request has `max_ctx` tokens of context.
     """
 
     num: int
-    kv_slots: torch.Tensor
+    block_tables: torch.Tensor
+    ctx_lens: torch.Tensor
+    max_ctx: int
     mask: torch.Tensor | None
 
 

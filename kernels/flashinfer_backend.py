@@ -7,8 +7,8 @@ planned once, and every layer only calls `run`:
 
     | decode q (1 per request) -> BatchDecode | prefill chunks (qo_indptr) -> BatchPrefill |
 
-A request with context length `ctx` owns pages `kv_slots[::block_size] // block_size` (its first
-`ceil(ctx / block_size)` of them); the last one holds `ctx - (pages - 1) * block_size` tokens.
+A request with context length `ctx` owns the first `ceil(ctx / block_size)` blocks of its block
+table, one page each; the last one holds `ctx - (pages - 1) * block_size` tokens.
 """
 
 from __future__ import annotations
@@ -37,42 +37,33 @@ class PageTable(NamedTuple):
     last_page_len: torch.Tensor  # [batch], each in 1..block_size
 
 
-def page_table(block_starts: Sequence[torch.Tensor], ctx_lens: torch.Tensor,
-               block_size: int) -> PageTable:
-    """CSR page table of requests whose keys start pages at slots `block_starts[i]`.
+def page_table(tables: Sequence[torch.Tensor], ctx_lens: torch.Tensor, block_size: int) -> PageTable:
+    """CSR page table of requests with block tables `tables[i]` and context lengths `ctx_lens`.
 
-    `block_starts[i]` is `kv_slots[i][::block_size]`; entries past the request's
-    `ceil(ctx / block_size)` pages (decode padding) are ignored. Every page must start at offset 0
-    of its block, which holds when slots come from a block table.
+    Entries past a request's `ceil(ctx / block_size)` pages (decode padding) are ignored.
     """
     ctx = ctx_lens.to("cpu", torch.int64)
     if bool((ctx < 1).any()):
         raise ValueError(f"every request needs at least one key, got lengths {ctx.tolist()}")
     num_pages = (ctx + block_size - 1) // block_size
-    starts = torch.cat([s[:n] for s, n in zip(block_starts, num_pages.tolist(), strict=True)])
-    starts = starts.cpu()  # one device-to-host copy per step
-    if bool((starts % block_size).any()):
-        raise ValueError("kv_slots do not start pages at block offset 0; not a block-table layout")
+    pages = [t[:n] for t, n in zip(tables, num_pages.tolist(), strict=True)]
+    if any(len(p) != n for p, n in zip(pages, num_pages.tolist())):
+        raise ValueError("a block table is shorter than its context length needs")
     return PageTable(
         indptr=F.pad(num_pages.cumsum(0), (1, 0)).int(),
-        indices=(starts // block_size).int(),
+        indices=torch.cat(pages).cpu().int(),  # one device-to-host copy per step
         last_page_len=(ctx - (num_pages - 1) * block_size).int(),
     )
 
 
 def decode_page_table(dec: DecodeBatch, block_size: int) -> PageTable:
-    """Page table of the decode batch; context lengths come from the padding mask."""
-    max_ctx = dec.kv_slots.shape[1]
-    if dec.mask is None:
-        ctx = torch.full((dec.num,), max_ctx, dtype=torch.int64)
-    else:
-        ctx = dec.mask.reshape(dec.num, max_ctx).sum(1)
-    return page_table(dec.kv_slots[:, ::block_size].unbind(0), ctx, block_size)
+    """Page table of the decode batch."""
+    return page_table(dec.block_tables.unbind(0), dec.ctx_lens, block_size)
 
 
 def prefill_page_table(prefills: Sequence[PrefillSegment], block_size: int) -> PageTable:
-    ctx = torch.tensor([seg.kv_slots.numel() for seg in prefills], dtype=torch.int64)
-    return page_table([seg.kv_slots[::block_size] for seg in prefills], ctx, block_size)
+    ctx = torch.tensor([seg.ctx_len for seg in prefills], dtype=torch.int64)
+    return page_table([seg.block_table for seg in prefills], ctx, block_size)
 
 
 def prefill_qo_indptr(prefills: Sequence[PrefillSegment]) -> torch.Tensor:

@@ -30,109 +30,15 @@ from kernels.flashinfer_backend import (
     prefill_qo_indptr,
 )
 from kernels.torch_backend import TorchAttentionBackend
+from tests.kernels.paged_scene import MIXED, Scene, _decode_batch, _prefill, make_scene, run_backend
 
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="flashinfer backend needs CUDA; this machine has none"
 )
 
 
-# ---------------------------------------------------------------- a step laid out like the runner
 
 
-@dataclass(slots=True)
-class Scene:
-    q: torch.Tensor  # [T, heads, head_dim]
-    k: torch.Tensor  # [T, kv_heads, head_dim] new keys, written at meta.slot_mapping
-    v: torch.Tensor
-    cache: torch.Tensor  # [2, blocks, block_size, kv_heads, head_dim]
-    meta: AttentionMetadata
-
-
-def _slots(table: list[int], start: int, end: int, block_size: int) -> torch.Tensor:
-    all_slots = (torch.tensor(table).unsqueeze(1) * block_size + torch.arange(block_size)).flatten()
-    return all_slots[start:end]
-
-
-def _decode_batch(tables: list[list[int]], ctx: list[int], block_size: int) -> DecodeBatch:
-    max_ctx = max(ctx)
-    kv_slots = torch.zeros(len(ctx), max_ctx, dtype=torch.long)  # padded with slot 0
-    for i, (table, n) in enumerate(zip(tables, ctx, strict=True)):
-        kv_slots[i, :n] = _slots(table, 0, n, block_size)
-    mask = None
-    if min(ctx) != max_ctx:
-        lengths = torch.tensor(ctx).unsqueeze(1)
-        mask = (torch.arange(max_ctx) < lengths).view(len(ctx), 1, 1, max_ctx)
-    return DecodeBatch(len(ctx), kv_slots, mask)
-
-
-def _prefill(table: list[int], cached: int, new: int, q_start: int,
-             block_size: int) -> PrefillSegment:
-    kv_slots = _slots(table, 0, cached + new, block_size)
-    mask = None
-    if cached:  # query i (position cached+i) sees keys 0..cached+i
-        mask = torch.arange(cached + new).unsqueeze(0) <= (torch.arange(new) + cached).unsqueeze(1)
-    return PrefillSegment(q_start, new, kv_slots, mask)
-
-
-def make_scene(*, decode_ctx: list[int], prefills: list[tuple[int, int]], heads: int = 4,
-               kv_heads: int = 2, head_dim: int = 16, block_size: int = 4, spare_blocks: int = 3,
-               dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Scene:
-    """Random cache and block tables; decodes first, then prefill chunks `(cached, new)`."""
-    g = torch.Generator().manual_seed(seed)
-    spans = [(c - 1, 1) for c in decode_ctx] + prefills
-    need = [-(-(cached + new) // block_size) for cached, new in spans]
-    perm = torch.randperm(sum(need) + spare_blocks, generator=g).tolist()
-    tables = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(spans))]
-    slot_mapping = torch.cat([_slots(t, c, c + n, block_size) for t, (c, n) in zip(tables, spans)])
-    nd = len(decode_ctx)
-    segments, q_start = [], nd
-    for table, (cached, new) in zip(tables[nd:], prefills, strict=True):
-        segments.append(_prefill(table, cached, new, q_start, block_size))
-        q_start += new
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        decode=_decode_batch(tables[:nd], decode_ctx, block_size) if nd else None,
-        prefills=segments,
-        num_tokens=q_start,
-    )
-    num_tokens = q_start
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).to(device, dtype)
-
-    return Scene(
-        q=randn(num_tokens, heads, head_dim),
-        k=randn(num_tokens, kv_heads, head_dim),
-        v=randn(num_tokens, kv_heads, head_dim),
-        cache=randn(2, len(perm), block_size, kv_heads, head_dim),
-        meta=_to(meta, device),
-    )
-
-
-def _to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
-    def mv(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device)
-
-    dec = meta.decode
-    return AttentionMetadata(
-        slot_mapping=meta.slot_mapping.to(device),
-        decode=None if dec is None else DecodeBatch(dec.num, dec.kv_slots.to(device), mv(dec.mask)),
-        prefills=[PrefillSegment(s.q_start, s.q_len, s.kv_slots.to(device), mv(s.mask))
-                  for s in meta.prefills],
-        num_tokens=meta.num_tokens,
-    )
-
-
-def run_backend(backend: Any, scene: Scene, cache: torch.Tensor) -> torch.Tensor:
-    heads, head_dim = scene.q.shape[1:]
-    out = torch.full((scene.meta.num_tokens, heads * head_dim), float("nan"),
-                     dtype=scene.q.dtype, device=scene.q.device)
-    backend.write_kv(cache, scene.k, scene.v, scene.meta.slot_mapping)
-    backend.forward(scene.q, cache, scene.meta, out)
-    return out
-
-
-MIXED = {"decode_ctx": [9, 1, 4, 13], "prefills": [(0, 7), (5, 6), (8, 1), (0, 4)]}
 
 
 # ---------------------------------------------------------------- CPU: the error a user sees
@@ -166,8 +72,7 @@ def test_missing_package_names_the_install_command(monkeypatch: pytest.MonkeyPat
 
 def test_page_table_exact_block_ids() -> None:
     # block_size 4: request A has 9 keys over blocks [7, 2, 5]; B has 4 keys in block [3].
-    a, b = _slots([7, 2, 5], 0, 9, 4), _slots([3], 0, 4, 4)
-    pt = page_table([a[::4], b[::4]], torch.tensor([9, 4]), 4)
+    pt = page_table([torch.tensor([7, 2, 5]), torch.tensor([3])], torch.tensor([9, 4]), 4)
     assert pt.indptr.tolist() == [0, 3, 4]
     assert pt.indices.tolist() == [7, 2, 5, 3]
     assert pt.last_page_len.tolist() == [1, 4]
@@ -207,9 +112,9 @@ def test_non_contiguous_prefill_chunks_are_rejected() -> None:
         prefill_qo_indptr(segs)
 
 
-def test_slots_not_starting_at_block_offset_zero_are_rejected() -> None:
-    with pytest.raises(ValueError, match="offset 0"):
-        page_table([torch.arange(5, 10)[::4]], torch.tensor([5]), 4)
+def test_block_table_too_short_for_its_context_is_rejected() -> None:
+    with pytest.raises(ValueError, match="shorter"):
+        page_table([torch.tensor([5])], torch.tensor([5]), 4)
 
 
 # ---------------------------------------------------------------- CPU: stand-in flashinfer module

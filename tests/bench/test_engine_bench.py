@@ -1,0 +1,118 @@
+"""`halfmoon bench engine`: the report is complete and self-consistent; nothing here is timed.
+
+The end-to-end test runs `--quick --threads 1` (about 50 s, most of it loading both models): one
+thread because on a shared 2-core machine two OpenMP threads next to other busy processes can
+stall by orders of magnitude, and the test is about the report, not the speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench.engine_bench import (
+    QUICK,
+    TARGETS,
+    Sizes,
+    TokenClock,
+    kv_blocks_needed,
+    main,
+    make_workload,
+    matching_prefix,
+    parse_args,
+    synthetic_ids,
+)
+from bench.report import Figure, render_table
+
+FIGURES = {"w1_ttft_ms", "w1_tpot_ms", "w1_tok_s", "w2_tok_s", "w3_prefill_tok_s"}
+FIGURE_KEYS = {"label", "unit", "halfmoon", "transformers", "ratio", "higher_is_better", "target",
+               "met"}
+TOP_KEYS = {"benchmark", "command", "date", "machine", "config", "workloads", "figures", "roofline",
+            "checks", "targets_met", "method"}
+
+
+# ---------------------------------------------------------------- pieces, no model
+
+
+def test_synthetic_ids_are_deterministic_in_range_and_distinct_per_row() -> None:
+    a = synthetic_ids(4, 64, 49152, seed=2)
+    assert a == synthetic_ids(4, 64, 49152, seed=2)
+    assert all(100 <= t < 49152 - 100 for row in a for t in row)
+    assert len({tuple(row) for row in a}) == 4
+    work = make_workload(QUICK, 49152)
+    sizes = (len(work.w1), len(work.w2), len(work.w3))
+    assert sizes == (QUICK.w1_prompt, QUICK.w2_batch, QUICK.w3_prompt)
+
+
+def test_kv_cache_holds_the_whole_batch_at_once() -> None:
+    assert kv_blocks_needed(Sizes(256, 128, 32, 256, 128, 2048)) == 32 * 24
+    assert kv_blocks_needed(Sizes(16, 16, 1, 16, 16, 4096)) == 257  # 4097 tokens: W3 dominates
+
+
+def test_figure_ratio_and_target() -> None:
+    fast = Figure("w1_tok_s", "W1 output", "tok/s", 30.0, 10.0, True, 1.8)
+    assert fast.ratio == 3.0 and fast.met is True
+    assert Figure("x", "x", "tok/s", 10.0, 10.0, True, 1.8).met is False
+    assert Figure("t", "TTFT", "ms", 5.0, 10.0, False).met is None
+    table = render_table([fast], "transformers")
+    assert "3.00x" in table and "met" in table
+
+
+def test_token_clock_measures_from_the_call() -> None:
+    clock = TokenClock()
+    clock.start = 0.0
+    clock.puts = [0.1, 1.0, 1.5, 2.0]  # prompt, then three tokens
+    assert clock.ttft_ms() == pytest.approx(1000.0)
+    assert clock.tpot_ms() == pytest.approx(500.0)
+    assert matching_prefix([1, 2, 3], [1, 2, 4]) == 2
+
+
+def test_bad_arguments_are_rejected() -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--threads", "0"])
+    with pytest.raises(SystemExit):
+        parse_args(["--dtype", "float16"])
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)  # ~50 s on an idle 2-core machine; a hang guard, not a speed check
+def test_quick_json_report_is_complete_and_consistent(capsys: pytest.CaptureFixture[str]) -> None:
+    threads_before = torch.get_num_threads()
+    assert main(["--quick", "--json", "--threads", "1"]) == 0
+    assert torch.get_num_threads() == threads_before  # the run restores process settings
+    report = json.loads(capsys.readouterr().out)
+
+    assert TOP_KEYS <= report.keys()
+    assert report["command"] == "halfmoon bench engine --quick --json --threads 1"
+    assert {"cpu", "cores", "threads", "torch", "transformers"} <= report["machine"].keys()
+    assert report["machine"]["threads"] == 1
+    assert report["config"]["quick"] is True and report["config"]["dtype"] == "float32"
+    w2 = {"requests": QUICK.w2_batch, "prompt_tokens": QUICK.w2_prompt,
+          "output_tokens": QUICK.w2_output}
+    assert report["workloads"]["w2"] == w2
+
+    assert set(report["figures"]) == FIGURES
+    for key, fig in report["figures"].items():
+        assert FIGURE_KEYS <= fig.keys(), key
+        assert fig["halfmoon"] > 0 and fig["transformers"] > 0, key
+        assert math.isclose(fig["ratio"], fig["halfmoon"] / fig["transformers"], rel_tol=2e-3), key
+        assert fig["target"] == TARGETS["float32"].get(key), key
+        assert fig["met"] == (None if fig["target"] is None else fig["ratio"] >= fig["target"]), key
+    assert report["targets_met"] == all(f["met"] is not False for f in report["figures"].values())
+
+    roof = report["roofline"]
+    assert roof["weight_bytes_per_step"] > 0 and roof["copy_bandwidth_gbps"] > 0
+    tpot = report["figures"]["w1_tpot_ms"]["halfmoon"]
+    assert roof["decode_step_ms"] == pytest.approx(tpot, rel=1e-3)
+    fraction = roof["weights_gbps"] / roof["copy_bandwidth_gbps"]
+    assert math.isclose(roof["fraction"], fraction, rel_tol=2e-3)
+
+    checks = report["checks"]
+    assert checks["w1_output_tokens"] == QUICK.w1_output and checks["w2_rows"] == QUICK.w2_batch
+    assert 0 <= checks["w1_matching_prefix"] <= QUICK.w1_output
