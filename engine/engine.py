@@ -38,7 +38,9 @@ def kv_block_bytes(lw: LoadedWeights, config: EngineConfig) -> int:
 
 
 def load_tokenizer(lw: LoadedWeights) -> Tokenizer:
-    return Tokenizer.from_hf_folder(lw.path) if lw.fmt == "hf" else Tokenizer.from_gguf(lw.path)
+    if lw.fmt == "hf":
+        return Tokenizer.from_hf_folder(lw.path)
+    return Tokenizer.from_gguf_reader(lw.gguf_reader)
 
 
 class Engine:

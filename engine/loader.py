@@ -47,6 +47,7 @@ class LoadedWeights:
     weights: dict[str, torch.Tensor]
     path: Path
     fmt: str  # "gguf" or "hf"
+    gguf_reader: Any = None  # kept so the tokenizer reuses it (parsing the header takes ~2 s)
 
 
 def resolve_model_path(model: str) -> Path:
@@ -177,7 +178,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
             array = _unpermute(array, config.num_kv_heads)
         weights[_gguf_tensor_name(tensor.name)] = torch.from_numpy(np.require(array, requirements=['C', 'W'])).to(dtype)
     _check_complete(weights, config, path)
-    return LoadedWeights(config, weights, path, "gguf")
+    return LoadedWeights(config, weights, path, "gguf", reader)
 
 
 # ---------------------------------------------------------------- HF folder

@@ -1,0 +1,100 @@
+"""The `halfmoon` CLI as a user runs it: real processes, the real model, exit codes, Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+PROMPT = "The capital of France is"
+CLI = [sys.executable, "-m", "halfmoon.cli"]
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def test_generate_json_matches_the_engine(engine: Engine) -> None:
+    proc = run_cli("generate", "--prompt", PROMPT, "--max-tokens", "12", "--ignore-eos", "--json",
+                   "--threads", "1")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert set(out) == {"prompt_ids", "output_ids", "text", "finish_reason", "ttft_ms", "tpot_ms"}
+    ids = engine.tokenizer.encode(PROMPT)
+    assert out["prompt_ids"] == ids
+    expected = engine.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    assert out["output_ids"] == expected.output_ids
+    assert out["text"] == expected.text
+    assert out["finish_reason"] == "length"
+    assert out["ttft_ms"] > 0 and out["tpot_ms"] > 0
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
+        (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+        (["--prompt-ids", "1,x,3"], "prompt_ids"),
+        (["--prompt-ids", "1,99999999"], "vocabulary"),
+        (["--prompt", "hi", "--model", "/no/such/model.gguf"], "tried"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(args: list[str], needle: str) -> None:
+    proc = run_cli("generate", *args, "--threads", "1")
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    assert "halfmoon: error:" in proc.stderr and needle in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _wait_for_url(proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = re.search(r"serving on (http://\S+)", log.read_text())
+        if match:
+            return match.group(1)
+        if proc.poll() is not None:
+            pytest.fail(f"serve exited early ({proc.returncode}): {log.read_text()}")
+        time.sleep(0.2)
+    pytest.fail(f"serve did not come up in {timeout}s: {log.read_text()}")
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--threads", "1"], stdout=err,
+                                stderr=err, text=True, env=ENV)
+    try:
+        url = _wait_for_url(proc, log)
+        with urllib.request.urlopen(url + "/health", timeout=10) as resp:
+            assert json.loads(resp.read()) == {"status": "ok"}
+        out = _post(url + "/generate", {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
+        assert len(out["output_ids"]) == 5 and out["finish_reason"] == "length"
+        with pytest.raises(urllib.error.HTTPError) as bad:
+            _post(url + "/generate", {"prompt": PROMPT, "temperature": -1})
+        assert bad.value.code == 400
+        assert json.loads(bad.value.read())["error"]["field"] == "temperature"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        assert "shutting down" in log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
