@@ -10,6 +10,7 @@ thread (so errors reach the caller at once) and hand over through a lock-guarded
 from __future__ import annotations
 
 import itertools
+import operator
 import os
 import threading
 import time
@@ -43,6 +44,14 @@ def load_tokenizer(lw: LoadedWeights) -> Tokenizer:
     return Tokenizer.from_gguf_reader(lw.gguf_reader)
 
 
+def as_token_ids(ids: Sequence[int]) -> list[int]:
+    """A list of Python ints (numpy/torch integers accepted); anything else is a clear error."""
+    try:
+        return [operator.index(t) for t in ids]
+    except TypeError as e:
+        raise InvalidRequestError("prompt_ids", f"token ids must be integers ({e})") from e
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads is not None:
@@ -68,6 +77,7 @@ class Engine:
         self._aborts: list[str] = []
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._live_ids: set[str] = set()  # guarded by _lock; an id is live until its final output
         self.num_prefilled_tokens = 0  # counter: tokens run through the model as non-decode
 
     # ------------------------------------------------------------------ requests in
@@ -75,13 +85,24 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None) -> str:
         """Validate and queue a request; returns its id. Thread-safe."""
+        prompt_ids = as_token_ids(prompt_ids)
         self.validate(prompt_ids, params)
-        request_id = request_id or f"req-{next(self._ids)}"
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        req = Request(request_id, list(prompt_ids), params, len(prompt_ids),
-                      torch.Generator().manual_seed(seed))
         with self._lock:
+            request_id = self._claim_id(request_id)
+            req = Request(request_id, prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed))
             self._inbox.append(req)
+        return request_id
+
+    def _claim_id(self, request_id: str | None) -> str:
+        """Reserve a request id that no live request uses (caller holds the lock)."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._live_ids:
+                request_id = f"req-{next(self._ids)}"
+        elif request_id in self._live_ids:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use by a running request")
+        self._live_ids.add(request_id)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -92,9 +113,10 @@ class Engine:
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise `InvalidRequestError` naming the field when the request cannot run."""
         vocab = self.model_config.vocab_size
+        prompt_ids = as_token_ids(prompt_ids)
         if len(prompt_ids) == 0:
             raise InvalidRequestError("prompt", "is empty")
-        bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError("prompt_ids", f"ids outside the vocabulary [0, {vocab}): {bad[:5]}")
         params.validate(vocab)
@@ -178,6 +200,8 @@ class Engine:
         if not final:
             return RequestOutput(req.request_id, tokens, delta, False)
         del self._text[req.request_id]
+        with self._lock:
+            self._live_ids.discard(req.request_id)
         result = completion_result(req, state.text)
         return RequestOutput(req.request_id, tokens, delta, True, req.finish_reason, result)
 
@@ -189,6 +213,7 @@ class Engine:
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
             raise InvalidRequestError("params", f"{len(plist)} params for {len(prompts)} prompts")
+        prompts = [as_token_ids(ids) for ids in prompts]
         for ids, p in zip(prompts, plist):
             self.validate(ids, p)  # all or nothing: no request starts if one is bad
         order = [self.add_request(ids, p) for ids, p in zip(prompts, plist)]

@@ -176,7 +176,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
             array = _unpermute(array, config.num_heads)
         elif tensor.name.endswith("attn_k.weight"):
             array = _unpermute(array, config.num_kv_heads)
-        weights[_gguf_tensor_name(tensor.name)] = torch.from_numpy(np.require(array, requirements=['C', 'W'])).to(dtype)
+        weights[_gguf_tensor_name(tensor.name)] = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
     _check_complete(weights, config, path)
     return LoadedWeights(config, weights, path, "gguf", reader)
 

@@ -70,7 +70,8 @@ class ModelRunner:
             prefills=self._prefill_segments(prefills, len(decodes)),
             num_tokens=len(ids),
         )
-        return StepInputs(torch.tensor(ids), torch.cat(positions), meta, torch.tensor(rows), sampled)
+        return StepInputs(torch.tensor(ids), torch.cat(positions), meta,
+                          torch.tensor(rows, dtype=torch.long), sampled)
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) for a request's block table."""

@@ -27,7 +27,8 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
 def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Inverse-CDF sampling over the temperature-scaled, top-k/top-p filtered distribution."""
     temps = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
-    probs_sorted, idx_sorted = torch.sort(logits / temps.unsqueeze(1), dim=-1, descending=True)
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps.unsqueeze(1)  # <= 0: no overflow
+    probs_sorted, idx_sorted = torch.sort(scaled, dim=-1, descending=True)
     probs_sorted = _apply_top_k(probs_sorted, [r.params.top_k for r in requests])
     probs_sorted = torch.softmax(probs_sorted, dim=-1)
     probs_sorted = _apply_top_p(probs_sorted, [r.params.top_p for r in requests])

