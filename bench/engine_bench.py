@@ -42,6 +42,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from bench.report import Figure, Progress, machine_info, render_table, utc_now
+from bench.step_profile import decode_step_profile
 from engine.config import DTYPES, EngineConfig
 from engine.engine import Engine
 from engine.loader import resolve_model_path
@@ -362,6 +363,8 @@ def render_text(report: dict[str, Any], figs: list[Figure]) -> str:
         "identical",
         f"targets: {'all met' if report['targets_met'] else 'some MISSED'} "
         "(reported, never asserted)",
+        "where a batch-1 decode step goes (ms, torch profiler): " + ", ".join(
+            f"{k} {v:.2f}" for k, v in report["decode_step_profile_ms"].items()),
     ]
     return "\n".join(lines)
 
@@ -395,6 +398,7 @@ class Results(NamedTuple):
     transformers: Measured
     weight_bytes_per_step: int
     copy_bandwidth_gbps: float
+    decode_profile: dict[str, float]
 
 
 def run(args: argparse.Namespace, sizes: Sizes, config: EngineConfig,
@@ -413,8 +417,10 @@ def run(args: argparse.Namespace, sizes: Sizes, config: EngineConfig,
         progress(f"repeat {i + 1}/{args.repeats}")
         runs.append(measure_once(systems, work, sizes, progress))
     hm, hf = (median_of([r[s.name] for r in runs]) for s in systems)
+    progress("profiling Halfmoon decode steps (batch 1)")
+    profile = decode_step_profile(engine, work.w1)
     progress(f"measuring copy bandwidth ({BANDWIDTH_BYTES // 2**20} MB, {args.threads} threads)")
-    return Results(hm, hf, engine.model.weight_bytes_per_step(), copy_bandwidth_gbps())
+    return Results(hm, hf, engine.model.weight_bytes_per_step(), copy_bandwidth_gbps(), profile)
 
 
 METHOD = {
@@ -442,6 +448,7 @@ def build_report(args: argparse.Namespace, command: str, sizes: Sizes, config: E
         "roofline": roofline(res.weight_bytes_per_step, res.halfmoon.w1.tpot_ms,
                              res.copy_bandwidth_gbps),
         "checks": checks(res.halfmoon, res.transformers),
+        "decode_step_profile_ms": res.decode_profile,
         "targets_met": all(f.met is not False for f in figs),
         "method": METHOD,
     }

@@ -29,6 +29,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.attention import get_backend
+from kvpool.block_hash import root_hash
 from kvpool.block_pool import BlockPool
 
 
@@ -78,19 +79,23 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._live_ids: set[str] = set()  # guarded by _lock; an id is live until its final output
-        self.num_prefilled_tokens = 0  # counter: tokens run through the model as non-decode
 
     # ------------------------------------------------------------------ requests in
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
-                    request_id: str | None = None) -> str:
-        """Validate and queue a request; returns its id. Thread-safe."""
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Thread-safe.
+
+        `cache_salt` isolates tenants: requests with different salts never share KV blocks.
+        """
         prompt_ids = as_token_ids(prompt_ids)
         self.validate(prompt_ids, params)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        root = root_hash(self.model_config.fingerprint, self.config.dtype, self.config.block_size, cache_salt)
         with self._lock:
             request_id = self._claim_id(request_id)
-            req = Request(request_id, prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed))
+            req = Request(request_id, prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed),
+                          root_hash=root)
             self._inbox.append(req)
         return request_id
 
@@ -147,7 +152,6 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return outputs
-        self.num_prefilled_tokens += sum(s.num_tokens for s in plan.scheduled if s.num_tokens > 1)
         sampled = self.runner.run(plan.scheduled)
         now = time.perf_counter()
         for req in self.scheduler.update(plan, sampled):
@@ -208,7 +212,8 @@ class Engine:
     # ------------------------------------------------------------------ offline
 
     def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[CompletionResult]:
+                 params: SamplingParams | Sequence[SamplingParams],
+                 cache_salt: str | None = None) -> list[CompletionResult]:
         """Run prompts to completion with continuous batching; results in prompt order."""
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(plist) != len(prompts):
@@ -216,7 +221,7 @@ class Engine:
         prompts = [as_token_ids(ids) for ids in prompts]
         for ids, p in zip(prompts, plist):
             self.validate(ids, p)  # all or nothing: no request starts if one is bad
-        order = [self.add_request(ids, p) for ids, p in zip(prompts, plist)]
+        order = [self.add_request(ids, p, cache_salt=cache_salt) for ids, p in zip(prompts, plist)]
         done: dict[str, CompletionResult] = {}
         while len(done) < len(order):
             for out in self.step():

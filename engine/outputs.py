@@ -20,6 +20,7 @@ class CompletionResult:
     ttft_ms: float
     tpot_ms: float
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass(slots=True)
@@ -89,4 +90,4 @@ def completion_result(req: Request, text: str) -> CompletionResult:
     tpot = (req.finish_time - first) / (n_out - 1) * 1e3 if n_out > 1 else 0.0
     return CompletionResult(req.request_id, req.token_ids[: req.num_prompt_tokens], req.output_ids,
                             text, req.finish_reason, (first - req.arrival_time) * 1e3, tpot,
-                            req.num_preemptions)
+                            req.num_preemptions, req.num_cached_tokens)

@@ -48,6 +48,13 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     stop_text: str | None = None  # the stop string that ended it, if any
+    # Prefix caching: h_0 of this request's tenant (DESIGN.md), hashes of its full blocks so far,
+    # how many of its block-table entries are registered in the device prefix cache, and how
+    # many prompt tokens were served from the cache instead of computed.
+    root_hash: bytes = b""
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -48,22 +48,26 @@ class ModelRunner:
         return sample(logits, inputs.sampled)
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
+        """Flat inputs in runner order (decodes first); sampled rows in *scheduler* order.
+
+        The scheduler consumes the sampled tokens in its own order, so `logits_rows`/`sampled`
+        follow `scheduled`, not the flat layout.
+        """
         decodes = [s for s in scheduled if s.num_tokens == 1]
         prefills = [s for s in scheduled if s.num_tokens > 1]
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
-        rows: list[int] = []
-        sampled: list[Request] = []
+        last_row: dict[str, int] = {}
         for s in decodes + prefills:
             start = s.request.num_computed_tokens
             table = torch.tensor(s.request.block_table)
             ids.extend(s.request.token_ids[start : start + s.num_tokens])
             positions.append(torch.arange(start, start + s.num_tokens))
             slots.append(self._slots(table, start, start + s.num_tokens))
-            if s.sample:
-                rows.append(len(ids) - 1)
-                sampled.append(s.request)
+            last_row[s.request.request_id] = len(ids) - 1
+        sampled = [s.request for s in scheduled if s.sample]
+        rows = [last_row[r.request_id] for r in sampled]
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots),
             decode=self._decode_batch(decodes) if decodes else None,

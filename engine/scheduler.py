@@ -10,10 +10,21 @@ back to the head of the queue to be recomputed (prompt + outputs so far) later.
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from engine.request import FinishReason, Request, RequestStatus
+from kvpool.block_hash import block_hashes
 from kvpool.block_pool import BlockPool
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters since start: prompt tokens computed vs served from the prefix cache, preemptions."""
+
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    preemptions: int = 0
 
 
 class ScheduledRequest(NamedTuple):
@@ -41,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -73,16 +85,36 @@ class Scheduler:
     def _schedule_waiting(self, batch: list[ScheduledRequest], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = self._blocks_needed(req, n)
-            if not self.pool.can_allocate(need):
+            hit = self._prefix_hit(req)
+            cached = len(hit) * self.block_size
+            n = min(req.num_tokens - cached, budget)
+            need = -(-(cached + n) // self.block_size) - len(hit)
+            # Touching a cached-but-free block takes it out of the free list too.
+            if self.pool.num_free() - self.pool.num_free_among(hit) < need:
                 break
             self.waiting.popleft()
-            req.block_table.extend(self.pool.allocate(need))
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            self._admit(req, hit, need)
             batch.append(self._entry(req, n))
             budget -= n
+
+    def _prefix_hit(self, req: Request) -> list[int]:
+        """Device blocks holding a prefix of req; the last token is always recomputed (its
+        logits are needed), so at most (num_tokens - 1) // block_size blocks can hit."""
+        req.block_hashes = block_hashes(req.token_ids, self.block_size, req.root_hash, req.block_hashes)
+        usable = (req.num_tokens - 1) // self.block_size
+        return self.pool.get_computed_blocks(req.block_hashes[:usable])
+
+    def _admit(self, req: Request, hit: list[int], need: int) -> None:
+        self.pool.touch(hit)
+        req.block_table = hit + self.pool.allocate(need)
+        req.num_computed_tokens = len(hit) * self.block_size
+        req.num_registered_blocks = len(hit)
+        cached_prompt = min(req.num_computed_tokens, req.num_prompt_tokens)
+        if req.num_preemptions == 0:  # a recompute after preemption is not a user-visible hit
+            req.num_cached_tokens = cached_prompt
+            self.stats.prompt_tokens_cached += cached_prompt
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
@@ -103,10 +135,12 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
-        self.pool.free(req.block_table)
+        self.pool.free(req.block_table)  # registered blocks stay cached: the recompute may hit them
         req.block_table = []
         req.num_computed_tokens = 0
+        req.num_registered_blocks = 0
         req.num_preemptions += 1
+        self.stats.preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
@@ -118,11 +152,23 @@ class Scheduler:
         got_token: list[Request] = []
         tokens = iter(sampled)
         for req, n, do_sample in output.scheduled:
+            self.stats.prompt_tokens_computed += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
             req.num_computed_tokens += n
+            self._register_full_blocks(req)
             if do_sample:
                 req.token_ids.append(next(tokens))
                 got_token.append(req)
         return got_token
+
+    def _register_full_blocks(self, req: Request) -> None:
+        """Publish blocks whose every token's KV is now written to the device prefix cache."""
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_registered_blocks:
+            return
+        req.block_hashes = block_hashes(req.token_ids, self.block_size, req.root_hash, req.block_hashes)
+        start = req.num_registered_blocks
+        self.pool.cache_blocks(req.block_table[start:full], req.block_hashes[start:full])
+        req.num_registered_blocks = full
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Finish a request (any state) and return its blocks to the pool."""

@@ -40,12 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (each measures its baseline in the same run)")
-    bench.add_argument("name", choices=["engine"], help="which benchmark")
+    bench.add_argument("name", choices=["engine", "linear"], help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.name == "linear":
+        from bench import linear_bench
+
+        return linear_bench.main(args.rest)
     from bench import engine_bench
 
     return engine_bench.main(args.rest)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import operator
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.errors import (
@@ -39,7 +39,7 @@ class KVBlock:
 
     block_id: int
     ref_cnt: int = 0
-    # Chained hash of the block's full token contents; reserved for prefix caching, None now.
+    # Chained hash of the block's full token contents once it is registered in the prefix cache.
     block_hash: bytes | None = None
     # Free-queue links: both None exactly when the block is in no queue.
     prev_free: KVBlock | None = field(default=None, repr=False)
@@ -147,6 +147,12 @@ class BlockPool:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self._blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
         self._free = FreeBlockQueue(self._blocks)
+        # Prefix cache: hash -> the one block holding those tokens, used or cached-but-free.
+        self._cached: dict[bytes, KVBlock] = {}
+        # Called as on_evict(block_id, block_hash) right before a cached block's contents die,
+        # while its bytes are still intact: the hook that demotes blocks to the host tier.
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        self.num_evictions = 0
 
     def __repr__(self) -> str:
         return f"BlockPool(num_blocks={self.num_blocks}, free={self.num_free()})"
@@ -227,13 +233,93 @@ class BlockPool:
             raise self._integrity_error(
                 f"free ({len(queued)}) + used ({used}) != total ({self.num_blocks})"
             )
+        try:
+            self._check_prefix_cache()
+        except PoolIntegrityError as err:
+            raise self._integrity_error(str(err)) from err
+
+    def _check_prefix_cache(self) -> None:
+        """Every registered hash maps to a block carrying it, and vice versa."""
+        for block_hash, block in self._cached.items():
+            if block.block_hash != block_hash or self._blocks[block.block_id] is not block:
+                raise PoolIntegrityError(f"prefix cache entry for block {block.block_id} is stale")
+        carrying = sum(1 for block in self._blocks if block.block_hash is not None)
+        if carrying != len(self._cached):
+            raise PoolIntegrityError(
+                f"{carrying} blocks carry a hash but the prefix cache has {len(self._cached)}"
+            )
+
+    # ------------------------------------------------------------ prefix cache
+
+    def num_cached(self) -> int:
+        """Blocks registered under a hash (used, or free but still holding their tokens)."""
+        return len(self._cached)
+
+    def get_computed_blocks(self, hashes: Sequence[bytes]) -> list[int]:
+        """Ids of the longest prefix of `hashes` cached on this device; takes no reference."""
+        found: list[int] = []
+        for block_hash in hashes:
+            block = self._cached.get(block_hash)
+            if block is None:
+                break
+            found.append(block.block_id)
+        return found
+
+    def num_free_among(self, block_ids: Sequence[int]) -> int:
+        """How many of these (cached) blocks are free now, i.e. would leave the free queue on touch."""
+        return sum(1 for block in self._lookup(block_ids) if block.ref_cnt == 0)
+
+    def touch(self, block_ids: Sequence[int]) -> None:
+        """Take one reference to each cached block a new request reuses.
+
+        A cached-but-free block leaves the free queue (O(1), from anywhere in it).
+        """
+        blocks = self._lookup(block_ids)
+        for block in blocks:
+            if block.block_hash is None:
+                raise BlockStateError(block.block_id, "is not in the prefix cache")
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self._free.remove(block)
+            block.ref_cnt += 1
+
+    def cache_blocks(self, block_ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+        """Register full, computed, used blocks under their hashes (the first holder of a hash wins).
+
+        Invariant: a registered block's bytes are exactly the KV of its hash's tokens, so a block
+        is only ever registered once its last token's KV has been written.
+        """
+        blocks = self._lookup(block_ids)
+        if len(blocks) != len(hashes):
+            raise ValueError(f"{len(blocks)} blocks but {len(hashes)} hashes")
+        for block, block_hash in zip(blocks, hashes):
+            if block.ref_cnt == 0:
+                raise BlockStateError(block.block_id, "is free; only used blocks can be cached")
+            if block.block_hash is not None:
+                if block.block_hash != block_hash:
+                    raise BlockStateError(block.block_id, "is already cached under another hash")
+                continue
+            if block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block
 
     def _take_free(self) -> KVBlock:
-        # The only place a free block is reused, so the only place its old contents die: prefix
-        # caching un-registers the block's hash here (lazy eviction), not when it was freed.
+        # The only place a free block is reused, so the only place its old contents die: the
+        # prefix cache un-registers the block's hash here (lazy eviction), not when it was freed.
         block = self._free.popleft()
+        if block.block_hash is not None:
+            self._evict(block)
         block.ref_cnt = 1
         return block
+
+    def _evict(self, block: KVBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, block_hash)
+        del self._cached[block_hash]
+        block.block_hash = None
+        self.num_evictions += 1
 
     def _block(self, block_id: int) -> KVBlock:
         try:

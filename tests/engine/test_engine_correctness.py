@@ -246,13 +246,14 @@ def test_chunked_prefill_matches_unchunked(engine: Engine, budget: int,
     unchunked_pair = outputs(engine.generate([short, prompt], greedy(16)))
     engine.scheduler.max_num_batched_tokens = budget  # the engine fixture restores it
     step_log.clear()
-    [alone] = engine.generate([prompt], greedy(16))
+    # Fresh cache salts: the runs above cached this prompt, and a prefix hit would skip the chunks.
+    [alone] = engine.generate([prompt], greedy(16), cache_salt=f"chunk-alone-{budget}")
     assert [alone.output_ids] == unchunked_alone
     full, rest = divmod(len(prompt), budget)
     assert chunks_of(step_log, alone.request_id) == [budget] * full + [rest] * (rest > 0) + [1] * 15
     # The short request first: its decodes share steps with the long prompt's chunks.
     step_log.clear()
-    pair = engine.generate([short, prompt], greedy(16))
+    pair = engine.generate([short, prompt], greedy(16), cache_salt=f"chunk-pair-{budget}")
     assert outputs(pair) == unchunked_pair
     first, second = (r.request_id for r in pair)
     mixed = [s for s in map(dict, step_log) if s.get(first) == 1 and s.get(second, 0) > 1]

@@ -24,8 +24,11 @@ VOCAB = 1000
 pytestmark = pytest.mark.timeout(60)
 
 
-def make_request(request_id: str, prompt_len: int, max_tokens: int = 16) -> Request:
-    prompt = [(7 * i + 3) % VOCAB for i in range(prompt_len)]
+def make_request(request_id: str, prompt_len: int, max_tokens: int = 16, shared: bool = False) -> Request:
+    """Prompts differ per request id, unless `shared`: then equal lengths share a prefix
+    (exercising the device prefix cache)."""
+    offset = 0 if shared else sum(map(ord, request_id)) * 31
+    prompt = [(7 * i + 3 + offset) % VOCAB for i in range(prompt_len)]
     return Request(request_id, prompt, SamplingParams(max_tokens=max_tokens), prompt_len,
                    torch.Generator().manual_seed(0))
 
@@ -175,9 +178,11 @@ def check_plan(sched: Scheduler, plan: SchedulerOutput) -> None:
 
 
 def check_ownership(sched: Scheduler) -> None:
-    """Every used block belongs to exactly one live request; queued requests hold none."""
-    held = [b for r in sched.requests.values() for b in r.block_table]
-    assert len(held) == len(set(held)) == sched.pool.num_used()
+    """Each used block's refcount is exactly the number of live block tables holding it (prefix
+    sharing puts one block in several tables); queued requests hold none."""
+    held = Counter(b for r in sched.requests.values() for b in r.block_table)
+    assert len(held) == sched.pool.num_used()
+    assert all(sched.pool.ref_cnt(b) == times for b, times in held.items())
     assert all(r.block_table == [] for r in sched.waiting)
     for r in sched.running:
         assert len(r.block_table) == -(-r.num_computed_tokens // sched.block_size)
@@ -193,7 +198,8 @@ def test_no_block_leaks_after_1000_random_requests() -> None:
     while added < 1000 or sched.has_unfinished():
         for _ in range(rng.choice([0, 0, 1, 2, 3])):
             if added < 1000:
-                sched.add(make_request(f"r{added}", rng.randint(1, 60), rng.randint(1, 40)))
+                sched.add(make_request(f"r{added}", rng.randint(1, 60), rng.randint(1, 40),
+                                       shared=rng.random() < 0.5))
                 added += 1
         plan = sched.schedule()
         pool.check_integrity()
@@ -221,5 +227,6 @@ def test_no_block_leaks_after_1000_random_requests() -> None:
     reasons.update(r.finish_reason for r in finished)
     assert all(reasons[r] > 0 for r in FinishReason)
     assert sum(r.num_preemptions for r in finished) > 0  # the soak did exercise preemption
+    assert sched.stats.prompt_tokens_cached > 0  # ... and prefix-cache hits
     assert all(r.block_table == [] and r.status is RequestStatus.FINISHED for r in finished)
 
