@@ -25,6 +25,11 @@ class EngineConfig:
     max_model_len: context limit (prompt + output); None = the model's own.
     num_threads: torch intra-op threads; None = leave torch's default.
     attention_backend: `torch` (CPU/CUDA) or `flashinfer` (CUDA only).
+    host_cache_gb: host DRAM tier (shared-memory arena) in GiB; 0 = no host tier.
+    host_cache_name: the node's arena name; workers of a node passing the same name share it
+        (the first creates it). None = a private arena for this engine.
+    disk_cache_dir: directory of the disk (NVMe) tier; None = no disk tier.
+    disk_cache_gb: disk tier capacity in GiB.
     """
 
     model: str = "smollm2"
@@ -37,6 +42,10 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None
     attention_backend: str = "torch"
+    host_cache_gb: float = 0.0
+    host_cache_name: str | None = None
+    disk_cache_dir: str | None = None
+    disk_cache_gb: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,6 +61,10 @@ class EngineConfig:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len <= 1:
             raise ConfigError(f"max_model_len must be > 1, got {self.max_model_len}")
+        if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
+            raise ConfigError("host_cache_gb and disk_cache_gb must be >= 0")
+        if self.disk_cache_dir is not None and self.disk_cache_gb <= 0:
+            raise ConfigError("disk_cache_dir is set but disk_cache_gb is 0")
         if self.num_threads is not None and self.num_threads <= 0:
             raise ConfigError(f"num_threads must be > 0, got {self.num_threads}")
 

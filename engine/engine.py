@@ -31,6 +31,10 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.attention import get_backend
 from kvpool.block_hash import root_hash
 from kvpool.block_pool import BlockPool
+from kvpool.disk_tier import DiskTier
+from kvpool.host_tier import HostArena
+from kvpool.tiered import KVTiers
+from kvpool.tiered import kv_block_bytes as kv_tier_block_bytes
 
 
 def kv_block_bytes(lw: LoadedWeights, config: EngineConfig) -> int:
@@ -53,6 +57,26 @@ def as_token_ids(ids: Sequence[int]) -> list[int]:
         raise InvalidRequestError("prompt_ids", f"token ids must be integers ({e})") from e
 
 
+def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool) -> KVTiers | None:
+    """Host arena and disk tier below the device prefix cache, as configured (None if neither)."""
+    if config.host_cache_gb <= 0 and config.disk_cache_dir is None:
+        return None
+    block_bytes = kv_tier_block_bytes(kv_cache)
+    host = None
+    if config.host_cache_gb > 0:
+        slots = max(1, int(config.host_cache_gb * 2**30) // block_bytes)
+        name = config.host_cache_name or f"halfmoon-{os.getpid()}-{id(kv_cache):x}"
+        try:
+            host = HostArena.create(name, slots, block_bytes)
+        except FileExistsError:
+            host = HostArena.attach(name)  # another worker of this node made it
+    disk = None
+    if config.disk_cache_dir is not None:
+        slots = max(1, int(config.disk_cache_gb * 2**30) // block_bytes)
+        disk = DiskTier(config.disk_cache_dir, block_bytes, slots)
+    return KVTiers(kv_cache, pool, host, disk)
+
+
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         if config.num_threads is not None:
@@ -70,8 +94,9 @@ class Engine:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, config.block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=config.torch_dtype)
         self.pool = BlockPool(num_blocks)
+        self.tiers = build_tiers(config, self.kv_cache, self.pool)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
-                                   config.max_num_seqs)
+                                   config.max_num_seqs, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
         self._text: dict[str, TextState] = {}
         self._inbox: list[Request] = []
@@ -138,6 +163,19 @@ class Engine:
             raise InvalidRequestError(
                 "max_tokens", f"prompt + max_tokens = {len(prompt_ids) + params.max_tokens} tokens "
                 f"exceeds the whole KV cache ({capacity} tokens); raise --kv-cache-gb")
+
+    def close(self) -> None:
+        """Release the host arena (unlinked if this engine made a private one) and the disk tier."""
+        if self.tiers is None:
+            return
+        if self.tiers.host is not None:
+            self.tiers.host.close()
+            if self.config.host_cache_name is None:
+                self.tiers.host.unlink()
+        if self.tiers.disk is not None:
+            self.tiers.disk.close()
+        self.tiers = None
+        self.scheduler.tiers = None
 
     def has_unfinished(self) -> bool:
         with self._lock:

@@ -16,6 +16,7 @@ from typing import NamedTuple
 from engine.request import FinishReason, Request, RequestStatus
 from kvpool.block_hash import block_hashes
 from kvpool.block_pool import BlockPool
+from kvpool.tiered import KVTiers
 
 
 @dataclass(slots=True)
@@ -23,7 +24,8 @@ class SchedulerStats:
     """Counters since start: prompt tokens computed vs served from the prefix cache, preemptions."""
 
     prompt_tokens_computed: int = 0
-    prompt_tokens_cached: int = 0
+    prompt_tokens_cached: int = 0  # device hits + blocks promoted from host/disk
+    prompt_tokens_promoted: int = 0  # of which promoted from host/disk
     preemptions: int = 0
 
 
@@ -44,8 +46,9 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, tiers: KVTiers | None = None) -> None:
         self.pool = pool
+        self.tiers = tiers  # host/disk tiers below the device prefix cache, if configured
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
@@ -85,36 +88,57 @@ class Scheduler:
     def _schedule_waiting(self, batch: list[ScheduledRequest], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self._prefix_hit(req)
-            cached = len(hit) * self.block_size
-            n = min(req.num_tokens - cached, budget)
-            need = -(-(cached + n) // self.block_size) - len(hit)
+            hit, lower = self._prefix_hit(req)
+            cached = (len(hit) + lower) * self.block_size
+            need = -(-(cached + min(req.num_tokens - cached, budget)) // self.block_size) - len(hit)
             # Touching a cached-but-free block takes it out of the free list too.
             if self.pool.num_free() - self.pool.num_free_among(hit) < need:
                 break
             self.waiting.popleft()
-            self._admit(req, hit, need)
+            self._admit(req, hit, need, lower)
+            # Fewer blocks may have arrived than matched (a corrupt one): the allocation made
+            # for `cached + n` still covers `num_computed + n` since num_computed <= cached.
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
             batch.append(self._entry(req, n))
             budget -= n
 
-    def _prefix_hit(self, req: Request) -> list[int]:
-        """Device blocks holding a prefix of req; the last token is always recomputed (its
-        logits are needed), so at most (num_tokens - 1) // block_size blocks can hit."""
-        req.block_hashes = block_hashes(req.token_ids, self.block_size, req.root_hash, req.block_hashes)
-        usable = (req.num_tokens - 1) // self.block_size
-        return self.pool.get_computed_blocks(req.block_hashes[:usable])
+    def _prefix_hit(self, req: Request) -> tuple[list[int], int]:
+        """(device blocks holding a prefix of req, how many more blocks host/disk hold).
 
-    def _admit(self, req: Request, hit: list[int], need: int) -> None:
+        The last token is always recomputed (its logits are needed), so at most
+        (num_tokens - 1) // block_size blocks can hit.
+        """
+        req.block_hashes = block_hashes(req.token_ids, self.block_size, req.root_hash, req.block_hashes)
+        usable = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
+        hit = self.pool.get_computed_blocks(usable)
+        lower = self.tiers.match(usable[len(hit) :]) if self.tiers is not None else 0
+        return hit, lower
+
+    def _admit(self, req: Request, hit: list[int], need: int, lower: int) -> None:
         self.pool.touch(hit)
-        req.block_table = hit + self.pool.allocate(need)
-        req.num_computed_tokens = len(hit) * self.block_size
-        req.num_registered_blocks = len(hit)
-        cached_prompt = min(req.num_computed_tokens, req.num_prompt_tokens)
-        if req.num_preemptions == 0:  # a recompute after preemption is not a user-visible hit
-            req.num_cached_tokens = cached_prompt
-            self.stats.prompt_tokens_cached += cached_prompt
+        wanted = req.block_hashes[len(hit) : len(hit) + lower]
+        pinned = self.tiers.pin(wanted) if self.tiers is not None else []
+        try:
+            new = self.pool.allocate(need)  # may demote other blocks to host/disk: ours are pinned
+            loaded = self.tiers.load(wanted, new) if self.tiers is not None else 0
+        finally:
+            if self.tiers is not None:
+                self.tiers.unpin(pinned)
+        reused = len(hit) + loaded
+        self.pool.cache_blocks(new[:loaded], req.block_hashes[len(hit) : reused])
+        req.block_table = hit + new
+        req.num_computed_tokens = reused * self.block_size
+        req.num_registered_blocks = reused
+        self._count_hit(req, loaded)
         req.status = RequestStatus.RUNNING
         self.running.append(req)
+
+    def _count_hit(self, req: Request, promoted_blocks: int) -> None:
+        if req.num_preemptions:  # a recompute after preemption is not a user-visible hit
+            return
+        req.num_cached_tokens = min(req.num_computed_tokens, req.num_prompt_tokens)
+        self.stats.prompt_tokens_cached += req.num_cached_tokens
+        self.stats.prompt_tokens_promoted += promoted_blocks * self.block_size
 
     def _entry(self, req: Request, n: int) -> ScheduledRequest:
         return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)

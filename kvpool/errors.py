@@ -49,3 +49,24 @@ class BlockStateError(KVPoolError):
 
 class PoolIntegrityError(KVPoolError):
     """The pool's bookkeeping is inconsistent: always a bug, never a caller mistake."""
+
+
+class HashStateError(KVPoolError):
+    """A block hash is in the wrong state for a tier operation (e.g. unpin of an unpinned block);
+    the tier was left unchanged."""
+
+    def __init__(self, block_hash: bytes, message: str) -> None:
+        super().__init__(f"block {block_hash.hex()}: {message}")
+        self.block_hash = block_hash
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[HashStateError], tuple[bytes, str]]:
+        return (type(self), (self.block_hash, self.message))
+
+
+class TierClosedError(KVPoolError):
+    """A host or disk tier handle was used after `close()`."""
+
+
+class TierLayoutError(KVPoolError):
+    """A shared-memory arena or on-disk slab has an unexpected layout, size or version."""

@@ -1,0 +1,142 @@
+"""Moves whole KV blocks between the device cache and the host arena and disk tier.
+
+    device (paged KV tensor) --evict--> host arena (shared memory) --evict--> disk (slab file)
+            ^                                 |                                  |
+            +----------- promote on admission (host first, then disk) -----------+
+
+A block's bytes are `kv_cache[:, :, b]` ([layers, 2, block_size, kv_heads, head_dim]) made
+contiguous: the same bytes on every tier, keyed by the block's chained hash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.block_pool import BlockPool
+from kvpool.disk_tier import DiskTier
+from kvpool.host_tier import EvictedBlocks, HostArena
+
+
+@dataclass(slots=True)
+class TierTraffic:
+    """Blocks moved between tiers by this process."""
+
+    demoted_to_host: int = 0
+    demoted_to_disk: int = 0
+    promoted_from_host: int = 0
+    promoted_from_disk: int = 0
+
+
+def kv_block_bytes(kv_cache: torch.Tensor) -> int:
+    layers, two, _, block_size, kv_heads, head_dim = kv_cache.shape
+    return layers * two * block_size * kv_heads * head_dim * kv_cache.element_size()
+
+
+class KVTiers:
+    """Device <-> host <-> disk block movement for one worker's paged KV cache."""
+
+    def __init__(self, kv_cache: torch.Tensor, pool: BlockPool, host: HostArena | None,
+                 disk: DiskTier | None) -> None:
+        self.kv_cache = kv_cache
+        self.block_bytes = kv_block_bytes(kv_cache)
+        for tier in (host, disk):
+            if tier is not None and tier.slot_bytes != self.block_bytes:
+                raise ValueError(f"tier slot_bytes {tier.slot_bytes} != KV block bytes {self.block_bytes}")
+        self.host, self.disk = host, disk
+        self.traffic = TierTraffic()
+        pool.on_evict = self._demote_device_block
+        if host is not None and disk is not None:
+            host.on_evict = self._demote_host_blocks
+
+    # ------------------------------------------------------------ device block bytes
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """Device blocks -> [n, block_bytes] uint8 (one batched gather)."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        blocks = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
+        return blocks.view(len(idx), -1).view(torch.uint8)
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        """[n, block_bytes] uint8 -> device blocks (one batched scatter)."""
+        layers, two, _, bs, kvh, hd = self.kv_cache.shape
+        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        typed = data.view(self.kv_cache.dtype).view(len(idx), layers, two, bs, kvh, hd)
+        self.kv_cache.index_copy_(2, idx, typed.permute(1, 2, 0, 3, 4, 5))
+
+    # ------------------------------------------------------------ demotion
+
+    def _demote_device_block(self, block_id: int, block_hash: bytes) -> None:
+        """BlockPool.on_evict: the block's bytes are still intact; keep them one tier down."""
+        data = self.read_blocks([block_id])
+        if self.host is not None:
+            if self.host.put([block_hash], data).stored[0]:
+                self.traffic.demoted_to_host += 1
+        elif self.disk is not None and self.disk.put([block_hash], data).stored[0]:
+            self.traffic.demoted_to_disk += 1
+
+    def _demote_host_blocks(self, evicted: EvictedBlocks) -> None:
+        """HostArena.on_evict: the views are valid only now, so the disk write is synchronous."""
+        assert self.disk is not None
+        result = self.disk.put(evicted.hashes, evicted.blocks, evicted.checksums)
+        self.traffic.demoted_to_disk += sum(result.stored)
+
+    # ------------------------------------------------------------ promotion
+
+    def match(self, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of `hashes` held by the host or the disk tier."""
+        if not hashes:
+            return 0
+        in_host = self.host.contains(hashes) if self.host is not None else [False] * len(hashes)
+        in_disk = self.disk.contains(hashes) if self.disk is not None else [False] * len(hashes)
+        for i, (h, d) in enumerate(zip(in_host, in_disk)):
+            if not (h or d):
+                return i
+        return len(hashes)
+
+    def pin(self, hashes: Sequence[bytes]) -> list[tuple[object, list[bytes]]]:
+        """Pin these blocks wherever they are, so the allocation that makes room for them on the
+        device (which demotes other blocks) cannot evict them. Returns what to `unpin`."""
+        pinned = []
+        for tier in (self.host, self.disk):
+            if tier is not None and hashes:
+                got = tier.pin(hashes)
+                pinned.append((tier, [h for h, ok in zip(hashes, got) if ok]))
+        return pinned
+
+    @staticmethod
+    def unpin(pinned: list[tuple[object, list[bytes]]]) -> None:
+        for tier, hashes in pinned:
+            if hashes:
+                tier.unpin(hashes)  # type: ignore[attr-defined]
+
+    def load(self, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Copy blocks from host (else disk) into device `block_ids`; returns how many leading
+        blocks arrived intact (a corrupt or vanished block ends the run: the rest is recomputed)."""
+        if not hashes:
+            return 0
+        buf = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)
+        from_host = self.host.get(hashes, buf.numpy()) if self.host is not None else [False] * len(hashes)
+        ok = list(from_host)
+        missing = [i for i, hit in enumerate(ok) if not hit]
+        if missing and self.disk is not None:
+            rows = torch.empty(len(missing), self.block_bytes, dtype=torch.uint8)
+            got = self.disk.get([hashes[i] for i in missing], rows.numpy())
+            for row, i in enumerate(missing):
+                if got[row]:
+                    buf[i], ok[i] = rows[row], True
+        n = self._leading(ok)
+        self.traffic.promoted_from_host += sum(from_host[:n])
+        self.traffic.promoted_from_disk += n - sum(from_host[:n])
+        if n:
+            self.write_blocks(block_ids[:n], buf[:n])
+        return n
+
+    @staticmethod
+    def _leading(flags: Sequence[bool]) -> int:
+        for i, flag in enumerate(flags):
+            if not flag:
+                return i
+        return len(flags)

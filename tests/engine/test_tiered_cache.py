@@ -1,0 +1,80 @@
+"""Issue 3, point 2: after the device evicts a prefix, the next serve hits in host or disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.engine import Engine
+from engine.sampling_params import SamplingParams
+
+BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2 fp32, block_size 16
+PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def gb(blocks: int) -> float:
+    return blocks * BLOCK_BYTES / 2**30 + 1e-9
+
+
+def serve(engine: Engine, ids: list[int]) -> tuple[list[int], int, int]:
+    """(outputs, prompt tokens computed, prompt tokens promoted from host/disk)."""
+    stats = engine.scheduler.stats
+    computed, promoted = stats.prompt_tokens_computed, stats.prompt_tokens_promoted
+    out = engine.generate([ids], PARAMS, cache_salt="tiers")[0].output_ids
+    return out, stats.prompt_tokens_computed - computed, stats.prompt_tokens_promoted - promoted
+
+
+def flood(engine: Engine, n: int) -> None:
+    """Serve unrelated prompts until the device cache has recycled every block."""
+    for i in range(n):
+        engine.generate([[2000 + 97 * i + j for j in range(100)]], PARAMS, cache_salt=f"flood-{i}")
+
+
+def prompt(engine: Engine) -> list[int]:
+    return engine.tokenizer.encode("The tiered cache keeps prefixes warm. " * 12)[:84]  # 5 blocks + 4
+
+
+@pytest.fixture
+def tiered(make_engine, tmp_path: Path, request):
+    host_blocks, disk_blocks = request.param
+    engine = make_engine(num_blocks=16, host_cache_gb=gb(host_blocks),
+                         disk_cache_dir=str(tmp_path / "disk") if disk_blocks else None,
+                         disk_cache_gb=gb(disk_blocks))
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("tiered", [(64, 0)], indirect=True)
+def test_evicted_prefix_hits_in_host_and_matches_a_cold_run(tiered: Engine) -> None:
+    ids = prompt(tiered)
+    cold, computed_cold, _ = serve(tiered, ids)
+    assert computed_cold == len(ids)
+    flood(tiered, 4)
+    hashes = _hashes(tiered, ids)
+    assert tiered.pool.get_computed_blocks(hashes) == [], "the device still holds the prefix"
+    warm, computed_warm, promoted = serve(tiered, ids)
+    assert promoted == 5 * 16 and computed_warm == len(ids) - 5 * 16
+    assert warm == cold
+    assert tiered.tiers.traffic.promoted_from_host == 5
+    tiered.pool.check_integrity()
+    tiered.tiers.host.check_integrity()
+
+
+@pytest.mark.parametrize("tiered", [(2, 64)], indirect=True)
+def test_prefix_pushed_down_to_disk_still_hits(tiered: Engine) -> None:
+    ids = prompt(tiered)
+    cold, _, _ = serve(tiered, ids)
+    flood(tiered, 6)  # device -> host (2 slots) -> disk
+    warm, computed_warm, promoted = serve(tiered, ids)
+    assert promoted == 5 * 16 and computed_warm == len(ids) - 5 * 16
+    assert warm == cold
+    assert tiered.tiers.traffic.promoted_from_disk >= 3
+    tiered.tiers.disk.check_integrity()
+
+
+def _hashes(engine: Engine, ids: list[int]) -> list[bytes]:
+    from kvpool.block_hash import block_hashes, root_hash  # noqa: PLC0415
+
+    root = root_hash(engine.model_config.fingerprint, engine.config.dtype, engine.config.block_size, "tiers")
+    return block_hashes(ids, engine.config.block_size, root)
