@@ -20,6 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="max concurrent requests")
     p.add_argument("--max-model-len", type=int, default=None, help="context limit (default: model's)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+    p.add_argument("--host-cache-gb", type=float, default=0.0, help="host DRAM KV tier in GiB (0 = off)")
+    p.add_argument("--host-cache-name", default=None,
+                   help="shared-memory arena name; workers of a node using one name share it")
+    p.add_argument("--disk-cache-dir", default=None, help="directory of the disk KV tier (off if unset)")
+    p.add_argument("--disk-cache-gb", type=float, default=0.0, help="disk KV tier size in GiB")
 
 
 def engine_config(args: argparse.Namespace):  # -> EngineConfig (import kept lazy: torch is slow)
@@ -29,7 +34,9 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (import kept laz
                         kv_cache_gb=args.kv_cache_gb, num_blocks=args.num_blocks,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-                        num_threads=args.threads)
+                        num_threads=args.threads, host_cache_gb=args.host_cache_gb,
+                        host_cache_name=args.host_cache_name, disk_cache_dir=args.disk_cache_dir,
+                        disk_cache_gb=args.disk_cache_gb)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (each measures its baseline in the same run)")
-    bench.add_argument("name", choices=["engine", "linear"], help="which benchmark")
+    bench.add_argument("name", choices=["engine", "linear", "kvpool"], help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 
@@ -50,6 +57,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench import linear_bench
 
         return linear_bench.main(args.rest)
+    if args.name == "kvpool":
+        from bench import kvpool_bench
+
+        return kvpool_bench.main(args.rest)
     from bench import engine_bench
 
     return engine_bench.main(args.rest)

@@ -56,6 +56,13 @@ def run(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
                             stop=tuple(args.stop))
     engine = Engine(engine_config(args))
+    try:
+        return _generate(args, engine, params)
+    finally:
+        engine.close()
+
+
+def _generate(args: argparse.Namespace, engine, params) -> int:
     ids = prompt_ids(args, engine.tokenizer)
     engine.add_request(ids, params, request_id="cli")
     result = None

@@ -46,4 +46,5 @@ def run(args: argparse.Namespace) -> int:
     server.shutdown()
     server.server_close()
     loop.stop()
+    engine.close()
     return 0
