@@ -1,9 +1,9 @@
 """Dense layers with the weight kept in the layout the CPU's GEMM library wants.
 
 On CPU, oneDNN with a weight reordered once at load (what torch.compile's "freezing" does) is
-1.5-2.2x faster than `F.linear` on a plain [out, in] weight for every batch size we measured,
-fp32 and bf16 (docs/BENCHMARKS.md, "linear kernels"); at M=1 plain bf16 `F.linear` is 20x slower.
-So on CPU each weight is packed once and the plain copy is dropped. On CUDA (or if this torch
+faster than `F.linear` on a plain [out, in] weight at every batch size we measured: fp32
+1.4-3.3x, bf16 1.0-1.9x (`halfmoon bench linear`, docs/BENCHMARKS.md). So on CPU each weight is
+packed once and the plain copy is dropped. On CUDA (or if this torch
 build lacks the oneDNN ops) the plain `F.linear` path is used, and `describe()` says which.
 """
 
