@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.attention import AttentionMetadata, DecodeBatch, PrefillSegment, get_backend
+from kernels.attention import get_backend
 from kernels.flashinfer_backend import (
     FlashInferAttentionBackend,
     FlashInferUnavailableError,
