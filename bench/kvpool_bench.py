@@ -75,7 +75,8 @@ from kvpool.block_hash import HASH_BYTES, block_hashes, root_hash
 from kvpool.block_pool import BlockPool
 from kvpool.errors import PoolIntegrityError
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2] / "shared/data/sample_trace.jsonl"
+# A copy of the project's shared sample trace ships with the package, so the default works anywhere.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "sample_trace.jsonl"
 DEFAULT_CAPACITIES = (256, 1024, 4096, 16384)
 BLOCK_SIZE = 16
 TARGET_BANDWIDTH_RATIO = 0.70
