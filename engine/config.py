@@ -30,6 +30,8 @@ class EngineConfig:
         (the first creates it). None = a private arena for this engine.
     disk_cache_dir: directory of the disk (NVMe) tier; None = no disk tier.
     disk_cache_gb: disk tier capacity in GiB.
+    redis_url: the cluster-wide block index; None = no index (this engine's tiers only).
+    worker_id / node_id: this engine's identity in the index (defaults: pid-based / hostname).
     """
 
     model: str = "smollm2"
@@ -46,6 +48,9 @@ class EngineConfig:
     host_cache_name: str | None = None
     disk_cache_dir: str | None = None
     disk_cache_gb: float = 0.0
+    redis_url: str | None = None
+    worker_id: str | None = None
+    node_id: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import operator
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -31,8 +32,10 @@ from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.attention import get_backend
 from kvpool.block_hash import root_hash
 from kvpool.block_pool import BlockPool
+from kvpool.cluster_index import ClusterIndex, HolderId
 from kvpool.disk_tier import DiskTier
 from kvpool.host_tier import HostArena
+from kvpool.remote import InProcessReader, RemoteBlockReader
 from kvpool.tiered import KVTiers
 from kvpool.tiered import kv_block_bytes as kv_tier_block_bytes
 
@@ -57,9 +60,10 @@ def as_token_ids(ids: Sequence[int]) -> list[int]:
         raise InvalidRequestError("prompt_ids", f"token ids must be integers ({e})") from e
 
 
-def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool) -> KVTiers | None:
-    """Host arena and disk tier below the device prefix cache, as configured (None if neither)."""
-    if config.host_cache_gb <= 0 and config.disk_cache_dir is None:
+def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool,
+                remote: RemoteBlockReader | None = None) -> KVTiers | None:
+    """Host arena, disk tier and cluster index below the device prefix cache, as configured."""
+    if config.host_cache_gb <= 0 and config.disk_cache_dir is None and config.redis_url is None:
         return None
     block_bytes = kv_tier_block_bytes(kv_cache)
     host = None
@@ -74,11 +78,21 @@ def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool) -
     if config.disk_cache_dir is not None:
         slots = max(1, int(config.disk_cache_gb * 2**30) // block_bytes)
         disk = DiskTier(config.disk_cache_dir, block_bytes, slots)
-    return KVTiers(kv_cache, pool, host, disk)
+    index = None
+    if config.redis_url is not None:
+        holder = HolderId(config.worker_id or f"engine-{os.getpid()}-{id(kv_cache):x}",
+                          config.node_id or socket.gethostname())
+        index = ClusterIndex(config.redis_url, holder)
+        index.start()  # heartbeat thread: our entries vanish from lookups if we die
+    tiers = KVTiers(kv_cache, pool, host, disk, index, remote)
+    if index is not None and isinstance(remote, InProcessReader):
+        remote.register(index.holder, tiers)
+    return tiers
 
 
 class Engine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, remote: RemoteBlockReader | None = None) -> None:
+        """`remote` reads blocks other workers hold (found through `config.redis_url`)."""
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -94,7 +108,7 @@ class Engine:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, config.block_size, cfg.num_kv_heads,
                                     cfg.head_dim, dtype=config.torch_dtype)
         self.pool = BlockPool(num_blocks)
-        self.tiers = build_tiers(config, self.kv_cache, self.pool)
+        self.tiers = build_tiers(config, self.kv_cache, self.pool, remote)
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.tiers)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
@@ -174,6 +188,10 @@ class Engine:
                 self.tiers.host.unlink()
         if self.tiers.disk is not None:
             self.tiers.disk.close()
+        if self.tiers.index is not None:
+            if isinstance(self.tiers.remote, InProcessReader):
+                self.tiers.remote.unregister(self.tiers.index.holder)
+            self.tiers.index.close()
         self.tiers = None
         self.scheduler.tiers = None
 

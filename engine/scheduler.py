@@ -16,7 +16,7 @@ from typing import NamedTuple
 from engine.request import FinishReason, Request, RequestStatus
 from kvpool.block_hash import block_hashes
 from kvpool.block_pool import BlockPool
-from kvpool.tiered import KVTiers
+from kvpool.tiered import KVTiers, TierPlan
 
 
 @dataclass(slots=True)
@@ -88,22 +88,23 @@ class Scheduler:
     def _schedule_waiting(self, batch: list[ScheduledRequest], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit, lower = self._prefix_hit(req)
-            cached = (len(hit) + lower) * self.block_size
+            hit, plan = self._prefix_hit(req)
+            cached = (len(hit) + plan.total) * self.block_size
             need = -(-(cached + min(req.num_tokens - cached, budget)) // self.block_size) - len(hit)
             # Touching a cached-but-free block takes it out of the free list too.
             if self.pool.num_free() - self.pool.num_free_among(hit) < need:
                 break
             self.waiting.popleft()
-            self._admit(req, hit, need, lower)
+            self._admit(req, hit, need, plan)
             # Fewer blocks may have arrived than matched (a corrupt one): the allocation made
             # for `cached + n` still covers `num_computed + n` since num_computed <= cached.
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             batch.append(self._entry(req, n))
             budget -= n
 
-    def _prefix_hit(self, req: Request) -> tuple[list[int], int]:
-        """(device blocks holding a prefix of req, how many more blocks host/disk hold).
+    def _prefix_hit(self, req: Request) -> tuple[list[int], TierPlan]:
+        """(device blocks holding a prefix of req, where the following blocks can come from:
+        host/disk, then a remote holder named by the cluster index).
 
         The last token is always recomputed (its logits are needed), so at most
         (num_tokens - 1) // block_size blocks can hit.
@@ -111,21 +112,21 @@ class Scheduler:
         req.block_hashes = block_hashes(req.token_ids, self.block_size, req.root_hash, req.block_hashes)
         usable = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
         hit = self.pool.get_computed_blocks(usable)
-        lower = self.tiers.match(usable[len(hit) :]) if self.tiers is not None else 0
-        return hit, lower
+        plan = self.tiers.plan(usable, len(hit)) if self.tiers is not None else TierPlan(0)
+        return hit, plan
 
-    def _admit(self, req: Request, hit: list[int], need: int, lower: int) -> None:
+    def _admit(self, req: Request, hit: list[int], need: int, plan: TierPlan) -> None:
         self.pool.touch(hit)
-        wanted = req.block_hashes[len(hit) : len(hit) + lower]
-        pinned = self.tiers.pin(wanted) if self.tiers is not None else []
+        wanted = req.block_hashes[len(hit) : len(hit) + plan.total]
+        pinned = self.tiers.pin(wanted[: plan.lower]) if self.tiers is not None else []
         try:
             new = self.pool.allocate(need)  # may demote other blocks to host/disk: ours are pinned
-            loaded = self.tiers.load(wanted, new) if self.tiers is not None else 0
+            loaded = self.tiers.load_plan(plan, wanted, new) if self.tiers is not None else 0
         finally:
             if self.tiers is not None:
                 self.tiers.unpin(pinned)
         reused = len(hit) + loaded
-        self.pool.cache_blocks(new[:loaded], req.block_hashes[len(hit) : reused])
+        self._register(req, new[:loaded], req.block_hashes[len(hit) : reused])
         req.block_table = hit + new
         req.num_computed_tokens = reused * self.block_size
         req.num_registered_blocks = reused
@@ -191,8 +192,14 @@ class Scheduler:
             return
         req.block_hashes = block_hashes(req.token_ids, self.block_size, req.root_hash, req.block_hashes)
         start = req.num_registered_blocks
-        self.pool.cache_blocks(req.block_table[start:full], req.block_hashes[start:full])
+        self._register(req, req.block_table[start:full], req.block_hashes[start:full])
         req.num_registered_blocks = full
+
+    def _register(self, req: Request, block_ids: list[int], hashes: list[bytes]) -> None:
+        """Device prefix cache first, then the cluster index (if any) hears about them."""
+        self.pool.cache_blocks(block_ids, hashes)
+        if self.tiers is not None and hashes:
+            self.tiers.published(hashes)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """Finish a request (any state) and return its blocks to the pool."""

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvpool.block_pool import BlockPool
+from kvpool.cluster_index import ClusterIndex, HolderId
 from kvpool.disk_tier import DiskTier
 from kvpool.host_tier import EvictedBlocks, HostArena
+from kvpool.remote import RemoteBlockReader
+from kvpool.tiers import Tier
 
 
 @dataclass(slots=True)
@@ -28,6 +32,20 @@ class TierTraffic:
     demoted_to_disk: int = 0
     promoted_from_host: int = 0
     promoted_from_disk: int = 0
+    fetched_remote: int = 0
+
+
+class TierPlan(NamedTuple):
+    """Where the blocks after a device hit come from: `lower` from host/disk, then `remote`
+    more from `holder` (another worker, found in the cluster index)."""
+
+    lower: int
+    remote: int = 0
+    holder: HolderId | None = None
+
+    @property
+    def total(self) -> int:
+        return self.lower + self.remote
 
 
 def kv_block_bytes(kv_cache: torch.Tensor) -> int:
@@ -39,13 +57,16 @@ class KVTiers:
     """Device <-> host <-> disk block movement for one worker's paged KV cache."""
 
     def __init__(self, kv_cache: torch.Tensor, pool: BlockPool, host: HostArena | None,
-                 disk: DiskTier | None) -> None:
+                 disk: DiskTier | None, index: ClusterIndex | None = None,
+                 remote: RemoteBlockReader | None = None) -> None:
         self.kv_cache = kv_cache
         self.block_bytes = kv_block_bytes(kv_cache)
         for tier in (host, disk):
             if tier is not None and tier.slot_bytes != self.block_bytes:
                 raise ValueError(f"tier slot_bytes {tier.slot_bytes} != KV block bytes {self.block_bytes}")
         self.host, self.disk = host, disk
+        self.pool = pool
+        self.index, self.remote = index, remote
         self.traffic = TierTraffic()
         pool.on_evict = self._demote_device_block
         if host is not None and disk is not None:
@@ -71,17 +92,57 @@ class KVTiers:
     def _demote_device_block(self, block_id: int, block_hash: bytes) -> None:
         """BlockPool.on_evict: the block's bytes are still intact; keep them one tier down."""
         data = self.read_blocks([block_id])
-        if self.host is not None:
-            if self.host.put([block_hash], data).stored[0]:
-                self.traffic.demoted_to_host += 1
-        elif self.disk is not None and self.disk.put([block_hash], data).stored[0]:
+        target = self.host if self.host is not None else self.disk
+        stored = target is not None and target.put([block_hash], data).stored[0]
+        if stored and target is self.host:
+            self.traffic.demoted_to_host += 1
+            self._announce("move", [block_hash], Tier.DEVICE, Tier.HOST)
+        elif stored:
             self.traffic.demoted_to_disk += 1
+            self._announce("move", [block_hash], Tier.DEVICE, Tier.DISK)
+        else:
+            self._announce("remove", [block_hash], Tier.DEVICE)
 
     def _demote_host_blocks(self, evicted: EvictedBlocks) -> None:
         """HostArena.on_evict: the views are valid only now, so the disk write is synchronous."""
         assert self.disk is not None
         result = self.disk.put(evicted.hashes, evicted.blocks, evicted.checksums)
         self.traffic.demoted_to_disk += sum(result.stored)
+        moved = [h for h, ok in zip(evicted.hashes, result.stored) if ok]
+        self._announce("move", moved, Tier.HOST, Tier.DISK)
+        self._announce("remove", [h for h, ok in zip(evicted.hashes, result.stored) if not ok], Tier.HOST)
+        self._announce("remove", result.evicted, Tier.DISK)
+
+    # ------------------------------------------------------------ cluster index
+
+    def published(self, hashes: Sequence[bytes]) -> None:
+        """Blocks just registered in the device prefix cache: tell the cluster."""
+        self._announce("publish", list(hashes), Tier.DEVICE)
+
+    def _announce(self, verb: str, hashes: list[bytes], *tiers: Tier) -> None:
+        # The index degrades by itself when Redis is down (logs once, counts, republishes later).
+        if self.index is not None and hashes:
+            getattr(self.index, verb)(hashes, *tiers)
+
+    def plan(self, usable: Sequence[bytes], device_hit: int) -> TierPlan:
+        """After `device_hit` blocks on the device: how many more host/disk, then a remote holder, hold."""
+        lower = self.match(usable[device_hit:])
+        local = device_hit + lower
+        if self.index is None or self.remote is None or local >= len(usable):
+            return TierPlan(lower)
+        result = self.index.lookup(usable)
+        best = max((m for m in result.matches if m.holder != self.index.holder),
+                   key=lambda m: m.length, default=None)
+        if best is None or best.length <= local:
+            return TierPlan(lower)
+        return TierPlan(lower, best.length - local, best.holder)
+
+    def serve_blocks(self, hashes: Sequence[bytes], dst: torch.Tensor) -> int:
+        """BlockServer: leading blocks of `hashes` from this worker's device, then host/disk."""
+        on_device = self.pool.get_computed_blocks(hashes)
+        if on_device:
+            dst[: len(on_device)] = self.read_blocks(on_device)
+        return len(on_device) + self._read_lower(hashes[len(on_device) :], dst[len(on_device) :])
 
     # ------------------------------------------------------------ promotion
 
@@ -118,6 +179,28 @@ class KVTiers:
         if not hashes:
             return 0
         buf = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)
+        n = self._read_lower(hashes, buf)
+        if n:
+            self.write_blocks(block_ids[:n], buf[:n])
+        return n
+
+    def load_plan(self, plan: TierPlan, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
+        """Fill `block_ids` per `plan` (host/disk first, then the remote holder); leading count."""
+        n = self.load(hashes[: plan.lower], block_ids[: plan.lower])
+        if n < plan.lower or not plan.remote or self.remote is None or plan.holder is None:
+            return n
+        want = hashes[n : n + plan.remote]
+        buf = torch.empty(len(want), self.block_bytes, dtype=torch.uint8)
+        got = self.remote.fetch(plan.holder, want, buf)
+        if got:
+            self.write_blocks(block_ids[n : n + got], buf[:got])
+            self.traffic.fetched_remote += got
+        return n + got
+
+    def _read_lower(self, hashes: Sequence[bytes], buf: torch.Tensor) -> int:
+        """Leading blocks of `hashes` read intact from host, else disk, into `buf` rows."""
+        if not hashes:
+            return 0
         from_host = self.host.get(hashes, buf.numpy()) if self.host is not None else [False] * len(hashes)
         ok = list(from_host)
         missing = [i for i, hit in enumerate(ok) if not hit]
@@ -130,8 +213,6 @@ class KVTiers:
         n = self._leading(ok)
         self.traffic.promoted_from_host += sum(from_host[:n])
         self.traffic.promoted_from_disk += n - sum(from_host[:n])
-        if n:
-            self.write_blocks(block_ids[:n], buf[:n])
         return n
 
     @staticmethod

@@ -54,11 +54,11 @@ def smollm2_weights(gguf_path: Path) -> LoadedWeights:
 def make_engine(smollm2_weights: LoadedWeights) -> EngineFactory:
     """`make_engine(num_blocks=8, ...)` -> a fresh fp32 SmolLM2 engine on the shared weights."""
 
-    def build(**overrides: Any) -> Engine:
+    def build(remote: Any = None, **overrides: Any) -> Engine:
         config = EngineConfig(**{"model": "smollm2", "dtype": "float32", "num_threads": NUM_THREADS,
                                 **overrides})
         with mock.patch.object(engine_module, "load_weights", return_value=smollm2_weights):
-            return Engine(config)
+            return Engine(config, remote=remote)
 
     return build
 

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -91,9 +92,13 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
             _post(url + "/generate", {"prompt": PROMPT, "temperature": -1})
         assert bad.value.code == 400
         assert json.loads(bad.value.read())["error"]["field"] == "temperature"
+        redis_port = int(re.search(r"embedded Redis \(block index\) at redis://127.0.0.1:(\d+)",
+                                   log.read_text()).group(1))
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert "shutting down" in log.read_text()
+        with pytest.raises(OSError):  # the embedded redis-server went down with us: no orphan
+            socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
     finally:
         if proc.poll() is None:
             proc.kill()
