@@ -130,7 +130,8 @@ class Engine:
         prompt_ids = as_token_ids(prompt_ids)
         self.validate(prompt_ids, params)
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        root = root_hash(self.model_config.fingerprint, self.config.dtype, self.config.block_size, cache_salt)
+        dtype = str(self.config.torch_dtype).removeprefix("torch.")  # "bf16" and "bfloat16" hash alike
+        root = root_hash(self.model_config.fingerprint, dtype, self.config.block_size, cache_salt)
         with self._lock:
             request_id = self._claim_id(request_id)
             req = Request(request_id, prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed),

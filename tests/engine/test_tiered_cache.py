@@ -76,5 +76,6 @@ def test_prefix_pushed_down_to_disk_still_hits(tiered: Engine) -> None:
 def _hashes(engine: Engine, ids: list[int]) -> list[bytes]:
     from kvpool.block_hash import block_hashes, root_hash  # noqa: PLC0415
 
-    root = root_hash(engine.model_config.fingerprint, engine.config.dtype, engine.config.block_size, "tiers")
+    dtype = str(engine.config.torch_dtype).removeprefix("torch.")
+    root = root_hash(engine.model_config.fingerprint, dtype, engine.config.block_size, "tiers")
     return block_hashes(ids, engine.config.block_size, root)
