@@ -59,9 +59,11 @@ class ModelRunner:
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         last_row: dict[str, int] = {}
+        # Each block table becomes a tensor once per step; slots and attention metadata share it.
+        tables = {s.request.request_id: torch.tensor(s.request.block_table) for s in scheduled}
         for s in decodes + prefills:
             start = s.request.num_computed_tokens
-            table = torch.tensor(s.request.block_table)
+            table = tables[s.request.request_id]
             ids.extend(s.request.token_ids[start : start + s.num_tokens])
             positions.append(torch.arange(start, start + s.num_tokens))
             slots.append(self._slots(table, start, start + s.num_tokens))
@@ -70,8 +72,8 @@ class ModelRunner:
         rows = [last_row[r.request_id] for r in sampled]
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots),
-            decode=self._decode_batch(decodes) if decodes else None,
-            prefills=self._prefill_segments(prefills, len(decodes)),
+            decode=self._decode_batch(decodes, tables) if decodes else None,
+            prefills=self._prefill_segments(prefills, len(decodes), tables),
             num_tokens=len(ids),
         )
         return StepInputs(torch.tensor(ids), torch.cat(positions), meta,
@@ -82,26 +84,27 @@ class ModelRunner:
         all_slots = (table.unsqueeze(1) * self.block_size + self._offsets).flatten()
         return all_slots[start:end]
 
-    def _decode_batch(self, decodes: list[ScheduledRequest]) -> DecodeBatch:
+    def _decode_batch(self, decodes: list[ScheduledRequest], tables: dict[str, torch.Tensor]) -> DecodeBatch:
         ctx = [s.request.num_computed_tokens + 1 for s in decodes]
         max_ctx = max(ctx)
         max_blocks = -(-max_ctx // self.block_size)
-        tables = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        padded = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for i, s in enumerate(decodes):
-            table = s.request.block_table[:max_blocks]
-            tables[i, : len(table)] = torch.tensor(table)
+            table = tables[s.request.request_id][:max_blocks]
+            padded[i, : len(table)] = table
         lengths = torch.tensor(ctx)
         mask = None
         if min(ctx) != max_ctx:
             mask = (torch.arange(max_ctx).unsqueeze(0) < lengths.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
-        return DecodeBatch(len(decodes), tables, lengths, max_ctx, mask)
+        return DecodeBatch(len(decodes), padded, lengths, max_ctx, mask)
 
-    def _prefill_segments(self, prefills: list[ScheduledRequest], q_start: int) -> list[PrefillSegment]:
+    def _prefill_segments(self, prefills: list[ScheduledRequest], q_start: int,
+                          tables: dict[str, torch.Tensor]) -> list[PrefillSegment]:
         segments = []
         for s in prefills:
             start, n = s.request.num_computed_tokens, s.num_tokens
             ctx = start + n
-            table = torch.tensor(s.request.block_table[: -(-ctx // self.block_size)])
+            table = tables[s.request.request_id][: -(-ctx // self.block_size)]
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i
                 mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)

@@ -88,11 +88,17 @@ class Scheduler:
     def _schedule_waiting(self, batch: list[ScheduledRequest], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit, plan = self._prefix_hit(req)
-            cached = (len(hit) + plan.total) * self.block_size
-            need = -(-(cached + min(req.num_tokens - cached, budget)) // self.block_size) - len(hit)
+            usable, hit = self._device_hit(req)
             # Touching a cached-but-free block takes it out of the free list too.
-            if self.pool.num_free() - self.pool.num_free_among(hit) < need:
+            free = self.pool.num_free() - self.pool.num_free_among(hit)
+            # Blocks from host/disk/remote only move this step's window later, never needing
+            # fewer new blocks: check the device-only need first, so a head request that cannot
+            # fit costs no tier or index lookups while it waits.
+            if free < self._table_blocks(req, len(hit), budget) - len(hit):
+                break
+            plan = self.tiers.plan(usable, len(hit)) if self.tiers is not None else TierPlan(0)
+            need = self._table_blocks(req, len(hit) + plan.total, budget) - len(hit)
+            if free < need:
                 break
             self.waiting.popleft()
             self._admit(req, hit, need, plan)
@@ -102,18 +108,21 @@ class Scheduler:
             batch.append(self._entry(req, n))
             budget -= n
 
-    def _prefix_hit(self, req: Request) -> tuple[list[int], TierPlan]:
-        """(device blocks holding a prefix of req, where the following blocks can come from:
-        host/disk, then a remote holder named by the cluster index).
+    def _table_blocks(self, req: Request, reused_blocks: int, budget: int) -> int:
+        """Block-table length after this step when its first `reused_blocks` blocks need no
+        compute; never decreases as `reused_blocks` grows."""
+        cached = reused_blocks * self.block_size
+        return -(-(cached + min(req.num_tokens - cached, budget)) // self.block_size)
+
+    def _device_hit(self, req: Request) -> tuple[list[bytes], list[int]]:
+        """(hashes of the blocks that may be reused, device blocks holding a prefix of them).
 
         The last token is always recomputed (its logits are needed), so at most
         (num_tokens - 1) // block_size blocks can hit.
         """
         req.block_hashes = block_hashes(req.token_ids, self.block_size, req.root_hash, req.block_hashes)
         usable = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
-        hit = self.pool.get_computed_blocks(usable)
-        plan = self.tiers.plan(usable, len(hit)) if self.tiers is not None else TierPlan(0)
-        return hit, plan
+        return usable, self.pool.get_computed_blocks(usable)
 
     def _admit(self, req: Request, hit: list[int], need: int, plan: TierPlan) -> None:
         self.pool.touch(hit)
