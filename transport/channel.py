@@ -1,0 +1,93 @@
+"""The one thing a backend provides: a reliable, ordered, bidirectional channel of frames.
+
+A frame is what one `sendv` call sends; the receiver always knows its size in advance (headers
+are fixed-size, the header says the rest) and passes views of exactly that many bytes to
+`recv_into`, which fills them in order. Byte-stream backends (tcp) may ignore frame boundaries;
+message backends (ucxx) send one message per frame.
+
+Every wait takes a timeout (`None` = until the channel closes: only for a receiver idling
+between messages). `close()` from another thread wakes a blocked `recv_into` with
+`PeerLostError`.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+
+class Channel(abc.ABC):
+    peer: str  # printable address of the other end
+
+    @abc.abstractmethod
+    def sendv(self, views: Sequence[memoryview], timeout: float) -> None:
+        """Send one frame (the concatenation of `views`); the views may be reused on return."""
+
+    @abc.abstractmethod
+    def recv_into(self, views: Sequence[memoryview], timeout: float | None) -> None:
+        """Receive one frame into `views` (their total size is the frame's size)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Close both directions; idempotent."""
+
+
+class Listener(abc.ABC):
+    address: str  # what a sender passes to `Backend.connect`
+
+    @abc.abstractmethod
+    def accept(self, timeout: float | None) -> Channel | None:
+        """The next incoming channel, or None when the listener was closed (or timed out)."""
+
+    @abc.abstractmethod
+    def close(self) -> None: ...
+
+
+class Backend(abc.ABC):
+    name: str
+
+    @abc.abstractmethod
+    def listen(self, host: str, port: int) -> Listener: ...
+
+    @abc.abstractmethod
+    def connect(self, address: str, timeout: float) -> Channel: ...
+
+
+BACKENDS = ("ucxx", "tcp", "local")
+
+
+def get_backend(name: str) -> Backend:
+    """The backend called `name`; "auto" is ucxx when it imports, else tcp — with a warning
+    that says why. A backend asked for by name that cannot run raises
+    `BackendUnavailableError` here, at startup: there is no silent fallback."""
+    from transport.errors import BackendUnavailableError
+
+    if name == "auto":
+        return _auto()
+    if name == "tcp":
+        from transport.tcp import TcpBackend
+
+        return TcpBackend()
+    if name == "local":
+        from transport.local import LocalBackend
+
+        return LocalBackend()
+    if name == "ucxx":
+        from transport.ucxx_backend import UcxxBackend
+
+        return UcxxBackend()
+    raise BackendUnavailableError(name, f"unknown backend; choose one of {', '.join(BACKENDS)} or auto")
+
+
+def _auto() -> Backend:
+    import logging
+
+    from transport.errors import BackendUnavailableError
+
+    try:
+        return get_backend("ucxx")
+    except BackendUnavailableError as e:
+        logging.getLogger("halfmoon.transport").warning(
+            "KV transport: %s -- using the tcp backend (pass --kv-transport tcp to silence this, "
+            "or install ucxx-cu12 for UCX)", e)
+        return get_backend("tcp")

@@ -1,0 +1,49 @@
+"""Fault injection for tests and drills: flip one bit of chosen transfer units on the wire.
+
+    faults = FaultInjector()
+    faults.corrupt_next(request_id="r1", layer=3)   # the next matching unit goes out corrupted
+    sender = KVSender(..., faults=faults)
+
+The sender computes the checksum over the true bytes and sends a copy with one bit flipped, as a
+broken NIC or DMA would; the receiver must detect it and never use the data.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class _Rule:
+    request_id: str | None
+    layer: int | None
+    remaining: int
+
+
+class FaultInjector:
+    def __init__(self) -> None:
+        self._rules: list[_Rule] = []
+        self._lock = threading.Lock()
+        self.injected = 0
+
+    def corrupt_next(self, request_id: str | None = None, layer: int | None = None, times: int = 1) -> None:
+        """Corrupt the next `times` units matching (None matches anything)."""
+        with self._lock:
+            self._rules.append(_Rule(request_id, layer, times))
+
+    def should_corrupt(self, request_id: str, layer: int) -> bool:
+        with self._lock:
+            for rule in self._rules:
+                if rule.remaining and rule.request_id in (None, request_id) and rule.layer in (None, layer):
+                    rule.remaining -= 1
+                    self.injected += 1
+                    return True
+        return False
+
+
+def flip_one_bit(view: memoryview) -> memoryview:
+    """A corrupted copy of `view`: bit 0 of its middle byte flipped."""
+    data = bytearray(view)
+    data[len(data) // 2] ^= 1
+    return memoryview(data)

@@ -1,0 +1,65 @@
+"""Byte streams made of many views: cutting them into frames, copying, checksumming.
+
+A transfer unit's payload is a list of memoryviews (see `layout.KVBytes.views`); both ends cut
+the same byte stream into frames of at most `max_bytes` at the same offsets, whatever their own
+view boundaries, so a message-based backend (ucxx) matches one send to one receive:
+
+    views:  |---- a ----|-- b --|------------ c ------------|
+    frames: |<- frame 0 (max) ->|<- frame 1 (max) ->|<- 2 ->|
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import xxhash
+
+View = memoryview
+
+
+def total_bytes(views: Sequence[View]) -> int:
+    return sum(v.nbytes for v in views)
+
+
+def split_frames(views: Sequence[View], max_bytes: int) -> Iterator[list[View]]:
+    """Yield frames (lists of views) of exactly `max_bytes`, the last one shorter."""
+    frame: list[View] = []
+    room = max_bytes
+    for v in views:
+        while v.nbytes:
+            take = min(room, v.nbytes)
+            frame.append(v[:take])
+            v = v[take:]
+            room -= take
+            if room == 0:
+                yield frame
+                frame, room = [], max_bytes
+    if frame:
+        yield frame
+
+
+def copy_views(src: Sequence[View], dst: Sequence[View]) -> None:
+    """Copy a byte stream between two view lists with different boundaries (same total)."""
+    if total_bytes(src) != total_bytes(dst):
+        raise ValueError(f"copy of {total_bytes(src)} bytes into {total_bytes(dst)}")
+    it = iter(dst)
+    out = np.frombuffer(next(it), np.uint8) if dst else None
+    pos = 0
+    for s in src:
+        a = np.frombuffer(s, np.uint8)
+        while a.size:
+            assert out is not None
+            if pos == out.size:
+                out, pos = np.frombuffer(next(it), np.uint8), 0
+            n = min(a.size, out.size - pos)
+            out[pos : pos + n] = a[:n]
+            a, pos = a[n:], pos + n
+
+
+def checksum(views: Sequence[View]) -> int:
+    """xxh3-64 of the concatenated views (~19 GB/s here, a few % of a transfer's time)."""
+    h = xxhash.xxh3_64()
+    for v in views:
+        h.update(v)
+    return h.intdigest()

@@ -1,0 +1,95 @@
+"""What both ends of a KV transfer must agree on, and the byte views of a layer's blocks.
+
+The device KV tensor is `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (DESIGN.md).
+For one layer, each of K and V holds a block as one contiguous slab of
+`block_size * kv_heads * head_dim * itemsize` bytes. A transfer unit (request, layer, block ids)
+travels as the byte stream
+
+    | K slab of ids[0] | K slab of ids[1] | ... | V slab of ids[0] | ... | V slab of ids[n-1] |
+
+Sender and receiver cut that stream into views of their *own* tensors (their block ids differ);
+runs of consecutive ids become one view, so a fresh, unfragmented pool moves as a few large views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from transport.errors import ProtocolError
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The handshake compares every field; a mismatch names the first one that differs."""
+
+    fingerprint: str  # the model fingerprint (engine.model_config): same weights, same KV
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # canonical torch dtype name, e.g. "float32", "bfloat16"
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor, fingerprint: str) -> KVLayout:
+        layers, two, _, block_size, heads, head_dim = kv_cache.shape
+        if two != 2:
+            raise ValueError(f"expected a [layers, 2, blocks, block_size, heads, head_dim] KV tensor, got {tuple(kv_cache.shape)}")
+        return cls(fingerprint, layers, block_size, heads, head_dim, str(kv_cache.dtype).removeprefix("torch."))
+
+    @property
+    def itemsize(self) -> int:
+        return torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def slab_bytes(self) -> int:
+        """Bytes of one block of K (or V) in one layer."""
+        return self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    def unit_bytes(self, num_blocks: int) -> int:
+        """Payload bytes of a transfer unit of `num_blocks` blocks (K and V)."""
+        return 2 * num_blocks * self.slab_bytes
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class KVBytes:
+    """A byte-level view of a KV tensor: `[layers, 2, num_blocks, slab_bytes]` uint8, no copy."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
+            raise ValueError("the KV tensor must be a contiguous CPU tensor")
+        layers, _, num_blocks = kv_cache.shape[:3]
+        self.tensor = kv_cache  # keeps the storage alive as long as the views
+        self.array: np.ndarray = kv_cache.view(torch.uint8).numpy().reshape(layers, 2, num_blocks, -1)
+        self.num_layers = layers
+        self.num_blocks = num_blocks
+
+    def views(self, layer: int, block_ids: Sequence[int]) -> list[memoryview]:
+        """K then V slabs of `block_ids` in layer `layer`, one view per run of consecutive ids."""
+        self._check(layer, block_ids)
+        runs = _runs(block_ids)
+        arr = self.array
+        return [memoryview(arr[layer, kv, start:stop]).cast("B") for kv in (0, 1) for start, stop in runs]
+
+    def _check(self, layer: int, block_ids: Sequence[int]) -> None:
+        if not 0 <= layer < self.num_layers:
+            raise ProtocolError(f"layer {layer} is not in 0..{self.num_layers - 1}")
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise ProtocolError(f"block id {b} is not in 0..{self.num_blocks - 1}")
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, stop) runs of consecutive ids, in order: [3, 4, 5, 9] -> [(3, 6), (9, 10)]."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], b + 1)
+        else:
+            runs.append((b, b + 1))
+    return runs

@@ -1,0 +1,178 @@
+"""Wire format: every message is a fixed-size header frame, then an optional body frame, then
+(for a transfer unit) the payload frames.
+
+    header (48 B) = magic "HMKV" | kind u8 | pad | layer u32 | body_len u32 | num_blocks u32
+                    | payload_len u64 | checksum u64 | count u64
+    body          = UNIT: int32 block ids + request id (utf-8); others: a JSON object
+
+Connection setup (the receiver listens, the sender connects):
+
+    receiver -> CHALLENGE {nonce}
+    sender   -> HELLO {version, layout, mac = HMAC-SHA256(secret, nonce | layout)}
+    receiver -> ACCEPT | REFUSE {field, message}
+
+Then the sender streams UNIT (request, layer, destination block ids, payload, checksum), DONE
+(request, number of units, metadata such as the first token) and CANCEL; the receiver answers
+each DONE with a RESULT {ok | error}.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from transport.channel import Channel
+from transport.errors import HandshakeError, ProtocolError
+from transport.layout import KVLayout
+
+PROTOCOL_VERSION = 1
+MAGIC = b"HMKV"
+_HEADER = struct.Struct("<4sB3xIIIQQQ")
+HEADER_BYTES = _HEADER.size
+MAX_BODY_BYTES = 1 << 24  # a unit of 4M block ids; anything larger is a broken peer
+# Payload frames: both ends cut a unit at the same offsets (see frames.split_frames).
+FRAME_BYTES = 16 << 20
+
+
+class Kind(enum.IntEnum):
+    CHALLENGE = 1
+    HELLO = 2
+    ACCEPT = 3
+    REFUSE = 4
+    UNIT = 5
+    DONE = 6
+    CANCEL = 7
+    RESULT = 8
+
+
+@dataclass(slots=True)
+class Header:
+    kind: Kind
+    layer: int = 0
+    body_len: int = 0
+    num_blocks: int = 0
+    payload_len: int = 0
+    checksum: int = 0
+    count: int = 0
+
+    def pack_into(self, buf: bytearray) -> memoryview:
+        _HEADER.pack_into(buf, 0, MAGIC, self.kind, self.layer, self.body_len, self.num_blocks,
+                          self.payload_len, self.checksum, self.count)
+        return memoryview(buf)[:HEADER_BYTES]
+
+    @classmethod
+    def unpack(cls, buf: bytes | bytearray | memoryview) -> Header:
+        magic, kind, layer, body_len, num_blocks, payload_len, check, count = _HEADER.unpack_from(buf)
+        if magic != MAGIC:
+            raise HandshakeError("protocol", f"the peer does not speak the Halfmoon KV protocol (magic {magic!r})")
+        try:
+            kind = Kind(kind)
+        except ValueError as e:
+            raise ProtocolError(f"unknown message kind {kind}") from e
+        if body_len > MAX_BODY_BYTES:
+            raise ProtocolError(f"message body of {body_len} bytes exceeds {MAX_BODY_BYTES}")
+        return cls(kind, layer, body_len, num_blocks, payload_len, check, count)
+
+
+# ---------------------------------------------------------------- bodies
+
+
+def unit_body(request_id: str, block_ids: Sequence[int]) -> bytes:
+    return np.asarray(block_ids, dtype="<i4").tobytes() + request_id.encode()
+
+
+def parse_unit_body(body: bytes, num_blocks: int) -> tuple[str, list[int]]:
+    ids_len = 4 * num_blocks
+    if len(body) < ids_len:
+        raise ProtocolError(f"unit body of {len(body)} bytes cannot hold {num_blocks} block ids")
+    ids = np.frombuffer(body, dtype="<i4", count=num_blocks).tolist()
+    return body[ids_len:].decode(), ids
+
+
+def json_body(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def parse_json(body: bytes) -> dict:
+    try:
+        obj = json.loads(body)
+    except ValueError as e:
+        raise ProtocolError(f"malformed JSON body: {e}") from e
+    if not isinstance(obj, dict):
+        raise ProtocolError("JSON body is not an object")
+    return obj
+
+
+# ---------------------------------------------------------------- handshake
+
+
+def hello(layout: KVLayout, nonce: bytes, secret: bytes | None) -> dict:
+    msg = {"version": PROTOCOL_VERSION, "layout": layout.as_dict()}
+    msg["mac"] = _mac(secret, nonce, msg) if secret is not None else None
+    return msg
+
+
+def check_hello(msg: dict, layout: KVLayout, nonce: bytes, secret: bytes | None) -> None:
+    """Raise `HandshakeError(field, ...)` naming the first thing that differs."""
+    version = msg.get("version")
+    if version != PROTOCOL_VERSION:
+        raise HandshakeError("version", f"sender speaks protocol {version}, this receiver {PROTOCOL_VERSION}")
+    _check_secret(msg, nonce, secret)
+    theirs = msg.get("layout")
+    if not isinstance(theirs, dict):
+        raise HandshakeError("protocol", "hello carries no KV layout")
+    for name, mine in layout.as_dict().items():
+        if theirs.get(name) != mine:
+            raise HandshakeError(name, f"sender has {name}={theirs.get(name)!r}, receiver has {mine!r}")
+
+
+def _check_secret(msg: dict, nonce: bytes, secret: bytes | None) -> None:
+    mac = msg.get("mac")
+    if secret is None:
+        if mac is not None:
+            raise HandshakeError("secret", "the sender uses a shared secret but this receiver has none configured")
+        return
+    if not isinstance(mac, str):
+        raise HandshakeError("secret", "this receiver requires a shared secret and the sender sent none")
+    unsigned = {k: v for k, v in msg.items() if k != "mac"}
+    if not hmac.compare_digest(mac, _mac(secret, nonce, unsigned)):
+        raise HandshakeError("secret", "the shared secrets differ")
+
+
+def _mac(secret: bytes, nonce: bytes, msg: dict) -> str:
+    return hmac.new(secret, nonce + json_body(msg), hashlib.sha256).hexdigest()
+
+
+# ---------------------------------------------------------------- messages on a channel
+
+
+def send_msg(channel: Channel, header: Header, body: bytes, timeout: float) -> None:
+    """Header frame, then the body frame if there is one (payload frames are the caller's)."""
+    header.body_len = len(body)
+    buf = bytearray(HEADER_BYTES)
+    channel.sendv([header.pack_into(buf)], timeout)
+    if body:
+        channel.sendv([memoryview(body)], timeout)
+
+
+def recv_msg(channel: Channel, timeout: float | None, body_timeout: float) -> tuple[Header, bytes]:
+    """Wait up to `timeout` (None: forever) for a message to start; its body then has
+    `body_timeout`."""
+    buf = bytearray(HEADER_BYTES)
+    channel.recv_into([memoryview(buf)], timeout)
+    header = Header.unpack(buf)
+    body = bytearray(header.body_len)
+    if body:
+        channel.recv_into([memoryview(body)], body_timeout)
+    return header, bytes(body)
+
+
+def send_json(channel: Channel, kind: Kind, obj: object, timeout: float, count: int = 0) -> None:
+    send_msg(channel, Header(kind, count=count), json_body(obj), timeout)

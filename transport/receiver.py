@@ -1,0 +1,339 @@
+"""The decode side of a KV transfer: listens, checks each sender's handshake, receives transfer
+units straight into the reserved blocks of the local KV tensor, verifies their checksums, and
+tells `wait()` when a request's transfer is complete.
+
+    receiver = KVReceiver(kv_cache, layout, get_backend("tcp")).start()
+    receiver.expect("r1", reserved_block_ids)     # before the sender starts pushing
+    result = receiver.wait("r1", timeout=30)      # every unit in and verified, or an exception
+
+Invariant: once `wait()` or `cancel()` has returned, no byte for that request will be written to
+the KV tensor again, so the caller may free (or use) the blocks. Units of unknown, cancelled or
+failed requests are drained into a scratch buffer, never into the KV tensor. A unit that fails its
+checksum fails the request: its blocks are freed by the caller, never joined to a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from transport.channel import Backend, Channel
+from transport.errors import (
+    ChecksumError,
+    HandshakeError,
+    PeerLostError,
+    ProtocolError,
+    TransferCancelledError,
+    TransferTimeoutError,
+    TransportError,
+)
+from transport.frames import checksum, split_frames
+from transport.layout import KVBytes, KVLayout
+from transport.protocol import (
+    FRAME_BYTES,
+    Header,
+    Kind,
+    check_hello,
+    parse_json,
+    parse_unit_body,
+    recv_msg,
+    send_json,
+)
+
+log = logging.getLogger("halfmoon.transport")
+_OUTCOMES_KEPT = 1024
+
+
+@dataclass(slots=True)
+class TransferResult:
+    request_id: str
+    meta: dict  # what the sender attached to DONE (e.g. the first token)
+    num_units: int
+    num_bytes: int
+
+
+@dataclass(slots=True)
+class ReceiverStats:
+    units: int = 0
+    bytes: int = 0
+    checksum_failures: int = 0
+    refused: int = 0  # handshakes refused
+    peers_lost: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Expected:
+    request_id: str
+    blocks: frozenset[int]
+    state: str = "pending"  # pending -> done | failed
+    error: TransportError | None = None
+    busy: bool = False  # a unit is being written into our blocks right now
+    channel: Channel | None = None
+    units: int = 0
+    bytes: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+class KVReceiver:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, backend: Backend,
+                 host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
+                 timeout: float = 30.0) -> None:
+        """`timeout` bounds every wait inside a message (handshake, body, payload frames)."""
+        self.kv = KVBytes(kv_cache)
+        self.layout = layout
+        self.backend = backend
+        self.secret = secret
+        self.timeout = timeout
+        self.stats = ReceiverStats()
+        self._listener = backend.listen(host, port)
+        self.address = self._listener.address
+        self._expected: dict[str, _Expected] = {}
+        self._outcomes: OrderedDict[str, _Expected] = OrderedDict()  # recently forgotten requests
+        self._cond = threading.Condition()
+        self._channels: set[Channel] = set()
+        self._closed = False
+        self._scratch = memoryview(bytearray(min(FRAME_BYTES, 1 << 20)))
+        self._threads: list[threading.Thread] = []
+
+    def start(self) -> KVReceiver:
+        t = threading.Thread(target=self._accept_loop, name="kv-receiver-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return self
+
+    # ------------------------------------------------------------------ the caller's verbs
+
+    def expect(self, request_id: str, block_ids: list[int]) -> None:
+        """Allow units of `request_id` to write into `block_ids` (and nowhere else)."""
+        self.kv._check(0, block_ids)
+        with self._cond:
+            if request_id in self._expected:
+                raise ProtocolError(f"request {request_id!r} is already expected")
+            self._expected[request_id] = _Expected(request_id, frozenset(block_ids))
+
+    def wait(self, request_id: str, timeout: float) -> TransferResult:
+        """Block until every unit of the request arrived and verified; raises the transfer's
+        error (ChecksumError, PeerLostError, TransferCancelledError, ProtocolError) or
+        TransferTimeoutError. Either way the request is forgotten and its blocks are the
+        caller's again."""
+        with self._cond:
+            exp = self._get(request_id)
+            if not self._cond.wait_for(lambda: exp.state != "pending", timeout):
+                self._fail(exp, TransferTimeoutError(
+                    f"request {request_id!r}: transfer incomplete after {timeout:.1f}s ({exp.units} units in)"))
+            self._forget(exp)
+        if exp.error is not None:
+            raise exp.error
+        return TransferResult(request_id, exp.meta, exp.units, exp.bytes)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop accepting units for the request; returns once none is being written."""
+        with self._cond:
+            exp = self._expected.get(request_id)
+            if exp is None:
+                return
+            self._fail(exp, TransferCancelledError(f"request {request_id!r} was cancelled by the receiver"))
+            self._forget(exp)
+
+    def pending(self) -> list[str]:
+        with self._cond:
+            return sorted(self._expected)
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            channels = list(self._channels)
+        self._listener.close()
+        for ch in channels:
+            ch.close()
+        for t in self._threads:
+            t.join(timeout=5)
+
+    # ------------------------------------------------------------------ bookkeeping (lock held)
+
+    def _get(self, request_id: str) -> _Expected:
+        exp = self._expected.get(request_id)
+        if exp is None:
+            raise ProtocolError(f"request {request_id!r} is not expected here")
+        return exp
+
+    def _fail(self, exp: _Expected, error: TransportError) -> None:
+        if exp.state == "pending":
+            exp.state, exp.error = "failed", error
+            self._cond.notify_all()
+
+    def _forget(self, exp: _Expected) -> None:
+        """Drop the request once no unit writes into its blocks (a unit in flight ends within
+        its frame timeout: written, drained or failed)."""
+        self._cond.wait_for(lambda: not exp.busy)
+        self._expected.pop(exp.request_id, None)
+        self._outcomes[exp.request_id] = exp  # so a later DONE gets the real reason
+        while len(self._outcomes) > _OUTCOMES_KEPT:
+            self._outcomes.popitem(last=False)
+
+    # ------------------------------------------------------------------ connections
+
+    def _accept_loop(self) -> None:
+        while True:
+            channel = self._listener.accept(timeout=None)
+            if channel is None:
+                return
+            with self._cond:
+                if self._closed:
+                    channel.close()
+                    return
+                self._channels.add(channel)
+            t = threading.Thread(target=self._serve, args=(channel,), name=f"kv-receiver-{channel.peer}",
+                                 daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _serve(self, channel: Channel) -> None:
+        try:
+            self._handshake(channel)
+            while True:
+                header, body = recv_msg(channel, None, self.timeout)
+                self._dispatch(channel, header, body)
+        except HandshakeError as e:
+            self.stats.refused += 1
+            log.warning("refused a KV sender from %s: %s", channel.peer, e)
+        except TransportError as e:
+            self._lost(channel, e)
+        finally:
+            channel.close()
+            with self._cond:
+                self._channels.discard(channel)
+
+    def _handshake(self, channel: Channel) -> None:
+        nonce = os.urandom(16)
+        send_json(channel, Kind.CHALLENGE, {"nonce": nonce.hex()}, self.timeout)
+        header, body = recv_msg(channel, self.timeout, self.timeout)
+        if header.kind is not Kind.HELLO:
+            raise HandshakeError("protocol", f"expected HELLO, got {header.kind.name}")
+        try:
+            check_hello(parse_json(body), self.layout, nonce, self.secret)
+        except HandshakeError as e:
+            send_json(channel, Kind.REFUSE, {"field": e.field, "message": e.message}, self.timeout)
+            raise
+        send_json(channel, Kind.ACCEPT, {}, self.timeout)
+
+    def _lost(self, channel: Channel, error: TransportError) -> None:
+        """The channel broke: every request it was feeding fails with that error."""
+        with self._cond:
+            closing = self._closed
+            fed = [e for e in self._expected.values() if e.channel is channel and e.state == "pending"]
+            for exp in fed:
+                self._fail(exp, error if isinstance(error, PeerLostError) else PeerLostError(str(error)))
+        if closing or not fed:  # a sender that hangs up between transfers is no news
+            log.debug("KV sender %s disconnected (%s)", channel.peer, error)
+            return
+        self.stats.peers_lost += 1
+        log.warning("KV sender %s lost (%s); %d transfer(s) failed", channel.peer, error, len(fed))
+
+    def _dispatch(self, channel: Channel, header: Header, body: bytes) -> None:
+        if header.kind is Kind.UNIT:
+            self._receive_unit(channel, header, body)
+        elif header.kind is Kind.DONE:
+            self._complete(channel, header, parse_json(body))
+        elif header.kind is Kind.CANCEL:
+            self._sender_cancelled(str(parse_json(body).get("request_id")))
+        else:
+            raise ProtocolError(f"unexpected {header.kind.name} from a sender")
+
+    # ------------------------------------------------------------------ units
+
+    def _receive_unit(self, channel: Channel, header: Header, body: bytes) -> None:
+        request_id, ids = parse_unit_body(body, header.num_blocks)
+        exp = self._claim(channel, request_id, header.layer, ids, header.payload_len)
+        if exp is None:
+            self._drain(channel, header.payload_len)
+            return
+        try:
+            views = self.kv.views(header.layer, ids)
+            for frame in split_frames(views, FRAME_BYTES):
+                channel.recv_into(frame, self.timeout)
+            actual = checksum(views)
+        finally:
+            with self._cond:
+                exp.busy = False
+                self._cond.notify_all()
+        self._verified(exp, header, actual)
+
+    def _claim(self, channel: Channel, request_id: str, layer: int, ids: list[int],
+               payload_len: int) -> _Expected | None:
+        """The request's record, marked busy, when this unit may be written; else None (drain)."""
+        with self._cond:
+            exp = self._expected.get(request_id)
+            if exp is None or exp.state != "pending":
+                return None
+            exp.channel = channel
+            if not exp.blocks.issuperset(ids) or not 0 <= layer < self.layout.num_layers:
+                self._fail(exp, ProtocolError(
+                    f"request {request_id!r}: unit for layer {layer} writes blocks it did not reserve"))
+                return None
+            if payload_len != self.layout.unit_bytes(len(ids)):
+                self._fail(exp, ProtocolError(
+                    f"request {request_id!r}: unit of {len(ids)} blocks carries {payload_len} bytes, "
+                    f"expected {self.layout.unit_bytes(len(ids))}"))
+                return None
+            exp.busy = True
+            return exp
+
+    def _verified(self, exp: _Expected, header: Header, actual: int) -> None:
+        with self._cond:
+            if actual != header.checksum:
+                self.stats.checksum_failures += 1
+                log.error("KV unit of request %r layer %d failed its checksum; the transfer is failed",
+                          exp.request_id, header.layer)
+                self._fail(exp, ChecksumError(exp.request_id, header.layer, header.checksum, actual))
+                return
+            exp.units += 1
+            exp.bytes += header.payload_len
+            self.stats.units += 1
+            self.stats.bytes += header.payload_len
+
+    def _drain(self, channel: Channel, nbytes: int) -> None:
+        while nbytes:
+            n = min(nbytes, self._scratch.nbytes)
+            channel.recv_into([self._scratch[:n]], self.timeout)
+            nbytes -= n
+
+    # ------------------------------------------------------------------ completion
+
+    def _complete(self, channel: Channel, header: Header, msg: dict) -> None:
+        request_id = str(msg.get("request_id"))
+        with self._cond:
+            exp = self._expected.get(request_id)
+            if exp is not None and exp.state == "pending":
+                if exp.units == header.count:
+                    exp.state, exp.meta = "done", dict(msg.get("meta") or {})
+                    self._cond.notify_all()
+                else:
+                    self._fail(exp, ProtocolError(
+                        f"request {request_id!r}: sender sent {header.count} units, {exp.units} arrived"))
+            reply = _result(request_id, exp if exp is not None else self._outcomes.get(request_id))
+        send_json(channel, Kind.RESULT, reply, self.timeout)
+
+    def _sender_cancelled(self, request_id: str) -> None:
+        with self._cond:
+            exp = self._expected.get(request_id)
+            if exp is not None:
+                self._fail(exp, TransferCancelledError(f"request {request_id!r} was cancelled by the sender"))
+
+
+def _result(request_id: str, exp: _Expected | None) -> dict:
+    if exp is None:
+        return {"request_id": request_id, "ok": False, "error": {
+            "type": "TransferCancelledError", "message": f"request {request_id!r} is not expected (cancelled?)"}}
+    if exp.state == "done":
+        return {"request_id": request_id, "ok": True}
+    err = exp.error
+    detail: dict = {"type": type(err).__name__, "message": str(err)}
+    if isinstance(err, ChecksumError):
+        detail.update(layer=err.layer, expected=err.expected, actual=err.actual)
+    return {"request_id": request_id, "ok": False, "error": detail}

@@ -1,0 +1,347 @@
+"""The prefill side of a KV transfer: one connection to one receiver, a sender thread that
+streams transfer units straight from the local KV tensor, and a bound on in-flight bytes.
+
+    sender = KVSender(kv_cache, layout, backend, receiver_address)   # connect + handshake
+    stream = sender.open("r1", dst_block_ids)
+    stream.send_layer(layer, src_ids, dst_ids)  # returns at once (blocks only on backpressure)
+    stream.finish({"first_token": 42})          # after the last unit
+    stream.wait(timeout=30)                      # the receiver verified everything, or raises
+
+`send_layer` only queues: the bytes are read from the KV tensor by the sender thread, so the
+caller must not overwrite those blocks until `stream.wait()` (or `stream.flush()`) returns.
+Queued + sending bytes never exceed `max_inflight_bytes`: a slow receiver makes `send_layer`
+wait (up to the timeout), never grows memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from transport.channel import Backend, Channel
+from transport.errors import (
+    ChecksumError,
+    HandshakeError,
+    PeerLostError,
+    ProtocolError,
+    TransferCancelledError,
+    TransferTimeoutError,
+    TransportError,
+)
+from transport.faults import FaultInjector, flip_one_bit
+from transport.frames import checksum, split_frames
+from transport.layout import KVBytes, KVLayout
+from transport.protocol import (
+    FRAME_BYTES,
+    Header,
+    Kind,
+    hello,
+    json_body,
+    parse_json,
+    recv_msg,
+    send_json,
+    send_msg,
+    unit_body,
+)
+
+log = logging.getLogger("halfmoon.transport")
+
+
+@dataclass(slots=True)
+class SenderStats:
+    units: int = 0
+    bytes: int = 0
+    peak_inflight_bytes: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    kind: Kind  # UNIT, DONE or CANCEL
+    stream: PushStream
+    layer: int = 0
+    src: Sequence[int] = ()
+    dst: Sequence[int] = ()
+    nbytes: int = 0
+    meta: dict | None = None
+    count: int = 0
+
+
+class PushStream:
+    """One request's transfer to the sender's peer."""
+
+    def __init__(self, sender: KVSender, request_id: str, dst_block_ids: Sequence[int]) -> None:
+        self.sender = sender
+        self.request_id = request_id
+        self.dst_block_ids = list(dst_block_ids)
+        self.units_submitted = 0
+        self.units_sent = 0
+        self.finished = False
+        self.cancelled = False
+        self.error: TransportError | None = None
+        self._done = threading.Event()
+
+    def send_layer(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int]) -> None:
+        """Queue layer `layer` of blocks `src_ids` (local) for blocks `dst_ids` (the peer's)."""
+        if len(src_ids) != len(dst_ids):
+            raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destination blocks")
+        if not src_ids:
+            return
+        self._check_open()
+        nbytes = self.sender.layout.unit_bytes(len(src_ids))
+        self.sender._submit(_Job(Kind.UNIT, self, layer, list(src_ids), list(dst_ids), nbytes))
+        self.units_submitted += 1
+
+    def finish(self, meta: dict | None = None) -> None:
+        """No more units; `meta` (JSON-able) reaches the receiver's `wait()` result."""
+        self._check_open()
+        self.finished = True
+        self.sender._submit(_Job(Kind.DONE, self, meta=meta or {}, count=self.units_submitted))
+
+    def cancel(self) -> None:
+        """Drop queued units and tell the receiver; `wait()` then raises TransferCancelledError."""
+        if self._done.is_set():
+            return
+        self.cancelled = True
+        self.sender._cancel(self)
+
+    def flush(self, timeout: float) -> None:
+        """Block until every queued unit has left (its source blocks may be reused)."""
+        self.sender._flush(self, timeout)
+
+    def wait(self, timeout: float) -> None:
+        """Block until the receiver confirmed (raises its error, or TransferTimeoutError)."""
+        if not self._done.wait(timeout):
+            raise TransferTimeoutError(f"request {self.request_id!r}: no confirmation from "
+                                       f"{self.sender.address} within {timeout:.1f}s")
+        if self.error is not None:
+            raise self.error
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def _check_open(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.finished or self.cancelled:
+            raise ProtocolError(f"request {self.request_id!r}: the stream is already finished or cancelled")
+
+    def _resolve(self, error: TransportError | None) -> None:
+        if not self._done.is_set():
+            self.error = error
+            self._done.set()
+
+
+class KVSender:
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, backend: Backend, address: str,
+                 secret: bytes | None = None, timeout: float = 30.0,
+                 max_inflight_bytes: int = 256 << 20, faults: FaultInjector | None = None) -> None:
+        """Connects and handshakes at once (raises HandshakeError naming the differing field)."""
+        self.kv = KVBytes(kv_cache)
+        self.layout = layout
+        self.address = address
+        self.timeout = timeout
+        self.max_inflight_bytes = max_inflight_bytes
+        self.faults = faults
+        self.stats = SenderStats()
+        self.channel = backend.connect(address, timeout)
+        try:
+            self._handshake(secret)
+        except BaseException:
+            self.channel.close()
+            raise
+        self._jobs: deque[_Job] = deque()
+        self._streams: dict[str, PushStream] = {}
+        self._inflight = 0
+        self._cond = threading.Condition()
+        self._broken: TransportError | None = None
+        self._closing = False
+        self._current: _Job | None = None  # the job the sender thread is sending
+        self._threads = [threading.Thread(target=fn, name=f"kv-sender-{name}", daemon=True)
+                         for fn, name in ((self._send_loop, "send"), (self._result_loop, "results"))]
+        for t in self._threads:
+            t.start()
+
+    def _handshake(self, secret: bytes | None) -> None:
+        header, body = recv_msg(self.channel, self.timeout, self.timeout)
+        if header.kind is not Kind.CHALLENGE:
+            raise HandshakeError("protocol", f"expected CHALLENGE, got {header.kind.name}")
+        nonce = bytes.fromhex(str(parse_json(body).get("nonce", "")))
+        send_json(self.channel, Kind.HELLO, hello(self.layout, nonce, secret), self.timeout)
+        header, body = recv_msg(self.channel, self.timeout, self.timeout)
+        if header.kind is Kind.REFUSE:
+            msg = parse_json(body)
+            raise HandshakeError(str(msg.get("field")), str(msg.get("message")))
+        if header.kind is not Kind.ACCEPT:
+            raise HandshakeError("protocol", f"expected ACCEPT, got {header.kind.name}")
+
+    # ------------------------------------------------------------------ the caller's verbs
+
+    def open(self, request_id: str, dst_block_ids: Sequence[int]) -> PushStream:
+        with self._cond:
+            if self._broken is not None:
+                raise self._broken
+            if request_id in self._streams:
+                raise ProtocolError(f"request {request_id!r} already has an open stream")
+            stream = self._streams[request_id] = PushStream(self, request_id, dst_block_ids)
+        return stream
+
+    @property
+    def inflight_bytes(self) -> int:
+        return self._inflight
+
+    @property
+    def broken(self) -> TransportError | None:
+        return self._broken
+
+    def close(self) -> None:
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self.channel.close()
+        for t in self._threads:
+            t.join(timeout=5)
+        self._fail_all(PeerLostError(f"sender to {self.address} was closed"))
+
+    # ------------------------------------------------------------------ queue
+
+    def _submit(self, job: _Job) -> None:
+        """Queue a job; waits (up to the timeout) while the in-flight budget is used up."""
+        with self._cond:
+            fits = lambda: (self._broken is not None or self._inflight == 0  # noqa: E731
+                            or self._inflight + job.nbytes <= self.max_inflight_bytes)
+            if not self._cond.wait_for(fits, self.timeout):
+                raise TransferTimeoutError(
+                    f"backpressure: {self._inflight} bytes still in flight to {self.address} "
+                    f"after {self.timeout:.1f}s (the receiver is not keeping up)")
+            if self._broken is not None:
+                raise self._broken
+            self._inflight += job.nbytes
+            self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, self._inflight)
+            self._jobs.append(job)
+            self._cond.notify_all()
+
+    def _cancel(self, stream: PushStream) -> None:
+        with self._cond:
+            dropped = [j for j in self._jobs if j.stream is stream]
+            for job in dropped:
+                self._jobs.remove(job)
+                self._inflight -= job.nbytes
+            self._jobs.append(_Job(Kind.CANCEL, stream))
+            self._cond.notify_all()
+        stream._resolve(TransferCancelledError(f"request {stream.request_id!r} was cancelled by the sender"))
+
+    def _flush(self, stream: PushStream, timeout: float) -> None:
+        with self._cond:
+            sent = lambda: (self._broken is not None  # noqa: E731
+                            or (not any(j.stream is stream and j.kind is Kind.UNIT for j in self._jobs)
+                                and self._sending_units(stream) == 0))
+            if not self._cond.wait_for(sent, timeout):
+                raise TransferTimeoutError(f"request {stream.request_id!r}: units still queued after {timeout:.1f}s")
+
+    def _sending_units(self, stream: PushStream) -> int:
+        current = self._current
+        return int(current is not None and current.stream is stream and current.kind is Kind.UNIT)
+
+    # ------------------------------------------------------------------ sender thread
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._jobs or self._closing or self._broken is not None)
+                if self._closing or self._broken is not None:
+                    return
+                job = self._current = self._jobs.popleft()
+            try:
+                self._send(job)
+            except TransportError as e:
+                self._break(e)
+                return
+            finally:
+                with self._cond:
+                    self._current = None
+                    self._inflight -= job.nbytes
+                    self._cond.notify_all()
+
+    def _send(self, job: _Job) -> None:
+        stream = job.stream
+        if job.kind is Kind.UNIT:
+            self._send_unit(job)
+            stream.units_sent += 1
+        elif job.kind is Kind.DONE:
+            body = json_body({"request_id": stream.request_id, "meta": job.meta})
+            send_msg(self.channel, Header(Kind.DONE, count=job.count), body, self.timeout)
+        else:
+            send_json(self.channel, Kind.CANCEL, {"request_id": stream.request_id}, self.timeout)
+            with self._cond:
+                self._streams.pop(stream.request_id, None)
+
+    def _send_unit(self, job: _Job) -> None:
+        views = self.kv.views(job.layer, job.src)
+        check = checksum(views)
+        if self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer):
+            views = [flip_one_bit(views[0]), *views[1:]]
+        body = unit_body(job.stream.request_id, job.dst)
+        header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes, checksum=check)
+        send_msg(self.channel, header, body, self.timeout)
+        for frame in split_frames(views, FRAME_BYTES):
+            self.channel.sendv(frame, self.timeout)
+        self.stats.units += 1
+        self.stats.bytes += job.nbytes
+
+    # ------------------------------------------------------------------ results thread
+
+    def _result_loop(self) -> None:
+        try:
+            while True:
+                header, body = recv_msg(self.channel, None, self.timeout)
+                if header.kind is not Kind.RESULT:
+                    raise ProtocolError(f"unexpected {header.kind.name} from the receiver")
+                self._on_result(parse_json(body))
+        except TransportError as e:
+            self._break(e)
+
+    def _on_result(self, msg: dict) -> None:
+        with self._cond:
+            stream = self._streams.pop(str(msg.get("request_id")), None)
+        if stream is not None:
+            stream._resolve(None if msg.get("ok") else _remote_error(stream.request_id, msg.get("error") or {}))
+
+    def _break(self, error: TransportError) -> None:
+        with self._cond:
+            if self._closing or self._broken is not None:
+                return
+            if not isinstance(error, (PeerLostError, TransferTimeoutError)):
+                error = PeerLostError(f"connection to {self.address} failed: {error}")
+            self._broken = error
+            self._inflight -= sum(j.nbytes for j in self._jobs)
+            self._jobs.clear()
+            self._cond.notify_all()
+        log.warning("KV sender to %s broke: %s", self.address, error)
+        self.channel.close()
+        self._fail_all(error)
+
+    def _fail_all(self, error: TransportError) -> None:
+        with self._cond:
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
+            stream._resolve(error)
+
+
+def _remote_error(request_id: str, err: dict) -> TransportError:
+    kind, message = err.get("type"), str(err.get("message"))
+    if kind == "ChecksumError":
+        return ChecksumError(request_id, int(err.get("layer", -1)), int(err.get("expected", 0)),
+                             int(err.get("actual", 0)))
+    if kind == "TransferCancelledError":
+        return TransferCancelledError(message)
+    if kind == "PeerLostError":
+        return PeerLostError(message)
+    return ProtocolError(f"the receiver failed the transfer: {message}")
