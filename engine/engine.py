@@ -21,6 +21,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
+from engine.kv_push import KVPush, LayerPusher
 from engine.loader import LoadedWeights, load_weights
 from engine.model import LlamaModel
 from engine.outputs import CompletionResult, RequestOutput, TextState, completion_result
@@ -38,6 +39,7 @@ from kvpool.host_tier import HostArena
 from kvpool.remote import InProcessReader, RemoteBlockReader
 from kvpool.tiered import KVTiers
 from kvpool.tiered import kv_block_bytes as kv_tier_block_bytes
+from transport.sender import PushStream
 
 
 def kv_block_bytes(lw: LoadedWeights, config: EngineConfig) -> int:
@@ -118,26 +120,78 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._live_ids: set[str] = set()  # guarded by _lock; an id is live until its final output
+        # Disaggregation, prefill side: requests whose KV is pushed layer by layer as computed,
+        # and blocks kept referenced past a request's end until its units have left.
+        self.pushes: dict[str, KVPush] = {}
+        self.pusher = LayerPusher(config.block_size)
+        self._held: list[tuple[PushStream, list[int]]] = []
 
     # ------------------------------------------------------------------ requests in
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    kv_push: PushStream | None = None) -> str:
         """Validate and queue a request; returns its id. Thread-safe.
 
         `cache_salt` isolates tenants: requests with different salts never share KV blocks.
+        `kv_push` makes it a prefill-only request (disaggregation): its KV goes layer by layer
+        into the stream's destination blocks, it ends after the first token, and the stream's
+        DONE carries that token (see `kv_push.py`; the decode side calls `add_prefilled`).
         """
         prompt_ids = as_token_ids(prompt_ids)
         self.validate(prompt_ids, params)
+        if kv_push is not None:
+            self._check_push(prompt_ids, kv_push)
+        req = self._new_request(prompt_ids, params, cache_salt)
+        with self._lock:
+            req.request_id = request_id = self._claim_id(request_id)
+            if kv_push is not None:
+                self.pushes[request_id] = KVPush(kv_push)
+            self._inbox.append(req)
+        return request_id
+
+    def add_prefilled(self, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
+                      block_ids: Sequence[int], request_id: str | None = None,
+                      cache_salt: str | None = None, generator_state: bytes | None = None) -> str:
+        """Queue a request whose prompt KV is already in `block_ids` (received from a prefill
+        worker, reserved with `reserve_blocks`) and whose first token was sampled there; it
+        joins the running batch at the next step. The blocks become the request's."""
+        prompt_ids = as_token_ids(prompt_ids)
+        self.validate(prompt_ids, params)
+        if len(block_ids) != -(-len(prompt_ids) // self.config.block_size):
+            raise InvalidRequestError("block_ids", f"{len(block_ids)} blocks for a prompt of {len(prompt_ids)} tokens")
+        req = self._new_request(prompt_ids, params, cache_salt)
+        if generator_state is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        req.token_ids.append(int(first_token))
+        req.block_table = list(block_ids)
+        req.num_computed_tokens = req.num_prompt_tokens
+        with self._lock:
+            req.request_id = request_id = self._claim_id(request_id)
+            self._inbox.append(req)
+        return request_id
+
+    def reserve_blocks(self, num_tokens: int) -> list[int]:
+        """Blocks for `num_tokens` tokens of KV arriving from a prefill worker (decode side).
+        Call from the thread that runs `step()`; hand them to `add_prefilled` or back to
+        `release_blocks`."""
+        return self.pool.allocate(-(-num_tokens // self.config.block_size))
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Return reserved blocks whose transfer failed or was cancelled (never used)."""
+        self.pool.free(block_ids)
+
+    def _new_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> Request:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         dtype = str(self.config.torch_dtype).removeprefix("torch.")  # "bf16" and "bfloat16" hash alike
         root = root_hash(self.model_config.fingerprint, dtype, self.config.block_size, cache_salt)
-        with self._lock:
-            request_id = self._claim_id(request_id)
-            req = Request(request_id, prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed),
-                          root_hash=root)
-            self._inbox.append(req)
-        return request_id
+        return Request("", prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed), root_hash=root)
+
+    def _check_push(self, prompt_ids: list[int], stream: PushStream) -> None:
+        need = -(-len(prompt_ids) // self.config.block_size)
+        if len(stream.dst_block_ids) != need:
+            raise InvalidRequestError("kv_push", f"the stream reserved {len(stream.dst_block_ids)} blocks; "
+                                      f"a prompt of {len(prompt_ids)} tokens needs {need}")
 
     def _claim_id(self, request_id: str | None) -> str:
         """Reserve a request id that no live request uses (caller holds the lock)."""
@@ -206,29 +260,89 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, postprocess. Returns the per-request progress."""
         outputs = self._drain_inbox()
+        self._release_held()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return outputs
+        self._flush_pushes(plan.preempted)
+        self.runner.layer_hook = self.pusher if self.pusher.plan(plan.scheduled, self.pushes) else None
         sampled = self.runner.run(plan.scheduled)
         now = time.perf_counter()
         for req in self.scheduler.update(plan, sampled):
             outputs.append(self._postprocess(req, now))
+        outputs.extend(self._abort_failed_pushes(now))
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
         with self._lock:
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
+        outputs = []
         for req in new:
             self._text[req.request_id] = TextState(IncrementalDetokenizer(self.tokenizer), req.params.stop)
-            self.scheduler.add(req)
-        outputs = []
+            if req.num_computed_tokens:  # prefilled elsewhere: it brings its first token
+                self.scheduler.add_prefilled(req)
+                outputs.append(self._postprocess(req, time.perf_counter()))
+            else:
+                self.scheduler.add(req)
         for request_id in aborts:
             req = self.scheduler.requests.get(request_id)
             if req is not None:
                 self._finish(req, FinishReason.ABORT, time.perf_counter())
                 outputs.append(self._output(req, [], final=True))
         return outputs
+
+    # ------------------------------------------------------------------ KV push (prefill side)
+
+    def _flush_pushes(self, preempted: list[Request]) -> None:
+        """A preempted request's blocks were just freed and may be reallocated this step: let its
+        queued units leave before the forward pass overwrites them."""
+        for req in preempted:
+            push = self.pushes.get(req.request_id)
+            if push is not None and push.error is None:
+                push.stream.flush(push.stream.sender.timeout)
+
+    def _release_held(self) -> None:
+        """Free the blocks of finished prefill-only requests whose units have all left."""
+        if not self._held:
+            return
+        keep = []
+        for stream, blocks in self._held:
+            if stream.sent:
+                self.pool.free(blocks)
+            else:
+                keep.append((stream, blocks))
+        self._held = keep
+
+    def _abort_failed_pushes(self, now: float) -> list[RequestOutput]:
+        failed = [rid for rid, push in self.pushes.items() if push.error is not None]
+        outputs = []
+        for request_id in failed:
+            req = self.scheduler.requests[request_id]
+            self._finish(req, FinishReason.ABORT, now)
+            outputs.append(self._output(req, [], final=True))
+        return outputs
+
+    def _end_push(self, req: Request, reason: FinishReason) -> None:
+        """The request ends: complete (or cancel) its stream, hold its blocks until sent."""
+        push = self.pushes.pop(req.request_id)
+        if reason is FinishReason.ABORT or push.error is not None or req.num_output_tokens == 0:
+            push.stream.cancel()
+        else:
+            push.stream.finish(self._push_meta(req))
+        if req.block_table:
+            self.pool.incref(req.block_table)
+            self._held.append((push.stream, list(req.block_table)))
+
+    @staticmethod
+    def _push_meta(req: Request) -> dict:
+        """What the decode side needs besides the KV: the first token and, for sampling, the
+        generator state (so seeded sampling continues exactly as in one process)."""
+        meta: dict = {"first_token": req.token_ids[req.num_prompt_tokens],
+                      "num_cached_tokens": req.num_cached_tokens}
+        if not req.params.greedy:
+            meta["generator_state"] = bytes(req.generator.get_state().numpy()).hex()
+        return meta
 
     def _postprocess(self, req: Request, now: float) -> RequestOutput:
         token = req.token_ids[-1]
@@ -249,10 +363,14 @@ class Engine:
             return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
+        if req.request_id in self.pushes:  # prefill-only: decoding continues on the decode side
+            return FinishReason.LENGTH
         return None
 
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         req.finish_time = now
+        if req.request_id in self.pushes:
+            self._end_push(req, reason)
         self.scheduler.finish(req, reason)
 
     def _output(self, req: Request, tokens: list[int], final: bool) -> RequestOutput:

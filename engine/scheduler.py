@@ -61,6 +61,15 @@ class Scheduler:
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
+    def add_prefilled(self, request: Request) -> None:
+        """A request whose prompt KV already sits in its block table (computed by a prefill
+        worker): it runs at once, decoding from its first token; its full prompt blocks join
+        the prefix cache like locally computed ones."""
+        request.status = RequestStatus.RUNNING
+        self.requests[request.request_id] = request
+        self.running.append(request)
+        self._register_full_blocks(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

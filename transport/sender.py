@@ -124,7 +124,13 @@ class PushStream:
 
     @property
     def done(self) -> bool:
+        """The receiver answered (or the stream failed or was cancelled)."""
         return self._done.is_set()
+
+    @property
+    def sent(self) -> bool:
+        """No unit of this stream is queued or being sent: its source blocks may be reused."""
+        return self.sender._all_sent(self)
 
     def _check_open(self) -> None:
         if self.error is not None:
@@ -237,17 +243,20 @@ class KVSender:
             self._cond.notify_all()
         stream._resolve(TransferCancelledError(f"request {stream.request_id!r} was cancelled by the sender"))
 
+    def _all_sent(self, stream: PushStream) -> bool:
+        with self._cond:
+            return self._unsent(stream) == 0
+
+    def _unsent(self, stream: PushStream) -> int:
+        """Units of `stream` queued or being sent (caller holds the lock)."""
+        current = self._current  # counted even when broken: its send may still be reading
+        sending = int(current is not None and current.stream is stream and current.kind is Kind.UNIT)
+        return sending + sum(1 for j in self._jobs if j.stream is stream and j.kind is Kind.UNIT)
+
     def _flush(self, stream: PushStream, timeout: float) -> None:
         with self._cond:
-            sent = lambda: (self._broken is not None  # noqa: E731
-                            or (not any(j.stream is stream and j.kind is Kind.UNIT for j in self._jobs)
-                                and self._sending_units(stream) == 0))
-            if not self._cond.wait_for(sent, timeout):
+            if not self._cond.wait_for(lambda: self._unsent(stream) == 0, timeout):
                 raise TransferTimeoutError(f"request {stream.request_id!r}: units still queued after {timeout:.1f}s")
-
-    def _sending_units(self, stream: PushStream) -> int:
-        current = self._current
-        return int(current is not None and current.stream is stream and current.kind is Kind.UNIT)
 
     # ------------------------------------------------------------------ sender thread
 
