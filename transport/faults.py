@@ -6,6 +6,9 @@
 
 The sender computes the checksum over the true bytes and sends a copy with one bit flipped, as a
 broken NIC or DMA would; the receiver must detect it and never use the data.
+
+A receiver given an injector with `receive_delay` sleeps that long before reading each message:
+a slow receiver, against which the sender's memory must stay bounded.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class FaultInjector:
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
         self.injected = 0
+        self.receive_delay = 0.0  # seconds a receiver waits before reading each message
 
     def corrupt_next(self, request_id: str | None = None, layer: int | None = None, times: int = 1) -> None:
         """Corrupt the next `times` units matching (None matches anything)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -32,6 +33,7 @@ from transport.errors import (
     TransferTimeoutError,
     TransportError,
 )
+from transport.faults import FaultInjector
 from transport.frames import checksum, split_frames
 from transport.layout import KVBytes, KVLayout
 from transport.protocol import (
@@ -82,7 +84,7 @@ class _Expected:
 class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, backend: Backend,
                  host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, faults: FaultInjector | None = None) -> None:
         """`timeout` bounds every wait inside a message (handshake, body, payload frames)."""
         self.kv = KVBytes(kv_cache)
         self.layout = layout
@@ -90,6 +92,7 @@ class KVReceiver:
         self.secret = secret
         self.timeout = timeout
         self.stats = ReceiverStats()
+        self.faults = faults
         self._listener = backend.listen(host, port)
         self.address = self._listener.address
         self._expected: dict[str, _Expected] = {}
@@ -197,6 +200,8 @@ class KVReceiver:
         try:
             self._handshake(channel)
             while True:
+                if self.faults is not None and self.faults.receive_delay:
+                    time.sleep(self.faults.receive_delay)
                 header, body = recv_msg(channel, None, self.timeout)
                 self._dispatch(channel, header, body)
         except HandshakeError as e:
