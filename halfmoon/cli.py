@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (each measures its baseline in the same run)")
-    bench.add_argument("name", choices=["engine", "linear", "kvpool"], help="which benchmark")
+    bench.add_argument("name", choices=["engine", "linear", "kvpool", "transport"], help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
 
@@ -57,6 +57,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench import linear_bench
 
         return linear_bench.main(args.rest)
+    if args.name == "transport":
+        from bench import transport_bench
+
+        return transport_bench.main(args.rest)
     if args.name == "kvpool":
         from bench import kvpool_bench
 

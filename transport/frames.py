@@ -57,9 +57,14 @@ def copy_views(src: Sequence[View], dst: Sequence[View]) -> None:
             a, pos = a[n:], pos + n
 
 
+def new_hash() -> xxhash.xxh3_64:
+    """The transfer checksum: xxh3-64, fed frame by frame (~19 GB/s here)."""
+    return xxhash.xxh3_64()
+
+
 def checksum(views: Sequence[View]) -> int:
-    """xxh3-64 of the concatenated views (~19 GB/s here, a few % of a transfer's time)."""
-    h = xxhash.xxh3_64()
+    """xxh3-64 of the concatenated views."""
+    h = new_hash()
     for v in views:
         h.update(v)
     return h.intdigest()

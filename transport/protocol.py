@@ -1,8 +1,11 @@
 """Wire format: every message is a fixed-size header frame, then an optional body frame, then
 (for a transfer unit) the payload frames.
 
-    header (48 B) = magic "HMKV" | kind u8 | pad | layer u32 | body_len u32 | num_blocks u32
-                    | payload_len u64 | checksum u64 | count u64
+    header (40 B) = magic "HMKV" | kind u8 | pad | layer u32 | body_len u32 | num_blocks u32
+                    | payload_len u64 | count u64
+    UNIT payload  = frames of <= FRAME_BYTES, then an 8-byte trailer: xxh3-64 of the payload.
+                    A trailer, not a header field, so both ends hash each frame while it is
+                    still in cache and the hashing overlaps the other end's work.
     body          = UNIT: int32 block ids + request id (utf-8); others: a JSON object
 
 Connection setup (the receiver listens, the sender connects):
@@ -11,7 +14,7 @@ Connection setup (the receiver listens, the sender connects):
     sender   -> HELLO {version, layout, mac = HMAC-SHA256(secret, nonce | layout)}
     receiver -> ACCEPT | REFUSE {field, message}
 
-Then the sender streams UNIT (request, layer, destination block ids, payload, checksum), DONE
+Then the sender streams UNIT (request, layer, destination block ids, payload, checksum trailer), DONE
 (request, number of units, metadata such as the first token) and CANCEL; the receiver answers
 each DONE with a RESULT {ok | error}.
 """
@@ -34,11 +37,13 @@ from transport.layout import KVLayout
 
 PROTOCOL_VERSION = 1
 MAGIC = b"HMKV"
-_HEADER = struct.Struct("<4sB3xIIIQQQ")
+_HEADER = struct.Struct("<4sB3xIIIQQ")
+TRAILER = struct.Struct("<Q")
 HEADER_BYTES = _HEADER.size
 MAX_BODY_BYTES = 1 << 24  # a unit of 4M block ids; anything larger is a broken peer
-# Payload frames: both ends cut a unit at the same offsets (see frames.split_frames).
-FRAME_BYTES = 16 << 20
+# Payload frames: both ends cut a unit at the same offsets (see frames.split_frames). 4 MB: large
+# enough for UCX's rendezvous path, small enough to hash from cache right after it moved.
+FRAME_BYTES = 4 << 20
 
 
 class Kind(enum.IntEnum):
@@ -59,17 +64,16 @@ class Header:
     body_len: int = 0
     num_blocks: int = 0
     payload_len: int = 0
-    checksum: int = 0
     count: int = 0
 
     def pack_into(self, buf: bytearray) -> memoryview:
         _HEADER.pack_into(buf, 0, MAGIC, self.kind, self.layer, self.body_len, self.num_blocks,
-                          self.payload_len, self.checksum, self.count)
+                          self.payload_len, self.count)
         return memoryview(buf)[:HEADER_BYTES]
 
     @classmethod
     def unpack(cls, buf: bytes | bytearray | memoryview) -> Header:
-        magic, kind, layer, body_len, num_blocks, payload_len, check, count = _HEADER.unpack_from(buf)
+        magic, kind, layer, body_len, num_blocks, payload_len, count = _HEADER.unpack_from(buf)
         if magic != MAGIC:
             raise HandshakeError("protocol", f"the peer does not speak the Halfmoon KV protocol (magic {magic!r})")
         try:
@@ -78,7 +82,7 @@ class Header:
             raise ProtocolError(f"unknown message kind {kind}") from e
         if body_len > MAX_BODY_BYTES:
             raise ProtocolError(f"message body of {body_len} bytes exceeds {MAX_BODY_BYTES}")
-        return cls(kind, layer, body_len, num_blocks, payload_len, check, count)
+        return cls(kind, layer, body_len, num_blocks, payload_len, count)
 
 
 # ---------------------------------------------------------------- bodies

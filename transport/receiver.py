@@ -34,10 +34,11 @@ from transport.errors import (
     TransportError,
 )
 from transport.faults import FaultInjector
-from transport.frames import checksum, split_frames
+from transport.frames import new_hash, split_frames
 from transport.layout import KVBytes, KVLayout
 from transport.protocol import (
     FRAME_BYTES,
+    TRAILER,
     Header,
     Kind,
     check_hello,
@@ -259,15 +260,24 @@ class KVReceiver:
             self._drain(channel, header.payload_len)
             return
         try:
-            views = self.kv.views(header.layer, ids)
-            for frame in split_frames(views, FRAME_BYTES):
-                channel.recv_into(frame, self.timeout)
-            actual = checksum(views)
+            actual, expected = self._receive_payload(channel, self.kv.views(header.layer, ids))
         finally:
             with self._cond:
                 exp.busy = False
                 self._cond.notify_all()
-        self._verified(exp, header, actual)
+        self._verified(exp, header, expected, actual)
+
+    def _receive_payload(self, channel: Channel, views: list[memoryview]) -> tuple[int, int]:
+        """Frames straight into `views`, each hashed right after it lands; then the trailer.
+        Returns (hash of what arrived, hash the sender computed)."""
+        h = new_hash()
+        for frame in split_frames(views, FRAME_BYTES):
+            channel.recv_into(frame, self.timeout)
+            for v in frame:
+                h.update(v)
+        trailer = bytearray(TRAILER.size)
+        channel.recv_into([memoryview(trailer)], self.timeout)
+        return h.intdigest(), TRAILER.unpack(trailer)[0]
 
     def _claim(self, channel: Channel, request_id: str, layer: int, ids: list[int],
                payload_len: int) -> _Expected | None:
@@ -289,24 +299,32 @@ class KVReceiver:
             exp.busy = True
             return exp
 
-    def _verified(self, exp: _Expected, header: Header, actual: int) -> None:
+    def _verified(self, exp: _Expected, header: Header, expected: int, actual: int) -> None:
         with self._cond:
-            if actual != header.checksum:
+            if actual != expected:
                 self.stats.checksum_failures += 1
                 log.error("KV unit of request %r layer %d failed its checksum; the transfer is failed",
                           exp.request_id, header.layer)
-                self._fail(exp, ChecksumError(exp.request_id, header.layer, header.checksum, actual))
+                self._fail(exp, ChecksumError(exp.request_id, header.layer, expected, actual))
                 return
             exp.units += 1
             exp.bytes += header.payload_len
             self.stats.units += 1
             self.stats.bytes += header.payload_len
 
-    def _drain(self, channel: Channel, nbytes: int) -> None:
+    def _drain(self, channel: Channel, payload: int) -> None:
+        """Consume a payload nobody may use, in frames as the sender cut it (then the trailer)."""
+        for size in [FRAME_BYTES] * (payload // FRAME_BYTES) + [payload % FRAME_BYTES, TRAILER.size]:
+            self._drain_frame(channel, size)
+
+    def _drain_frame(self, channel: Channel, nbytes: int) -> None:
+        views = []
         while nbytes:
             n = min(nbytes, self._scratch.nbytes)
-            channel.recv_into([self._scratch[:n]], self.timeout)
+            views.append(self._scratch[:n])  # the same scratch again: contents are thrown away
             nbytes -= n
+        if views:
+            channel.recv_into(views, self.timeout)
 
     # ------------------------------------------------------------------ completion
 

@@ -35,10 +35,11 @@ from transport.errors import (
     TransportError,
 )
 from transport.faults import FaultInjector, flip_one_bit
-from transport.frames import checksum, split_frames
+from transport.frames import new_hash, split_frames
 from transport.layout import KVBytes, KVLayout
 from transport.protocol import (
     FRAME_BYTES,
+    TRAILER,
     Header,
     Kind,
     hello,
@@ -292,15 +293,19 @@ class KVSender:
                 self._streams.pop(stream.request_id, None)
 
     def _send_unit(self, job: _Job) -> None:
+        """Header + body, then each frame hashed (from cache) and sent, then the hash trailer."""
         views = self.kv.views(job.layer, job.src)
-        check = checksum(views)
+        wire = views
         if self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer):
-            views = [flip_one_bit(views[0]), *views[1:]]
-        body = unit_body(job.stream.request_id, job.dst)
-        header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes, checksum=check)
-        send_msg(self.channel, header, body, self.timeout)
-        for frame in split_frames(views, FRAME_BYTES):
-            self.channel.sendv(frame, self.timeout)
+            wire = [flip_one_bit(views[0]), *views[1:]]  # hashed true, sent corrupted
+        header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes)
+        send_msg(self.channel, header, unit_body(job.stream.request_id, job.dst), self.timeout)
+        h = new_hash()
+        for frame, wire_frame in zip(split_frames(views, FRAME_BYTES), split_frames(wire, FRAME_BYTES)):
+            for v in frame:
+                h.update(v)
+            self.channel.sendv(wire_frame, self.timeout)
+        self.channel.sendv([memoryview(TRAILER.pack(h.intdigest()))], self.timeout)
         self.stats.units += 1
         self.stats.bytes += job.nbytes
 

@@ -1,0 +1,375 @@
+"""`halfmoon bench transport`: the KV transport against its raw baselines, and layer pipelining.
+
+1. Throughput per backend on loopback, receiver in another process, one sender thread:
+   transfer units of 1 MB .. 256 MB written straight into the receiver's KV tensor (checksums
+   on), next to the raw figure of the same run: plain Python sockets (`sendall` / `recv_into`
+   one buffer) for tcp, `ucx_perftest` (tag_bw, same UCX_TLS) for ucxx. Target: >= 70% of raw
+   for units >= 8 MB.
+2. Layer-pipelined vs transfer-after-prefill, SmolLM2 prompts (512, 2048, 8191 tokens): time
+   from prefill start until the decode side holds every verified layer. The baseline is the
+   prefill, then the whole transfer (t_transfer). Pipelined, only the part of the transfer still
+   running when the last forward pass returns is exposed (t_exposed = ready - compute end);
+   hidden = 1 - t_exposed / t_transfer (measured within one run, so prefill-time noise between
+   runs does not enter it). Target >= 80% hidden at 2048 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bench.report import Progress, machine_info, utc_now
+
+MB = 1 << 20
+# Throughput layout: 16 tokens x 4 heads x 64 dims fp32 = 16 KB slabs, 32 KB per block-layer.
+THROUGHPUT_SHAPE = (1, 2, 8192, 16, 4, 64)
+UCX_TLS_DEFAULT = ("tcp", "sm,tcp,self")
+
+
+class Peer:
+    """`bench.transport_peer` in its own process."""
+
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.transport_peer", *args],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, **(env or {})})
+        self.first = self.read()
+
+    def ask(self, **msg: Any) -> dict:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return self.read()
+
+    def read(self) -> dict:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"transport peer exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask(op="quit")
+            except (RuntimeError, BrokenPipeError):
+                pass  # already gone
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ---------------------------------------------------------------- 1. throughput
+
+
+def count_for(nbytes: int, budget_bytes: int) -> int:
+    return max(3, min(64, budget_bytes // nbytes))
+
+
+def kv_throughput(backend: str, sizes: Sequence[int], budget: int, env: dict[str, str] | None) -> dict[int, float]:
+    """GB/s of the transport for each unit size (bytes), receiver in another process."""
+    from transport import KVLayout, KVSender, get_backend
+
+    kv = torch.randn(THROUGHPUT_SHAPE)
+    layout = KVLayout.of(kv, "bench")
+    old_env = _push_env(env)
+    peer = Peer(["kv", "--backend", backend, "--shape", ",".join(map(str, THROUGHPUT_SHAPE))], env)
+    try:
+        sender = KVSender(kv, layout, get_backend(backend), peer.first["address"], timeout=60.0,
+                          max_inflight_bytes=512 * MB)
+        result = {size: _kv_rate(sender, peer, layout, size, count_for(size, budget)) for size in sizes}
+        sender.close()
+        return result
+    finally:
+        peer.close()
+        _pop_env(old_env)
+
+
+def _kv_rate(sender, peer: Peer, layout, size: int, count: int) -> float:  # noqa: ANN001
+    blocks = list(range(size // layout.unit_bytes(1)))
+    _kv_round(sender, peer, blocks, [f"warm-{size}"])
+    rids = [f"u{size}-{i}" for i in range(count)]
+    start = time.perf_counter()
+    _kv_round(sender, peer, blocks, rids)
+    return count * size / (time.perf_counter() - start) / 1e9
+
+
+def _kv_round(sender, peer: Peer, blocks: list[int], rids: list[str]) -> None:  # noqa: ANN001
+    peer.ask(op="expect", rids=rids, blocks=blocks)
+    streams = []
+    for rid in rids:
+        stream = sender.open(rid, blocks)
+        stream.send_layer(0, blocks, blocks)
+        stream.finish()
+        streams.append(stream)
+    for stream in streams:
+        stream.wait(120)
+
+
+def socket_throughput(sizes: Sequence[int], budget: int) -> dict[int, float]:
+    """GB/s of plain Python sockets between two processes (sendall / recv_into one buffer)."""
+    import socket
+
+    out = {}
+    for size in sizes:
+        count = count_for(size, budget)
+        peer = Peer(["socket", "--nbytes", str(size), "--count", str(count + 1)])
+        try:
+            sock = socket.create_connection(("127.0.0.1", peer.first["port"]))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+            buf = memoryview(bytearray(os.urandom(1024)) * (size // 1024))
+            sock.sendall(buf)  # warm-up
+            start = time.perf_counter()
+            for _ in range(count):
+                sock.sendall(buf)
+            sock.recv(1)
+            out[size] = count * size / (time.perf_counter() - start) / 1e9
+            sock.close()
+        finally:
+            peer.close()
+    return out
+
+
+def perftest_throughput(tls: str, sizes: Sequence[int]) -> dict[int, float] | str:
+    """GB/s of `ucx_perftest -t tag_bw` with UCX_TLS=tls, or why it could not run."""
+    exe = shutil.which("ucx_perftest")
+    if exe is None:
+        return "ucx_perftest not found (Debian package ucx-utils: apt-get install ucx-utils)"
+    out: dict[int, float] = {}
+    for size in sizes:
+        rate = _perftest_once(exe, tls, size, count_for(size, 2 << 30))
+        if isinstance(rate, str):
+            return rate
+        out[size] = rate
+    return out
+
+
+def _perftest_once(exe: str, tls: str, size: int, iters: int) -> float | str:
+    env = {**os.environ, "UCX_TLS": tls, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+    port = _free_port()
+    args = ["-t", "tag_bw", "-s", str(size), "-n", str(iters), "-w", "2", "-p", str(port)]
+    server = subprocess.Popen([exe, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.5)
+        client = subprocess.run([exe, "127.0.0.1", *args], env=env, capture_output=True, text=True, timeout=120)
+    finally:
+        server.kill()
+        server.wait()
+    return parse_perftest(client.stdout) if client.returncode == 0 else f"ucx_perftest failed: {client.stderr[-300:]}"
+
+
+def parse_perftest(text: str) -> float | str:
+    """The final summary line's average bandwidth (MB/s column) as GB/s."""
+    rows = [line.split() for line in text.splitlines() if line.strip().startswith("Final:")]
+    if not rows:
+        return "no Final: line in ucx_perftest output"
+    # Final: iters  typical-lat avg-lat overall-lat  avg-bw(MB/s) overall-bw(MB/s)  msgrate...
+    return float(rows[-1][6]) * MB / 1e9
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _push_env(env: dict[str, str] | None) -> dict[str, str | None]:
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    return old
+
+
+def _pop_env(old: dict[str, str | None]) -> None:
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+# ---------------------------------------------------------------- 2. layer pipelining
+
+
+def pipelining(lengths: Sequence[int], backend: str, threads: int, repeats: int,
+               progress: Progress) -> list[dict[str, float]]:
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from transport import KVLayout, KVSender, get_backend
+
+    blocks_max = -(-max(lengths) // 16) + 1
+    engine = Engine(EngineConfig(model="smollm2", dtype="float32", num_threads=threads, num_blocks=blocks_max))
+    kv = engine.kv_cache
+    layout = KVLayout.of(kv, engine.model_config.fingerprint)
+    peer = Peer(["kv", "--backend", backend, "--shape", ",".join(map(str, kv.shape)),
+                 "--fingerprint", layout.fingerprint])
+    sender = KVSender(kv, layout, get_backend(backend), peer.first["address"], timeout=120.0)
+    try:
+        rows = []
+        for n in lengths:
+            progress(f"pipelining: {n}-token prompt ({repeats} repeats of prefill / pipelined / transfer)")
+            rows.append(_pipeline_row(engine, sender, peer, n, repeats))
+        return rows
+    finally:
+        sender.close()
+        peer.close()
+
+
+def _pipeline_row(engine, sender, peer: Peer, n: int, repeats: int) -> dict[str, float]:  # noqa: ANN001
+    gen = torch.Generator().manual_seed(n)
+    prompt = torch.randint(0, engine.model_config.vocab_size, (n,), generator=gen).tolist()
+    blocks = list(range(-(-n // 16)))
+    prefill = transfer = exposed = float("inf")
+    pipelined = (float("inf"), 0.0)
+    for r in range(repeats):  # a fresh cache salt each run: no prefix-cache hit between runs
+        prefill = min(prefill, _prefill(engine, prompt, f"p{n}-{r}", None))
+        run = _pipelined(engine, sender, peer, prompt, blocks, f"q{n}-{r}")
+        pipelined, exposed = min(pipelined, run), min(exposed, run[1])
+        transfer = min(transfer, _transfer(engine, sender, peer, blocks, f"t{n}-{r}"))
+    return {"tokens": n, "kv_mb": len(blocks) * engine.kv_cache[:, :, 0].nbytes / MB,
+            "prefill_ms": prefill * 1e3, "transfer_ms": transfer * 1e3, "after_ms": (prefill + transfer) * 1e3,
+            "pipelined_ms": pipelined[0] * 1e3, "exposed_ms": exposed * 1e3, "hidden": 1 - exposed / transfer}
+
+
+def _prefill(engine, prompt: list[int], salt: str, stream) -> float:  # noqa: ANN001
+    """Seconds until the prefill's last forward pass returned (first token sampled)."""
+    from engine.sampling_params import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), cache_salt=salt, kv_push=stream)
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - start
+
+
+def _pipelined(engine, sender, peer: Peer, prompt: list[int], blocks: list[int], rid: str) -> tuple[float, float]:  # noqa: ANN001
+    """(prefill start -> decode side ready, compute end -> ready) in seconds."""
+    peer.ask(op="expect", rids=[rid], blocks=blocks)
+    start = time.perf_counter()
+    stream = sender.open(rid, blocks)
+    _prefill(engine, prompt, rid, stream)
+    computed = time.perf_counter()
+    stream.wait(300)
+    ready = time.perf_counter()
+    engine.step()  # releases the held blocks
+    return ready - start, ready - computed
+
+
+def _transfer(engine, sender, peer: Peer, blocks: list[int], rid: str) -> float:  # noqa: ANN001
+    """Every layer of the prompt's blocks, sent after the prefill (the baseline's second half)."""
+    peer.ask(op="expect", rids=[rid], blocks=blocks)
+    start = time.perf_counter()
+    stream = sender.open(rid, blocks)
+    for layer in range(engine.kv_cache.shape[0]):
+        stream.send_layer(layer, blocks, blocks)
+    stream.finish({"first_token": 0})
+    stream.wait(300)
+    return time.perf_counter() - start
+
+
+# ---------------------------------------------------------------- report
+
+
+def throughput_table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'backend':<22}{'size':>8}{'halfmoon GB/s':>15}{'raw GB/s':>10}  {'baseline':<26}{'ratio':>7}  target"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+        raw = "-" if r["raw_gbps"] is None else f"{r['raw_gbps']:.2f}"
+        target = "" if r["target"] is None else (">=0.70x " + ("met" if r["met"] else "MISSED"))
+        lines.append(f"{r['backend']:<22}{r['size_mb']:>6}MB{r['gbps']:>15.2f}{raw:>10}  {r['baseline']:<26}{ratio:>7}  {target}")
+    return "\n".join(lines)
+
+
+def pipeline_table(rows: list[dict[str, float]]) -> str:
+    head = (f"{'tokens':>7}{'KV MB':>8}{'prefill ms':>12}{'transfer ms':>13}{'after ms':>10}"
+            f"{'pipelined ms':>14}{'exposed ms':>12}{'hidden':>9}  target")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        target = (">=80% " + ("met" if r["hidden"] >= 0.8 else "MISSED")) if r["tokens"] == 2048 else ""
+        lines.append(f"{r['tokens']:>7}{r['kv_mb']:>8.0f}{r['prefill_ms']:>12.0f}{r['transfer_ms']:>13.0f}"
+                     f"{r['after_ms']:>10.0f}{r['pipelined_ms']:>14.0f}{r['exposed_ms']:>12.1f}"
+                     f"{r['hidden']:>8.0%}  {target}")
+    return "\n".join(lines)
+
+
+def throughput_rows(backends: Sequence[str], sizes: Sequence[int], tls_list: Sequence[str],
+                    budget: int, progress: Progress) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    if "tcp" in backends:
+        progress("throughput: raw Python sockets")
+        raw = socket_throughput(sizes, budget)
+        progress("throughput: tcp backend")
+        got = kv_throughput("tcp", sizes, budget, None)
+        rows += [_row("tcp", s, got[s], raw[s], "python sockets") for s in sizes]
+    for tls in tls_list if "ucxx" in backends else ():
+        env = {"UCX_TLS": tls, "UCX_WARN_UNUSED_ENV_VARS": "n"}
+        progress(f"throughput: ucx_perftest UCX_TLS={tls}")
+        raw_ucx = perftest_throughput(tls, sizes)
+        if isinstance(raw_ucx, str):
+            progress(f"  baseline unavailable: {raw_ucx}")
+        progress(f"throughput: ucxx backend UCX_TLS={tls}")
+        got = kv_throughput("ucxx", sizes, budget, env)
+        for s in sizes:
+            base = None if isinstance(raw_ucx, str) else raw_ucx[s]
+            rows.append(_row(f"ucxx ({tls})", s, got[s], base, f"ucx_perftest {tls}" if base else "ucx_perftest missing"))
+    return rows
+
+
+def _row(backend: str, size: int, gbps: float, raw: float | None, baseline: str) -> dict[str, Any]:
+    ratio = None if raw is None else gbps / raw
+    target = 0.70 if size >= 8 * MB and ratio is not None else None
+    return {"backend": backend, "size_mb": size // MB, "gbps": gbps, "raw_gbps": raw, "baseline": baseline,
+            "ratio": ratio, "target": target, "met": None if target is None else ratio >= target}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="halfmoon bench transport", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backends", default="tcp,ucxx", help="comma-separated: tcp, ucxx")
+    p.add_argument("--sizes-mb", default="1,8,64,256", help="transfer unit sizes for the throughput part")
+    p.add_argument("--ucx-tls", default=",".join(f"'{t}'" for t in UCX_TLS_DEFAULT).replace("'", ""),
+                   help="UCX_TLS values to run ucxx with, separated by ';' (default: tcp;sm,tcp,self)")
+    p.add_argument("--budget-mb", type=int, default=1024, help="bytes moved per throughput point")
+    p.add_argument("--lengths", default="512,2048,8191", help="prompt lengths for the pipelining part")
+    p.add_argument("--pipeline-backend", default="tcp", help="backend for the pipelining part")
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the prefill engine "
+                   "(default 1: the sender thread and the receiver process need the other core)")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--skip", choices=["throughput", "pipelining"], action="append", default=[])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    progress = Progress()
+    backends = [b for b in args.backends.split(",") if b]
+    sizes = [int(s) * MB for s in args.sizes_mb.split(",")]
+    tls_list = [t for t in args.ucx_tls.split(";") if t] if ";" in args.ucx_tls else list(UCX_TLS_DEFAULT)
+    report: dict[str, Any] = {"date": utc_now(), "machine": machine_info(args.threads)}
+    if "throughput" not in args.skip:
+        report["throughput"] = throughput_rows(backends, sizes, tls_list, args.budget_mb * MB, progress)
+    if "pipelining" not in args.skip:
+        lengths = [int(n) for n in args.lengths.split(",")]
+        report["pipelining"] = pipelining(lengths, args.pipeline_backend, args.threads, args.repeats, progress)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    if "throughput" in report:
+        print(throughput_table(report["throughput"]))
+    if "pipelining" in report:
+        print(pipeline_table(report["pipelining"]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""The receiving process of `halfmoon bench transport` (driven by JSON lines on stdin).
+
+    python -m bench.transport_peer kv --backend tcp --shape L,2,N,B,H,D --dtype float32 --fingerprint F
+        prints {"address": A}; ops: {"op": "expect", "rids": [...], "blocks": [...]} -> {"ok": true}
+                                    {"op": "wait", "rids": [...], "timeout": s}   -> {"ok": true} | {"error": ...}
+    python -m bench.transport_peer socket --nbytes N --count C
+        the raw baseline: plain sockets, `recv_into` one preallocated buffer C times, then a 1-byte ack;
+        prints {"port": P}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+
+import torch
+
+
+def reply(obj: object) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def run_kv(args: argparse.Namespace) -> None:
+    from transport import KVLayout, KVReceiver, get_backend
+
+    shape = tuple(int(x) for x in args.shape.split(","))
+    kv = torch.zeros(shape, dtype=getattr(torch, args.dtype))
+    receiver = KVReceiver(kv, KVLayout.of(kv, args.fingerprint), get_backend(args.backend), timeout=60.0).start()
+    reply({"address": receiver.address})
+    for line in sys.stdin:
+        msg = json.loads(line)
+        if msg["op"] == "expect":
+            for rid in msg["rids"]:
+                receiver.expect(rid, msg["blocks"])
+            reply({"ok": True})
+        elif msg["op"] == "wait":
+            try:
+                for rid in msg["rids"]:
+                    receiver.wait(rid, msg["timeout"])
+                reply({"ok": True})
+            except Exception as e:  # reported to the bench, which prints it
+                reply({"error": f"{type(e).__name__}: {e}"})
+        else:
+            break
+    receiver.close()
+
+
+def run_socket(args: argparse.Namespace) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    reply({"port": server.getsockname()[1]})
+    conn, _ = server.accept()
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
+    buf = memoryview(bytearray(args.nbytes))
+    for _ in range(args.count):
+        got = 0
+        while got < args.nbytes:
+            n = conn.recv_into(buf[got:])
+            if n == 0:
+                return
+            got += n
+    conn.sendall(b"k")
+    conn.close()
+    server.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["kv", "socket"])
+    ap.add_argument("--backend", default="tcp")
+    ap.add_argument("--shape")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--fingerprint", default="bench")
+    ap.add_argument("--nbytes", type=int)
+    ap.add_argument("--count", type=int)
+    args = ap.parse_args()
+    run_kv(args) if args.mode == "kv" else run_socket(args)
+
+
+if __name__ == "__main__":
+    main()
