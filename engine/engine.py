@@ -356,6 +356,9 @@ class Engine:
         return self._output(req, [token], final=reason is not None)
 
     def _stop_reason(self, req: Request, token: int, stop_text: str | None) -> FinishReason | None:
+        push = self.pushes.get(req.request_id)
+        if push is not None and push.error is not None:  # its KV never reached the decode side
+            return FinishReason.ABORT
         p = req.params
         if stop_text is not None or token in p.stop_token_ids:
             return FinishReason.STOP
