@@ -56,14 +56,14 @@ class Backend(abc.ABC):
 BACKENDS = ("ucxx", "tcp", "local")
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, ucx_tls: str | None = None) -> Backend:
     """The backend called `name`; "auto" is ucxx when it imports, else tcp — with a warning
     that says why. A backend asked for by name that cannot run raises
     `BackendUnavailableError` here, at startup: there is no silent fallback."""
     from transport.errors import BackendUnavailableError
 
     if name == "auto":
-        return _auto()
+        return _auto(ucx_tls)
     if name == "tcp":
         from transport.tcp import TcpBackend
 
@@ -75,17 +75,17 @@ def get_backend(name: str) -> Backend:
     if name == "ucxx":
         from transport.ucxx_backend import UcxxBackend
 
-        return UcxxBackend()
+        return UcxxBackend(ucx_tls)
     raise BackendUnavailableError(name, f"unknown backend; choose one of {', '.join(BACKENDS)} or auto")
 
 
-def _auto() -> Backend:
+def _auto(ucx_tls: str | None) -> Backend:
     import logging
 
     from transport.errors import BackendUnavailableError
 
     try:
-        return get_backend("ucxx")
+        return get_backend("ucxx", ucx_tls)
     except BackendUnavailableError as e:
         logging.getLogger("halfmoon.transport").warning(
             "KV transport: %s -- using the tcp backend (pass --kv-transport tcp to silence this, "
