@@ -3,6 +3,10 @@
     python -m bench.transport_peer kv --backend tcp --shape L,2,N,B,H,D --dtype float32 --fingerprint F
         prints {"address": A}; ops: {"op": "expect", "rids": [...], "blocks": [...]} -> {"ok": true}
                                     {"op": "wait", "rids": [...], "timeout": s}   -> {"ok": true} | {"error": ...}
+    python -m bench.transport_peer send --backend tcp --shape ... --address A --plan JSON
+        the sending side: plan = [[size, rounds, [rid, ...], [block, ...]], ...]; for each size the
+        first rid warms up, the rest go out back to back in `rounds` equal rounds; prints
+        {"gbps": {size: GB/s of the best round}}
     python -m bench.transport_peer socket --nbytes N --count C
         the raw baseline: plain sockets, `recv_into` one preallocated buffer C times, then a 1-byte ack;
         prints {"port": P}
@@ -48,6 +52,41 @@ def run_kv(args: argparse.Namespace) -> None:
     receiver.close()
 
 
+def run_send(args: argparse.Namespace) -> None:
+    import time
+
+    from transport import KVLayout, KVSender, get_backend
+
+    shape = tuple(int(x) for x in args.shape.split(","))
+    kv = torch.randn(shape).to(getattr(torch, args.dtype))
+    sender = KVSender(kv, KVLayout.of(kv, args.fingerprint), get_backend(args.backend), args.address,
+                      timeout=120.0, max_inflight_bytes=512 << 20)
+    rates = {}
+    for size, rounds, rids, blocks in json.loads(args.plan):
+        send_round(sender, rids[:1], blocks)
+        per_round = (len(rids) - 1) // rounds
+        best = 0.0
+        for r in range(rounds):
+            start = time.perf_counter()
+            send_round(sender, rids[1 + r * per_round : 1 + (r + 1) * per_round], blocks)
+            best = max(best, per_round * size / (time.perf_counter() - start) / 1e9)
+        rates[size] = best
+    sender.close()
+    reply({"gbps": rates})
+
+
+def send_round(sender, rids: list[str], blocks: list[int]) -> None:  # noqa: ANN001
+    """Every request's unit queued back to back, then every confirmation awaited."""
+    streams = []
+    for rid in rids:
+        stream = sender.open(rid, blocks)
+        stream.send_layer(0, blocks, blocks)
+        stream.finish()
+        streams.append(stream)
+    for stream in streams:
+        stream.wait(120)
+
+
 def run_socket(args: argparse.Namespace) -> None:
     server = socket.create_server(("127.0.0.1", 0))
     reply({"port": server.getsockname()[1]})
@@ -68,7 +107,9 @@ def run_socket(args: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["kv", "socket"])
+    ap.add_argument("mode", choices=["kv", "send", "socket"])
+    ap.add_argument("--address")
+    ap.add_argument("--plan")
     ap.add_argument("--backend", default="tcp")
     ap.add_argument("--shape")
     ap.add_argument("--dtype", default="float32")
@@ -76,7 +117,7 @@ def main() -> None:
     ap.add_argument("--nbytes", type=int)
     ap.add_argument("--count", type=int)
     args = ap.parse_args()
-    run_kv(args) if args.mode == "kv" else run_socket(args)
+    {"kv": run_kv, "send": run_send, "socket": run_socket}[args.mode](args)
 
 
 if __name__ == "__main__":

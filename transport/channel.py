@@ -13,7 +13,7 @@ between messages). `close()` from another thread wakes a blocked `recv_into` wit
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class Channel(abc.ABC):
@@ -30,6 +30,24 @@ class Channel(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Close both directions; idempotent."""
+
+    def send_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
+                  before: Callable[[int], None] | None = None) -> None:
+        """Send frames in order, calling `before(i)` right before frame i goes out (it may
+        still fill that frame). Message backends keep several frames in flight."""
+        for i, frame in enumerate(frames):
+            if before is not None:
+                before(i)
+            self.sendv(frame, timeout)
+
+    def recv_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
+                  after: Callable[[int], None] | None = None) -> None:
+        """Receive frames in order, calling `after(i)` once frame i has landed. Message
+        backends post several receives ahead, so `after` overlaps the next frames' transfer."""
+        for i, frame in enumerate(frames):
+            self.recv_into(frame, timeout)
+            if after is not None:
+                after(i)
 
 
 class Listener(abc.ABC):

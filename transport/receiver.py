@@ -271,12 +271,15 @@ class KVReceiver:
         """Frames straight into `views`, each hashed right after it lands; then the trailer.
         Returns (hash of what arrived, hash the sender computed)."""
         h = new_hash()
-        for frame in split_frames(views, FRAME_BYTES):
-            channel.recv_into(frame, self.timeout)
-            for v in frame:
-                h.update(v)
         trailer = bytearray(TRAILER.size)
-        channel.recv_into([memoryview(trailer)], self.timeout)
+        frames = [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]]
+
+        def after(i: int) -> None:
+            if i < len(frames) - 1:
+                for v in frames[i]:
+                    h.update(v)
+
+        channel.recv_many(frames, self.timeout, after)
         return h.intdigest(), TRAILER.unpack(trailer)[0]
 
     def _claim(self, channel: Channel, request_id: str, layer: int, ids: list[int],

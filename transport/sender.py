@@ -39,6 +39,7 @@ from transport.frames import new_hash, split_frames
 from transport.layout import KVBytes, KVLayout
 from transport.protocol import (
     FRAME_BYTES,
+    HEADER_BYTES,
     TRAILER,
     Header,
     Kind,
@@ -293,19 +294,29 @@ class KVSender:
                 self._streams.pop(stream.request_id, None)
 
     def _send_unit(self, job: _Job) -> None:
-        """Header + body, then each frame hashed (from cache) and sent, then the hash trailer."""
+        """Header, body, payload frames, hash trailer — as one batch, so a message backend keeps
+        frames in flight; each frame is hashed right before it goes out, the trailer last."""
         views = self.kv.views(job.layer, job.src)
         wire = views
         if self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer):
             wire = [flip_one_bit(views[0]), *views[1:]]  # hashed true, sent corrupted
         header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes)
-        send_msg(self.channel, header, unit_body(job.stream.request_id, job.dst), self.timeout)
+        body = unit_body(job.stream.request_id, job.dst)
+        header.body_len = len(body)
+        true_frames = list(split_frames(views, FRAME_BYTES))
+        trailer = bytearray(TRAILER.size)
+        frames = [[header.pack_into(bytearray(HEADER_BYTES))], [memoryview(body)],
+                  *split_frames(wire, FRAME_BYTES), [memoryview(trailer)]]
         h = new_hash()
-        for frame, wire_frame in zip(split_frames(views, FRAME_BYTES), split_frames(wire, FRAME_BYTES)):
-            for v in frame:
-                h.update(v)
-            self.channel.sendv(wire_frame, self.timeout)
-        self.channel.sendv([memoryview(TRAILER.pack(h.intdigest()))], self.timeout)
+
+        def before(i: int) -> None:
+            if 2 <= i < len(frames) - 1:
+                for v in true_frames[i - 2]:
+                    h.update(v)
+            elif i == len(frames) - 1:
+                TRAILER.pack_into(trailer, 0, h.intdigest())
+
+        self.channel.send_many(frames, self.timeout, before)
         self.stats.units += 1
         self.stats.bytes += job.nbytes
 

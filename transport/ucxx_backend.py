@@ -7,8 +7,11 @@ daemon thread here; the channel verbs are blocking calls from worker threads tha
 coroutines to that loop, each waited on with its timeout.
 
 A frame of one view is sent / received in place (zero copy); a frame of several views (a
-fragmented block table) is packed into / unpacked from a per-channel staging buffer, because a
-UCX tag message is one contiguous buffer.
+fragmented block table) is packed into / unpacked from a staging buffer, because a UCX tag
+message is one contiguous buffer. `send_many` / `recv_many` keep up to WINDOW frames in flight:
+a large message goes by rendezvous, which cannot start before the peer has posted its receive,
+so one-at-a-time would cost a round trip per frame; with receives posted ahead, hashing a frame
+overlaps the transfer of the next ones.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import concurrent.futures
 import os
 import queue
 import threading
-from collections.abc import Coroutine, Sequence
+from collections import deque
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import numpy as np
@@ -86,47 +90,91 @@ def runtime(tls: str | None) -> _Runtime:
         return _runtime
 
 
+WINDOW = 8  # frames in flight per direction (8 x 4 MB)
+
+
+class _Stages:
+    """WINDOW reusable staging buffers for multi-view frames, taken round robin (frame i uses
+    slot i % WINDOW; at most WINDOW frames are in flight, so a slot is free when reused)."""
+
+    def __init__(self) -> None:
+        self._bufs = [bytearray() for _ in range(WINDOW)]
+
+    def get(self, slot: int, nbytes: int) -> memoryview:
+        if len(self._bufs[slot]) < nbytes:
+            self._bufs[slot] = bytearray(nbytes)
+        return memoryview(self._bufs[slot])[:nbytes]
+
+
 class UcxxChannel(Channel):
     def __init__(self, rt: _Runtime, endpoint: Any, peer: str) -> None:
         self._rt = rt
         self._ep = endpoint
         self.peer = peer
-        self._send_stage = bytearray()
-        self._recv_stage = bytearray()
+        self._send_stages = _Stages()
+        self._recv_stages = _Stages()
         self._closed = threading.Event()
         self.closed_future: asyncio.Future | None = None  # set by a listener's handler
 
     def sendv(self, views: Sequence[memoryview], timeout: float) -> None:
-        if len(views) == 1:
-            buf = np.frombuffer(views[0], np.uint8)
-        else:
-            buf = self._pack(views)
-        self._wait(self._ep.send(buf), timeout, "send to")
+        self.send_many([views], timeout)
 
     def recv_into(self, views: Sequence[memoryview], timeout: float | None) -> None:
-        if len(views) == 1:
-            self._wait(self._ep.recv(np.frombuffer(views[0], np.uint8)), timeout, "receive from")
-            return
-        n = total_bytes(views)
-        if len(self._recv_stage) < n:
-            self._recv_stage = bytearray(n)
-        stage = memoryview(self._recv_stage)[:n]
-        self._wait(self._ep.recv(np.frombuffer(stage, np.uint8)), timeout, "receive from")
-        copy_views([stage], views)
+        self.recv_many([views], timeout)
 
-    def _pack(self, views: Sequence[memoryview]) -> np.ndarray:
-        n = total_bytes(views)
-        if len(self._send_stage) < n:
-            self._send_stage = bytearray(n)
-        stage = memoryview(self._send_stage)[:n]
+    def send_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
+                  before: Callable[[int], None] | None = None) -> None:
+        pending: deque[concurrent.futures.Future] = deque()
+        try:
+            for i, views in enumerate(frames):
+                if len(pending) == WINDOW:
+                    self._wait(pending.popleft(), timeout, "send to")
+                if before is not None:
+                    before(i)
+                buf = views[0] if len(views) == 1 else self._pack(views, i % WINDOW)
+                pending.append(self._post(self._ep.send(np.frombuffer(buf, np.uint8))))
+            while pending:
+                self._wait(pending.popleft(), timeout, "send to")
+        finally:
+            for fut in pending:
+                fut.cancel()
+
+    def recv_many(self, frames: Sequence[Sequence[memoryview]], timeout: float | None,
+                  after: Callable[[int], None] | None = None) -> None:
+        pending: deque[tuple[int, concurrent.futures.Future, memoryview | None]] = deque()
+        posted = 0
+        try:
+            for i in range(len(frames)):
+                while posted < len(frames) and posted - i < WINDOW:
+                    pending.append(self._post_recv(frames[posted], posted))
+                    posted += 1
+                _, fut, stage = pending.popleft()
+                self._wait(fut, timeout, "receive from")
+                if stage is not None:
+                    copy_views([stage], frames[i])
+                if after is not None:
+                    after(i)
+        finally:
+            for _, fut, _ in pending:
+                fut.cancel()
+
+    def _post_recv(self, views: Sequence[memoryview], i: int) -> tuple[int, concurrent.futures.Future, memoryview | None]:
+        stage = None if len(views) == 1 else self._recv_stages.get(i % WINDOW, total_bytes(views))
+        target = views[0] if stage is None else stage
+        return i, self._post(self._ep.recv(np.frombuffer(target, np.uint8))), stage
+
+    def _pack(self, views: Sequence[memoryview], slot: int) -> memoryview:
+        stage = self._send_stages.get(slot, total_bytes(views))
         copy_views(views, [stage])
-        return np.frombuffer(stage, np.uint8)
+        return stage
 
-    def _wait(self, coro: Coroutine[Any, Any, Any], timeout: float | None, what: str) -> None:
+    def _post(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
         if self._closed.is_set():
             coro.close()
             raise PeerLostError(f"channel to {self.peer} is closed")
-        fut = self._rt.submit(coro)
+        return self._rt.submit(coro)
+
+    def _wait(self, fut: concurrent.futures.Future, timeout: float | None, what: str) -> None:
         try:
             fut.result(timeout)
         except concurrent.futures.TimeoutError as e:
