@@ -18,6 +18,9 @@ from collections.abc import Callable, Sequence
 
 class Channel(abc.ABC):
     peer: str  # printable address of the other end
+    # True when each sendv arrives as one message and `recv_into` views may be larger than it
+    # (the message fills a prefix); False for byte streams, where sizes must match exactly.
+    message_based: bool = False
 
     @abc.abstractmethod
     def sendv(self, views: Sequence[memoryview], timeout: float) -> None:

@@ -14,8 +14,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from transport.channel import Backend, Channel, Listener
-from transport.errors import PeerLostError, TransferTimeoutError
-from transport.frames import copy_views
+from transport.errors import PeerLostError, ProtocolError, TransferTimeoutError
+from transport.frames import copy_views, total_bytes
 
 
 class _Pipe:
@@ -28,6 +28,8 @@ class _Pipe:
 
 
 class LocalChannel(Channel):
+    message_based = True
+
     def __init__(self, outgoing: _Pipe, incoming: _Pipe, peer: str) -> None:
         self._out = outgoing
         self._in = incoming
@@ -59,7 +61,7 @@ class LocalChannel(Channel):
                     raise TransferTimeoutError(f"no frame from {self.peer} within {timeout:.1f}s")
                 self._in.cond.wait(0.05 if left is None else min(left, 0.05))
             src, done = self._in.frames.popleft()
-        copy_views(src, views)
+        copy_views(src, _prefix(views, total_bytes(src)))
         done.set()
 
     def close(self) -> None:
@@ -67,6 +69,19 @@ class LocalChannel(Channel):
             with pipe.cond:
                 pipe.closed = True
                 pipe.cond.notify_all()
+
+
+def _prefix(views: Sequence[memoryview], nbytes: int) -> list[memoryview]:
+    """The first `nbytes` of `views` (a message smaller than the receive buffers fills a prefix)."""
+    out = []
+    for v in views:
+        if nbytes <= 0:
+            break
+        out.append(v[:nbytes])
+        nbytes -= out[-1].nbytes
+    if nbytes > 0:
+        raise ProtocolError(f"a message {nbytes} bytes larger than the receive buffers")
+    return out
 
 
 class LocalListener(Listener):

@@ -41,6 +41,9 @@ _HEADER = struct.Struct("<4sB3xIIIQQ")
 TRAILER = struct.Struct("<Q")
 HEADER_BYTES = _HEADER.size
 MAX_BODY_BYTES = 1 << 24  # a unit of 4M block ids; anything larger is a broken peer
+# A message's body rides in the header's frame up to this size (a unit of ~16k block ids).
+CONTROL_BYTES = 64 << 10
+INLINE_BODY_BYTES = CONTROL_BYTES - HEADER_BYTES
 # Payload frames: both ends cut a unit at the same offsets (see frames.split_frames). 4 MB: large
 # enough for UCX's rendezvous path, small enough to hash from cache right after it moved.
 FRAME_BYTES = 4 << 20
@@ -157,21 +160,35 @@ def _mac(secret: bytes, nonce: bytes, msg: dict) -> str:
 # ---------------------------------------------------------------- messages on a channel
 
 
-def send_msg(channel: Channel, header: Header, body: bytes, timeout: float) -> None:
-    """Header frame, then the body frame if there is one (payload frames are the caller's)."""
+def message_frames(header: Header, body: bytes) -> list[list[memoryview]]:
+    """The frames of a message: header and body in one frame when the body fits
+    INLINE_BODY_BYTES (one message instead of two on a message backend), else two."""
     header.body_len = len(body)
-    buf = bytearray(HEADER_BYTES)
-    channel.sendv([header.pack_into(buf)], timeout)
-    if body:
-        channel.sendv([memoryview(body)], timeout)
+    head = header.pack_into(bytearray(HEADER_BYTES))
+    if len(body) <= INLINE_BODY_BYTES:
+        return [[head, memoryview(body)]]
+    return [[head], [memoryview(body)]]
+
+
+def send_msg(channel: Channel, header: Header, body: bytes, timeout: float) -> None:
+    """Header + body (payload frames, if any, are the caller's)."""
+    channel.send_many(message_frames(header, body), timeout)
 
 
 def recv_msg(channel: Channel, timeout: float | None, body_timeout: float) -> tuple[Header, bytes]:
-    """Wait up to `timeout` (None: forever) for a message to start; its body then has
-    `body_timeout`."""
-    buf = bytearray(HEADER_BYTES)
-    channel.recv_into([memoryview(buf)], timeout)
-    header = Header.unpack(buf)
+    """Wait up to `timeout` (None: forever) for a message to start; a body sent as a frame of
+    its own then has `body_timeout`. On a message backend the header and an inline body arrive
+    in one receive into a CONTROL_BYTES buffer; on a byte stream they are read back to back."""
+    if channel.message_based:
+        buf = bytearray(CONTROL_BYTES)
+        channel.recv_into([memoryview(buf)], timeout)
+        header = Header.unpack(buf)
+        if header.body_len <= INLINE_BODY_BYTES:
+            return header, bytes(buf[HEADER_BYTES : HEADER_BYTES + header.body_len])
+    else:
+        buf = bytearray(HEADER_BYTES)
+        channel.recv_into([memoryview(buf)], timeout)
+        header = Header.unpack(buf)
     body = bytearray(header.body_len)
     if body:
         channel.recv_into([memoryview(body)], body_timeout)

@@ -39,12 +39,12 @@ from transport.frames import new_hash, split_frames
 from transport.layout import KVBytes, KVLayout
 from transport.protocol import (
     FRAME_BYTES,
-    HEADER_BYTES,
     TRAILER,
     Header,
     Kind,
     hello,
     json_body,
+    message_frames,
     parse_json,
     recv_msg,
     send_json,
@@ -301,17 +301,15 @@ class KVSender:
         if self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer):
             wire = [flip_one_bit(views[0]), *views[1:]]  # hashed true, sent corrupted
         header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes)
-        body = unit_body(job.stream.request_id, job.dst)
-        header.body_len = len(body)
+        head = message_frames(header, unit_body(job.stream.request_id, job.dst))
         true_frames = list(split_frames(views, FRAME_BYTES))
         trailer = bytearray(TRAILER.size)
-        frames = [[header.pack_into(bytearray(HEADER_BYTES))], [memoryview(body)],
-                  *split_frames(wire, FRAME_BYTES), [memoryview(trailer)]]
+        frames = [*head, *split_frames(wire, FRAME_BYTES), [memoryview(trailer)]]
         h = new_hash()
 
         def before(i: int) -> None:
-            if 2 <= i < len(frames) - 1:
-                for v in true_frames[i - 2]:
+            if len(head) <= i < len(frames) - 1:
+                for v in true_frames[i - len(head)]:
                     h.update(v)
             elif i == len(frames) - 1:
                 TRAILER.pack_into(trailer, 0, h.intdigest())

@@ -107,6 +107,8 @@ class _Stages:
 
 
 class UcxxChannel(Channel):
+    message_based = True
+
     def __init__(self, rt: _Runtime, endpoint: Any, peer: str) -> None:
         self._rt = rt
         self._ep = endpoint
@@ -124,62 +126,80 @@ class UcxxChannel(Channel):
 
     def send_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
                   before: Callable[[int], None] | None = None) -> None:
-        pending: deque[concurrent.futures.Future] = deque()
-        try:
-            for i, views in enumerate(frames):
-                if len(pending) == WINDOW:
-                    self._wait(pending.popleft(), timeout, "send to")
-                if before is not None:
-                    before(i)
-                buf = views[0] if len(views) == 1 else self._pack(views, i % WINDOW)
-                pending.append(self._post(self._ep.send(np.frombuffer(buf, np.uint8))))
-            while pending:
-                self._wait(pending.popleft(), timeout, "send to")
-        finally:
-            for fut in pending:
-                fut.cancel()
+        self._run_batch(self._send_all(frames, timeout, before), timeout, len(frames), "send to")
 
     def recv_many(self, frames: Sequence[Sequence[memoryview]], timeout: float | None,
                   after: Callable[[int], None] | None = None) -> None:
-        pending: deque[tuple[int, concurrent.futures.Future, memoryview | None]] = deque()
+        self._run_batch(self._recv_all(frames, timeout, after), timeout, len(frames), "receive from")
+
+    # One coroutine per batch, run on the loop: the frames' sends / receives are posted and
+    # awaited there and `before` / `after` (hashing) run inline, so a batch costs one hand-off
+    # from the caller instead of one per frame (~0.2 ms each here). Measured on loopback: with
+    # shared memory this is ~2x the per-frame hand-off version; over UCX's tcp transport it is
+    # ~0.7x, because hashing inline pauses the loop, and only the loop's progress moves tcp
+    # bytes (hashing on a helper thread was measured worse for both).
+
+    async def _send_all(self, frames: Sequence[Sequence[memoryview]], timeout: float,
+                        before: Callable[[int], None] | None) -> None:
+        pending: deque[asyncio.Task] = deque()
+        try:
+            for i, views in enumerate(frames):
+                if len(pending) == WINDOW:
+                    await asyncio.wait_for(pending.popleft(), timeout)
+                if before is not None:
+                    before(i)
+                buf = views[0] if len(views) == 1 else self._pack(views, i % WINDOW)
+                pending.append(asyncio.ensure_future(self._ep.send(np.frombuffer(buf, np.uint8))))
+            while pending:
+                await asyncio.wait_for(pending.popleft(), timeout)
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _recv_all(self, frames: Sequence[Sequence[memoryview]], timeout: float | None,
+                        after: Callable[[int], None] | None) -> None:
+        pending: deque[tuple[asyncio.Task, memoryview | None]] = deque()
         posted = 0
         try:
             for i in range(len(frames)):
                 while posted < len(frames) and posted - i < WINDOW:
                     pending.append(self._post_recv(frames[posted], posted))
                     posted += 1
-                _, fut, stage = pending.popleft()
-                self._wait(fut, timeout, "receive from")
+                task, stage = pending.popleft()
+                await asyncio.wait_for(task, timeout)
                 if stage is not None:
                     copy_views([stage], frames[i])
                 if after is not None:
                     after(i)
         finally:
-            for _, fut, _ in pending:
-                fut.cancel()
+            for task, _ in pending:
+                task.cancel()
 
-    def _post_recv(self, views: Sequence[memoryview], i: int) -> tuple[int, concurrent.futures.Future, memoryview | None]:
+    def _post_recv(self, views: Sequence[memoryview], i: int) -> tuple[asyncio.Task, memoryview | None]:
         stage = None if len(views) == 1 else self._recv_stages.get(i % WINDOW, total_bytes(views))
         target = views[0] if stage is None else stage
-        return i, self._post(self._ep.recv(np.frombuffer(target, np.uint8))), stage
+        return asyncio.ensure_future(self._ep.recv(np.frombuffer(target, np.uint8))), stage
+
+    def _run_batch(self, coro: Coroutine[Any, Any, Any], timeout: float | None, n: int, what: str) -> None:
+        """Run a batch coroutine; the loop bounds each frame's wait, this bounds the whole
+        batch (n frames) as a backstop."""
+        if self._closed.is_set():
+            coro.close()
+            raise PeerLostError(f"channel to {self.peer} is closed")
+        fut = self._rt.submit(coro)
+        self._wait(fut, None if timeout is None else timeout * (n + 1), what)
 
     def _pack(self, views: Sequence[memoryview], slot: int) -> memoryview:
         stage = self._send_stages.get(slot, total_bytes(views))
         copy_views(views, [stage])
         return stage
 
-    def _post(self, coro: Coroutine[Any, Any, Any]) -> concurrent.futures.Future:
-        if self._closed.is_set():
-            coro.close()
-            raise PeerLostError(f"channel to {self.peer} is closed")
-        return self._rt.submit(coro)
-
     def _wait(self, fut: concurrent.futures.Future, timeout: float | None, what: str) -> None:
         try:
             fut.result(timeout)
-        except concurrent.futures.TimeoutError as e:
+        except (concurrent.futures.TimeoutError, asyncio.TimeoutError) as e:
             fut.cancel()
-            raise TransferTimeoutError(f"{what} {self.peer} made no progress for {timeout:.1f}s") from e
+            raise TransferTimeoutError(f"{what} {self.peer} made no progress in time") from e
         except concurrent.futures.CancelledError as e:
             raise PeerLostError(f"{what} {self.peer} was cancelled (channel closed)") from e
         except Exception as e:  # ucxx raises UCXError subclasses (reset, canceled, ...)
