@@ -39,6 +39,7 @@ from kvpool.host_tier import HostArena
 from kvpool.remote import InProcessReader, RemoteBlockReader
 from kvpool.tiered import KVTiers
 from kvpool.tiered import kv_block_bytes as kv_tier_block_bytes
+from transport.errors import TransportError
 from transport.sender import PushStream
 
 
@@ -300,7 +301,10 @@ class Engine:
         for req in preempted:
             push = self.pushes.get(req.request_id)
             if push is not None and push.error is None:
-                push.stream.flush(push.stream.sender.timeout)
+                try:
+                    push.stream.flush(push.stream.sender.timeout)
+                except TransportError as e:  # fails this request only (aborted after the step)
+                    push.error = e
 
     def _release_held(self) -> None:
         """Free the blocks of finished prefill-only requests whose units have all left."""

@@ -71,12 +71,13 @@ class KVBytes:
 
     def views(self, layer: int, block_ids: Sequence[int]) -> list[memoryview]:
         """K then V slabs of `block_ids` in layer `layer`, one view per run of consecutive ids."""
-        self._check(layer, block_ids)
+        self.check(layer, block_ids)
         runs = _runs(block_ids)
         arr = self.array
         return [memoryview(arr[layer, kv, start:stop]).cast("B") for kv in (0, 1) for start, stop in runs]
 
-    def _check(self, layer: int, block_ids: Sequence[int]) -> None:
+    def check(self, layer: int, block_ids: Sequence[int]) -> None:
+        """ProtocolError unless `layer` and every id are in range."""
         if not 0 <= layer < self.num_layers:
             raise ProtocolError(f"layer {layer} is not in 0..{self.num_layers - 1}")
         for b in block_ids:

@@ -114,7 +114,7 @@ class KVReceiver:
 
     def expect(self, request_id: str, block_ids: list[int]) -> None:
         """Allow units of `request_id` to write into `block_ids` (and nowhere else)."""
-        self.kv._check(0, block_ids)
+        self.kv.check(0, block_ids)
         with self._cond:
             if request_id in self._expected:
                 raise ProtocolError(f"request {request_id!r} is already expected")

@@ -147,3 +147,24 @@ def test_two_processes_token_identical(name: str, make_engine, shared_engine) ->
     finally:
         sender.close()
         peer.kill()
+
+
+def test_preempted_prefill_still_pushes_identical_kv(make_engine, shared_engine) -> None:  # noqa: ANN001
+    """A prefill engine too small for its batch preempts push requests mid-prompt; the blocks
+    already pushed stay valid, the rest is pushed after the recompute, tokens are unchanged."""
+    prefill = make_engine(num_blocks=14, max_num_batched_tokens=32)
+    decode = make_engine(num_blocks=96)
+    backend = get_backend("local")
+    layout = KVLayout.of(prefill.kv_cache, prefill.model_config.fingerprint)
+    receiver = KVReceiver(decode.kv_cache, layout, backend, timeout=10.0).start()
+    sender = KVSender(prefill.kv_cache, layout, backend, receiver.address, timeout=10.0)
+    try:
+        prompts = [list(range(4000 + 100 * i, 4000 + 100 * i + 90)) for i in range(3)]
+        params = SamplingParams(max_tokens=8, temperature=0)
+        want = [r.output_ids for r in shared_engine.generate(prompts, params)]
+        assert disaggregated(prefill, decode, sender, receiver, prompts, params) == want
+        assert prefill.scheduler.stats.preemptions > 0, "the test must exercise preemption"
+        assert_idle(prefill, decode)
+    finally:
+        sender.close()
+        receiver.close()
