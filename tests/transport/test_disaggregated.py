@@ -14,6 +14,7 @@ from engine.sampling_params import SamplingParams
 from tests.transport.test_faults import Peer
 from transport import KVLayout, KVReceiver, KVSender, get_backend
 from transport.errors import TransportError
+from transport.faults import FaultInjector
 
 PROMPTS = [list(range(1000, 1000 + n)) for n in (5, 16, 40, 150)] + [[7, 8, 9] * 70]
 
@@ -150,13 +151,16 @@ def test_two_processes_token_identical(name: str, make_engine, shared_engine) ->
 
 
 def test_preempted_prefill_still_pushes_identical_kv(make_engine, shared_engine) -> None:  # noqa: ANN001
-    """A prefill engine too small for its batch preempts push requests mid-prompt; the blocks
-    already pushed stay valid, the rest is pushed after the recompute, tokens are unchanged."""
-    prefill = make_engine(num_blocks=14, max_num_batched_tokens=32)
+    """A slow receiver keeps a finished request's blocks held (its units have not left) while the
+    next prompt needs them: that request is preempted mid-prompt. The blocks it already pushed
+    stay valid, the rest is pushed after the recompute, and the tokens are unchanged."""
+    prefill = make_engine(num_blocks=10, max_num_batched_tokens=64)
     decode = make_engine(num_blocks=96)
     backend = get_backend("local")
     layout = KVLayout.of(prefill.kv_cache, prefill.model_config.fingerprint)
-    receiver = KVReceiver(decode.kv_cache, layout, backend, timeout=10.0).start()
+    slow = FaultInjector()
+    slow.receive_delay = 0.03  # ~1 s for a chunk's 30 layer units: far longer than a step
+    receiver = KVReceiver(decode.kv_cache, layout, backend, timeout=10.0, faults=slow).start()
     sender = KVSender(prefill.kv_cache, layout, backend, receiver.address, timeout=10.0)
     try:
         prompts = [list(range(4000 + 100 * i, 4000 + 100 * i + 90)) for i in range(3)]
