@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.transport.test_faults import REPO
 from transport import get_backend
@@ -72,3 +73,40 @@ def test_secret_from_file_then_env(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def test_make_backend() -> None:
     assert isinstance(TransportConfig(backend="tcp").make_backend(), TcpBackend)
+
+
+# tcp only: a ucxx listener closed inside a process keeps its port (UCXXBusyError) until the
+# process exits; a restarted decode worker is a new process, so that case is the tcp one here.
+@pytest.mark.parametrize("backend_name", ["tcp"])
+def test_peer_cache_reuses_and_reconnects(backend_name: str) -> None:
+    from tests.transport.conftest import FINGERPRINT, kv_tensor
+    from tests.transport.test_faults import _eventually
+    from transport import KVLayout, KVReceiver
+    from transport.peers import KVPeers
+
+    src, dst = kv_tensor(8, seed=1), kv_tensor(8)
+    layout = KVLayout.of(src, FINGERPRINT)
+    backend = get_backend(backend_name)
+    first = KVReceiver(dst, layout, backend, timeout=5.0).start()
+    port = int(first.address.rsplit(":", 1)[1])
+    peers = KVPeers(src, layout, TransportConfig(backend=backend_name, timeout_s=5.0), backend)
+    try:
+        sender = peers.sender(first.address)
+        assert peers.sender(first.address) is sender  # cached
+        first.close()  # the decode worker restarts on the same port
+        assert _eventually(lambda: sender.broken is not None)
+        second = KVReceiver(dst, layout, backend, port=port, timeout=5.0).start()
+        try:
+            again = peers.sender(second.address)
+            assert again is not sender and peers.reconnects == 1
+            second.expect("r", [1])
+            stream = again.open("r", [1])
+            stream.send_layer(0, [3], [1])
+            stream.finish()
+            stream.wait(10)
+            assert torch.equal(dst[0, :, 1], src[0, :, 3])
+        finally:
+            second.close()
+    finally:
+        peers.close()
+
