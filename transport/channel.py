@@ -43,6 +43,14 @@ class Channel(abc.ABC):
                 before(i)
             self.sendv(frame, timeout)
 
+    def post_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
+                  before: Callable[[int], None] | None = None) -> Callable[[float], None] | None:
+        """Like `send_many`, but may return before the last frames completed: then it returns a
+        function that waits for them (the views must stay untouched until it returned). Lets a
+        sender start its next message while the previous one is still on the wire."""
+        self.send_many(frames, timeout, before)
+        return None
+
     def recv_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
                   after: Callable[[int], None] | None = None) -> None:
         """Receive frames in order, calling `after(i)` once frame i has landed. Message

@@ -19,7 +19,7 @@ import logging
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +53,7 @@ from transport.protocol import (
 )
 
 log = logging.getLogger("halfmoon.transport")
+MAX_POSTED_JOBS = 4  # jobs whose sends may be on the wire at once (per connection)
 
 
 @dataclass(slots=True)
@@ -170,7 +171,9 @@ class KVSender:
         self._cond = threading.Condition()
         self._broken: TransportError | None = None
         self._closing = False
-        self._current: _Job | None = None  # the job the sender thread is sending
+        self._current: _Job | None = None  # the job the sender thread is posting
+        # Posted jobs whose sends may still be on the wire, oldest first, with their waits.
+        self._posted: deque[tuple[_Job, Callable[[float], None] | None]] = deque()
         self._threads = [threading.Thread(target=fn, name=f"kv-sender-{name}", daemon=True)
                          for fn, name in ((self._send_loop, "send"), (self._result_loop, "results"))]
         for t in self._threads:
@@ -251,9 +254,11 @@ class KVSender:
 
     def _unsent(self, stream: PushStream) -> int:
         """Units of `stream` queued or being sent (caller holds the lock)."""
-        current = self._current  # counted even when broken: its send may still be reading
+        # The current and posted jobs count even when broken: their sends may still be reading.
+        current = self._current
         sending = int(current is not None and current.stream is stream and current.kind is Kind.UNIT)
-        return sending + sum(1 for j in self._jobs if j.stream is stream and j.kind is Kind.UNIT)
+        posted = sum(1 for j, _ in self._posted if j.stream is stream and j.kind is Kind.UNIT)
+        return sending + posted + sum(1 for j in self._jobs if j.stream is stream and j.kind is Kind.UNIT)
 
     def _flush(self, stream: PushStream, timeout: float) -> None:
         with self._cond:
@@ -263,37 +268,59 @@ class KVSender:
     # ------------------------------------------------------------------ sender thread
 
     def _send_loop(self) -> None:
+        """Post jobs as they come; a job is retired (its bytes released, its blocks free to
+        reuse) once its sends completed — up to MAX_POSTED_JOBS stay posted, so the next unit
+        goes out while the previous one is still on the wire."""
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._jobs or self._closing or self._broken is not None)
-                if self._closing or self._broken is not None:
-                    return
-                job = self._current = self._jobs.popleft()
+                if not self._jobs and self._posted:
+                    job = None  # nothing new: retire what is on the wire
+                else:
+                    self._cond.wait_for(lambda: self._jobs or self._closing or self._broken is not None)
+                    if self._closing or self._broken is not None:
+                        return
+                    job = self._current = self._jobs.popleft()
             try:
-                self._send(job)
+                if job is None or len(self._posted) >= MAX_POSTED_JOBS:
+                    self._retire()
+                if job is not None:
+                    finish = self._send(job)
+                    with self._cond:
+                        self._posted.append((job, finish))
+                        self._current = None
             except TransportError as e:
                 self._break(e)
                 return
-            finally:
-                with self._cond:
-                    self._current = None
-                    self._inflight -= job.nbytes
-                    self._cond.notify_all()
 
-    def _send(self, job: _Job) -> None:
+    def _retire(self) -> None:
+        with self._cond:
+            if not self._posted:
+                return  # cleared by _break
+            job, finish = self._posted[0]
+        if finish is not None:
+            finish(self.timeout)
+        with self._cond:
+            if not self._posted or self._posted[0][0] is not job:
+                return
+            self._posted.popleft()
+            self._inflight -= job.nbytes
+            if job.kind is Kind.UNIT:
+                job.stream.units_sent += 1
+            self._cond.notify_all()
+
+    def _send(self, job: _Job) -> Callable[[float], None] | None:
         stream = job.stream
         if job.kind is Kind.UNIT:
-            self._send_unit(job)
-            stream.units_sent += 1
-        elif job.kind is Kind.DONE:
+            return self._send_unit(job)
+        if job.kind is Kind.DONE:
             body = json_body({"request_id": stream.request_id, "meta": job.meta})
-            send_msg(self.channel, Header(Kind.DONE, count=job.count), body, self.timeout)
-        else:
-            send_json(self.channel, Kind.CANCEL, {"request_id": stream.request_id}, self.timeout)
-            with self._cond:
-                self._streams.pop(stream.request_id, None)
+            return self.channel.post_many(message_frames(Header(Kind.DONE, count=job.count), body), self.timeout)
+        send_json(self.channel, Kind.CANCEL, {"request_id": stream.request_id}, self.timeout)
+        with self._cond:
+            self._streams.pop(stream.request_id, None)
+        return None
 
-    def _send_unit(self, job: _Job) -> None:
+    def _send_unit(self, job: _Job) -> Callable[[float], None] | None:
         """Header, body, payload frames, hash trailer — as one batch, so a message backend keeps
         frames in flight; each frame is hashed right before it goes out, the trailer last."""
         views = self.kv.views(job.layer, job.src)
@@ -314,9 +341,10 @@ class KVSender:
             elif i == len(frames) - 1:
                 TRAILER.pack_into(trailer, 0, h.intdigest())
 
-        self.channel.send_many(frames, self.timeout, before)
+        finish = self.channel.post_many(frames, self.timeout, before)
         self.stats.units += 1
         self.stats.bytes += job.nbytes
+        return finish
 
     # ------------------------------------------------------------------ results thread
 
@@ -347,7 +375,11 @@ class KVSender:
             self._jobs.clear()
             self._cond.notify_all()
         log.warning("KV sender to %s broke: %s", self.address, error)
-        self.channel.close()
+        self.channel.close()  # returns once no send of the channel can touch memory any more
+        with self._cond:
+            self._inflight -= sum(j.nbytes for j, _ in self._posted)
+            self._posted.clear()
+            self._cond.notify_all()
         self._fail_all(error)
 
     def _fail_all(self, error: TransportError) -> None:

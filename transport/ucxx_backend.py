@@ -20,6 +20,7 @@ in flight, so hashing a frame overlaps the transfer of the next ones.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import secrets
@@ -32,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from transport.channel import Backend, Channel, Listener
-from transport.errors import BackendUnavailableError, PeerLostError, TransferTimeoutError
+from transport.errors import BackendUnavailableError, PeerLostError, TransferTimeoutError, TransportError
 from transport.frames import copy_views, total_bytes
 from transport.tcp import parse_address
 
@@ -48,7 +49,9 @@ UCX_ENV_DEFAULTS = {
     "UCX_SYSV_ERROR_HANDLING": "y",
     "UCX_POSIX_ERROR_HANDLING": "y",
 }
-WINDOW = 8  # frames in flight per direction
+log = logging.getLogger("halfmoon.transport")
+WINDOW = 8  # receives posted ahead per recv_many; staging slots per direction
+SEND_WINDOW = 16  # sends in flight per channel (across messages)
 
 
 class Op:
@@ -176,8 +179,9 @@ def runtime(tls: str | None) -> _Runtime:
 
 
 class _Stages:
-    """WINDOW reusable staging buffers for multi-view frames, taken round robin (frame i uses
-    slot i % WINDOW; at most WINDOW frames are in flight, so a slot is free when reused)."""
+    """WINDOW reusable staging buffers for multi-view frames, taken round robin; a slot is
+    reused only once the operation that last used it completed (receives: at most WINDOW are
+    posted ahead; sends: `_pack` waits for the slot's last send)."""
 
     def __init__(self) -> None:
         self._bufs = [bytearray() for _ in range(WINDOW)]
@@ -200,6 +204,9 @@ class UcxxChannel(Channel):
         self.peer = peer
         self._send_stages = _Stages()
         self._recv_stages = _Stages()
+        self._in_flight: deque[Op] = deque()  # sends posted on this channel, oldest first
+        self._slot_ops: list[Op | None] = [None] * WINDOW  # the last send from each send stage
+        self._next_slot = 0
         self._closed = threading.Event()
 
     def sendv(self, views: Sequence[memoryview], timeout: float) -> None:
@@ -210,17 +217,33 @@ class UcxxChannel(Channel):
 
     def send_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
                   before: Callable[[int], None] | None = None) -> None:
-        pending: deque[Op] = deque()
+        finish = self.post_many(frames, timeout, before)
+        finish(timeout)
+
+    def post_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
+                  before: Callable[[int], None] | None = None) -> Callable[[float], None]:
+        """Post every frame (at most SEND_WINDOW sends in flight on the channel, across calls);
+        returns the wait for this call's sends. One thread sends on a channel at a time."""
+        ops: list[Op] = []
         for i, views in enumerate(frames):
-            if len(pending) == WINDOW:
-                self._wait(pending.popleft(), timeout, "send to")
+            while len(self._in_flight) >= SEND_WINDOW:
+                self._wait(self._in_flight.popleft(), timeout, "send to")
             if before is not None:
                 before(i)
-            buf = views[0] if len(views) == 1 else self._pack(views, i % WINDOW)
+            staged = len(views) > 1
+            buf = self._pack(views, timeout) if staged else views[0]
             array = self._array(buf)
-            pending.append(self._post(lambda a=array: self._ep.tag_send(a, self._send_tag)))
-        while pending:
-            self._wait(pending.popleft(), timeout, "send to")
+            op = self._post(lambda a=array: self._ep.tag_send(a, self._send_tag))
+            if staged:
+                self._slot_ops[(self._next_slot - 1) % WINDOW] = op
+            ops.append(op)
+            self._in_flight.append(op)
+
+        def finish(wait_timeout: float, keep: Sequence[Sequence[memoryview]] = frames) -> None:
+            for op in ops:  # `keep` holds the frames' memory until the sends completed
+                self._wait(op, wait_timeout, "send to")
+
+        return finish
 
     def recv_many(self, frames: Sequence[Sequence[memoryview]], timeout: float | None,
                   after: Callable[[int], None] | None = None) -> None:
@@ -242,7 +265,13 @@ class UcxxChannel(Channel):
         array = self._array(views[0] if stage is None else stage)
         return self._post(lambda: self._ep.tag_recv(array, self._recv_tag)), stage
 
-    def _pack(self, views: Sequence[memoryview], slot: int) -> memoryview:
+    def _pack(self, views: Sequence[memoryview], timeout: float) -> memoryview:
+        """Copy a multi-view frame into the next staging slot (once its last send completed)."""
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % WINDOW
+        previous = self._slot_ops[slot]
+        if previous is not None:
+            self._wait(previous, timeout, "send to")
         stage = self._send_stages.get(slot, total_bytes(views))
         copy_views(views, [stage])
         return stage
@@ -272,7 +301,10 @@ class UcxxChannel(Channel):
         if self._closed.is_set():
             return
         self._closed.set()
-        self._rt.post(self._close_endpoint, is_request=False)
+        try:  # wait, so no operation of this endpoint touches memory once close() returned
+            self._rt.wait(self._rt.post(self._close_endpoint, is_request=False), 10.0, f"close {self.peer}")
+        except TransportError as e:
+            log.warning("closing the UCX endpoint to %s: %s", self.peer, e)
 
     def _close_endpoint(self) -> None:
         """On the owner thread, which must also drop the last reference (ucxx objects may only
