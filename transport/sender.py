@@ -214,10 +214,17 @@ class KVSender:
     def close(self) -> None:
         with self._cond:
             self._closing = True
+            if self._broken is None:  # later sends and opens fail at once
+                self._broken = PeerLostError(f"sender to {self.address} was closed")
             self._cond.notify_all()
-        self.channel.close()
+        self.channel.close()  # no send touches memory once this returned
         for t in self._threads:
             t.join(timeout=5)
+        with self._cond:  # what was queued or on the wire is gone: its blocks are free again
+            self._inflight -= sum(j.nbytes for j in self._jobs) + sum(j.nbytes for j, _ in self._posted)
+            self._jobs.clear()
+            self._posted.clear()
+            self._cond.notify_all()
         self._fail_all(PeerLostError(f"sender to {self.address} was closed"))
 
     # ------------------------------------------------------------------ queue

@@ -172,3 +172,28 @@ def test_preempted_prefill_still_pushes_identical_kv(make_engine, shared_engine)
     finally:
         sender.close()
         receiver.close()
+
+
+def test_closing_the_sender_mid_prefill_aborts_and_frees(make_engine) -> None:  # noqa: ANN001
+    prefill = make_engine(num_blocks=32, max_num_batched_tokens=32)
+    dst = torch.zeros_like(prefill.kv_cache)
+    backend = get_backend("local")
+    layout = KVLayout.of(prefill.kv_cache, prefill.model_config.fingerprint)
+    receiver = KVReceiver(dst, layout, backend, timeout=5.0).start()
+    sender = KVSender(prefill.kv_cache, layout, backend, receiver.address, timeout=5.0)
+    try:
+        receiver.expect("cut", list(range(7)))
+        stream = sender.open("cut", list(range(7)))
+        prefill.add_request(list(range(5000, 5100)), SamplingParams(max_tokens=1), request_id="cut", kv_push=stream)
+        prefill.step()  # the first 32-token chunk is pushed
+        sender.close()
+        finals = []
+        while prefill.has_unfinished():
+            finals += [o for o in prefill.step() if o.finished]
+        prefill.step()
+        assert finals and finals[0].finish_reason is FinishReason.ABORT
+        with pytest.raises(TransportError):
+            stream.wait(1)
+        assert_idle(prefill)
+    finally:
+        receiver.close()
