@@ -224,6 +224,7 @@ class KVSender:
             self._inflight -= sum(j.nbytes for j in self._jobs) + sum(j.nbytes for j, _ in self._posted)
             self._jobs.clear()
             self._posted.clear()
+            self._current = None
             self._cond.notify_all()
         self._fail_all(PeerLostError(f"sender to {self.address} was closed"))
 
@@ -251,7 +252,8 @@ class KVSender:
             for job in dropped:
                 self._jobs.remove(job)
                 self._inflight -= job.nbytes
-            self._jobs.append(_Job(Kind.CANCEL, stream))
+            if self._broken is None:  # a broken or closed connection has nobody to tell
+                self._jobs.append(_Job(Kind.CANCEL, stream))
             self._cond.notify_all()
         stream._resolve(TransferCancelledError(f"request {stream.request_id!r} was cancelled by the sender"))
 
@@ -294,10 +296,12 @@ class KVSender:
                     finish = self._send(job)
                     with self._cond:
                         self._posted.append((job, finish))
-                        self._current = None
             except TransportError as e:
                 self._break(e)
                 return
+            finally:
+                with self._cond:
+                    self._current = None
 
     def _retire(self) -> None:
         with self._cond:
