@@ -19,6 +19,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +43,8 @@ from transport.protocol import (
     Header,
     Kind,
     check_hello,
+    json_body,
+    message_frames,
     parse_json,
     parse_unit_body,
     recv_msg,
@@ -200,11 +203,14 @@ class KVReceiver:
     def _serve(self, channel: Channel) -> None:
         try:
             self._handshake(channel)
+            replying = None  # a RESULT still on the wire: it must not block the next message
             while True:
                 if self.faults is not None and self.faults.receive_delay:
                     time.sleep(self.faults.receive_delay)
                 header, body = recv_msg(channel, None, self.timeout)
-                self._dispatch(channel, header, body)
+                if replying is not None:
+                    replying(self.timeout)
+                replying = self._dispatch(channel, header, body)
         except HandshakeError as e:
             self.stats.refused += 1
             log.warning("refused a KV sender from %s: %s", channel.peer, e)
@@ -241,15 +247,17 @@ class KVReceiver:
         self.stats.peers_lost += 1
         log.warning("KV sender %s lost (%s); %d transfer(s) failed", channel.peer, error, len(fed))
 
-    def _dispatch(self, channel: Channel, header: Header, body: bytes) -> None:
+    def _dispatch(self, channel: Channel, header: Header, body: bytes) -> Callable[[float], None] | None:
+        """Handle one message; returns the wait for a reply still being sent, if any."""
         if header.kind is Kind.UNIT:
             self._receive_unit(channel, header, body)
         elif header.kind is Kind.DONE:
-            self._complete(channel, header, parse_json(body))
+            return self._complete(channel, header, parse_json(body))
         elif header.kind is Kind.CANCEL:
             self._sender_cancelled(str(parse_json(body).get("request_id")))
         else:
             raise ProtocolError(f"unexpected {header.kind.name} from a sender")
+        return None
 
     # ------------------------------------------------------------------ units
 
@@ -331,7 +339,7 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ completion
 
-    def _complete(self, channel: Channel, header: Header, msg: dict) -> None:
+    def _complete(self, channel: Channel, header: Header, msg: dict) -> Callable[[float], None] | None:
         request_id = str(msg.get("request_id"))
         with self._cond:
             exp = self._expected.get(request_id)
@@ -343,7 +351,7 @@ class KVReceiver:
                     self._fail(exp, ProtocolError(
                         f"request {request_id!r}: sender sent {header.count} units, {exp.units} arrived"))
             reply = _result(request_id, exp if exp is not None else self._outcomes.get(request_id))
-        send_json(channel, Kind.RESULT, reply, self.timeout)
+        return channel.post_many(message_frames(Header(Kind.RESULT), json_body(reply)), self.timeout)
 
     def _sender_cancelled(self, request_id: str) -> None:
         with self._cond:
