@@ -317,7 +317,8 @@ def throughput_rows(backends: Sequence[str], sizes: Sequence[int], tls_list: Seq
         got = kv_throughput("ucxx", sizes, budget, env, rounds)
         for s in sizes:
             base = None if isinstance(raw_ucx, str) else raw_ucx[s]
-            rows.append(_row(f"ucxx ({tls})", s, got[s], base, f"ucx_perftest {tls}" if base else "ucx_perftest missing"))
+            label = f"ucx_perftest {tls}" if base else "ucx_perftest unavailable"
+            rows.append(_row(f"ucxx ({tls})", s, got[s], base, label))
     return rows
 
 
@@ -333,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", default="tcp,ucxx", help="comma-separated: tcp, ucxx")
     p.add_argument("--sizes-mb", default="1,8,64,256", help="transfer unit sizes for the throughput part")
-    p.add_argument("--ucx-tls", default=",".join(f"'{t}'" for t in UCX_TLS_DEFAULT).replace("'", ""),
-                   help="UCX_TLS values to run ucxx with, separated by ';' (default: tcp;sm,tcp,self)")
+    p.add_argument("--ucx-tls", default=";".join(UCX_TLS_DEFAULT),
+                   help="UCX_TLS values to run ucxx with, separated by ';' (default: %(default)s)")
     p.add_argument("--budget-mb", type=int, default=512, help="bytes moved per round of a throughput point")
     p.add_argument("--rounds", type=int, default=3, help="rounds per throughput point (best is reported: "
                    "the machine is noisy)")
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     progress = Progress()
     backends = [b for b in args.backends.split(",") if b]
     sizes = [int(s) * MB for s in args.sizes_mb.split(",")]
-    tls_list = [t for t in args.ucx_tls.split(";") if t] if ";" in args.ucx_tls else list(UCX_TLS_DEFAULT)
+    tls_list = [t for t in args.ucx_tls.split(";") if t]
     report: dict[str, Any] = {"date": utc_now(), "machine": machine_info(args.threads)}
     if "throughput" not in args.skip:
         report["throughput"] = throughput_rows(backends, sizes, tls_list, args.budget_mb * MB, args.rounds, progress)

@@ -1,0 +1,35 @@
+"""`halfmoon bench transport`: the report's parsing and a tiny real run (tcp, one size)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.transport_bench import MB, parse_perftest
+
+# The client's summary line as ucx_perftest 1.21 prints it (columns: iterations, p50 latency,
+# average latency, overall latency, average MB/s, overall MB/s, average msg/s, overall msg/s).
+PERFTEST_OUT = """\
++--------------+--------------+----------+---------+---------+----------+----------+-----------+-----------+
+Final:                     4      4.987  5637.765  5637.765      177.38     177.38         177         177
+"""
+
+
+def test_parse_perftest_reads_the_average_bandwidth() -> None:
+    assert parse_perftest(PERFTEST_OUT) == pytest.approx(177.38 * MB / 1e9)
+    assert "no Final" in parse_perftest("ucx_perftest: error\n")
+
+
+def test_tiny_tcp_run_reports_ratio_and_target() -> None:
+    proc = subprocess.run([sys.executable, "-m", "halfmoon.cli", "bench", "transport", "--backends", "tcp",
+                           "--sizes-mb", "1,8", "--rounds", "1", "--budget-mb", "16", "--skip", "pipelining",
+                           "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)["throughput"]
+    assert [(r["backend"], r["size_mb"]) for r in rows] == [("tcp", 1), ("tcp", 8)]
+    for r in rows:
+        assert r["gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] == pytest.approx(r["gbps"] / r["raw_gbps"])
+    assert rows[0]["target"] is None and rows[1]["target"] == 0.70  # the target applies from 8 MB
