@@ -40,10 +40,12 @@ UCX_LOOPBACK_ENV = {"UCX_NET_DEVICES": "lo", "UCX_WARN_UNUSED_ENV_VARS": "n", "U
 
 
 class Peer:
-    """`bench.transport_peer` in its own process."""
+    """A transport peer (`module`, default `bench.transport_peer`) in its own process, driven by
+    JSON lines; `first` is the first line it printed (its address)."""
 
-    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.transport_peer", *args],
+    def __init__(self, args: Sequence[str], env: dict[str, str] | None = None,
+                 module: str = "bench.transport_peer", cwd: str | None = None) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], cwd=cwd,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
         self.first = self.read()
@@ -60,6 +62,14 @@ class Peer:
         if not line:
             raise RuntimeError(f"transport peer exited with code {self.proc.wait()}")
         return json.loads(line)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None:
+                f.close()
 
     def close(self) -> None:
         if self.proc.poll() is None:

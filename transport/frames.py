@@ -61,10 +61,3 @@ def new_hash() -> xxhash.xxh3_64:
     """The transfer checksum: xxh3-64, fed frame by frame (~19 GB/s here)."""
     return xxhash.xxh3_64()
 
-
-def checksum(views: Sequence[View]) -> int:
-    """xxh3-64 of the concatenated views."""
-    h = new_hash()
-    for v in views:
-        h.update(v)
-    return h.intdigest()

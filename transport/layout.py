@@ -42,7 +42,7 @@ class KVLayout:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        return getattr(torch, self.dtype).itemsize
 
     @property
     def slab_bytes(self) -> int:

@@ -16,7 +16,6 @@ wait (up to the timeout), never grows memory.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from transport.channel import Backend, Channel
+from transport.channel import Backend
 from transport.errors import (
     ChecksumError,
     HandshakeError,
@@ -48,7 +47,6 @@ from transport.protocol import (
     parse_json,
     recv_msg,
     send_json,
-    send_msg,
     unit_body,
 )
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import tracemalloc
 from dataclasses import replace
@@ -17,6 +14,7 @@ import torch
 
 from tests.transport.conftest import FINGERPRINT, kv_tensor
 from tests.transport.peer import RAW_FINGERPRINT, raw_kv
+from bench.transport_bench import Peer as BenchPeer
 from kvpool.block_pool import BlockPool
 from transport import KVLayout, KVReceiver, KVSender, get_backend, protocol
 from transport.channel import Backend
@@ -163,29 +161,9 @@ def test_slow_receiver_keeps_sender_memory_bounded(backend: Backend) -> None:
 # ---------------------------------------------------------------- peers in other processes
 
 
-class Peer:
-    def __init__(self, *args: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.transport.peer", *args], cwd=REPO,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.first = self.read()
-
-    def ask(self, **msg: object) -> dict:
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        return self.read()
-
-    def read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"peer exited with {self.proc.wait()}")
-        return json.loads(line)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        for f in (self.proc.stdin, self.proc.stdout):
-            f.close()
+def Peer(*args: str) -> BenchPeer:  # noqa: N802 - reads as the class it builds
+    """`tests.transport.peer` in its own process."""
+    return BenchPeer(args, module="tests.transport.peer", cwd=REPO)
 
 
 PROCESS_BACKENDS = ["tcp", "ucxx"]
