@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.halfmoon-installed
 # The venv is stale when any of these change.
 DEPS   := pyproject.toml constraints.txt Makefile
 
-.PHONY: setup serve test bench lint clean
+.PHONY: setup serve test bench lint proto clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/halfmoon bench engine $(ARGS)
+
+# Stubs of the public API go into the Python package halfmoon.v1 (the proto package's name).
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/halfmoon/v1/*.proto
 
 lint: $(STAMP)
 	$(PY) -m ruff check . || true

@@ -131,10 +131,11 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    kv_push: PushStream | None = None) -> str:
+                    kv_push: PushStream | None = None, priority: int = 0) -> str:
         """Validate and queue a request; returns its id. Thread-safe.
 
         `cache_salt` isolates tenants: requests with different salts never share KV blocks.
+        `priority`: higher is admitted first when requests wait (FCFS within a priority).
         `kv_push` makes it a prefill-only request (disaggregation): its KV goes layer by layer
         into the stream's destination blocks, it ends after the first token, and the stream's
         DONE carries that token (see `kv_push.py`; the decode side calls `add_prefilled`).
@@ -144,6 +145,7 @@ class Engine:
         if kv_push is not None:
             self._check_push(prompt_ids, kv_push)
         req = self._new_request(prompt_ids, params, cache_salt)
+        req.priority = priority
         with self._lock:
             req.request_id = request_id = self._claim_id(request_id)
             if kv_push is not None:

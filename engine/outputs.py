@@ -21,6 +21,9 @@ class CompletionResult:
     tpot_ms: float
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queue_ms: float = 0.0  # arrival -> first admitted to the batch
+    prefill_ms: float = 0.0  # first admitted -> first token
+    stop_text: str | None = None  # the stop string that ended it, if any
 
 
 @dataclass(slots=True)
@@ -88,6 +91,9 @@ def completion_result(req: Request, text: str) -> CompletionResult:
     first = req.first_token_time if req.first_token_time is not None else req.finish_time
     n_out = req.num_output_tokens
     tpot = (req.finish_time - first) / (n_out - 1) * 1e3 if n_out > 1 else 0.0
+    scheduled = req.scheduled_time if req.scheduled_time is not None else first
     return CompletionResult(req.request_id, req.token_ids[: req.num_prompt_tokens], req.output_ids,
                             text, req.finish_reason, (first - req.arrival_time) * 1e3, tpot,
-                            req.num_preemptions, req.num_cached_tokens)
+                            req.num_preemptions, req.num_cached_tokens,
+                            queue_ms=(scheduled - req.arrival_time) * 1e3,
+                            prefill_ms=max(0.0, first - scheduled) * 1e3, stop_text=req.stop_text)

@@ -44,6 +44,8 @@ class Request:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    priority: int = 0  # higher is admitted first; FCFS within a priority
+    scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0

@@ -9,6 +9,8 @@ back to the head of the queue to be recomputed (prompt + outputs so far) later.
 
 from __future__ import annotations
 
+import time
+
 from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -58,8 +60,16 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        """Queue a request: behind every waiting request of equal or higher priority (FCFS
+        within a priority), ahead of the lower ones."""
         self.requests[request.request_id] = request
+        if not self.waiting or self.waiting[-1].priority >= request.priority:
+            self.waiting.append(request)
+            return
+        for i, other in enumerate(self.waiting):
+            if other.priority < request.priority:
+                self.waiting.insert(i, request)
+                return
 
     def add_prefilled(self, request: Request) -> None:
         """A request whose prompt KV already sits in its block table (computed by a prefill
@@ -149,6 +159,8 @@ class Scheduler:
         req.num_computed_tokens = reused * self.block_size
         req.num_registered_blocks = reused
         self._count_hit(req, loaded)
+        if req.scheduled_time is None:
+            req.scheduled_time = time.perf_counter()
         req.status = RequestStatus.RUNNING
         self.running.append(req)
 

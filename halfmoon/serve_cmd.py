@@ -1,19 +1,37 @@
-"""`halfmoon serve`: the co-located engine behind a local HTTP entry point."""
+"""`halfmoon serve`: the front door (gRPC :50051, OpenAI HTTP :8000) over the co-located engine."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import signal
 import sys
-import threading
+from pathlib import Path
+
+LOOPBACK_NOTE = "auth and TLS are off by default on localhost"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     from halfmoon.cli import add_engine_args
 
-    p = sub.add_parser("serve", help="serve the model over HTTP on localhost (Ctrl-C stops)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p = sub.add_parser("serve", help="serve the model over gRPC and OpenAI-compatible HTTP (Ctrl-C stops)")
+    net = p.add_argument_group("front door")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 = every interface)")
+    net.add_argument("--grpc-port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    net.add_argument("--http-port", type=int, default=8000, help="HTTP port (0 = any free port)")
+    net.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    net.add_argument("--api-token-file", default=None,
+                     help="bearer tokens, one per line (default: HALFMOON_API_TOKENS, else no auth)")
+    net.add_argument("--tls-cert", default=None, help="PEM certificate (TLS for gRPC and HTTP)")
+    net.add_argument("--tls-key", default=None, help="PEM private key")
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-prompt-tokens", type=int, default=8192)
+    lim.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask")
+    lim.add_argument("--max-request-bytes", type=int, default=4 * 2**20)
+    lim.add_argument("--max-streams-per-client", type=int, default=128)
+    lim.add_argument("--max-waiting", type=int, default=256,
+                     help="requests waiting for their first token before new ones are rejected")
     index = p.add_mutually_exclusive_group()
     index.add_argument("--redis-url", default=None,
                        help="join this Redis as the cluster-wide KV block index "
@@ -37,45 +55,92 @@ def start_index(args: argparse.Namespace) -> tuple[str | None, object | None]:
     return server.url, server
 
 
-def run(args: argparse.Namespace) -> int:
-    import dataclasses
+def server_config(args: argparse.Namespace):  # -> ServerConfig (lazy import: grpc is slow)
+    from conductor.requests import Limits
+    from conductor.server import ServerConfig
+    from engine.errors import ConfigError
 
+    try:
+        limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
+                        max_request_bytes=args.max_request_bytes,
+                        max_streams_per_client=args.max_streams_per_client)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return ServerConfig(host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                        tls_cert=args.tls_cert, tls_key=args.tls_key,
+                        api_token_file=args.api_token_file, limits=limits)
+
+
+def model_id(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    path = Path(args.model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def run(args: argparse.Namespace) -> int:
     from halfmoon.cli import engine_config
 
+    config = server_config(args)  # every flag checked before anything starts
     redis_url, redis_server = start_index(args)
     try:
-        return _serve(args, dataclasses.replace(engine_config(args), redis_url=redis_url))
+        return _serve(args, config, dataclasses.replace(engine_config(args), redis_url=redis_url))
     finally:
         if redis_server is not None:
             redis_server.stop()
 
 
-def _serve(args: argparse.Namespace, config) -> int:
+def _serve(args: argparse.Namespace, config, engine_cfg) -> int:
+    from conductor.colocated import ColocatedBackend
     from engine.engine import Engine
-    from halfmoon.local_server import EngineLoop, make_server
 
     print(f"halfmoon: loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
-    engine = Engine(config)
-    loop = EngineLoop(engine)
-    server = make_server(loop, args.host, args.port)
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"halfmoon: WARNING: listening on {args.host} without auth or TLS", file=sys.stderr)
-    host, port = server.server_address[:2]
-    print(f"halfmoon: serving on http://{host}:{port}  (Ctrl-C to stop)\n"
-          f"  curl -s http://{host}:{port}/generate -d '{{\"prompt\": \"Hello\", \"max_tokens\": 32}}'\n"
-          f"  curl -sN http://{host}:{port}/generate -d '{{\"messages\": [{{\"role\": \"user\", "
-          f"\"content\": \"Hi!\"}}], \"stream\": true}}'", file=sys.stderr, flush=True)
-    stop = threading.Event()
-    # Explicit handlers: a SIGINT inherited as "ignored" (background jobs) must still stop us.
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    loop.start()
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    while not stop.wait(timeout=0.5):
-        pass
-    print("halfmoon: shutting down", file=sys.stderr, flush=True)
-    server.shutdown()
-    server.server_close()
-    loop.stop()
-    engine.close()
+    engine = Engine(engine_cfg)
+    try:
+        backend = ColocatedBackend(engine, model_id(args), max_waiting=args.max_waiting)
+        asyncio.run(_main(backend, config))
+    finally:
+        engine.close()
+    print("halfmoon: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+async def _main(backend, config) -> None:
+    from conductor.server import serve
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Explicit handlers: a SIGINT inherited as "ignored" (background jobs) must still stop us.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _stopper(stop))
+    await serve(backend, config, stop, lambda ep: announce(ep, backend.model.id, config))
+
+
+def _stopper(stop: asyncio.Event):
+    def on_signal() -> None:
+        if not stop.is_set():
+            print("halfmoon: shutting down", file=sys.stderr, flush=True)
+        stop.set()
+
+    return on_signal
+
+
+def announce(ep, model: str, config) -> None:
+    """How to call what is now listening (stderr; the `listening` line is stable for scripts)."""
+    tls = " --tls" if ep.tls else ""
+    token = " --token-file TOKENS" if ep.auth else ""
+    auth = " -H 'Authorization: Bearer $TOKEN'" if ep.auth else ""
+    lines = [
+        f"halfmoon: listening grpc={ep.grpc_target} http={ep.http_url} model={model}",
+        f"  gRPC  {ep.grpc_target}   halfmoon.v1.Generation (+ health, reflection)",
+        f"        halfmoon client generate --target {ep.grpc_target}{tls}{token} 'The capital of France is'",
+        f"  HTTP  {ep.http_url}   OpenAI-compatible: /v1/chat/completions /v1/completions /v1/models; /metrics",
+        f"        curl -s {ep.http_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'",
+        "  Ctrl-C stops.",
+    ]
+    if not config.loopback and not (ep.tls and ep.auth):
+        missing = " and ".join(x for x, on in (("auth", ep.auth), ("TLS", ep.tls)) if not on)
+        lines.insert(0, f"halfmoon: WARNING: listening on {config.host} without {missing}; "
+                        f"anyone who can reach this address can use it ({LOOPBACK_NOTE})")
+    print("\n".join(lines), file=sys.stderr, flush=True)

@@ -62,7 +62,7 @@ def test_bad_input_exits_2_with_a_clear_message(args: list[str], needle: str) ->
 def _wait_for_url(proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> str:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        match = re.search(r"serving on (http://\S+)", log.read_text())
+        match = re.search(r"listening grpc=\S+ http=(http://\S+)", log.read_text())
         if match:
             return match.group(1)
         if proc.poll() is not None:
@@ -80,23 +80,24 @@ def _post(url: str, body: dict) -> dict:
 def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([*CLI, "serve", "--port", "0", "--threads", "1"], stdout=err,
+        proc = subprocess.Popen([*CLI, "serve", "--grpc-port", "0", "--http-port", "0", "--threads", "1"], stdout=err,
                                 stderr=err, text=True, env=ENV)
     try:
         url = _wait_for_url(proc, log)
         with urllib.request.urlopen(url + "/health", timeout=10) as resp:
             assert json.loads(resp.read()) == {"status": "ok"}
-        out = _post(url + "/generate", {"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})
-        assert len(out["output_ids"]) == 5 and out["finish_reason"] == "length"
+        out = _post(url + "/v1/completions", {"model": "smollm2", "prompt": PROMPT, "max_tokens": 5,
+                                              "ignore_eos": True})
+        assert out["usage"]["completion_tokens"] == 5 and out["choices"][0]["finish_reason"] == "length"
         with pytest.raises(urllib.error.HTTPError) as bad:
-            _post(url + "/generate", {"prompt": PROMPT, "temperature": -1})
+            _post(url + "/v1/completions", {"model": "smollm2", "prompt": PROMPT, "temperature": -1})
         assert bad.value.code == 400
-        assert json.loads(bad.value.read())["error"]["field"] == "temperature"
+        assert json.loads(bad.value.read())["error"]["param"] == "temperature"
         redis_port = int(re.search(r"embedded Redis \(block index\) at redis://127.0.0.1:(\d+)",
                                    log.read_text()).group(1))
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-        assert "shutting down" in log.read_text()
+        assert "shutting down" in log.read_text() and "halfmoon: stopped" in log.read_text()
         with pytest.raises(OSError):  # the embedded redis-server went down with us: no orphan
             socket.create_connection(("127.0.0.1", redis_port), timeout=2).close()
     finally:

@@ -1,0 +1,1 @@
+"""The Conductor: the front door (gRPC, OpenAI HTTP), backends, and (issue 6) routing."""

@@ -1,0 +1,121 @@
+"""The interface between the front door (gRPC / HTTP) and whatever generates tokens.
+
+The API layer validates and tokenizes a request into a `GenerationInput`, then iterates
+`backend.generate(input)`: `TokenDelta`s as tokens are sampled, then exactly one `Completion`.
+Closing the iterator early (client cancel, deadline, disconnect) stops the work and frees its KV.
+Two backends: the co-located engine (`conductor/colocated.py`) and the disaggregated cluster.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """Per-request objectives in milliseconds; None = none asked."""
+
+    ttft_ms: float | None = None
+    tbt_ms: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationInput:
+    """A validated request, API-neutral. `deadline` is on the `time.monotonic()` clock."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    request_id: str | None = None
+    cache_salt: str | None = None
+    slo: Slo = Slo()
+    priority: int = 0
+    deadline: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenDelta:
+    """New tokens of one request since the last delta, and their text."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+    ttft_ms: float
+    mean_tpot_ms: float
+    e2e_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Completion:
+    """The last item of a generation. `finish_reason` is `stop`, `length` or `abort`."""
+
+    request_id: str
+    finish_reason: str
+    stop: str | None
+    usage: Usage
+    timings: Timings
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCard:
+    id: str
+    max_model_len: int
+    vocab_size: int
+    owned_by: str = "halfmoon"
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStats:
+    """A snapshot for `/metrics` and the dashboard."""
+
+    requests_running: int
+    requests_waiting: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    engine_steps: int
+
+
+class GenerationBackend(abc.ABC):
+    """What the front door needs from a backend. Async methods run on the server's event loop."""
+
+    model: ModelCard
+    tokenizer: Tokenizer
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Start serving (threads, workers); returns when ready."""
+
+    @abc.abstractmethod
+    async def stop(self) -> None:
+        """Stop serving: running requests end with `abort`, resources are released."""
+
+    @abc.abstractmethod
+    def generate(self, inp: GenerationInput) -> AsyncIterator[TokenDelta | Completion]:
+        """Stream a request. Raises (before or while streaming) the precise errors of
+        `conductor.errors`; closing the iterator early aborts the request and frees its KV."""
+
+    @abc.abstractmethod
+    def ready(self) -> bool:
+        """True when a request sent now would be served (health checks)."""
+
+    @abc.abstractmethod
+    def stats(self) -> BackendStats:
+        """Current load, cheap enough to call on every scrape."""

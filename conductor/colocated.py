@@ -1,0 +1,239 @@
+"""The co-located backend: one engine in this process, stepped by one thread.
+
+```
+event loop (gRPC + HTTP handlers)            engine thread
+  generate(): register queue, add_request ->  engine.step() ... outputs
+  await queue.get()  <-- call_soon_threadsafe -- one put per request per step
+  closed early -> engine.abort(id)  -------->  freed at the start of the next step
+```
+
+Admission is simple here (the cluster's Mooncake-style predictor comes with the Conductor): a
+bounded number of requests waiting for their first token, and a per-request SLO check against
+predictions from what this engine measured (prefill tokens/s, time per output token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from conductor.backend import (BackendStats, Completion, GenerationBackend, GenerationInput,
+                               ModelCard, Timings, TokenDelta, Usage)
+from conductor.errors import (DeadlineExceededError, OverloadedError, ServiceUnavailableError,
+                              SloMissError, SloPrediction)
+from engine.engine import Engine
+from engine.errors import InvalidRequestError
+from engine.outputs import CompletionResult, RequestOutput
+
+log = logging.getLogger(__name__)
+
+_Item = RequestOutput | BaseException
+
+
+@dataclass(slots=True)
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[_Item]
+    prompt_tokens: int
+    started: bool = False  # first token seen
+
+
+class LoadPredictor:
+    """Exponentially weighted averages of what the engine delivered: prefill tokens per ms and
+    time per output token. Unknown (None) until the first request finished."""
+
+    ALPHA = 0.2
+
+    def __init__(self) -> None:
+        self.prefill_tokens_per_ms: float | None = None
+        self.tpot_ms: float | None = None
+
+    def observe(self, result: CompletionResult) -> None:
+        computed = len(result.prompt_ids) - result.num_cached_tokens
+        if computed > 0 and result.prefill_ms > 0:
+            self.prefill_tokens_per_ms = self._ewma(self.prefill_tokens_per_ms, computed / result.prefill_ms)
+        if len(result.output_ids) > 1 and result.tpot_ms > 0:
+            self.tpot_ms = self._ewma(self.tpot_ms, result.tpot_ms)
+
+    def ttft_ms(self, queued_tokens: int, own_tokens: int) -> float | None:
+        if self.prefill_tokens_per_ms is None:
+            return None
+        return (queued_tokens + own_tokens) / self.prefill_tokens_per_ms
+
+    def _ewma(self, old: float | None, new: float) -> float:
+        return new if old is None else (1 - self.ALPHA) * old + self.ALPHA * new
+
+
+class ColocatedBackend(GenerationBackend):
+    def __init__(self, engine: Engine, model_id: str, max_waiting: int = 256) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model = ModelCard(model_id, engine.max_model_len, engine.model_config.vocab_size)
+        self.max_waiting = max_waiting
+        self.predictor = LoadPredictor()
+        self.steps = 0  # engine steps taken (read by tests and metrics)
+        self._streams: dict[str, _Stream] = {}  # guarded by _lock
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30)
+        with self._lock:
+            streams, self._streams = dict(self._streams), {}
+        for stream in streams.values():
+            self._deliver(stream, ServiceUnavailableError("the server is shutting down"))
+
+    def ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._failure is None
+
+    def stats(self) -> BackendStats:
+        with self._lock:
+            waiting = sum(1 for s in self._streams.values() if not s.started)
+            total = len(self._streams)
+        pool = self.engine.pool
+        return BackendStats(total - waiting, waiting, pool.num_free(), pool.num_blocks, self.steps)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, inp: GenerationInput) -> AsyncIterator[TokenDelta | Completion]:
+        request_id, stream = self._open(inp)
+        finished = False
+        try:
+            while True:
+                out = await self._next(stream, inp.deadline)
+                if out.finished:
+                    stream.started = True
+                    finished = True
+                    if out.new_token_ids or out.new_text:
+                        yield TokenDelta(request_id, out.new_token_ids, out.new_text)
+                    assert out.result is not None
+                    self.predictor.observe(out.result)
+                    yield _completion(out.result)
+                    return
+                stream.started = True
+                yield TokenDelta(request_id, out.new_token_ids, out.new_text)
+        finally:
+            if not finished:  # cancelled, deadline, disconnect or error: free its KV now
+                self.engine.abort(request_id)
+                self._wake.set()
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def _open(self, inp: GenerationInput) -> tuple[str, _Stream]:
+        """Admission checks, then the request enters the engine's inbox."""
+        if not self.ready():
+            raise ServiceUnavailableError("the engine is not running" if self._failure is None
+                                          else f"the engine failed: {self._failure}")
+        self._admit(inp)
+        request_id = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(inp.prompt_ids))
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidRequestError("request_id", f"{request_id!r} is already in use by a running request")
+            self._streams[request_id] = stream
+        try:
+            self.engine.add_request(inp.prompt_ids, inp.params, request_id=request_id,
+                                    cache_salt=inp.cache_salt, priority=inp.priority)
+        except BaseException:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            raise
+        self._wake.set()
+        return request_id, stream
+
+    def _admit(self, inp: GenerationInput) -> None:
+        with self._lock:
+            pending = [s.prompt_tokens for s in self._streams.values() if not s.started]
+        ttft = self.predictor.ttft_ms(sum(pending), len(inp.prompt_ids))
+        drain_s = (ttft or 1000.0) / 1e3
+        if len(pending) >= self.max_waiting:
+            raise OverloadedError(f"{len(pending)} requests are waiting for their first token "
+                                  f"(limit {self.max_waiting}); retry later", drain_s)
+        slo = inp.slo
+        tbt = self.predictor.tpot_ms
+        ttft_miss = slo.ttft_ms is not None and ttft is not None and ttft > slo.ttft_ms
+        tbt_miss = slo.tbt_ms is not None and tbt is not None and tbt > slo.tbt_ms
+        if ttft_miss or tbt_miss:
+            prediction = SloPrediction(ttft or 0.0, tbt or 0.0, slo.ttft_ms or 0.0, slo.tbt_ms or 0.0)
+            raise SloMissError(prediction, drain_s)
+
+    async def _next(self, stream: _Stream, deadline: float | None) -> RequestOutput:
+        try:
+            if deadline is None:
+                item = await stream.queue.get()
+            else:
+                async with asyncio.timeout_at(deadline):  # loop.time() is time.monotonic()
+                    item = await stream.queue.get()
+        except TimeoutError:
+            raise DeadlineExceededError("the request's deadline passed; its work was stopped") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a bug: fail every request loudly, stop taking new ones
+                log.exception("engine step failed")
+                self._fail(e)
+                return
+            self.steps += 1
+            for out in outputs:
+                self._route(out)
+
+    def _route(self, out: RequestOutput) -> None:
+        with self._lock:
+            stream = self._streams.get(out.request_id)
+        if stream is not None:
+            self._deliver(stream, out)
+
+    def _fail(self, error: Exception) -> None:
+        self._failure = error
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            self._deliver(stream, ServiceUnavailableError(f"the engine failed: {error}"))
+
+    @staticmethod
+    def _deliver(stream: _Stream, item: _Item) -> None:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening any more
+            pass
+
+
+def _completion(r: CompletionResult) -> Completion:
+    n = len(r.output_ids)
+    e2e = r.ttft_ms + r.tpot_ms * max(0, n - 1)
+    return Completion(r.request_id, r.finish_reason.value, r.stop_text,
+                      Usage(len(r.prompt_ids), r.num_cached_tokens, n),
+                      Timings(r.queue_ms, r.prefill_ms, 0.0, r.ttft_ms, r.tpot_ms, e2e))
+
+
+def wall_clock_deadline(timeout_s: float | None) -> float | None:
+    """A `time.monotonic()` deadline `timeout_s` from now (None = no deadline)."""
+    return None if timeout_s is None else time.monotonic() + timeout_s

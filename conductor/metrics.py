@@ -1,0 +1,76 @@
+"""Prometheus metrics of the front door (`/metrics`), in Prometheus' naming conventions:
+`halfmoon_` prefix, base units in the name (`_seconds`), `_total` on counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from conductor.backend import BackendStats, Completion
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _BackendCollector(Collector):
+    """Gauges read from the backend at scrape time."""
+
+    def __init__(self, stats: Callable[[], BackendStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self._stats()
+        yield GaugeMetricFamily("halfmoon_requests_running", "Requests generating tokens.", s.requests_running)
+        yield GaugeMetricFamily("halfmoon_requests_waiting", "Requests waiting for their first token.",
+                                s.requests_waiting)
+        yield GaugeMetricFamily("halfmoon_kv_cache_blocks_free", "Free KV cache blocks.", s.kv_blocks_free)
+        yield GaugeMetricFamily("halfmoon_kv_cache_blocks", "KV cache blocks in total.", s.kv_blocks_total)
+        used = 1.0 - s.kv_blocks_free / s.kv_blocks_total if s.kv_blocks_total else 0.0
+        yield GaugeMetricFamily("halfmoon_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", used)
+
+
+class Metrics:
+    """Counters and histograms the front door updates; one registry per server."""
+
+    def __init__(self, stats: Callable[[], BackendStats]) -> None:
+        disable_created_metrics()  # no `_created` series: Prometheus' text format does not need them
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("halfmoon_requests", "Finished requests by API and outcome.",
+                                ["api", "code"], registry=r)
+        self.prompt_tokens = Counter("halfmoon_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.cached_prompt_tokens = Counter("halfmoon_cached_prompt_tokens",
+                                            "Prompt tokens served from the KV cache.", registry=r)
+        self.generation_tokens = Counter("halfmoon_generation_tokens", "Generated tokens.", registry=r)
+        self.ttft = Histogram("halfmoon_time_to_first_token_seconds", "Time to first token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("halfmoon_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request.",
+                              buckets=_TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("halfmoon_request_duration_seconds", "Arrival to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("halfmoon_request_queue_seconds", "Arrival to admission into a batch.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_BackendCollector(stats))
+
+    def finished(self, api: str, completion: Completion) -> None:
+        u, t = completion.usage, completion.timings
+        self.requests.labels(api, "ok").inc()
+        self.prompt_tokens.inc(u.prompt_tokens)
+        self.cached_prompt_tokens.inc(u.cached_prompt_tokens)
+        self.generation_tokens.inc(u.completion_tokens)
+        self.ttft.observe(t.ttft_ms / 1e3)
+        self.queue.observe(t.queue_ms / 1e3)
+        self.e2e.observe(t.e2e_ms / 1e3)
+        if u.completion_tokens > 1:
+            self.tpot.observe(t.mean_tpot_ms / 1e3)
+
+    def failed(self, api: str, code: str) -> None:
+        self.requests.labels(api, code.lower()).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,209 @@
+"""The OpenAI-compatible HTTP front door (FastAPI).
+
+    POST /v1/completions, /v1/chat/completions   (SSE with "stream": true)
+    GET  /v1/models, /health, /metrics
+
+`/v1/*` needs the bearer token when auth is on; `/health` and `/metrics` never do (probes and
+scrapers). A streamed request is validated and admitted before the response starts, so every
+rejection is a plain HTTP error; once streaming, an error arrives as an SSE `error` event.
+A client that disconnects stops its request (its KV is freed at the next engine step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from conductor import openai_schema as oa
+from conductor.backend import Completion, TokenDelta
+from conductor.errors import RequestTooLargeError, RetryableRejection, status_of
+from conductor.frontdoor import FrontDoor
+from engine.errors import HalfmoonError, InvalidRequestError
+
+log = logging.getLogger(__name__)
+
+Items = AsyncIterator[TokenDelta | Completion]
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    st = status_of(error)
+    if st.http == 500:
+        log.error("internal error in an HTTP request", exc_info=error)
+    headers = {}
+    if isinstance(error, RetryableRejection):
+        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    return JSONResponse(oa.error_json(error), status_code=st.http, headers=headers)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413 before anything parses it."""
+
+    def __init__(self, app: Any, door: FrontDoor) -> None:
+        self.app, self.door = app, door
+        self.limit = door.limits.max_request_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            error = RequestTooLargeError(int(length), self.limit)
+            self.door.count_error("http", error)
+            return await error_response(error)(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise RequestTooLargeError(seen, self.limit)
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+def build_app(door: FrontDoor) -> FastAPI:
+    app = FastAPI(title="Halfmoon", docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def on_error(_request: Request, error: Exception) -> Response:
+        door.count_error("http", error)
+        return error_response(error)
+
+    app.add_exception_handler(HalfmoonError, on_error)
+    app.add_exception_handler(Exception, on_error)  # a bug: 500 in OpenAI's shape, logged
+    model = door.backend.model
+
+    async def client_of(request: Request) -> str:
+        host = request.client.host if request.client else "unknown"
+        return door.client(request.headers.get("authorization"), host)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = door.backend.ready()
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(door.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        await client_of(request)
+        return JSONResponse({"object": "list", "data": [{
+            "id": model.id, "object": "model", "created": 0, "owned_by": model.owned_by,
+            "max_model_len": model.max_model_len}]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await _serve(door, request, await client_of(request), oa.parse_chat, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(door, request, await client_of(request), oa.parse_completion, chat=False)
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise InvalidRequestError("body", f"not valid JSON: {e}") from e
+
+
+async def _serve(door: FrontDoor, request: Request, client: str,
+                 parse: Callable[[Any], tuple[Any, bool, bool]], chat: bool) -> Response:
+    spec, stream, include_usage = parse(await _json_body(request))
+    items = door.generate(spec, client, "http")
+    model = door.backend.model.id
+    if not stream:
+        return await _until_disconnect(request, lambda: _collect(items, model, chat))
+    try:
+        first = await items.__anext__()  # validation and admission happen here
+    except BaseException:
+        await items.aclose()
+        raise
+    events = _sse(door, first, items, model, chat, include_usage)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _collect(items: Items, model: str, chat: bool) -> Response:
+    texts: list[str] = []
+    async with aclosing(items):
+        async for item in items:
+            if isinstance(item, TokenDelta):
+                texts.append(item.text)
+            else:
+                shape = oa.chat_response if chat else oa.completion_response
+                return JSONResponse(shape(model, item, "".join(texts), oa.now_s()))
+    raise AssertionError("a generation ended without its Completion")
+
+
+async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
+    """Run `work`; if the client disconnects first, cancel it (which aborts the request)."""
+    task = asyncio.ensure_future(work())
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _sse(door: FrontDoor, first: TokenDelta | Completion, items: Items, model: str, chat: bool,
+               include_usage: bool) -> AsyncIterator[bytes]:
+    created = oa.now_s()
+    rid = first.request_id
+    try:
+        if chat:
+            yield _event(oa.chat_chunk(model, rid, created, {"role": "assistant", "content": ""}))
+        item: TokenDelta | Completion | None = first
+        while item is not None:
+            for chunk in _chunks(item, model, rid, created, chat, include_usage):
+                yield _event(chunk)
+            item = None if isinstance(item, Completion) else await items.__anext__()
+    except HalfmoonError as e:  # headers are sent: the error travels as an event
+        door.count_error("http", e)
+        yield _event(oa.error_json(e))
+    finally:
+        await items.aclose()
+    yield b"data: [DONE]\n\n"
+
+
+def _chunks(item: TokenDelta | Completion, model: str, rid: str, created: int, chat: bool,
+            include_usage: bool) -> list[dict[str, Any]]:
+    if isinstance(item, TokenDelta):
+        if not item.text:
+            return []
+        return [oa.chat_chunk(model, rid, created, {"content": item.text}) if chat
+                else oa.completion_chunk(model, rid, created, item.text)]
+    out = [oa.chat_chunk(model, rid, created, {}, item.finish_reason) if chat
+           else oa.completion_chunk(model, rid, created, "", item.finish_reason)]
+    if include_usage:
+        usage = oa.usage_json(item)
+        out.append(oa.chat_chunk(model, rid, created, None, usage=usage) if chat
+                   else oa.completion_chunk(model, rid, created, None, usage=usage))
+    return out
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

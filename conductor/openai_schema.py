@@ -1,0 +1,253 @@
+"""OpenAI request bodies -> `RequestSpec`, and results -> OpenAI response/chunk/error JSON.
+
+Strict: a field of the wrong type, an unknown field, or an OpenAI feature Halfmoon does not
+implement (n > 1, logprobs, tools, penalties, echo, ...) is a 400 naming the field — never
+silently ignored. Extensions, as vLLM spells them: top_k, ignore_eos, stop_token_ids, seed,
+cache_salt, priority, request_id, and `slo: {ttft_ms, tbt_ms}`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from conductor.backend import Completion
+from conductor.errors import SloMissError, client_message, field_of, status_of
+from conductor.requests import RequestSpec
+from engine.errors import InvalidRequestError
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
+           "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
+           "ignore_eos", "stop_token_ids", "cache_salt", "priority", "request_id", "slo"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "response_format"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+# OpenAI fields accepted only at their neutral value (what "off" means for each).
+_NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": (None, False),
+                            "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
+                            "response_format": (None, {"type": "text"}), "echo": False, "suffix": (None, ""),
+                            "best_of": (None, 1)}
+
+
+class Body:
+    """Typed access to a JSON object's fields; each wrong type is an error naming the field."""
+
+    def __init__(self, data: Any, allowed: set[str]) -> None:
+        if not isinstance(data, dict):
+            raise InvalidRequestError("body", "must be a JSON object")
+        unknown = sorted(set(data) - allowed)
+        if unknown:
+            raise InvalidRequestError(unknown[0], "unknown field")
+        self.data = data
+
+    def get(self, key: str, kinds: tuple[type, ...], what: str) -> Any:
+        value = self.data.get(key)
+        if value is None:
+            return None
+        ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+        if not ok:
+            raise InvalidRequestError(key, f"must be {what}, got {type(value).__name__}")
+        return value
+
+    def string(self, key: str) -> str | None:
+        return self.get(key, (str,), "a string")
+
+    def integer(self, key: str) -> int | None:
+        return self.get(key, (int,), "an integer")
+
+    def number(self, key: str) -> float | None:
+        value = self.get(key, (int, float), "a number")
+        return None if value is None else float(value)
+
+    def boolean(self, key: str) -> bool:
+        return bool(self.get(key, (bool,), "a boolean"))
+
+    def int_list(self, key: str) -> list[int] | None:
+        value = self.get(key, (list,), "a list of integers")
+        if value is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+            raise InvalidRequestError(key, "must be a list of integers")
+        return value
+
+    def neutral_only(self) -> None:
+        for key, neutral in _NEUTRAL.items():
+            if key not in self.data:
+                continue
+            allowed = neutral if isinstance(neutral, tuple) else (neutral,)
+            if self.data[key] not in allowed:
+                raise InvalidRequestError(key, f"is not supported by Halfmoon (only {allowed[0]!r})")
+
+
+def _stops(body: Body) -> list[str]:
+    stop = body.data.get("stop")
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise InvalidRequestError("stop", "must be a string or a list of strings")
+
+
+def _slo(body: Body) -> tuple[float | None, float | None]:
+    slo = body.get("slo", (dict,), "an object {ttft_ms, tbt_ms}") or {}
+    unknown = sorted(set(slo) - {"ttft_ms", "tbt_ms"})
+    if unknown:
+        raise InvalidRequestError(f"slo.{unknown[0]}", "unknown field")
+    out = []
+    for key in ("ttft_ms", "tbt_ms"):
+        v = slo.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise InvalidRequestError(f"slo.{key}", "must be a number (milliseconds)")
+        out.append(None if v is None else float(v))
+    return out[0], out[1]
+
+
+def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
+    """Fill the fields both endpoints share; returns (spec, stream, include_usage)."""
+    body.neutral_only()
+    model = body.string("model")
+    if not model:
+        raise InvalidRequestError("model", "is required")
+    spec.model = model
+    spec.temperature, spec.top_p = body.number("temperature"), body.number("top_p")
+    spec.top_k, spec.seed = body.integer("top_k"), body.integer("seed")
+    spec.stop, spec.stop_token_ids = _stops(body), body.int_list("stop_token_ids") or []
+    spec.ignore_eos = body.boolean("ignore_eos")
+    spec.cache_salt, spec.request_id = body.string("cache_salt"), body.string("request_id")
+    spec.priority = body.integer("priority") or 0
+    spec.ttft_ms, spec.tbt_ms = _slo(body)
+    body.string("user")  # accepted (a string), not used
+    stream = body.boolean("stream")
+    options = body.get("stream_options", (dict,), "an object") or {}
+    if options and not stream:
+        raise InvalidRequestError("stream_options", "is only allowed with stream: true")
+    if set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise InvalidRequestError("stream_options", f"unknown keys {sorted(set(options) - {'include_usage'})}")
+    return spec, stream, bool(options.get("include_usage"))
+
+
+def parse_chat(data: Any) -> tuple[RequestSpec, bool, bool]:
+    body = Body(data, CHAT_FIELDS)
+    spec = RequestSpec(names={"prompt_token_ids": "messages", "prompt": "messages"})
+    spec.messages = _messages(body)
+    mt, mct = body.integer("max_tokens"), body.integer("max_completion_tokens")
+    if mt is not None and mct is not None:
+        raise InvalidRequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
+    spec.max_tokens = mct if mct is not None else mt
+    return _common(body, spec)
+
+
+def _messages(body: Body) -> list[dict[str, str]]:
+    messages = body.get("messages", (list,), "a list of messages")
+    if messages is None:
+        raise InvalidRequestError("messages", "is required")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidRequestError(f"messages[{i}]", "must be an object {role, content}")
+        if set(m) - {"role", "content", "name"}:
+            raise InvalidRequestError(f"messages[{i}].{sorted(set(m) - {'role', 'content', 'name'})[0]}",
+                                      "is not supported")
+        out.append({"role": m.get("role"), "content": _content(m.get("content"), i)})
+    return out
+
+
+def _content(content: Any, i: int) -> str:
+    """A message's text: a string, or OpenAI's list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(f"messages[{i}].content", "only text parts {type: text, text} are supported")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise InvalidRequestError(f"messages[{i}].content", "must be a string or a list of text parts")
+
+
+def parse_completion(data: Any) -> tuple[RequestSpec, bool, bool]:
+    body = Body(data, COMPLETION_FIELDS)
+    spec = RequestSpec(names={"prompt_token_ids": "prompt", "messages": "prompt"})
+    prompt = body.data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        spec.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        spec.prompt_token_ids = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise InvalidRequestError("prompt", "batches of prompts are not supported; send one request per prompt")
+    elif prompt is None:
+        raise InvalidRequestError("prompt", "is required")
+    elif isinstance(prompt, list) and not prompt:
+        raise InvalidRequestError("prompt", "is empty")
+    else:
+        raise InvalidRequestError("prompt", "must be a string or a list of token ids")
+    spec.max_tokens = body.integer("max_tokens")
+    return _common(body, spec)
+
+
+# ---------------------------------------------------------------------- responses
+
+
+def usage_json(c: Completion) -> dict[str, Any]:
+    u = c.usage
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+
+def chat_response(model: str, c: Completion, text: str, created: int) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{c.request_id}", "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "finish_reason": c.finish_reason, "logprobs": None}],
+            "usage": usage_json(c)}
+
+
+def completion_response(model: str, c: Completion, text: str, created: int) -> dict[str, Any]:
+    return {"id": f"cmpl-{c.request_id}", "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": c.finish_reason, "logprobs": None}],
+            "usage": usage_json(c)}
+
+
+def chat_chunk(model: str, rid: str, created: int, delta: dict[str, str] | None,
+               finish: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
+    chunk = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": choices}
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def completion_chunk(model: str, rid: str, created: int, text: str | None,
+                     finish: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
+    chunk = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
+             "choices": choices}
+    if usage is not None:
+        chunk["usage"] = usage
+    return chunk
+
+
+def error_json(error: BaseException) -> dict[str, Any]:
+    """OpenAI's error shape; SLO rejections also carry the predictions."""
+    st = status_of(error)
+    body: dict[str, Any] = {"message": client_message(error), "type": st.openai_type,
+                            "param": field_of(error), "code": st.http}
+    if isinstance(error, SloMissError):
+        p = error.prediction
+        body["predictions"] = {"predicted_ttft_ms": _finite(p.predicted_ttft_ms),
+                               "predicted_tbt_ms": _finite(p.predicted_tbt_ms),
+                               "ttft_slo_ms": p.ttft_slo_ms, "tbt_slo_ms": p.tbt_slo_ms}
+    return {"error": body}
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def now_s() -> int:
+    return int(time.time())

@@ -1,0 +1,189 @@
+"""One validation path for both APIs: a `RequestSpec` (what the client asked, already typed by
+its API's parser) becomes a `GenerationInput` (token ids + checked parameters), or a precise
+error naming the field as that client spelled it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from conductor.backend import GenerationInput, ModelCard, Slo
+from conductor.errors import ModelNotFoundError
+from engine.errors import InvalidRequestError
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+ROLES = frozenset({"system", "user", "assistant"})
+DEFAULT_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Per-request limits of the front door; every violation is a clear error.
+
+    max_prompt_tokens: longest prompt accepted (also bounded by the model's context).
+    max_tokens: largest `max_tokens` a request may ask for.
+    max_request_bytes: largest request body / gRPC message.
+    max_streams_per_client: requests one client (bearer token, else peer address) may have in
+        flight at once.
+    max_stop: most stop strings (and, separately, stop token ids) per request.
+    max_messages: most chat messages per request.
+    """
+
+    max_prompt_tokens: int = 8192
+    max_tokens: int = 4096
+    max_request_bytes: int = 4 * 2**20
+    max_streams_per_client: int = 128
+    max_stop: int = 16
+    max_stop_chars: int = 256
+    max_messages: int = 256
+    max_id_chars: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_tokens", "max_tokens", "max_request_bytes", "max_streams_per_client",
+                     "max_stop", "max_stop_chars", "max_messages", "max_id_chars"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """A request as its client sent it. `names` maps canonical field names to the client's
+    spelling (e.g. `temperature` -> `sampling.temperature` in gRPC) so errors name its field."""
+
+    model: str = ""
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    ttft_ms: float | None = None
+    tbt_ms: float | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+    deadline: float | None = None
+    names: Mapping[str, str] = field(default_factory=dict)
+
+    def name(self, canonical: str) -> str:
+        return self.names.get(canonical, canonical)
+
+
+def check_model(model: str, card: ModelCard) -> None:
+    """Empty = the served model; anything else must be its id."""
+    if model and model != card.id:
+        raise ModelNotFoundError(model, [card.id])
+
+
+def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelCard, limits: Limits) -> GenerationInput:
+    """Validate everything, tokenize, return what the backend runs. Raises InvalidRequestError
+    (naming the field), ModelNotFoundError."""
+    check_model(spec.model, card)
+    ids = prompt_ids(spec, tokenizer, card, limits)
+    params = sampling_params(spec, card, limits, len(ids))
+    return GenerationInput(ids, params, _short(spec, "request_id", spec.request_id, limits),
+                           _short(spec, "cache_salt", spec.cache_salt, limits), slo(spec),
+                           spec.priority, spec.deadline)
+
+
+def prompt_ids(spec: RequestSpec, tokenizer: Tokenizer, card: ModelCard, limits: Limits) -> list[int]:
+    given = [k for k, v in (("prompt", spec.prompt), ("messages", spec.messages),
+                            ("prompt_token_ids", spec.prompt_token_ids)) if v is not None]
+    if len(given) != 1:
+        names = ", ".join(spec.name(k) for k in ("prompt", "messages", "prompt_token_ids"))
+        what = "none" if not given else " and ".join(spec.name(k) for k in given)
+        raise InvalidRequestError(spec.name(given[0] if given else "prompt"),
+                                  f"give exactly one of {names} (got {what})")
+    if spec.prompt_token_ids is not None:
+        ids = check_token_ids(spec.name("prompt_token_ids"), spec.prompt_token_ids, card.vocab_size)
+    elif spec.messages is not None:
+        ids = tokenizer.encode(tokenizer.apply_chat_template(check_messages(spec, limits)))
+    else:
+        assert spec.prompt is not None
+        ids = tokenizer.encode(spec.prompt)
+    if not ids:
+        raise InvalidRequestError(spec.name(given[0]), "is empty")
+    limit = min(limits.max_prompt_tokens, card.max_model_len - 1)
+    if len(ids) > limit:
+        raise InvalidRequestError(spec.name(given[0]), f"{len(ids)} tokens is over the limit of {limit}")
+    return ids
+
+
+def check_messages(spec: RequestSpec, limits: Limits) -> list[dict[str, str]]:
+    messages = spec.messages or []
+    name = spec.name("messages")
+    if not messages:
+        raise InvalidRequestError(name, "is empty")
+    if len(messages) > limits.max_messages:
+        raise InvalidRequestError(name, f"{len(messages)} messages is over the limit of {limits.max_messages}")
+    for i, m in enumerate(messages):
+        if m.get("role") not in ROLES:
+            raise InvalidRequestError(f"{name}[{i}].role", f"{m.get('role')!r} is not one of {sorted(ROLES)}")
+        if not isinstance(m.get("content"), str):
+            raise InvalidRequestError(f"{name}[{i}].content", "must be a string")
+    return messages
+
+
+def check_token_ids(name: str, ids: list[int], vocab_size: int) -> list[int]:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(name, f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return list(ids)
+
+
+def sampling_params(spec: RequestSpec, card: ModelCard, limits: Limits, prompt_len: int) -> SamplingParams:
+    max_tokens = DEFAULT_MAX_TOKENS if spec.max_tokens is None else spec.max_tokens
+    room = card.max_model_len - prompt_len
+    if not 1 <= max_tokens <= limits.max_tokens:
+        raise InvalidRequestError(spec.name("max_tokens"),
+                                  f"must be in [1, {limits.max_tokens}] (the server's limit), got {max_tokens}")
+    if max_tokens > room:
+        raise InvalidRequestError(spec.name("max_tokens"), f"{max_tokens} + {prompt_len} prompt tokens is over "
+                                  f"the context of {card.max_model_len}; at most {room}")
+    _check_number(spec, "temperature", spec.temperature, lambda t: 0.0 <= t < math.inf, "a finite number >= 0")
+    _check_number(spec, "top_p", spec.top_p, lambda p: 0.0 < p <= 1.0, "in (0, 1]")
+    top_k = 0 if spec.top_k == -1 else spec.top_k  # -1 = off, as vLLM spells it
+    _check_number(spec, "top_k", top_k, lambda k: k >= 0, "an integer >= 0 (0 or -1 = off)")
+    _check_number(spec, "seed", spec.seed, lambda s: 0 <= s < 2**63, "in [0, 2**63)")
+    _check_stops(spec, limits, card.vocab_size)
+    return SamplingParams(max_tokens=max_tokens, temperature=spec.temperature or 0.0,
+                          top_p=1.0 if spec.top_p is None else spec.top_p, top_k=top_k or 0,
+                          seed=spec.seed, ignore_eos=spec.ignore_eos,
+                          stop_token_ids=tuple(spec.stop_token_ids), stop=tuple(spec.stop))
+
+
+def _check_number(spec: RequestSpec, key: str, value: float | None, ok, what: str) -> None:
+    if value is not None and not ok(value):  # NaN fails every comparison, so it lands here too
+        raise InvalidRequestError(spec.name(key), f"must be {what}, got {value}")
+
+
+def _check_stops(spec: RequestSpec, limits: Limits, vocab_size: int) -> None:
+    for key, values in (("stop", spec.stop), ("stop_token_ids", spec.stop_token_ids)):
+        if len(values) > limits.max_stop:
+            raise InvalidRequestError(spec.name(key), f"{len(values)} entries is over the limit of {limits.max_stop}")
+    for s in spec.stop:
+        if not s or len(s) > limits.max_stop_chars:
+            raise InvalidRequestError(spec.name("stop"), f"stop strings must have 1..{limits.max_stop_chars} "
+                                      f"characters, got {len(s)}")
+    check_token_ids(spec.name("stop_token_ids"), spec.stop_token_ids, vocab_size)
+
+
+def slo(spec: RequestSpec) -> Slo:
+    for key, value in (("ttft_ms", spec.ttft_ms), ("tbt_ms", spec.tbt_ms)):
+        _check_number(spec, key, value, lambda v: 0.0 < v < math.inf, "a finite number > 0 (milliseconds)")
+    return Slo(spec.ttft_ms, spec.tbt_ms)
+
+
+def _short(spec: RequestSpec, key: str, value: str | None, limits: Limits) -> str | None:
+    if not value:
+        return None
+    if len(value) > limits.max_id_chars or not value.isprintable():
+        raise InvalidRequestError(spec.name(key), f"must be 1..{limits.max_id_chars} printable characters")
+    return value
