@@ -76,7 +76,7 @@ class ColocatedBackend(GenerationBackend):
         self.model = ModelCard(model_id, engine.max_model_len, engine.model_config.vocab_size)
         self.max_waiting = max_waiting
         self.predictor = LoadPredictor()
-        self.steps = 0  # engine steps taken (read by tests and metrics)
+        self.steps = 0  # engine steps started (a step in flight counts)
         self._streams: dict[str, _Stream] = {}  # guarded by _lock
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -195,13 +195,13 @@ class ColocatedBackend(GenerationBackend):
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
+            self.steps += 1
             try:
                 outputs = self.engine.step()
             except Exception as e:  # a bug: fail every request loudly, stop taking new ones
                 log.exception("engine step failed")
                 self._fail(e)
                 return
-            self.steps += 1
             for out in outputs:
                 self._route(out)
 

@@ -56,6 +56,13 @@ def _decoder(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
     return decode
 
 
+def peer_host(peer: str) -> str:
+    """grpc's "ipv4:127.0.0.1:5555" / "ipv6:[::1]:5555" -> the address, as HTTP reports it."""
+    _, _, address = peer.partition(":")
+    host = address.rsplit(":", 1)[0] if address.count(":") >= 1 else address
+    return host.strip("[]")
+
+
 def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestSpec:
     s, slo = req.sampling, req.slo
     return RequestSpec(
@@ -116,8 +123,7 @@ class GenerationService:
 
     def _client(self, context: grpc.aio.ServicerContext) -> str:
         metadata = dict(context.invocation_metadata() or ())
-        peer = context.peer().rsplit(":", 1)[0]  # "ipv4:127.0.0.1:5555" -> without the port
-        return self.door.client(metadata.get("authorization"), peer)
+        return self.door.client(metadata.get("authorization"), peer_host(context.peer()))
 
     async def _fail(self, context: grpc.aio.ServicerContext, error: BaseException) -> None:
         if status_of(error).grpc is grpc.StatusCode.INTERNAL:
