@@ -40,7 +40,7 @@ class RequestTooLargeError(HalfmoonError):
     """The request body is over the configured size limit."""
 
     def __init__(self, size: int, limit: int) -> None:
-        super().__init__(f"request body of {size} bytes is over the limit of {limit} bytes")
+        super().__init__(f"request body of {size} bytes is larger than the limit of {limit} bytes")
         self.field = "body"
 
 

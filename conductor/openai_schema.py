@@ -23,6 +23,7 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
+SLO_NAMES = {"ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms"}
 # OpenAI fields accepted only at their neutral value (what "off" means for each).
 _NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": (None, False),
                             "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
@@ -129,7 +130,7 @@ def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
 
 def parse_chat(data: Any) -> tuple[RequestSpec, bool, bool]:
     body = Body(data, CHAT_FIELDS)
-    spec = RequestSpec(names={"prompt_token_ids": "messages", "prompt": "messages"})
+    spec = RequestSpec(names={"prompt_token_ids": "messages", "prompt": "messages", **SLO_NAMES})
     spec.messages = _messages(body)
     mt, mct = body.integer("max_tokens"), body.integer("max_completion_tokens")
     if mt is not None and mct is not None:
@@ -169,7 +170,7 @@ def _content(content: Any, i: int) -> str:
 
 def parse_completion(data: Any) -> tuple[RequestSpec, bool, bool]:
     body = Body(data, COMPLETION_FIELDS)
-    spec = RequestSpec(names={"prompt_token_ids": "prompt", "messages": "prompt"})
+    spec = RequestSpec(names={"prompt_token_ids": "prompt", "messages": "prompt", **SLO_NAMES})
     prompt = body.data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
