@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -227,13 +226,8 @@ class ColocatedBackend(GenerationBackend):
 
 
 def _completion(r: CompletionResult) -> Completion:
-    n = len(r.output_ids)
-    e2e = r.ttft_ms + r.tpot_ms * max(0, n - 1)
+    # transfer_ms is 0: nothing moves between processes in the co-located engine.
     return Completion(r.request_id, r.finish_reason.value, r.stop_text,
-                      Usage(len(r.prompt_ids), r.num_cached_tokens, n),
-                      Timings(r.queue_ms, r.prefill_ms, 0.0, r.ttft_ms, r.tpot_ms, e2e))
+                      Usage(len(r.prompt_ids), r.num_cached_tokens, len(r.output_ids)),
+                      Timings(r.queue_ms, r.prefill_ms, 0.0, r.ttft_ms, r.tpot_ms, r.e2e_ms))
 
-
-def wall_clock_deadline(timeout_s: float | None) -> float | None:
-    """A `time.monotonic()` deadline `timeout_s` from now (None = no deadline)."""
-    return None if timeout_s is None else time.monotonic() + timeout_s

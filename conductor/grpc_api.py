@@ -27,7 +27,7 @@ from conductor.errors import (RetryableRejection, SloMissError, client_message, 
                               status_of)
 from conductor.frontdoor import FrontDoor
 from conductor.requests import RequestSpec, check_messages, check_model
-from engine.errors import HalfmoonError, InvalidRequestError
+from engine.errors import InvalidRequestError
 from halfmoon.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -145,9 +145,7 @@ class GenerationService:
                     yield pb.GenerateResponse(request_id=item.request_id, token_ids=item.token_ids, text=item.text)
                 else:
                     yield pb.GenerateResponse(request_id=item.request_id, final=completion_proto(item))
-        except HalfmoonError as e:
-            await self._fail(context, e)
-        except Exception as e:  # a bug: INTERNAL, logged with its traceback
+        except Exception as e:  # ours map to their status; anything else is INTERNAL, logged
             await self._fail(context, e)
 
     async def tokenize(self, request: pb.TokenizeRequest | Undecodable,

@@ -24,6 +24,7 @@ class CompletionResult:
     queue_ms: float = 0.0  # arrival -> first admitted to the batch
     prefill_ms: float = 0.0  # first admitted -> first token
     stop_text: str | None = None  # the stop string that ended it, if any
+    e2e_ms: float = 0.0  # arrival -> finished
 
 
 @dataclass(slots=True)
@@ -96,4 +97,5 @@ def completion_result(req: Request, text: str) -> CompletionResult:
                             text, req.finish_reason, (first - req.arrival_time) * 1e3, tpot,
                             req.num_preemptions, req.num_cached_tokens,
                             queue_ms=(scheduled - req.arrival_time) * 1e3,
-                            prefill_ms=max(0.0, first - scheduled) * 1e3, stop_text=req.stop_text)
+                            prefill_ms=max(0.0, first - scheduled) * 1e3, stop_text=req.stop_text,
+                            e2e_ms=(req.finish_time - req.arrival_time) * 1e3)
