@@ -40,6 +40,7 @@ class Tally:
     errors: list[str] = field(default_factory=list)
     incomplete: int = 0
     rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MB)
+    elapsed_s: float = 0.0  # until the last stream ended
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -187,6 +188,9 @@ async def sample_rss(pid: int | None, end: float, start: float, t: Tally) -> Non
         await asyncio.sleep(2.0)
 
 
+IDLE_S = 6.0  # RSS keeps being sampled this long after the last stream ended
+
+
 async def run_load(args: argparse.Namespace, grpc_target: str, http_url: str, pid: int | None) -> Tally:
     t = Tally()
     lo, hi = (int(x) for x in args.max_tokens.split(","))
@@ -200,8 +204,8 @@ async def run_load(args: argparse.Namespace, grpc_target: str, http_url: str, pi
         tasks.append(asyncio.create_task(client))
     tasks.append(asyncio.create_task(sample_rss(pid, end, start, t)))
     await asyncio.gather(*tasks)
-    if pid is not None:
-        t.rss_mb.append((time.monotonic() - start, rss_mb(pid)))
+    t.elapsed_s = time.monotonic() - start
+    await sample_rss(pid, time.monotonic() + IDLE_S, start, t)  # idle: what stays allocated
     return t
 
 
@@ -266,9 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         print(f"halfmoon bench load: {args.clients} clients for {args.duration:.0f} s against "
               f"{args.grpc_target} / {args.http_url}", file=sys.stderr, flush=True)
-        t0 = time.monotonic()
         tally = asyncio.run(run_load(args, args.grpc_target, args.http_url, pid))
-        s = summary(args, tally, time.monotonic() - t0)
+        s = summary(args, tally, tally.elapsed_s)
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGINT)

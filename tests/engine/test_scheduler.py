@@ -230,3 +230,13 @@ def test_no_block_leaks_after_1000_random_requests() -> None:
     assert sched.stats.prompt_tokens_cached > 0  # ... and prefix-cache hits
     assert all(r.block_table == [] and r.status is RequestStatus.FINISHED for r in finished)
 
+
+
+def test_priority_orders_the_waiting_queue_fcfs_within_a_priority() -> None:
+    sched = Scheduler(BlockPool(64), BLOCK_SIZE, max_num_batched_tokens=4, max_num_seqs=1)
+    for rid, priority in [("a", 0), ("b", 0), ("c", 5), ("d", 1), ("e", 5), ("f", -1)]:
+        req = make_request(rid, 4)
+        req.priority = priority
+        sched.add(req)
+    assert [r.request_id for r in sched.waiting] == ["c", "e", "d", "a", "b", "f"]
+    assert entries(step(sched)) == [("c", 4, True)]  # the highest priority is admitted first

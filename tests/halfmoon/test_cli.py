@@ -104,3 +104,17 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_serve_warns_when_bound_beyond_localhost(capsys: pytest.CaptureFixture[str]) -> None:
+    from conductor.server import Endpoints, ServerConfig
+    from halfmoon.serve_cmd import announce
+
+    announce(Endpoints("127.0.0.1", 50051, 8000, False, False), "smollm2", ServerConfig())
+    assert "WARNING" not in capsys.readouterr().err
+    announce(Endpoints("0.0.0.0", 50051, 8000, False, True), "smollm2", ServerConfig(host="0.0.0.0"))
+    err = capsys.readouterr().err
+    assert "WARNING: listening on 0.0.0.0 without TLS" in err
+    assert "listening grpc=0.0.0.0:50051 http=http://0.0.0.0:8000 model=smollm2" in err
+    announce(Endpoints("0.0.0.0", 1, 2, True, True), "smollm2", ServerConfig(host="0.0.0.0"))
+    assert "WARNING" not in capsys.readouterr().err
