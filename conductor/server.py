@@ -113,6 +113,17 @@ def _http_socket(host: str, port: int) -> socket.socket:
         raise OSError(f"cannot bind HTTP to {_bracket(host)}:{port}: {e.strerror or e}") from e
 
 
+async def _watch_health(backend: GenerationBackend, health_servicer: health.aio.HealthServicer,
+                        period_s: float = 0.5) -> None:
+    """Keep the gRPC health status in step with the backend (probes see a failed engine)."""
+    serving = True
+    while True:
+        await asyncio.sleep(period_s)
+        if backend.ready() != serving:
+            serving = not serving
+            await set_serving(health_servicer, serving)
+
+
 async def serve(backend: GenerationBackend, config: ServerConfig, stop: asyncio.Event,
                 announce: Callable[[Endpoints], None]) -> None:
     """Serve until `stop` is set, then shut down cleanly (health first, backend last)."""
@@ -138,8 +149,10 @@ async def serve(backend: GenerationBackend, config: ServerConfig, stop: asyncio.
         await set_serving(health_servicer, True)
         announce(Endpoints(config.host, grpc_port, sock.getsockname()[1], tls is not None, auth.enabled))
         stopped = asyncio.create_task(stop.wait())
+        watcher = asyncio.create_task(_watch_health(backend, health_servicer))
         await asyncio.wait({stopped, http_task}, return_when=asyncio.FIRST_COMPLETED)
         stopped.cancel()
+        watcher.cancel()
     finally:
         await set_serving(health_servicer, False)
         http.should_exit = True

@@ -256,3 +256,29 @@ def test_overload_is_rejected_and_the_rest_complete(start_api) -> None:
     assert all("waiting for their first token" in e.details() for e in errors)
     assert details(errors[0])["ErrorInfo"].reason == "OverloadedError"
     assert small.wait_idle() == []
+
+
+def test_a_failed_engine_is_unavailable_and_unhealthy(start_api) -> None:
+    """A bug inside the engine step: the running request fails with UNAVAILABLE (not a hang),
+    new ones are refused with UNAVAILABLE, both health checks say so."""
+    doomed = start_api()
+
+    def broken_step() -> list:
+        raise RuntimeError("injected engine failure")
+
+    doomed.engine.step = broken_step
+    with grpc.insecure_channel(doomed.grpc_target) as channel:
+        s = pb_grpc.GenerationStub(channel)
+        for _ in range(2):  # the one that meets the failure, then one after it
+            with pytest.raises(grpc.RpcError) as err:
+                list(s.Generate(pb.GenerateRequest(prompt=PROMPT, max_tokens=4), timeout=30))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "injected engine failure" in err.value.details()
+        h = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 5
+        while h.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING:
+            assert time.monotonic() < deadline, "gRPC health still SERVING after the engine failed"
+            time.sleep(0.1)
+    import httpx
+
+    assert httpx.get(doomed.http_url + "/health").status_code == 503

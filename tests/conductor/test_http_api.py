@@ -4,6 +4,7 @@ TLS, limits and disconnects."""
 from __future__ import annotations
 
 import json
+import ssl
 import subprocess
 import threading
 from pathlib import Path
@@ -171,7 +172,7 @@ def test_tls_on_both_apis(start_api, tmp_path: Path) -> None:
     cert, key = _self_signed(tmp_path)
     secure = start_api(tls_cert=str(cert), tls_key=str(key))
     assert secure.http_url.startswith("https://")
-    client = oai(secure, http_client=httpx.Client(verify=str(cert)))
+    client = oai(secure, http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(cert))))
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
     assert out.usage.completion_tokens == 2
     with pytest.raises(httpx.TransportError):  # plain HTTP is not served on the TLS port
@@ -196,3 +197,22 @@ def test_many_concurrent_openai_streams(api: RunningApi, engine: Engine) -> None
     for t in threads:
         t.join(120)
     assert results == [want] * 8
+
+
+def test_tokens_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from conductor.auth import TOKENS_ENV, Authenticator, load_tokens
+    from conductor.errors import UnauthenticatedError
+    from engine.errors import ConfigError
+
+    monkeypatch.setenv(TOKENS_ENV, "alpha, beta")
+    auth = Authenticator(load_tokens(None))
+    assert auth.enabled and auth.check("Bearer beta") == auth.check("bearer beta")
+    assert auth.check("Bearer alpha") != auth.check("Bearer beta")  # distinct client identities
+    with pytest.raises(UnauthenticatedError):
+        auth.check("Bearer gamma")
+    monkeypatch.delenv(TOKENS_ENV)
+    assert not Authenticator(load_tokens(None)).enabled
+    empty = tmp_path / "empty"
+    empty.write_text("# nothing\n\n")
+    with pytest.raises(ConfigError, match="holds no token"):
+        load_tokens(str(empty))
