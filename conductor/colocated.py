@@ -1,8 +1,8 @@
 """The co-located backend: one engine in this process, stepped by one thread.
 
 ```
-event loop (gRPC + HTTP handlers)            engine thread
-  generate(): register queue, add_request ->  engine.step() ... outputs
+event loop (gRPC + HTTP handlers)            engine thread (engine/loop.py)
+  generate(): watch_async(id), add_request -> engine.step() ... outputs
   await queue.get()  <-- call_soon_threadsafe -- one put per request per step
   closed early -> engine.abort(id)  -------->  freed at the start of the next step
 ```
@@ -15,8 +15,6 @@ predictions from what this engine measured (prefill tokens/s, time per output to
 from __future__ import annotations
 
 import asyncio
-import logging
-import threading
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -26,17 +24,15 @@ from conductor.backend import (BackendStats, Completion, GenerationBackend, Gene
 from conductor.errors import (DeadlineExceededError, OverloadedError, ServiceUnavailableError,
                               SloMissError, SloPrediction)
 from engine.engine import Engine
+from engine.loop import EngineLoop
 from engine.errors import InvalidRequestError
 from engine.outputs import CompletionResult, RequestOutput
-
-log = logging.getLogger(__name__)
 
 _Item = RequestOutput | BaseException
 
 
 @dataclass(slots=True)
 class _Stream:
-    loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[_Item]
     prompt_tokens: int
     started: bool = False  # first token seen
@@ -75,37 +71,32 @@ class ColocatedBackend(GenerationBackend):
         self.model = ModelCard(model_id, engine.max_model_len, engine.model_config.vocab_size)
         self.max_waiting = max_waiting
         self.predictor = LoadPredictor()
-        self.steps = 0  # engine steps started (a step in flight counts)
-        self._streams: dict[str, _Stream] = {}  # guarded by _lock
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._failure: BaseException | None = None
+        self.loop = EngineLoop(engine)
+        self._streams: dict[str, _Stream] = {}  # only touched on the event loop
+        self._started = False
+
+    @property
+    def steps(self) -> int:
+        """Engine steps started (a step in flight counts)."""
+        return self.loop.steps
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self.loop.start()
+        self._started = True
 
     async def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30)
-        with self._lock:
-            streams, self._streams = dict(self._streams), {}
-        for stream in streams.values():
-            self._deliver(stream, ServiceUnavailableError("the server is shutting down"))
+        await asyncio.to_thread(self.loop.stop)
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(ServiceUnavailableError("the server is shutting down"))
 
     def ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self._failure is None
+        return self._started and self.loop.alive
 
     def stats(self) -> BackendStats:
-        with self._lock:
-            waiting = sum(1 for s in self._streams.values() if not s.started)
-            total = len(self._streams)
+        waiting = sum(1 for s in list(self._streams.values()) if not s.started)
+        total = len(self._streams)
         pool = self.engine.pool
         return BackendStats(total - waiting, waiting, pool.num_free(), pool.num_blocks, self.steps)
 
@@ -117,8 +108,8 @@ class ColocatedBackend(GenerationBackend):
         try:
             while True:
                 out = await self._next(stream, inp.deadline)
+                stream.started = True
                 if out.finished:
-                    stream.started = True
                     finished = True
                     if out.new_token_ids or out.new_text:
                         yield TokenDelta(request_id, out.new_token_ids, out.new_text)
@@ -126,40 +117,38 @@ class ColocatedBackend(GenerationBackend):
                     self.predictor.observe(out.result)
                     yield _completion(out.result)
                     return
-                stream.started = True
                 yield TokenDelta(request_id, out.new_token_ids, out.new_text)
         finally:
             if not finished:  # cancelled, deadline, disconnect or error: free its KV now
+                self.loop.unwatch(request_id)
                 self.engine.abort(request_id)
-                self._wake.set()
-            with self._lock:
-                self._streams.pop(request_id, None)
+                self.loop.wake()
+            self._streams.pop(request_id, None)
 
     def _open(self, inp: GenerationInput) -> tuple[str, _Stream]:
         """Admission checks, then the request enters the engine's inbox."""
         if not self.ready():
-            raise ServiceUnavailableError("the engine is not running" if self._failure is None
-                                          else f"the engine failed: {self._failure}")
+            failure = self.loop.failure
+            raise ServiceUnavailableError("the engine is not running" if failure is None
+                                          else f"the engine failed: {failure}")
         self._admit(inp)
         request_id = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), len(inp.prompt_ids))
-        with self._lock:
-            if request_id in self._streams:
-                raise InvalidRequestError("request_id", f"{request_id!r} is already in use by a running request")
-            self._streams[request_id] = stream
+        if request_id in self._streams:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use by a running request")
+        stream = _Stream(self.loop.watch_async(request_id), len(inp.prompt_ids))
+        self._streams[request_id] = stream
         try:
             self.engine.add_request(inp.prompt_ids, inp.params, request_id=request_id,
                                     cache_salt=inp.cache_salt, priority=inp.priority)
         except BaseException:
-            with self._lock:
-                self._streams.pop(request_id, None)
+            self.loop.unwatch(request_id)
+            self._streams.pop(request_id, None)
             raise
-        self._wake.set()
+        self.loop.wake()
         return request_id, stream
 
     def _admit(self, inp: GenerationInput) -> None:
-        with self._lock:
-            pending = [s.prompt_tokens for s in self._streams.values() if not s.started]
+        pending = [s.prompt_tokens for s in self._streams.values() if not s.started]
         ttft = self.predictor.ttft_ms(sum(pending), len(inp.prompt_ids))
         drain_s = (ttft or 1000.0) / 1e3
         if len(pending) >= self.max_waiting:
@@ -182,47 +171,11 @@ class ColocatedBackend(GenerationBackend):
                     item = await stream.queue.get()
         except TimeoutError:
             raise DeadlineExceededError("the request's deadline passed; its work was stopped") from None
-        if isinstance(item, BaseException):
+        if isinstance(item, ServiceUnavailableError):
             raise item
+        if isinstance(item, BaseException):  # the engine loop failed under this request
+            raise ServiceUnavailableError(f"the engine failed: {item}") from item
         return item
-
-    # ------------------------------------------------------------------ engine thread
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.engine.has_unfinished():
-                self._wake.wait(timeout=0.5)
-                self._wake.clear()
-                continue
-            self.steps += 1
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # a bug: fail every request loudly, stop taking new ones
-                log.exception("engine step failed")
-                self._fail(e)
-                return
-            for out in outputs:
-                self._route(out)
-
-    def _route(self, out: RequestOutput) -> None:
-        with self._lock:
-            stream = self._streams.get(out.request_id)
-        if stream is not None:
-            self._deliver(stream, out)
-
-    def _fail(self, error: Exception) -> None:
-        self._failure = error
-        with self._lock:
-            streams = list(self._streams.values())
-        for stream in streams:
-            self._deliver(stream, ServiceUnavailableError(f"the engine failed: {error}"))
-
-    @staticmethod
-    def _deliver(stream: _Stream, item: _Item) -> None:
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # its event loop is closed: nobody is listening any more
-            pass
 
 
 def _completion(r: CompletionResult) -> Completion:
