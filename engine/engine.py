@@ -263,7 +263,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward pass, postprocess. Returns the per-request progress."""
         outputs = self._drain_inbox()
-        self._release_held()
+        self.release_sent_blocks()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return outputs
@@ -308,8 +308,14 @@ class Engine:
                 except TransportError as e:  # fails this request only (aborted after the step)
                     push.error = e
 
-    def _release_held(self) -> None:
-        """Free the blocks of finished prefill-only requests whose units have all left."""
+    @property
+    def holding_sent_blocks(self) -> bool:
+        """Blocks of finished prefill-only requests still wait for their units to leave."""
+        return bool(self._held)
+
+    def release_sent_blocks(self) -> None:
+        """Free the blocks of finished prefill-only requests whose units have all left (each
+        step does this; an idle engine's loop calls it until nothing is held)."""
         if not self._held:
             return
         keep = []

@@ -105,7 +105,11 @@ class EngineLoop:
         while not self._stop.is_set():
             self._run_calls()
             if not self.engine.has_unfinished():
-                self._wake.wait(timeout=0.5)
+                idle_wait = 0.5
+                if self.engine.holding_sent_blocks:  # pushes still leaving: free their blocks soon
+                    self.engine.release_sent_blocks()
+                    idle_wait = 0.002
+                self._wake.wait(timeout=idle_wait)
                 self._wake.clear()
                 continue
             self.steps += 1

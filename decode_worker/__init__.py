@@ -1,0 +1,1 @@
+"""Decode worker: KV receive, continuous-batching decode, token streaming."""
