@@ -80,7 +80,6 @@ def build_app(door: FrontDoor) -> FastAPI:
 
     app.add_exception_handler(HalfmoonError, on_error)
     app.add_exception_handler(Exception, on_error)  # a bug: 500 in OpenAI's shape, logged
-    model = door.backend.model
 
     async def client_of(request: Request) -> str:
         host = request.client.host if request.client else "unknown"
@@ -98,6 +97,7 @@ def build_app(door: FrontDoor) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         await client_of(request)
+        model = door.backend.model
         return JSONResponse({"object": "list", "data": [{
             "id": model.id, "object": "model", "created": 0, "owned_by": model.owned_by,
             "max_model_len": model.max_model_len}]})

@@ -105,6 +105,20 @@ class EngineWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def model_info(self) -> dict:
+        """What the Conductor needs to tokenize, hash blocks and size requests like this worker."""
+        e = self.engine
+        return {"max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
+                "fingerprint": e.model_config.fingerprint, "block_size": e.config.block_size,
+                "dtype": str(e.config.torch_dtype).removeprefix("torch."),
+                "kv_bytes_per_token": e.kv_cache[:, :, 0, 0].numel() * e.kv_cache.element_size()}
+
+    def profile(self, quick: bool = True) -> str:
+        """Measure this worker's engine (idle) and return the cost model as JSON."""
+        from conductor.cost_model import profile_engine
+
+        return self.loop.call(lambda: profile_engine(self.engine, quick=quick).to_json()).result()
+
     def close(self) -> None:
         self.loop.stop()
         self.engine.close()
@@ -116,3 +130,12 @@ def block_ids_needed(num_tokens: int, block_size: int) -> int:
 
 def as_list(ids: Sequence[int]) -> list[int]:
     return [int(t) for t in ids]
+
+
+def tokenizer_for_model(model: str):  # -> Tokenizer (without loading the weights)
+    """The tokenizer of `model` (alias, GGUF file or HF folder), read from its metadata only."""
+    from engine.loader import resolve_model_path
+    from engine.tokenizer import Tokenizer
+
+    path = resolve_model_path(model)
+    return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)

@@ -34,6 +34,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lim.add_argument("--max-streams-per-client", type=int, default=128)
     lim.add_argument("--max-waiting", type=int, default=256,
                      help="requests waiting for their first token before new ones are rejected")
+    cl = p.add_argument_group("cluster (default: 1 prefill + 1 decode worker as Ray actors)")
+    cl.add_argument("--colocated", action="store_true",
+                    help="one co-located engine in this process instead of the cluster (the baseline)")
+    cl.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    cl.add_argument("--decode", type=int, default=1, help="decode workers")
+    cl.add_argument("--worker-threads", type=int, default=1, help="CPU threads (pinned cores) per worker")
+    cl.add_argument("--ray-address", default=None, help="join this Ray cluster (default: embedded Ray)")
+    cl.add_argument("--object-store-mb", type=int, default=256, help="embedded Ray's object store")
+    cl.add_argument("--cost-model", default=None,
+                    help="`halfmoon profile` JSON (default: the first prefill worker profiles itself)")
+    cl.add_argument("--kv-transport", default="auto", choices=["auto", "ucxx", "tcp"],
+                    help="KV transfer between workers (auto = ucxx, else tcp with a warning)")
+    cl.add_argument("--ucx-tls", default=None, help="UCX_TLS for the ucxx transport")
+    p.add_argument("--config", default=None,
+                   help="YAML file of these options (keys as the flags, with _ for -); flags override it")
     index = p.add_mutually_exclusive_group()
     index.add_argument("--redis-url", default=None,
                        help="join this Redis as the cluster-wide KV block index "
@@ -80,6 +95,11 @@ def model_id(args: argparse.Namespace) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def _given_flags() -> set[str]:
+    """Option names given on this process's command line (as argparse dests)."""
+    return {a[2:].split("=")[0].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")}
+
+
 def limit_malloc_arenas(arenas: int = 2) -> None:
     """Cap glibc's malloc arenas (default 8 per core) unless MALLOC_ARENA_MAX says otherwise.
 
@@ -97,9 +117,31 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
     libc.mallopt(M_ARENA_MAX, arenas)
 
 
+def apply_config_file(args: argparse.Namespace, argv_flags: set[str]) -> None:
+    """Fill `args` from `--config` YAML; a flag given on the command line wins."""
+    import yaml
+
+    from engine.errors import ConfigError
+
+    try:
+        data = yaml.safe_load(Path(args.config).read_text()) or {}
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read --config {args.config}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {args.config}: expected a mapping of option: value")
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        if dest in ("config", "func", "command") or not hasattr(args, dest):
+            raise ConfigError(f"--config {args.config}: unknown option {key!r}")
+        if dest not in argv_flags:
+            setattr(args, dest, value)
+
+
 def run(args: argparse.Namespace) -> int:
     from halfmoon.cli import engine_config
 
+    if args.config is not None:
+        apply_config_file(args, _given_flags())
     limit_malloc_arenas()
     config = server_config(args)  # every flag checked before anything starts
     redis_url, redis_server = start_index(args)
@@ -111,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, config, engine_cfg) -> int:
+    if not args.colocated:
+        return _serve_cluster(args, config, engine_cfg)
     from conductor.colocated import ColocatedBackend
     from engine.engine import Engine
 
@@ -121,6 +165,39 @@ def _serve(args: argparse.Namespace, config, engine_cfg) -> int:
         asyncio.run(_main(backend, config))
     finally:
         engine.close()
+    print("halfmoon: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def cluster_config(args: argparse.Namespace, engine_cfg):  # -> ClusterConfig
+    import dataclasses as dc
+
+    from conductor.cluster import ClusterConfig
+    from engine.errors import ConfigError
+    from transport.config import TransportConfig
+
+    if args.prefill < 1 or args.decode < 1 or args.worker_threads < 1:
+        raise ConfigError("--prefill, --decode and --worker-threads must be >= 1")
+    transport = TransportConfig(backend=args.kv_transport, ucx_tls=args.ucx_tls)
+    # Each worker pins its own threads; the engine's --threads applies to the co-located mode.
+    engine = dc.replace(engine_cfg, num_threads=None, redis_url=None)
+    if engine.host_cache_gb > 0 and engine.host_cache_name is None:  # the node's workers share one arena
+        engine = dc.replace(engine, host_cache_name=f"halfmoon-node-{os.getpid()}")
+    return ClusterConfig(prefill=args.prefill, decode=args.decode, engine=engine, transport=transport,
+                         worker_threads=args.worker_threads, ray_address=args.ray_address,
+                         object_store_mb=args.object_store_mb, cost_model=args.cost_model,
+                         model_id=model_id(args))
+
+
+def _serve_cluster(args: argparse.Namespace, config, engine_cfg) -> int:
+    from conductor.cluster import ClusterBackend
+
+    cluster = cluster_config(args, engine_cfg)
+    print(f"halfmoon: starting {cluster.prefill} prefill + {cluster.decode} decode workers "
+          f"({args.model}, {args.dtype}, {cluster.worker_threads} thread(s) each) on Ray ...",
+          file=sys.stderr, flush=True)
+    backend = ClusterBackend(cluster, engine_cfg.redis_url)
+    asyncio.run(_main(backend, config))
     print("halfmoon: stopped", file=sys.stderr, flush=True)
     return 0
 

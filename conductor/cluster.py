@@ -1,0 +1,383 @@
+"""The disaggregated cluster: Ray actors for prefill and decode workers, and the backend that
+routes each request across them.
+
+```
+ClusterBackend.generate(input)
+  1. block hashes -> one index lookup -> per prefill worker: prefix match (own device, node's host/disk)
+  2. route (Mooncake Algorithm 1): prefill = min(queue + prefill(new, cached) + fetch), decode =
+     min predicted TBT with room -> SLO check (RESOURCE_EXHAUSTED with the predictions)
+  3. decode.reserve(id, prompt) -> (KV address, blocks)
+  4. prefill.prefill(task)   ||   decode.generate(task): waits for every layer, then streams tokens
+  5. cancel / deadline / disconnect: decode.cancel + prefill.abort (reservation freed either way)
+```
+
+`ClusterManager` owns Ray (embedded, bounded object store, unless `ray_address`), starts the
+workers with custom resources `prefill` / `decode` (so actors land on the right nodes; `num_gpus`
+when CUDA is present), pins each local worker to its own cores, restarts dead actors (Ray
+`max_restarts`) and tracks their health with a ping loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from conductor.backend import (BackendStats, Completion, GenerationBackend, GenerationInput,
+                               ModelCard, Timings, TokenDelta, Usage)
+from conductor.cost_model import CostModel
+from conductor.errors import ServiceUnavailableError, SloMissError, SloPrediction
+from conductor.router import DecodeView, PrefillView, RouteRequest, Router
+from engine.config import EngineConfig
+from engine.worker import WorkerSpec, tokenizer_for_model
+from kvpool.block_hash import block_hashes, root_hash
+from kvpool.cluster_index import ClusterIndex, HolderId
+from transport.config import TransportConfig
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "halfmoon"
+PING_TIMEOUT_S = 5.0
+FETCH_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The cluster `halfmoon serve --prefill N --decode M` runs.
+
+    worker_threads: CPU threads (and pinned cores, locally) per worker.
+    ray_address: join this Ray cluster (None = start an embedded one).
+    object_store_mb: the embedded Ray's object store (Ray takes 30% of RAM otherwise).
+    cost_model: a `halfmoon profile` JSON; None = the first prefill worker profiles itself.
+    request_timeout_s: bound on a request's KV transfer and prefill.
+    """
+
+    prefill: int = 1
+    decode: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    worker_threads: int = 1
+    ray_address: str | None = None
+    object_store_mb: int = 256
+    cost_model: str | None = None
+    request_timeout_s: float = 60.0
+    model_id: str = "smollm2"
+
+    def specs(self) -> list[WorkerSpec]:
+        cores = os.cpu_count() or 1
+        specs = []
+        for i, role in enumerate(["prefill"] * self.prefill + ["decode"] * self.decode):
+            index = i if role == "prefill" else i - self.prefill
+            first = (i * self.worker_threads) % cores
+            cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
+            specs.append(WorkerSpec(f"{role}-{index}", role, self.engine, self.transport, cpus))
+        return specs
+
+
+def fetch_from_actor(holder: HolderId, hashes: list[bytes]) -> bytes:
+    """The cross-worker block read (runs inside a worker): the holder actor's `serve_blocks`."""
+    import ray
+
+    actor = ray.get_actor(holder.worker_id, namespace=NAMESPACE)
+    return ray.get(actor.serve_blocks.remote(hashes), timeout=FETCH_TIMEOUT_S)
+
+
+@dataclass(slots=True)
+class Worker:
+    """The Conductor's view of one actor."""
+
+    spec: WorkerSpec
+    handle: object
+    alive: bool = True
+    pid: int = 0
+    restarts: int = 0
+    free_blocks: int = 0
+    queued_ms: float = 0.0  # prefill: predicted work dispatched and not finished
+    running: int = 0  # decode: requests streaming
+    context_tokens: int = 0  # decode: their prompt tokens
+
+
+class ClusterManager:
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.workers: dict[str, Worker] = {}
+        self._owns_ray = False
+
+    def start(self, redis_url: str | None) -> None:
+        """Start Ray (unless joining one) and every worker; returns when all answered a ping."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: F401
+
+        self._init_ray()
+        engine = self.config.engine
+        for spec in self.config.specs():
+            spec = WorkerSpec(spec.worker_id, spec.role, _with_redis(engine, redis_url), spec.transport, spec.cpus)
+            self.workers[spec.worker_id] = Worker(spec, self._actor(spec))
+        pings = {wid: w.handle.pid.remote() for wid, w in self.workers.items()}
+        for wid, ref in pings.items():
+            self.workers[wid].pid = ray.get(ref, timeout=300)
+
+    def _init_ray(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if self.config.ray_address is not None:
+            ray.init(address=self.config.ray_address, namespace=NAMESPACE, log_to_driver=True)
+            return
+        total = self.config.prefill + self.config.decode
+        ray.init(num_cpus=max(os.cpu_count() or 1, total * self.config.worker_threads),
+                 resources={"prefill": self.config.prefill, "decode": self.config.decode},
+                 object_store_memory=self.config.object_store_mb * 2**20, include_dashboard=False,
+                 namespace=NAMESPACE, log_to_driver=True, configure_logging=False)
+        self._owns_ray = True
+
+    def _actor(self, spec: WorkerSpec) -> object:
+        import ray
+
+        from decode_worker.worker import DecodeWorker
+        from engine.worker import BlockFetcher
+        from prefill_worker.worker import PrefillWorker
+
+        cls = PrefillWorker if spec.role == "prefill" else DecodeWorker
+        options = {"name": spec.worker_id, "namespace": NAMESPACE, "resources": {spec.role: 1},
+                   "num_cpus": self.config.worker_threads, "max_restarts": -1, "max_task_retries": 0,
+                   "max_concurrency": 1000}
+        if _cuda():
+            options["num_gpus"] = 1
+        return ray.remote(cls).options(**options).remote(spec, BlockFetcher(fetch_from_actor))
+
+    def role(self, role: str) -> list[Worker]:
+        return [w for w in self.workers.values() if w.spec.role == role]
+
+    async def check_health(self) -> None:
+        """Ping every worker; a restarted actor (new pid) is counted and comes back alive."""
+        async def one(w: Worker) -> None:
+            try:
+                load = await asyncio.wait_for(_await(w.handle.load.remote()), PING_TIMEOUT_S)
+                pid = await asyncio.wait_for(_await(w.handle.pid.remote()), PING_TIMEOUT_S)
+            except Exception as e:  # died, restarting, or hung: routed around until it answers
+                if w.alive:
+                    log.warning("worker %s is down: %s", w.spec.worker_id, e)
+                w.alive = False
+                return
+            if w.pid and pid != w.pid:
+                w.restarts += 1
+                log.warning("worker %s was restarted (pid %d -> %d)", w.spec.worker_id, w.pid, pid)
+            w.pid, w.alive, w.free_blocks = pid, bool(load["alive"]), load["free_blocks"]
+
+        await asyncio.gather(*(one(w) for w in self.workers.values()))
+
+    def stop(self) -> None:
+        import ray
+
+        for w in self.workers.values():
+            try:
+                ray.kill(w.handle)
+            except Exception as e:  # already gone
+                log.debug("kill %s: %s", w.spec.worker_id, e)
+        self.workers.clear()
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+
+
+def _with_redis(engine: EngineConfig, redis_url: str | None) -> EngineConfig:
+    import dataclasses
+
+    return dataclasses.replace(engine, redis_url=redis_url)
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+async def _await(ref: object) -> object:
+    return await ref  # type: ignore[misc]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    prefill: Worker
+    decode: Worker
+    predicted_ttft_ms: float
+    predicted_tbt_ms: float
+    prefix_tokens: int
+
+
+class ClusterBackend(GenerationBackend):
+    """The Conductor's backend over the Ray workers (see the module docstring)."""
+
+    def __init__(self, config: ClusterConfig, redis_url: str | None) -> None:
+        self.config = config
+        self.redis_url = redis_url
+        self.manager = ClusterManager(config)
+        self.tokenizer = tokenizer_for_model(config.engine.model)
+        self.cost: CostModel | None = None
+        self.index: ClusterIndex | None = None
+        self._health: asyncio.Task | None = None
+        self._requests = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self.manager.start, self.redis_url)
+        first = self.manager.role("prefill")[0].handle
+        info = await _await(first.model_info.remote())
+        self.info = info
+        self.model = ModelCard(self.config.model_id, info["max_model_len"], info["vocab_size"])
+        self.cost = await self._cost_model(first)
+        if self.redis_url is not None:
+            self.index = ClusterIndex(self.redis_url, HolderId("conductor", "conductor"))
+        await self.manager.check_health()
+        self._health = asyncio.create_task(self._health_loop())
+
+    async def _cost_model(self, first: object) -> CostModel:
+        if self.config.cost_model is not None:
+            return CostModel.load(self.config.cost_model)
+        log.warning("no cost model given: profiling the first prefill worker (quick)")
+        return CostModel.from_json(await _await(first.profile.remote(True)))
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            await self.manager.check_health()
+
+    async def stop(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+        if self.index is not None:
+            self.index.close()
+        await asyncio.to_thread(self.manager.stop)
+
+    def ready(self) -> bool:
+        workers = self.manager.workers.values()
+        return any(w.alive for w in workers if w.spec.role == "prefill") and \
+            any(w.alive for w in workers if w.spec.role == "decode")
+
+    def stats(self) -> BackendStats:
+        decode = self.manager.role("decode")
+        running = sum(w.running for w in decode)
+        free = sum(w.free_blocks for w in decode)
+        total = sum(self.config.engine.num_blocks or 0 for _ in decode)
+        return BackendStats(running, max(0, self._requests - running), free, total or free, 0)
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, inp: GenerationInput) -> AsyncIterator[TokenDelta | Completion]:
+        from decode_worker.worker import DecodeTask
+        from prefill_worker.worker import PrefillTask
+
+        route = self._route(inp)
+        rid = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        arrival = time.perf_counter()
+        n = len(inp.prompt_ids)
+        p, d = route.prefill, route.decode
+        timeout = self.config.request_timeout_s
+        self._requests += 1
+        p.queued_ms += route.predicted_ttft_ms
+        d.running += 1
+        d.context_tokens += n
+        prefill_ref = stream = None
+        finished = False
+        try:
+            address, blocks = await self._call(d, d.handle.reserve.remote(rid, n))
+            prefill_ref = p.handle.prefill.remote(PrefillTask(rid, inp.prompt_ids, inp.params, inp.cache_salt,
+                                                               address, blocks, timeout))
+            stream = d.handle.generate.options(num_returns="streaming").remote(
+                DecodeTask(rid, inp.prompt_ids, inp.params, inp.cache_salt, blocks, timeout))
+            first_at = None
+            async for ref in stream:
+                event = await self._call(d, ref)
+                first_at = first_at or time.perf_counter()
+                if event.token_ids or event.text:
+                    yield TokenDelta(rid, event.token_ids, event.text)
+                if event.finish_reason is not None:
+                    pre = await self._call(p, prefill_ref)
+                    finished = True
+                    yield _completion(rid, event, pre, n, arrival, first_at)
+                    return
+            raise ServiceUnavailableError(f"request {rid}: the decode stream ended without a result")
+        finally:
+            self._requests -= 1
+            p.queued_ms -= route.predicted_ttft_ms
+            d.running -= 1
+            d.context_tokens -= n
+            if not finished:
+                d.handle.cancel.remote(rid)
+                p.handle.abort.remote(rid)
+
+    async def _call(self, worker: Worker, ref: object) -> object:
+        """Await a worker's answer; a dead or failed worker is UNAVAILABLE (nothing was lost:
+        the request's reservation is freed by `cancel`)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            return await _await(ref)
+        except RayActorError as e:
+            worker.alive = False
+            raise ServiceUnavailableError(f"worker {worker.spec.worker_id} died; retry") from e
+        except RayTaskError as e:
+            cause = e.cause if isinstance(e.cause, Exception) else e
+            raise ServiceUnavailableError(f"worker {worker.spec.worker_id}: {cause}") from e
+
+    # ------------------------------------------------------------------ routing
+
+    def _route(self, inp: GenerationInput) -> Route:
+        """Mooncake Algorithm 1 over the live workers, then the SLO check on its predictions."""
+        assert self.cost is not None
+        n = len(inp.prompt_ids)
+        matched, best_len, best_holder = self.prefix_tokens(inp.prompt_ids, inp.cache_salt)
+        request = RouteRequest(n, inp.params.max_tokens, best_len, best_holder if best_len else None)
+        prefill = [PrefillView(w.spec.worker_id, matched.get(w.spec.worker_id, 0), max(0.0, w.queued_ms), w.alive)
+                   for w in self.manager.role("prefill")]
+        decode = [DecodeView(w.spec.worker_id, w.running, w.context_tokens, w.free_blocks, w.alive)
+                  for w in self.manager.role("decode")]
+        plan = Router(self.cost, self.info["block_size"]).route(request, prefill, decode)
+        self._check_slo(inp, plan.predicted_ttft_ms, plan.predicted_tbt_ms)
+        workers = self.manager.workers
+        return Route(workers[plan.prefill_id], workers[plan.decode_id], plan.predicted_ttft_ms,
+                     plan.predicted_tbt_ms, plan.prefix_len)
+
+    @staticmethod
+    def _check_slo(inp: GenerationInput, ttft_ms: float, tbt_ms: float) -> None:
+        slo = inp.slo
+        miss = (slo.ttft_ms is not None and ttft_ms > slo.ttft_ms) or \
+            (slo.tbt_ms is not None and tbt_ms > slo.tbt_ms)
+        if miss:
+            prediction = SloPrediction(ttft_ms, tbt_ms, slo.ttft_ms or 0.0, slo.tbt_ms or 0.0)
+            raise SloMissError(prediction, ttft_ms / 1e3)
+
+    def prefix_tokens(self, prompt_ids: list[int], cache_salt: str | None) -> tuple[dict[str, int], int, str]:
+        """(per prefill worker: prompt tokens it can reuse from its own device or the node's
+        host/disk, the longest match anywhere, its holder)."""
+        if self.index is None:
+            return {}, 0, ""
+        bs = self.info["block_size"]
+        root = root_hash(self.info["fingerprint"], self.info["dtype"], bs, cache_salt)
+        result = self.index.lookup(block_hashes(prompt_ids, bs, root))
+        matched: dict[str, int] = {}
+        prefill_ids = [w.spec.worker_id for w in self.manager.role("prefill")]
+        for m in result.matches:
+            # Host/disk tiers are shared by the node's workers: a match there counts for all.
+            shared = m.blocks_per_tier[1] + m.blocks_per_tier[2] > 0
+            for owner in prefill_ids if shared else [m.holder.worker_id]:
+                matched[owner] = max(matched.get(owner, 0), m.length * bs)
+        best = result.best
+        return matched, (best.length * bs if best else 0), (best.holder.worker_id if best else "")
+
+
+def _completion(rid: str, event, pre, n_prompt: int, arrival: float, first_at: float) -> Completion:
+    now = time.perf_counter()
+    ttft = (first_at - arrival) * 1e3
+    return Completion(rid, event.finish_reason, event.stop, Usage(n_prompt, pre.num_cached_tokens, event.num_output_tokens),
+                      Timings(pre.queue_ms, pre.prefill_ms, pre.push_ms, ttft, event.tpot_ms, (now - arrival) * 1e3))
