@@ -97,9 +97,13 @@ class EngineWorker:
 
     def ping(self) -> dict:
         """Liveness and load, for the cluster manager's health checks and the router."""
-        pool = self.engine.pool
+        pool, stats = self.engine.pool, self.engine.scheduler.stats
+        traffic = self.engine.tiers.traffic if self.engine.tiers is not None else None
         return {"alive": self.loop.alive, "steps": self.loop.steps, "free_blocks": pool.num_free(),
                 "total_blocks": pool.num_blocks, "requests": self.loop.watching(),
+                "prompt_tokens_computed": stats.prompt_tokens_computed,
+                "prompt_tokens_cached": stats.prompt_tokens_cached,
+                "blocks_fetched_remote": traffic.fetched_remote if traffic is not None else 0,
                 "failure": None if self.loop.failure is None else str(self.loop.failure)}
 
     def pid(self) -> int:
