@@ -605,7 +605,11 @@ def run_child(name: str, mode: str) -> subprocess.Popen[str]:
 
 
 def wait_ok(child: subprocess.Popen[str]) -> None:
-    out, err = child.communicate(timeout=120)
+    # Not communicate(): it reads the raw pipe and would miss output that `run_child`'s readline
+    # already pulled into the text buffer (a fast child's "child ok" arrives with "ready").
+    assert child.stdout is not None and child.stderr is not None
+    child.wait(timeout=120)
+    out, err = child.stdout.read(), child.stderr.read()
     assert child.returncode == 0 and "child ok" in out, err
 
 
