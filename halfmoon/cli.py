@@ -1,4 +1,4 @@
-"""`halfmoon` command line: generate, serve, client, bench."""
+"""`halfmoon` command line: generate, serve, client, profile, bench."""
 
 from __future__ import annotations
 
@@ -42,13 +42,14 @@ def engine_config(args: argparse.Namespace):  # -> EngineConfig (import kept laz
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="halfmoon", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from halfmoon import client_cmd, generate_cmd, serve_cmd
+    from halfmoon import client_cmd, generate_cmd, profile_cmd, serve_cmd
 
     generate_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     client_cmd.add_parser(sub)
+    profile_cmd.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks (each measures its baseline in the same run)")
-    bench.add_argument("name", choices=["engine", "linear", "kvpool", "transport", "load"],
+    bench.add_argument("name", choices=["engine", "linear", "kvpool", "transport", "load", "serve"],
                        help="which benchmark")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     return parser
@@ -67,6 +68,10 @@ def run_bench(args: argparse.Namespace) -> int:
         from bench import api_load
 
         return api_load.main(args.rest)
+    if args.name == "serve":
+        from bench import serve_bench
+
+        return serve_bench.main(args.rest)
     if args.name == "kvpool":
         from bench import kvpool_bench
 
