@@ -1,0 +1,629 @@
+"""`halfmoon bench serve`: replay a workload through the gRPC API and report SLO metrics.
+
+Each request is sent at its arrival time (open loop: a slow server never slows the arrivals),
+greedy with `ignore_eos`, so every output is exactly `max_tokens` long. Per request the client
+records when each token arrived; from that (times from the request's *scheduled* arrival, so
+client lag counts against the server, never hides it):
+
+    TTFT  first token - arrival
+    TBT   Mooncake's: the mean of the longest 10% of the request's token-to-token gaps
+          (the longest max(1, floor(gaps / 10)) of them; fewer than 10 gaps: the longest gap)
+    TPOT  (last token - first token) / (tokens - 1)
+    goodput  requests that completed with TTFT <= SLO and TBT <= SLO, per second of the
+             workload's window (Poisson: its duration; trace: its last arrival)
+
+RESOURCE_EXHAUSTED (an overload or a predicted SLO miss, rejected early) is counted as a
+rejection, any other status as an error; neither counts as good. `--compare` replays the same
+workload against two configurations started one after the other on this machine — the
+co-located baseline and the disaggregated cluster — and prints cluster / baseline ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.report import Figure, Progress, machine_info, render_table, utc_now
+from bench.workload import Caps, Request, Workload, chat_workload, trace_workload
+
+DEFAULT_SERVE_ARGS = "--threads 2 --no-redis"
+BASELINE_ARGS = "--colocated --threads 2"
+CLUSTER_ARGS = "--prefill 1 --decode 1 --worker-threads 1"
+BASELINE_NAME, CLUSTER_NAME = "co-located", "cluster"
+GOODPUT_TARGET = 2.0  # cluster / baseline goodput where the baseline starts missing its SLOs
+PERCENTILES = (50, 90, 99)
+WARMUP_PROMPT_TOKENS, WARMUP_MAX_TOKENS = 32, 4
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="halfmoon bench serve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    w = p.add_argument_group("workload")
+    src = w.add_mutually_exclusive_group()
+    src.add_argument("--trace", default=None, help="a Mooncake trace (JSON lines) to replay")
+    src.add_argument("--synthetic", choices=["chat"], default=None,
+                     help="a synthetic workload (the default: chat)")
+    w.add_argument("--speed", type=float, default=1.0, help="trace: timestamps are divided by this")
+    w.add_argument("--max-requests", type=int, default=None, help="trace: replay only the first N")
+    w.add_argument("--rate", type=float, default=1.0, help="synthetic: Poisson arrivals, req/s")
+    w.add_argument("--rates", default=None, help="synthetic: a sweep, e.g. 0.5,1,2 (one replay each)")
+    w.add_argument("--duration", type=float, default=60.0, help="synthetic: seconds of arrivals")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--max-input-tokens", type=int, default=None, help="truncate longer prompts")
+    w.add_argument("--max-output-tokens", type=int, default=None, help="cap each output")
+    s = p.add_argument_group("SLOs")
+    s.add_argument("--ttft-slo-ms", type=float, default=2000.0)
+    s.add_argument("--tbt-slo-ms", type=float, default=200.0)
+    s.add_argument("--send-slo", action=argparse.BooleanOptionalAction, default=True,
+                   help="send the SLOs with each request (the server may then reject early)")
+    s.add_argument("--attainment-target", type=float, default=90.0,
+                   help="compare: the baseline 'starts missing' at the first rate below this %%")
+    t = p.add_argument_group("targets")
+    t.add_argument("--target", default=None, help="an existing server's gRPC HOST:PORT")
+    t.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS, help="flags of the `halfmoon serve` we start")
+    t.add_argument("--compare", action="store_true", help="baseline vs cluster, each started by the bench")
+    t.add_argument("--baseline-args", default=BASELINE_ARGS, help="compare: the co-located baseline")
+    t.add_argument("--cluster-args", default=CLUSTER_ARGS, help="compare: the disaggregated cluster")
+    r = p.add_argument_group("replay and output")
+    r.add_argument("--warmup", type=int, default=2, help="short requests sent before each replay")
+    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    r.add_argument("--out", default=None, help="write serve_bench.json and PNG plots here")
+    args = p.parse_args(argv)
+    if args.compare and args.target:
+        p.error("--compare starts both servers itself; it takes no --target")
+    if args.trace and args.rates:
+        p.error("--rates sweeps the synthetic workload; a trace is scaled with --speed")
+    return args
+
+
+# ---------------------------------------------------------------------------- metrics
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the client saw of one request; times are seconds since the replay started."""
+
+    index: int
+    arrival_s: float
+    prompt_tokens: int
+    max_tokens: int
+    sent_s: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one entry per token, in order
+    done_s: float | None = None
+    cached_tokens: int = 0
+    status: str = "pending"  # "ok" | "rejected" (RESOURCE_EXHAUSTED) | "error"
+    code: str | None = None  # the gRPC status name of a rejection or error
+    message: str = ""
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.arrival_s if self.token_times else None
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_ms: float
+    tbt_ms: float
+
+
+def tbt_s(token_times: Sequence[float]) -> float | None:
+    """Mooncake's TBT: mean of the longest 10% of the gaps (at least one gap); None without gaps."""
+    gaps = np.diff(np.asarray(token_times, dtype=np.float64))
+    if gaps.size == 0:
+        return None
+    k = max(1, gaps.size // 10)
+    return float(np.sort(gaps)[-k:].mean())
+
+
+def tpot_s(token_times: Sequence[float]) -> float | None:
+    """Mean time per output token after the first; None for a single token."""
+    if len(token_times) < 2:
+        return None
+    return (token_times[-1] - token_times[0]) / (len(token_times) - 1)
+
+
+def stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 in ms (linear interpolation between samples); None when empty."""
+    if not values_s:
+        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
+    ms = np.asarray(values_s, dtype=np.float64) * 1e3
+    out: dict[str, float | None] = {"mean": round(float(ms.mean()), 3)}
+    for q in PERCENTILES:
+        out[f"p{q}"] = round(float(np.percentile(ms, q)), 3)
+    return out
+
+
+def meets_slo(record: RequestRecord, slo: Slo) -> bool:
+    """Completed, first token within the TTFT SLO, TBT within the TBT SLO (a one-token output
+    has no gaps, so no TBT to miss)."""
+    if record.status != "ok" or record.ttft_s is None:
+        return False
+    tbt = tbt_s(record.token_times)
+    return bool(record.ttft_s * 1e3 <= slo.ttft_ms and (tbt is None or tbt * 1e3 <= slo.tbt_ms))
+
+
+def summarize(records: Sequence[RequestRecord], window_s: float, makespan_s: float, slo: Slo) -> dict[str, Any]:
+    """The run's metrics. Goodput is per second of `window_s` (the workload's arrival window)."""
+    done = [r for r in records if r.status == "ok"]
+    good = sum(1 for r in records if meets_slo(r, slo))
+    prompt = sum(r.prompt_tokens for r in done)
+    output = sum(len(r.token_times) for r in done)
+    window = window_s if window_s > 0 else makespan_s  # a one-request trace has no window
+    lags = [r.sent_s - r.arrival_s for r in records if r.sent_s is not None]
+    return {
+        "requests": len(records), "completed": len(done),
+        "rejected": sum(r.status == "rejected" for r in records),
+        "errors": sum(r.status == "error" for r in records),
+        "errors_by_status": dict(sorted(Counter(r.code for r in records if r.code).items())),
+        "short_outputs": sum(len(r.token_times) != r.max_tokens for r in done),
+        "ttft_ms": stats_ms([r.ttft_s for r in done if r.ttft_s is not None]),
+        "tbt_ms": stats_ms([t for r in done if (t := tbt_s(r.token_times)) is not None]),
+        "tpot_ms": stats_ms([t for r in done if (t := tpot_s(r.token_times)) is not None]),
+        "slo_met": good,
+        "goodput_rps": good / window if window > 0 else None,
+        "slo_attainment_pct": 100.0 * good / len(records) if records else None,
+        "prefix_hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else None,
+        "throughput": {"requests_per_s": _per_s(len(done), makespan_s),
+                       "output_tokens_per_s": _per_s(output, makespan_s),
+                       "prompt_tokens_per_s": _per_s(prompt, makespan_s)},
+        "window_s": round(window, 3), "makespan_s": round(makespan_s, 3),
+        "max_send_lag_ms": round(max(lags) * 1e3, 3) if lags else None,
+    }
+
+
+def _per_s(count: float, seconds: float) -> float | None:
+    return round(count / seconds, 3) if seconds > 0 else None
+
+
+def request_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """Per-request results for serve_bench.json (ms, rounded)."""
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(x * 1e3, 3)
+
+    return [{"index": r.index, "arrival_s": round(r.arrival_s, 4), "prompt_tokens": r.prompt_tokens,
+             "cached_tokens": r.cached_tokens, "max_tokens": r.max_tokens, "tokens": len(r.token_times),
+             "status": r.status, "code": r.code, "ttft_ms": ms(r.ttft_s), "tbt_ms": ms(tbt_s(r.token_times)),
+             "tpot_ms": ms(tpot_s(r.token_times)), "message": r.message or None} for r in records]
+
+
+# ---------------------------------------------------------------------------- replay
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayOptions:
+    slo: Slo
+    send_slo: bool = True
+    warmup: int = 1
+    request_timeout_s: float = 600.0
+    progress: bool = True
+    label: str = "replay"
+
+
+async def replay(target: str, workload: Workload, opts: ReplayOptions) -> tuple[list[RequestRecord], float]:
+    """Send every request at its arrival time over one client; (records, makespan in s)."""
+    from tqdm import tqdm
+
+    from halfmoon.client import AsyncClient
+
+    records = [RequestRecord(i, r.arrival_s, len(r.prompt_ids), r.max_tokens)
+               for i, r in enumerate(workload.requests)]
+    async with AsyncClient(target, max_retries=0, timeout=opts.request_timeout_s) as client:
+        await warm_up(client, opts.warmup)
+        with tqdm(total=len(records), desc=opts.label, unit="req", file=sys.stderr,
+                  disable=not opts.progress, dynamic_ncols=True) as bar:
+            start = time.perf_counter()
+            clock = lambda: time.perf_counter() - start  # noqa: E731 - the replay's one clock
+            tasks = []
+            for request, record in zip(workload.requests, records, strict=True):
+                delay = request.arrival_s - clock()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(send(client, request, record, clock, opts,
+                                                      lambda _: bar.update(1))))
+            await asyncio.gather(*tasks)
+            makespan = clock()
+    return records, makespan
+
+
+async def send(client: Any, request: Request, record: RequestRecord, clock: Callable[[], float],
+               opts: ReplayOptions, on_done: Callable[[RequestRecord], None]) -> None:
+    """One request's stream: a time stamp per token; a failure is recorded by its status."""
+    import grpc
+
+    from halfmoon.client import APIError
+
+    slo = {"ttft_slo_ms": opts.slo.ttft_ms, "tbt_slo_ms": opts.slo.tbt_ms} if opts.send_slo else {}
+    record.sent_s = clock()
+    try:
+        async for chunk in client.stream(prompt_token_ids=request.prompt_ids, max_tokens=request.max_tokens,
+                                         temperature=0.0, ignore_eos=True, **slo):
+            now = clock()
+            record.token_times.extend([now] * len(chunk.token_ids))
+            if chunk.result is not None:
+                record.cached_tokens = chunk.result.usage.cached_prompt_tokens
+        record.status = "ok"
+    except APIError as e:
+        record.status = "rejected" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "error"
+        record.code, record.message = e.code.name, e.message
+    finally:
+        record.done_s = clock()
+        on_done(record)
+
+
+async def warm_up(client: Any, n: int) -> None:
+    """A few short requests whose prompts share nothing with the workload (no cache warming)."""
+    rng = np.random.default_rng(0xB0B)
+    for _ in range(n):
+        ids = rng.integers(100, 49152, size=WARMUP_PROMPT_TOKENS).tolist()
+        await client.generate(prompt_token_ids=ids, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True)
+
+
+# ---------------------------------------------------------------------------- systems
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    """A server to replay against: an existing `target`, or `halfmoon serve <serve_args>`."""
+
+    name: str
+    target: str | None
+    serve_args: str | None
+
+
+@contextlib.contextmanager
+def running(system: System, log_dir: Path, say: Progress) -> Iterator[str]:
+    """The system's gRPC target; a server we start is stopped (SIGINT, then kill) on exit."""
+    if system.target is not None:
+        yield system.target
+        return
+    from bench.api_load import start_server
+
+    log = log_dir / f"serve-{system.name}.log"
+    say(f"{system.name}: starting halfmoon serve {system.serve_args} (log {log})")
+    proc, target, _ = start_server(system.serve_args or "", log)
+    say(f"{system.name}: listening on {target}")
+    try:
+        yield target
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def systems(args: argparse.Namespace) -> list[System]:
+    if args.compare:
+        return [System(BASELINE_NAME, None, args.baseline_args), System(CLUSTER_NAME, None, args.cluster_args)]
+    if args.target:
+        return [System("halfmoon", args.target, None)]
+    return [System("halfmoon", None, args.serve_args)]
+
+
+def workloads(args: argparse.Namespace) -> list[tuple[float | None, Workload]]:
+    """(rate, workload) per replay: one per --rates entry, else one (rate None for a trace)."""
+    caps = Caps(args.max_input_tokens, args.max_output_tokens)
+    if args.trace:
+        return [(None, trace_workload(args.trace, args.speed, caps, args.max_requests))]
+    rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
+    return [(rate, chat_workload(rate, args.duration, args.seed, caps)) for rate in rates]
+
+
+def run_system(system: System, plan: list[tuple[float | None, Workload]], opts: ReplayOptions,
+               log_dir: Path, say: Progress) -> list[dict[str, Any]]:
+    """Replay every workload of the plan against one server (kept across rates: its prefix
+    cache stays warm from one rate to the next)."""
+    runs = []
+    with running(system, log_dir, say) as target:
+        for rate, workload in plan:
+            label = system.name + _at(rate)
+            say(f"{label}: replaying {len(workload.requests)} requests over {workload.duration_s:.1f} s")
+            run_opts = _replace_label(opts, label)
+            records, makespan = asyncio.run(replay(target, workload, run_opts))
+            metrics = summarize(records, workload.duration_s, makespan, opts.slo)
+            runs.append({"system": system.name, "rate": rate, "target": target, "serve_args": system.serve_args,
+                         "workload": workload.summary(), "metrics": metrics, "requests": request_rows(records)})
+            say(f"{label}: {metrics['completed']}/{metrics['requests']} completed, "
+                f"goodput {_fmt(metrics['goodput_rps'], 3)} req/s")
+    return runs
+
+
+def _replace_label(opts: ReplayOptions, label: str) -> ReplayOptions:
+    return ReplayOptions(opts.slo, opts.send_slo, opts.warmup, opts.request_timeout_s, opts.progress, label)
+
+
+# ---------------------------------------------------------------------------- comparison
+
+# (key, label, unit, path into metrics, higher is better)
+COMPARED = (
+    ("goodput", "goodput", "req/s", ("goodput_rps",), True),
+    ("slo_attainment", "SLO attainment", "%", ("slo_attainment_pct",), True),
+    ("ttft_p50", "TTFT p50", "ms", ("ttft_ms", "p50"), False),
+    ("ttft_p90", "TTFT p90", "ms", ("ttft_ms", "p90"), False),
+    ("ttft_p99", "TTFT p99", "ms", ("ttft_ms", "p99"), False),
+    ("tbt_p50", "TBT p50", "ms", ("tbt_ms", "p50"), False),
+    ("tbt_p90", "TBT p90", "ms", ("tbt_ms", "p90"), False),
+    ("tbt_p99", "TBT p99", "ms", ("tbt_ms", "p99"), False),
+    ("tpot_mean", "TPOT mean", "ms", ("tpot_ms", "mean"), False),
+    ("prefix_hit", "prefix hit rate", "%", ("prefix_hit_rate",), True),
+    ("output_tps", "output throughput", "tok/s", ("throughput", "output_tokens_per_s"), True),
+)
+
+
+def _lookup(metrics: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = metrics
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return None if value is None else float(value) * (100.0 if path == ("prefix_hit_rate",) else 1.0)
+
+
+def headline_rate(baseline_runs: list[dict[str, Any]], attainment_target: float) -> float | None:
+    """The first rate where the baseline's SLO attainment drops below the target, else the
+    highest rate (where it comes closest to missing)."""
+    for run in baseline_runs:
+        attained = run["metrics"]["slo_attainment_pct"]
+        if attained is not None and attained < attainment_target:
+            return run["rate"]
+    return baseline_runs[-1]["rate"] if baseline_runs else None
+
+
+def compare_figures(cluster: dict[str, Any], baseline: dict[str, Any],
+                    headline: bool) -> tuple[list[Figure], list[str]]:
+    """Figures cluster vs baseline for one rate, and the metrics left out (no ratio exists:
+    a value missing, or the baseline's is 0)."""
+    figures, skipped = [], []
+    for key, label, unit, path, higher in COMPARED:
+        c, b = _lookup(cluster["metrics"], path), _lookup(baseline["metrics"], path)
+        if c is None or b is None or b == 0:
+            skipped.append(f"{label}: {BASELINE_NAME} {_fmt(b, 3)}, {CLUSTER_NAME} {_fmt(c, 3)} {unit}")
+            continue
+        target = GOODPUT_TARGET if headline and key == "goodput" else None
+        figures.append(Figure(key, label, unit, c, b, higher, target))
+    return figures, skipped
+
+
+@dataclass(frozen=True, slots=True)
+class RateComparison:
+    """Cluster vs baseline at one rate (None: a trace); `skipped` names metrics without a ratio."""
+
+    rate: float | None
+    headline: bool
+    figures: list[Figure]
+    skipped: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"rate": self.rate, "headline": self.headline, "skipped": self.skipped,
+                "figures": {f.key: f.to_json(BASELINE_NAME) for f in self.figures}}
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    headline_rate: float | None
+    attainment_target_pct: float
+    per_rate: list[RateComparison]
+
+    @property
+    def headline_goodput_ratio(self) -> float | None:
+        """Cluster / baseline goodput where the baseline starts missing (None: no ratio there)."""
+        head = next((c for c in self.per_rate if c.headline), None)
+        return next((f.ratio for f in head.figures if f.key == "goodput"), None) if head else None
+
+    def to_json(self) -> dict[str, Any]:
+        ratio = self.headline_goodput_ratio
+        return {"baseline": BASELINE_NAME, "cluster": CLUSTER_NAME, "headline_rate": self.headline_rate,
+                "headline_goodput_ratio": None if ratio is None else round(ratio, 4),
+                "goodput_target": GOODPUT_TARGET, "attainment_target_pct": self.attainment_target_pct,
+                "per_rate": [c.to_json() for c in self.per_rate]}
+
+
+def comparison(runs: list[dict[str, Any]], attainment_target: float) -> Comparison:
+    """Pair each baseline run with the cluster's run at the same rate."""
+    base = [r for r in runs if r["system"] == BASELINE_NAME]
+    clus = {r["rate"]: r for r in runs if r["system"] == CLUSTER_NAME}
+    head = headline_rate(base, attainment_target)
+    per_rate = []
+    for b in base:
+        figures, skipped = compare_figures(clus[b["rate"]], b, b["rate"] == head)
+        per_rate.append(RateComparison(b["rate"], b["rate"] == head, figures, skipped))
+    return Comparison(head, attainment_target, per_rate)
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def _at(rate: float | None) -> str:
+    return "" if rate is None else f" @ {rate:g} req/s"
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def render_run(run: dict[str, Any]) -> str:
+    m = run["metrics"]
+    rate = _at(run["rate"])
+    how = f"halfmoon serve {run['serve_args']}" if run["serve_args"] is not None else run["target"]
+    errors = ", ".join(f"{k} x{v}" for k, v in m["errors_by_status"].items()) or "none"
+    lines = [f"{run['system']}{rate}  ({how})",
+             f"  requests: {m['requests']} sent, {m['completed']} completed, {m['rejected']} rejected, "
+             f"{m['errors']} errors (by status: {errors})",
+             f"  {'metric':<12}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}"]
+    for key, label in (("ttft_ms", "TTFT (ms)"), ("tbt_ms", "TBT (ms)"), ("tpot_ms", "TPOT (ms)")):
+        s = m[key]
+        lines.append(f"  {label:<12}" + "".join(f"{_fmt(s[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
+    t = m["throughput"]
+    hit = None if m["prefix_hit_rate"] is None else 100 * m["prefix_hit_rate"]
+    lines += [f"  goodput {_fmt(m['goodput_rps'], 3)} req/s over {m['window_s']:g} s "
+              f"(SLO attainment {_fmt(m['slo_attainment_pct'])}%), prefix hit rate {_fmt(hit)}%",
+              f"  throughput {_fmt(t['requests_per_s'], 2)} req/s, {_fmt(t['output_tokens_per_s'])} output tok/s, "
+              f"{_fmt(t['prompt_tokens_per_s'])} prompt tok/s; makespan {m['makespan_s']:.1f} s, "
+              f"max send lag {_fmt(m['max_send_lag_ms'])} ms"]
+    return "\n".join(lines)
+
+
+def render_summary(runs: list[dict[str, Any]]) -> str:
+    head = (f"{'system':<12}{'rate':>6}{'done':>6}{'rej':>5}{'err':>5}{'goodput':>9}{'attain%':>9}"
+            f"{'TTFT p90':>10}{'TBT p90':>9}{'hit%':>7}")
+    lines = [head, "-" * len(head)]
+    for run in runs:
+        m = run["metrics"]
+        hit = None if m["prefix_hit_rate"] is None else 100 * m["prefix_hit_rate"]
+        rate = "-" if run["rate"] is None else f"{run['rate']:g}"
+        lines.append(f"{run['system']:<12}{rate:>6}{m['completed']:>6}{m['rejected']:>5}{m['errors']:>5}"
+                     f"{_fmt(m['goodput_rps'], 3):>9}{_fmt(m['slo_attainment_pct']):>9}"
+                     f"{_fmt(m['ttft_ms']['p90']):>10}{_fmt(m['tbt_ms']['p90']):>9}{_fmt(hit):>7}")
+    return "\n".join(lines)
+
+
+def render(result: dict[str, Any], runs: list[dict[str, Any]], comp: Comparison | None) -> str:
+    slo = result["slo"]
+    parts = [f"halfmoon bench serve: {result['workload']}; SLO TTFT <= {slo['ttft_ms']:g} ms, "
+             f"TBT <= {slo['tbt_ms']:g} ms (sent to the server: {slo['sent']})",
+             f"machine: {result['machine']['cpu']}, {result['machine']['cores']} cores"]
+    parts += [render_run(run) for run in runs]
+    if len(runs) > 1:
+        parts.append(render_summary(runs))
+    if comp is not None:
+        for entry in comp.per_rate:
+            mark = "  <- headline: the baseline starts missing here" if entry.headline else ""
+            parts.append(f"{CLUSTER_NAME} (halfmoon column) vs {BASELINE_NAME}{_at(entry.rate)}{mark}\n"
+                         + render_table(entry.figures, BASELINE_NAME)
+                         + "".join(f"\n  no ratio: {s}" for s in entry.skipped))
+        parts.append(headline_line(comp, runs))
+    return "\n\n".join(parts)
+
+
+def headline_line(comp: Comparison, runs: list[dict[str, Any]]) -> str:
+    ratio = comp.headline_goodput_ratio
+    if ratio is not None:
+        value = f"{ratio:.2f}x"
+    else:  # no ratio: say what each side got
+        got = {r["system"]: r["metrics"]["goodput_rps"] for r in runs if r["rate"] == comp.headline_rate}
+        value = (f"no ratio ({BASELINE_NAME} {_fmt(got.get(BASELINE_NAME), 3)} req/s, "
+                 f"{CLUSTER_NAME} {_fmt(got.get(CLUSTER_NAME), 3)} req/s)")
+    return (f"headline: goodput {CLUSTER_NAME}/{BASELINE_NAME} = {value}{_at(comp.headline_rate)} "
+            f"(target >= {GOODPUT_TARGET:g}x; reported, not asserted)")
+
+
+def plot(out: Path, runs: list[dict[str, Any]], slo: Slo) -> list[str]:
+    """CDFs of TTFT and TBT per run, and goodput vs rate with a sweep; the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, title, limit in (("ttft_ms", "TTFT", slo.ttft_ms), ("tbt_ms", "TBT (mean of longest 10% gaps)",
+                                                                 slo.tbt_ms)):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for run in runs:
+            values = sorted(r[key] for r in run["requests"] if r[key] is not None and r["status"] == "ok")
+            if values:
+                label = run["system"] + _at(run["rate"])
+                ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=label)
+        ax.axvline(limit, color="grey", linestyle="--", label=f"SLO {limit:g} ms")
+        ax.set(xlabel=f"{title} (ms)", ylabel="fraction of requests", title=f"halfmoon bench serve: {title} CDF")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out / f"{key.removesuffix('_ms')}_cdf.png"))
+    rates = sorted({run["rate"] for run in runs if run["rate"] is not None})
+    if len(rates) > 1:
+        written.append(_goodput_plot(out, runs, rates))
+    return written
+
+
+def _goodput_plot(out: Path, runs: list[dict[str, Any]], rates: list[float]) -> str:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in dict.fromkeys(run["system"] for run in runs):
+        mine = sorted((run["rate"], run["metrics"]["goodput_rps"] or 0.0) for run in runs if run["system"] == name)
+        ax.plot([r for r, _ in mine], [g for _, g in mine], marker="o", label=name)
+    ax.plot(rates, rates, color="grey", linestyle="--", label="offered load")
+    ax.set(xlabel="request rate (req/s)", ylabel="goodput (req/s meeting both SLOs)",
+           title="halfmoon bench serve: goodput vs rate")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, out / "goodput_vs_rate.png")
+
+
+def _save(fig: Any, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
+
+
+# ---------------------------------------------------------------------------- main
+
+
+def _threads(serve_args: str | None) -> int:
+    words = shlex.split(serve_args or "")
+    for flag, value in zip(words, words[1:], strict=False):
+        if flag in ("--threads", "--worker-threads") and value.isdigit():
+            return int(value)
+    return 0  # unknown: an existing server's
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    say = Progress()
+    slo = Slo(args.ttft_slo_ms, args.tbt_slo_ms)
+    opts = ReplayOptions(slo, args.send_slo, args.warmup, args.request_timeout, not args.no_progress)
+    plan = workloads(args)
+    out = Path(args.out) if args.out else None
+    log_dir = out if out is not None else Path(tempfile.mkdtemp(prefix="halfmoon-serve-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs = [run for system in systems(args) for run in run_system(system, plan, opts, log_dir, say)]
+    comp = comparison(runs, args.attainment_target) if args.compare else None
+    result = summary(args, argv, plan, runs, comp)
+    if out is not None:
+        (out / "serve_bench.json").write_text(json.dumps({**result, "runs": runs}, indent=1) + "\n")
+        result["files"] = [str(out / "serve_bench.json"), *plot(out, runs, slo)]
+    print(json.dumps(result) if args.json else render(result, runs, comp))
+    return 0 if all(r["metrics"]["errors"] == 0 and r["metrics"]["completed"] > 0 for r in runs) else 1
+
+
+def summary(args: argparse.Namespace, argv: Sequence[str] | None, plan: list[tuple[float | None, Workload]],
+            runs: list[dict[str, Any]], comp: Comparison | None) -> dict[str, Any]:
+    """The result object (runs without their per-request rows, which go to serve_bench.json)."""
+    serve_args = args.baseline_args if args.compare else args.serve_args
+    result = {"bench": "serve", "date": utc_now(),
+              "command": "halfmoon bench serve " + shlex.join(sys.argv[1:] if argv is None else argv),
+              "machine": machine_info(_threads(serve_args)), "workload": _workload_name(args, plan),
+              "slo": {"ttft_ms": args.ttft_slo_ms, "tbt_ms": args.tbt_slo_ms, "sent": args.send_slo},
+              "runs": [{k: v for k, v in run.items() if k != "requests"} for run in runs]}
+    if comp is not None:
+        result["comparison"] = comp.to_json()
+    return result
+
+
+def _workload_name(args: argparse.Namespace, plan: list[tuple[float | None, Workload]]) -> str:
+    if args.trace:
+        return plan[0][1].name + f", {len(plan[0][1].requests)} requests"
+    rates = ",".join(f"{rate:g}" for rate, _ in plan)
+    return f"synthetic chat at {rates} req/s for {args.duration:g} s (seed {args.seed})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
