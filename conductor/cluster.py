@@ -205,6 +205,14 @@ async def _await(ref: object) -> object:
     return await ref  # type: ignore[misc]
 
 
+class WorkerLostError(ServiceUnavailableError):
+    """A worker died (or is restarting) under a request."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"worker {worker_id} died under this request; retry")
+        self.worker_id = worker_id
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     prefill: Worker
@@ -274,12 +282,33 @@ class ClusterBackend(GenerationBackend):
     # ------------------------------------------------------------------ requests
 
     async def generate(self, inp: GenerationInput) -> AsyncIterator[TokenDelta | Completion]:
+        """Route and run; a worker lost before the first token is routed around once,
+        transparently (nothing reached the client yet); later it is UNAVAILABLE."""
+        rid = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        arrival = time.perf_counter()
+        excluded: set[str] = set()
+        for attempt in (1, 2):
+            sent = False
+            try:
+                # A fresh id per attempt: the workers may still be cleaning up the last one.
+                wid = rid if attempt == 1 else f"{rid}~{attempt}"
+                async for item in self._attempt(inp, rid, wid, arrival, excluded):
+                    sent = True
+                    yield item
+                return
+            except WorkerLostError as e:
+                if sent or attempt == 2:
+                    raise ServiceUnavailableError(str(e)) from e
+                log.warning("request %s: %s before its first token; re-routing", rid, e)
+                excluded.add(e.worker_id)
+
+    async def _attempt(self, inp: GenerationInput, rid: str, wid: str, arrival: float,
+                       excluded: set[str]) -> AsyncIterator[TokenDelta | Completion]:
+        """One try on one prefill/decode pair; `wid` names the request on the workers."""
         from decode_worker.worker import DecodeTask
         from prefill_worker.worker import PrefillTask
 
-        route = self._route(inp)
-        rid = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        arrival = time.perf_counter()
+        route = self._route(inp, excluded)
         n = len(inp.prompt_ids)
         p, d = route.prefill, route.decode
         timeout = self.config.request_timeout_s
@@ -287,22 +316,25 @@ class ClusterBackend(GenerationBackend):
         p.queued_ms += route.predicted_ttft_ms
         d.running += 1
         d.context_tokens += n
-        prefill_ref = stream = None
         finished = False
         try:
-            address, blocks = await self._call(d, d.handle.reserve.remote(rid, n))
-            prefill_ref = p.handle.prefill.remote(PrefillTask(rid, inp.prompt_ids, inp.params, inp.cache_salt,
+            address, blocks = await self._call(d, d.handle.reserve.remote(wid, n))
+            prefill_ref = p.handle.prefill.remote(PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt,
                                                                address, blocks, timeout))
+            prefill_done = asyncio.ensure_future(self._call(p, prefill_ref))
+            # A prefill that fails (worker died, push failed) stops the decode side's wait at once.
+            prefill_done.add_done_callback(lambda f, d=d, wid=wid: f.cancelled() or f.exception() is None
+                                           or d.handle.cancel.remote(wid))
             stream = d.handle.generate.options(num_returns="streaming").remote(
-                DecodeTask(rid, inp.prompt_ids, inp.params, inp.cache_salt, blocks, timeout))
+                DecodeTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, blocks, timeout))
             first_at = None
             async for ref in stream:
-                event = await self._call(d, ref)
+                event = await self._decode_event(d, ref, prefill_done)
                 first_at = first_at or time.perf_counter()
                 if event.token_ids or event.text:
                     yield TokenDelta(rid, event.token_ids, event.text)
                 if event.finish_reason is not None:
-                    pre = await self._call(p, prefill_ref)
+                    pre = await prefill_done
                     finished = True
                     yield _completion(rid, event, pre, n, arrival, first_at)
                     return
@@ -313,8 +345,20 @@ class ClusterBackend(GenerationBackend):
             d.running -= 1
             d.context_tokens -= n
             if not finished:
-                d.handle.cancel.remote(rid)
-                p.handle.abort.remote(rid)
+                d.handle.cancel.remote(wid)
+                p.handle.abort.remote(wid)
+
+    async def _decode_event(self, d: Worker, ref: object, prefill_done: asyncio.Future) -> object:
+        """The next decode event; if the prefill failed first, its error is the one to report."""
+        try:
+            return await self._call(d, ref)
+        except ServiceUnavailableError:
+            # The decode side often notices a dead prefill worker (its KV connection closed)
+            # before Ray reports the death: give the prefill's outcome a moment to arrive.
+            await asyncio.wait({prefill_done}, timeout=PING_TIMEOUT_S)
+            if prefill_done.done() and not prefill_done.cancelled() and prefill_done.exception() is not None:
+                raise prefill_done.exception() from None
+            raise
 
     async def _call(self, worker: Worker, ref: object) -> object:
         """Await a worker's answer; a dead or failed worker is UNAVAILABLE (nothing was lost:
@@ -325,22 +369,23 @@ class ClusterBackend(GenerationBackend):
             return await _await(ref)
         except RayActorError as e:
             worker.alive = False
-            raise ServiceUnavailableError(f"worker {worker.spec.worker_id} died; retry") from e
+            raise WorkerLostError(worker.spec.worker_id) from e
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, Exception) else e
             raise ServiceUnavailableError(f"worker {worker.spec.worker_id}: {cause}") from e
 
     # ------------------------------------------------------------------ routing
 
-    def _route(self, inp: GenerationInput) -> Route:
+    def _route(self, inp: GenerationInput, excluded: set[str] = frozenset()) -> Route:
         """Mooncake Algorithm 1 over the live workers, then the SLO check on its predictions."""
         assert self.cost is not None
         n = len(inp.prompt_ids)
         matched, best_len, best_holder = self.prefix_tokens(inp.prompt_ids, inp.cache_salt)
         request = RouteRequest(n, inp.params.max_tokens, best_len, best_holder if best_len else None)
-        prefill = [PrefillView(w.spec.worker_id, matched.get(w.spec.worker_id, 0), max(0.0, w.queued_ms), w.alive)
-                   for w in self.manager.role("prefill")]
-        decode = [DecodeView(w.spec.worker_id, w.running, w.context_tokens, w.free_blocks, w.alive)
+        up = {wid for wid, w in self.manager.workers.items() if w.alive and wid not in excluded}
+        prefill = [PrefillView(w.spec.worker_id, matched.get(w.spec.worker_id, 0), max(0.0, w.queued_ms),
+                               w.spec.worker_id in up) for w in self.manager.role("prefill")]
+        decode = [DecodeView(w.spec.worker_id, w.running, w.context_tokens, w.free_blocks, w.spec.worker_id in up)
                   for w in self.manager.role("decode")]
         plan = Router(self.cost, self.info["block_size"]).route(request, prefill, decode)
         self._check_slo(inp, plan.predicted_ttft_ms, plan.predicted_tbt_ms)

@@ -160,3 +160,83 @@ def test_a_prefix_computed_on_a_busy_worker_is_reused_by_the_other(cluster: Runn
     assert computed_on_b <= len(second) - len(prefix)  # only the suffix
     assert got == reference(engine, [second], [8])
     assert results and len(results[0][0]) == 1
+
+
+def _stream(target: str, prompt_ids: list[int], max_tokens: int):
+    channel = grpc.insecure_channel(target)
+    req = pb.GenerateRequest(prompt_token_ids=prompt_ids, max_tokens=max_tokens, ignore_eos=True)
+    return channel, pb_grpc.GenerationStub(channel).Generate(req, timeout=120)
+
+
+def _busiest(api: RunningApi, role: str, attr: str) -> str:
+    workers = api.backend.manager.role(role)
+    return max(workers, key=lambda w: getattr(w, attr)).spec.worker_id
+
+
+def _kill(api: RunningApi, worker_id: str) -> None:
+    import ray
+
+    ray.kill(api.backend.manager.workers[worker_id].handle, no_restart=False)  # Ray restarts it
+
+
+def _all_alive_again(api: RunningApi) -> bool:
+    return all(w.alive for w in api.backend.manager.workers.values())
+
+
+def test_killing_the_decode_worker_mid_stream(cluster: RunningApi, engine: Engine) -> None:
+    ids = engine.tokenizer.encode("Count slowly from one to one hundred:")
+    channel, call = _stream(cluster.grpc_target, ids, 300)
+    with channel:
+        responses = iter(call)
+        for _ in range(3):
+            next(responses)
+        victim = _busiest(cluster, "decode", "running")
+        restarts = cluster.backend.manager.workers[victim].restarts
+        t0 = time.monotonic()
+        _kill(cluster, victim)
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in responses:
+                pass
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and victim in err.value.details()
+    assert time.monotonic() - t0 < 10
+    wait_until(lambda: cluster.backend.manager.workers[victim].restarts > restarts and _all_alive_again(cluster),
+               timeout=120, what=f"{victim} restarted and healthy")
+    later = [ids, engine.tokenizer.encode("The capital of France is")]
+    assert generate_all(cluster.grpc_target, later, [5, 5]) == reference(engine, later, [5, 5])
+
+
+def test_killing_a_prefill_worker_mid_transfer_frees_the_reservation(cluster: RunningApi,
+                                                                     engine: Engine) -> None:
+    """No token was sent yet: the request is re-run on the other prefill worker, transparently;
+    the decode side gave the first reservation back."""
+    long_prompt = engine.tokenizer.encode("Summarize the history of astronomy. " * 80)[:1200]
+    channel, call = _stream(cluster.grpc_target, long_prompt, 4)
+    with channel:
+        responses = iter(call)
+        wait_until(lambda: any(w.queued_ms > 0 for w in cluster.backend.manager.role("prefill")),
+                   what="the prefill dispatched")
+        time.sleep(0.5)  # inside the chunked prefill: some layers pushed, the rest not yet computed
+        victim = _busiest(cluster, "prefill", "queued_ms")
+        restarts = cluster.backend.manager.workers[victim].restarts
+        _kill(cluster, victim)
+        tokens = [t for r in responses for t in r.token_ids]
+    assert tokens == reference(engine, [long_prompt], [4])[0]
+    for wid in ("decode-0", "decode-1"):  # every reservation was given back or became prefix cache
+        wait_until(lambda wid=wid: worker_load(cluster, wid)["reserved"] == 0, what=f"{wid} released")
+        load = worker_load(cluster, wid)
+        assert load["free_blocks"] == load["total_blocks"] and load["requests"] == 0
+    wait_until(lambda: cluster.backend.manager.workers[victim].restarts > restarts and _all_alive_again(cluster),
+               timeout=120, what=f"{victim} restarted and healthy")
+    assert generate_all(cluster.grpc_target, [long_prompt[:40]], [3]) == reference(engine, [long_prompt[:40]], [3])
+
+
+def test_serving_continues_through_a_redis_restart(cluster: RunningApi, redis: EmbeddedRedis,
+                                                   engine: Engine) -> None:
+    ids = [engine.tokenizer.encode("Name three colors."), engine.tokenizer.encode("What is two plus two?")]
+    want = reference(engine, ids, [4, 4])
+    redis.stop()
+    try:
+        assert generate_all(cluster.grpc_target, ids, [4, 4]) == want  # the index is down: local only
+    finally:
+        redis.start()
+    assert generate_all(cluster.grpc_target, ids, [4, 4]) == want
