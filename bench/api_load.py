@@ -52,7 +52,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--grpc-target", default=None, help="an existing server's gRPC address")
     p.add_argument("--http-url", default=None, help="an existing server's HTTP URL")
     p.add_argument("--server-pid", type=int, default=None, help="RSS of this pid (an existing server)")
-    p.add_argument("--server-args", default="--threads 1", help="extra `halfmoon serve` flags")
+    p.add_argument("--server-args", default="--colocated --threads 1 --no-redis",
+                   help="flags of the `halfmoon serve` we start (default: the co-located engine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write RSS and completions over time to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -63,8 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def start_server(extra: str, log: Path) -> tuple[subprocess.Popen[str], str, str]:
-    cmd = [sys.executable, "-m", "halfmoon.cli", "serve", "--grpc-port", "0", "--http-port", "0",
-           "--no-redis", *extra.split()]
+    cmd = [sys.executable, "-m", "halfmoon.cli", "serve", "--grpc-port", "0", "--http-port", "0", *extra.split()]
     out = open(log, "w")  # noqa: SIM115 - the child keeps writing it; closed with the process
     proc = subprocess.Popen(cmd, stdout=out, stderr=out, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 180

@@ -41,7 +41,7 @@ import numpy as np
 from bench.report import Figure, Progress, machine_info, render_table, utc_now
 from bench.workload import Caps, Request, Workload, chat_workload, trace_workload
 
-DEFAULT_SERVE_ARGS = "--threads 2 --no-redis"
+DEFAULT_SERVE_ARGS = "--colocated --threads 2 --no-redis"
 BASELINE_ARGS = "--colocated --threads 2"
 CLUSTER_ARGS = "--prefill 1 --decode 1 --worker-threads 1"
 BASELINE_NAME, CLUSTER_NAME = "co-located", "cluster"

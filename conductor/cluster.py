@@ -220,6 +220,7 @@ class Route:
     predicted_ttft_ms: float
     predicted_tbt_ms: float
     prefix_tokens: int
+    prefill_cost_ms: float  # what this request adds to the prefill worker's queue (prefill + fetch)
 
 
 class ClusterBackend(GenerationBackend):
@@ -313,7 +314,14 @@ class ClusterBackend(GenerationBackend):
         p, d = route.prefill, route.decode
         timeout = self.config.request_timeout_s
         self._requests += 1
-        p.queued_ms += route.predicted_ttft_ms
+        p.queued_ms += route.prefill_cost_ms  # until its prefill ends (see `dequeue`)
+        queued = [True]
+
+        def dequeue(_: object = None) -> None:
+            if queued[0]:
+                queued[0] = False
+                p.queued_ms -= route.prefill_cost_ms
+
         d.running += 1
         d.context_tokens += n
         finished = False
@@ -322,6 +330,7 @@ class ClusterBackend(GenerationBackend):
             prefill_ref = p.handle.prefill.remote(PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt,
                                                                address, blocks, timeout))
             prefill_done = asyncio.ensure_future(self._call(p, prefill_ref))
+            prefill_done.add_done_callback(dequeue)
             # A prefill that fails (worker died, push failed) stops the decode side's wait at once.
             prefill_done.add_done_callback(lambda f, d=d, wid=wid: f.cancelled() or f.exception() is None
                                            or d.handle.cancel.remote(wid))
@@ -341,7 +350,7 @@ class ClusterBackend(GenerationBackend):
             raise ServiceUnavailableError(f"request {rid}: the decode stream ended without a result")
         finally:
             self._requests -= 1
-            p.queued_ms -= route.predicted_ttft_ms
+            dequeue()
             d.running -= 1
             d.context_tokens -= n
             if not finished:
@@ -390,8 +399,9 @@ class ClusterBackend(GenerationBackend):
         plan = Router(self.cost, self.info["block_size"]).route(request, prefill, decode)
         self._check_slo(inp, plan.predicted_ttft_ms, plan.predicted_tbt_ms)
         workers = self.manager.workers
+        chosen = next(e for e in plan.per_worker if e.worker_id == plan.prefill_id)
         return Route(workers[plan.prefill_id], workers[plan.decode_id], plan.predicted_ttft_ms,
-                     plan.predicted_tbt_ms, plan.prefix_len)
+                     plan.predicted_tbt_ms, plan.prefix_len, chosen.prefill_ms + chosen.transfer_ms)
 
     @staticmethod
     def _check_slo(inp: GenerationInput, ttft_ms: float, tbt_ms: float) -> None:

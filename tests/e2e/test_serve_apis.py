@@ -40,7 +40,7 @@ class Served:
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen([*CLI, "serve", "--grpc-port", "0", "--http-port", "0", "--threads", "1",
+        proc = subprocess.Popen([*CLI, "serve", "--colocated", "--grpc-port", "0", "--http-port", "0", "--threads", "1",
                                  "--no-redis"], stdout=out, stderr=out, text=True, env=ENV)
     try:
         match = _wait_for(proc, log, r"listening grpc=(\S+) http=(\S+)")

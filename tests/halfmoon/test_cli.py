@@ -80,7 +80,8 @@ def _post(url: str, body: dict) -> dict:
 def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with open(log, "w") as err:
-        proc = subprocess.Popen([*CLI, "serve", "--grpc-port", "0", "--http-port", "0", "--threads", "1"], stdout=err,
+        proc = subprocess.Popen([*CLI, "serve", "--colocated", "--grpc-port", "0", "--http-port", "0",
+                                 "--threads", "1"], stdout=err,
                                 stderr=err, text=True, env=ENV)
     try:
         url = _wait_for_url(proc, log)
