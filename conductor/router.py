@@ -32,13 +32,18 @@ from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 from conductor.cost_model import CostModel
-from conductor.errors import ServiceUnavailableError
+from conductor.errors import OverloadedError, ServiceUnavailableError
 
 DEFAULT_BALANCING_THRESHOLD = 2.0
 
 
 class NoWorkerAvailableError(ServiceUnavailableError):
-    """No live prefill worker, or no live decode worker with room for the request."""
+    """No live prefill or decode worker at all (UNAVAILABLE: retry with backoff)."""
+
+
+class NoDecodeCapacityError(OverloadedError):
+    """Decode workers are alive but none has room for the request now (RESOURCE_EXHAUSTED:
+    capacity, retry after the running requests drain)."""
 
 
 def _check_non_negative(obj: object) -> None:
@@ -185,14 +190,17 @@ class Router:
     def choose_decode(self, request: RouteRequest, decode: Iterable[DecodeView]) -> DecodeChoice:
         """Among live decode workers with room for prompt + max_tokens, the smallest predicted
         TBT (ties: more free blocks, then worker id)."""
-        live = [d for d in decode if d.alive]
+        views = list(decode)
+        live = [d for d in views if d.alive]
         need = self.blocks_needed(request)
         fits = [d for d in live if d.free_blocks >= need]
+        if not live:
+            raise NoWorkerAvailableError(f"no live decode worker ({len(views)} known, all down)")
         if not fits:
             most = max((d.free_blocks for d in live), default=0)
-            raise NoWorkerAvailableError(
+            raise NoDecodeCapacityError(
                 f"no live decode worker has {need} free KV blocks for {request.prompt_len} prompt "
-                f"+ {request.max_tokens} output tokens ({len(live)} live, most free: {most})")
+                f"+ {request.max_tokens} output tokens ({len(live)} live, most free: {most})", retry_after_s=1.0)
         choices = [DecodeChoice(d.worker_id, self.predict_tbt_ms(request, d), d.free_blocks)
                    for d in fits]
         return min(choices, key=lambda c: (c.tbt_ms, -c.free_blocks, c.worker_id))

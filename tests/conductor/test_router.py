@@ -6,7 +6,8 @@ import pytest
 
 from conductor.cost_model import CostModel
 from conductor.errors import ServiceUnavailableError, status_of
-from conductor.router import (DecodeJob, DecodeLoadPredictor, DecodeView, NoWorkerAvailableError,
+from conductor.router import (DecodeJob, DecodeLoadPredictor, DecodeView, NoDecodeCapacityError,
+                              NoWorkerAvailableError,
                               PrefillView, RouteRequest, Router)
 
 BS = 16
@@ -158,10 +159,12 @@ def test_no_live_prefill_worker() -> None:
 def test_no_decode_worker_fits() -> None:
     router = Router(COST, BS)
     decode = [DecodeView("small", 0, 0, 7), DecodeView("dead", 0, 0, 10_000, alive=False)]
-    with pytest.raises(NoWorkerAvailableError, match=r"8 free KV blocks.*most free: 7") as err:
+    with pytest.raises(NoDecodeCapacityError, match=r"8 free KV blocks.*most free: 7") as err:
         router.route(RouteRequest(100, 28), [PrefillView("P", 0, 0.0)], decode)
-    assert isinstance(err.value, ServiceUnavailableError)
-    assert status_of(err.value).http == 503
+    assert status_of(err.value).http == 429 and err.value.retry_after_s > 0  # capacity, not an outage
+    with pytest.raises(NoWorkerAvailableError, match="no live decode worker") as down:
+        router.route(RouteRequest(100, 28), [PrefillView("P", 0, 0.0)], decode[1:])
+    assert isinstance(down.value, ServiceUnavailableError) and status_of(down.value).http == 503
 
 
 @pytest.mark.parametrize("make", [
