@@ -96,6 +96,7 @@ class Worker:
     pid: int = 0
     restarts: int = 0
     free_blocks: int = 0
+    total_blocks: int = 0
     queued_ms: float = 0.0  # prefill: predicted work dispatched and not finished
     running: int = 0  # decode: requests streaming
     context_tokens: int = 0  # decode: their prompt tokens
@@ -170,6 +171,7 @@ class ClusterManager:
                 w.restarts += 1
                 log.warning("worker %s was restarted (pid %d -> %d)", w.spec.worker_id, w.pid, pid)
             w.pid, w.alive, w.free_blocks = pid, bool(load["alive"]), load["free_blocks"]
+            w.total_blocks = load["total_blocks"]
 
         await asyncio.gather(*(one(w) for w in self.workers.values()))
 
@@ -277,8 +279,8 @@ class ClusterBackend(GenerationBackend):
         decode = self.manager.role("decode")
         running = sum(w.running for w in decode)
         free = sum(w.free_blocks for w in decode)
-        total = sum(self.config.engine.num_blocks or 0 for _ in decode)
-        return BackendStats(running, max(0, self._requests - running), free, total or free, 0)
+        total = sum(w.total_blocks for w in decode)
+        return BackendStats(running, max(0, self._requests - running), free, total, 0)
 
     # ------------------------------------------------------------------ requests
 
