@@ -139,10 +139,18 @@ class ClusterManager:
             ray.init(address=self.config.ray_address, namespace=NAMESPACE, log_to_driver=True)
             return
         total = self.config.prefill + self.config.decode
-        ray.init(num_cpus=max(os.cpu_count() or 1, total * self.config.worker_threads),
-                 resources={"prefill": self.config.prefill, "decode": self.config.decode},
-                 object_store_memory=self.config.object_store_mb * 2**20, include_dashboard=False,
-                 namespace=NAMESPACE, log_to_driver=True, configure_logging=False)
+        # A loaded machine can start Ray's GCS slower than Ray's default 30 s wait.
+        os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
+        kwargs = dict(num_cpus=max(os.cpu_count() or 1, total * self.config.worker_threads),
+                      resources={"prefill": self.config.prefill, "decode": self.config.decode},
+                      object_store_memory=self.config.object_store_mb * 2**20, include_dashboard=False,
+                      namespace=NAMESPACE, log_to_driver=True, configure_logging=False)
+        try:
+            ray.init(**kwargs)
+        except RuntimeError as e:  # e.g. the GCS never published its port: one clean retry
+            log.warning("starting the embedded Ray failed (%s); retrying once", e)
+            ray.shutdown()
+            ray.init(**kwargs)
         self._owns_ray = True
 
     def _actor(self, spec: WorkerSpec) -> object:
