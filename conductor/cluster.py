@@ -251,7 +251,8 @@ class ClusterBackend(GenerationBackend):
         self.cost: CostModel | None = None
         self.index: ClusterIndex | None = None
         self._health: asyncio.Task | None = None
-        self._requests = 0
+        self._requests = 0  # attempts in flight
+        self._streaming = 0  # of which past their first token
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -292,10 +293,9 @@ class ClusterBackend(GenerationBackend):
 
     def stats(self) -> BackendStats:
         decode = self.manager.role("decode")
-        running = sum(w.running for w in decode)
         free = sum(w.free_blocks for w in decode)
         total = sum(w.total_blocks for w in decode)
-        return BackendStats(running, max(0, self._requests - running), free, total, 0)
+        return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0)
 
     # ------------------------------------------------------------------ requests
 
@@ -342,6 +342,7 @@ class ClusterBackend(GenerationBackend):
         d.running += 1
         d.context_tokens += n
         finished = False
+        first_at: float | None = None
         try:
             address, blocks = await self._call(d, d.handle.reserve.remote(wid, n))
             prefill_ref = p.handle.prefill.remote(PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt,
@@ -353,10 +354,11 @@ class ClusterBackend(GenerationBackend):
                                            or d.handle.cancel.remote(wid))
             stream = d.handle.generate.options(num_returns="streaming").remote(
                 DecodeTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, blocks, timeout))
-            first_at = None
             async for ref in stream:
                 event = await self._decode_event(d, ref, prefill_done)
-                first_at = first_at or time.perf_counter()
+                if first_at is None:
+                    first_at = time.perf_counter()
+                    self._streaming += 1
                 if event.token_ids or event.text:
                     yield TokenDelta(rid, event.token_ids, event.text)
                 if event.finish_reason is not None:
@@ -367,6 +369,7 @@ class ClusterBackend(GenerationBackend):
             raise ServiceUnavailableError(f"request {rid}: the decode stream ended without a result")
         finally:
             self._requests -= 1
+            self._streaming -= first_at is not None
             dequeue()
             d.running -= 1
             d.context_tokens -= n

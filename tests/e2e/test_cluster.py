@@ -129,6 +129,9 @@ def test_2p2d_is_token_identical_to_one_process(cluster: RunningApi, engine: Eng
     used = {wid: worker_load(cluster, wid) for wid in ("prefill-0", "prefill-1", "decode-0", "decode-1")}
     assert sum(u["prompt_tokens_computed"] for wid, u in used.items() if wid.startswith("prefill")) > 0
     assert all(u["alive"] for u in used.values())
+    stats = cluster.backend.stats()  # what /metrics shows: nothing in flight, the decode pools' blocks
+    assert (stats.requests_running, stats.requests_waiting) == (0, 0)
+    assert stats.kv_blocks_total == 2 * 256
 
 
 def test_a_prefix_computed_on_a_busy_worker_is_reused_by_the_other(cluster: RunningApi, engine: Engine) -> None:
