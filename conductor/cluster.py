@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "halfmoon"
 PING_TIMEOUT_S = 5.0
+RAY_START_ATTEMPTS = 3  # CI saw Ray's GCS and raylet miss their own 30 s start-up waits
 FETCH_TIMEOUT_S = 5.0
 
 
@@ -145,12 +146,17 @@ class ClusterManager:
                       resources={"prefill": self.config.prefill, "decode": self.config.decode},
                       object_store_memory=self.config.object_store_mb * 2**20, include_dashboard=False,
                       namespace=NAMESPACE, log_to_driver=True, configure_logging=False)
-        try:
-            ray.init(**kwargs)
-        except RuntimeError as e:  # e.g. the GCS never published its port: one clean retry
-            log.warning("starting the embedded Ray failed (%s); retrying once", e)
-            ray.shutdown()
-            ray.init(**kwargs)
+        for attempt in range(1, RAY_START_ATTEMPTS + 1):
+            try:
+                ray.init(**kwargs)
+                break
+            except Exception as e:  # Ray raises bare Exceptions for a GCS/raylet that did not come up
+                if attempt == RAY_START_ATTEMPTS:
+                    raise
+                log.warning("starting the embedded Ray failed (attempt %d of %d: %s); retrying",
+                            attempt, RAY_START_ATTEMPTS, e)
+                ray.shutdown()
+                time.sleep(2.0)
         self._owns_ray = True
 
     def _actor(self, spec: WorkerSpec) -> object:
