@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import openai
@@ -50,6 +51,9 @@ def test_cluster_serves_from_a_yaml_config_and_ctrl_c_leaves_no_orphan(tmp_path:
         _, alive = psutil.wait_procs(tree, timeout=30)
         assert not alive, f"orphans after Ctrl-C: {[(p.pid, p.name()) for p in alive]}"
         assert "halfmoon: stopped" in log.read_text()
+        if "starting the embedded Ray failed" in log.read_text():  # survived by retrying: say so
+            warnings.warn("halfmoon serve needed more than one try to start Ray: "
+                          + log.read_text().split("starting the embedded Ray failed")[1][:300], stacklevel=1)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
