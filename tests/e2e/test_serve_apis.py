@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,8 +16,11 @@ import grpc
 import openai
 import pytest
 from google.protobuf import descriptor_pool, message_factory
-from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
-    ProtoReflectionDescriptorDatabase
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from tests.e2e.support import wait_for_log
 
 CLI = [sys.executable, "-m", "halfmoon.cli"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -43,7 +44,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         proc = subprocess.Popen([*CLI, "serve", "--colocated", "--grpc-port", "0", "--http-port", "0", "--threads", "1",
                                  "--no-redis"], stdout=out, stderr=out, text=True, env=ENV)
     try:
-        match = _wait_for(proc, log, r"listening grpc=(\S+) http=(\S+)")
+        match = wait_for_log(proc, log, r"listening grpc=(\S+) http=(\S+)")
         yield Served(proc, log, match.group(1), match.group(2))
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0, log.read_text()
@@ -51,18 +52,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _wait_for(proc: subprocess.Popen[str], log: Path, pattern: str, timeout: float = 120) -> re.Match[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = re.search(pattern, log.read_text())
-        if match:
-            return match
-        if proc.poll() is not None:
-            pytest.fail(f"serve exited early ({proc.returncode}): {log.read_text()}")
-        time.sleep(0.2)
-    pytest.fail(f"serve did not come up in {timeout}s: {log.read_text()}")
 
 
 def halfmoon_generate(*args: str) -> dict:

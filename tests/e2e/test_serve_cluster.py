@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import yaml
 
 from engine.engine import Engine
 from engine.sampling_params import SamplingParams
-from tests.e2e.test_cluster import cost_model_file
+from tests.e2e.support import cost_model_file, wait_for_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 PROMPT = "The capital of France is"
@@ -37,7 +35,7 @@ def test_cluster_serves_from_a_yaml_config_and_ctrl_c_leaves_no_orphan(tmp_path:
                                 stdout=out, stderr=out, text=True, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
-        match = _wait_for(proc, log, r"listening grpc=(\S+) http=(\S+)")
+        match = wait_for_log(proc, log, r"listening grpc=(\S+) http=(\S+)")
         assert "starting 1 prefill + 1 decode workers" in log.read_text()
         client = openai.OpenAI(base_url=match.group(2) + "/v1", api_key="none", max_retries=0)
         out = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, extra_body={"ignore_eos": True})
@@ -59,14 +57,3 @@ def test_cluster_serves_from_a_yaml_config_and_ctrl_c_leaves_no_orphan(tmp_path:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
 
-
-def _wait_for(proc: subprocess.Popen[str], log: Path, pattern: str, timeout: float = 300) -> re.Match[str]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        match = re.search(pattern, log.read_text())
-        if match:
-            return match
-        if proc.poll() is not None:
-            pytest.fail(f"serve exited early ({proc.returncode}): {log.read_text()[-3000:]}")
-        time.sleep(0.3)
-    pytest.fail(f"serve did not come up in {timeout}s: {log.read_text()[-3000:]}")
