@@ -44,12 +44,26 @@ class Channel(abc.ABC):
             self.sendv(frame, timeout)
 
     def post_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
-                  before: Callable[[int], None] | None = None) -> Callable[[float], None] | None:
+                  before: Callable[[int], None] | None = None,
+                  data_from: int | None = None) -> Callable[[float], None] | None:
         """Like `send_many`, but may return before the last frames completed: then it returns a
         function that waits for them (the views must stay untouched until it returned). Lets a
-        sender start its next message while the previous one is still on the wire."""
+        sender start its next message while the previous one is still on the wire.
+
+        `data_from`: frames from this index on are payload. A backend with `posted_recv` sends
+        them on the channel's data lane, which the receiver matches with `post_recvs`; a byte
+        stream ignores it (one lane, in order)."""
         self.send_many(frames, timeout, before)
         return None
+
+    # Message backends that can post receives ahead (ucxx): the receiver posts a unit's payload
+    # frames as soon as its header arrived, and reads the next header while they land.
+    posted_recv: bool = False
+
+    def post_recvs(self, frames: Sequence[Sequence[memoryview]]) -> PostedRecvs:
+        """Post a receive for every frame on the data lane now, in order (payload frames sent
+        with `post_many(..., data_from=...)`); the frames' memory is the channel's until waited."""
+        raise NotImplementedError(f"{type(self).__name__} cannot post receives ahead")
 
     def recv_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
                   after: Callable[[int], None] | None = None) -> None:
@@ -59,6 +73,15 @@ class Channel(abc.ABC):
             self.recv_into(frame, timeout)
             if after is not None:
                 after(i)
+
+
+class PostedRecvs(abc.ABC):
+    """Receives posted by `Channel.post_recvs`, waited for one by one, in order."""
+
+    @abc.abstractmethod
+    def wait(self, i: int, timeout: float | None) -> None:
+        """Return once frame i has landed in its views (raises PeerLostError /
+        TransferTimeoutError); frames must be waited for in order."""
 
 
 class Listener(abc.ABC):

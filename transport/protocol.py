@@ -16,7 +16,9 @@ Connection setup (the receiver listens, the sender connects):
 
 Then the sender streams UNIT (request, layer, destination block ids, payload, checksum trailer), DONE
 (request, number of units, metadata such as the first token) and CANCEL; the receiver answers
-each DONE with a RESULT {ok | error}.
+each DONE with a RESULT {ok | error}. A message backend carries a unit's payload frames and
+trailer on a data lane of their own (`Channel.post_many(..., data_from=...)`), so a receiver
+that posts receives ahead (`Channel.posted_recv`) reads the next headers while payload lands.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from transport.channel import Channel
 from transport.errors import HandshakeError, ProtocolError
 from transport.layout import KVLayout
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: payload frames and trailers on a data lane of their own (ucxx tags)
 MAGIC = b"HMKV"
 _HEADER = struct.Struct("<4sB3xIIIQQ")
 TRAILER = struct.Struct("<Q")

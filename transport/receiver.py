@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transport.channel import Backend, Channel
+from transport.channel import Backend, Channel, PostedRecvs
 from transport.errors import (
     ChecksumError,
     HandshakeError,
@@ -53,6 +54,9 @@ from transport.protocol import (
 
 log = logging.getLogger("halfmoon.transport")
 _OUTCOMES_KEPT = 1024
+# Messages a posting receiver (transport.channel.Channel.posted_recv) reads ahead of the one it
+# verifies: bounds the payload receives posted at once (and so the staging memory).
+PIPELINE_DEPTH = 4
 
 
 @dataclass(slots=True)
@@ -78,7 +82,7 @@ class _Expected:
     blocks: frozenset[int]
     state: str = "pending"  # pending -> done | failed
     error: TransportError | None = None
-    busy: bool = False  # a unit is being written into our blocks right now
+    busy: int = 0  # units being written into our blocks right now
     channel: Channel | None = None
     units: int = 0
     bytes: int = 0
@@ -177,7 +181,7 @@ class KVReceiver:
     def _forget(self, exp: _Expected) -> None:
         """Drop the request once no unit writes into its blocks (a unit in flight ends within
         its frame timeout: written, drained or failed)."""
-        self._cond.wait_for(lambda: not exp.busy)
+        self._cond.wait_for(lambda: exp.busy == 0)
         self._expected.pop(exp.request_id, None)
         self._outcomes[exp.request_id] = exp  # so a later DONE gets the real reason
         while len(self._outcomes) > _OUTCOMES_KEPT:
@@ -203,14 +207,10 @@ class KVReceiver:
     def _serve(self, channel: Channel) -> None:
         try:
             self._handshake(channel)
-            replying = None  # a RESULT still on the wire: it must not block the next message
-            while True:
-                if self.faults is not None and self.faults.receive_delay:
-                    time.sleep(self.faults.receive_delay)
-                header, body = recv_msg(channel, None, self.timeout)
-                if replying is not None:
-                    replying(self.timeout)
-                replying = self._dispatch(channel, header, body)
+            if channel.posted_recv:
+                _Pipeline(self, channel).run()
+            else:
+                self._serve_in_order(channel)
         except HandshakeError as e:
             self.stats.refused += 1
             log.warning("refused a KV sender from %s: %s", channel.peer, e)
@@ -220,6 +220,21 @@ class KVReceiver:
             channel.close()
             with self._cond:
                 self._channels.discard(channel)
+
+    def _serve_in_order(self, channel: Channel) -> None:
+        """One message at a time: a unit's payload is received and verified before the next
+        header is read (byte streams cannot do otherwise)."""
+        replying = None  # a RESULT still on the wire: it must not block the next message
+        while True:
+            self._delay()
+            header, body = recv_msg(channel, None, self.timeout)
+            if replying is not None:
+                replying(self.timeout)
+            replying = self._dispatch(channel, header, body)
+
+    def _delay(self) -> None:
+        if self.faults is not None and self.faults.receive_delay:
+            time.sleep(self.faults.receive_delay)  # fault injection: a slow receiver
 
     def _handshake(self, channel: Channel) -> None:
         nonce = os.urandom(16)
@@ -270,10 +285,15 @@ class KVReceiver:
         try:
             actual, expected = self._receive_payload(channel, self.kv.views(header.layer, ids))
         finally:
-            with self._cond:
-                exp.busy = False
-                self._cond.notify_all()
+            self._release(exp)
         self._verified(exp, header, expected, actual)
+
+    def _release(self, exp: _Expected | None) -> None:
+        """A unit claimed by `_claim` no longer writes into the request's blocks."""
+        if exp is not None:
+            with self._cond:
+                exp.busy -= 1
+                self._cond.notify_all()
 
     def _receive_payload(self, channel: Channel, views: list[memoryview]) -> tuple[int, int]:
         """Frames straight into `views`, each hashed right after it lands; then the trailer.
@@ -307,7 +327,7 @@ class KVReceiver:
                     f"request {request_id!r}: unit of {len(ids)} blocks carries {payload_len} bytes, "
                     f"expected {self.layout.unit_bytes(len(ids))}"))
                 return None
-            exp.busy = True
+            exp.busy += 1
             return exp
 
     def _verified(self, exp: _Expected, header: Header, expected: int, actual: int) -> None:
@@ -371,3 +391,105 @@ def _result(request_id: str, exp: _Expected | None) -> dict:
     if isinstance(err, ChecksumError):
         detail.update(layer=err.layer, expected=err.expected, actual=err.actual)
     return {"request_id": request_id, "ok": False, "error": detail}
+
+
+@dataclass(slots=True, eq=False)
+class _PostedUnit:
+    """A unit whose payload receives are posted: `exp` None means drained (nobody's blocks)."""
+
+    exp: _Expected | None
+    header: Header
+    frames: list[list[memoryview]]
+    posted: PostedRecvs
+    trailer: bytearray
+
+
+class _Pipeline:
+    """One connection on a backend that posts receives ahead (ucxx). This thread reads the
+    control lane and posts each unit's payload receives as soon as its header is in; a verifier
+    thread waits for the payloads in order, hashes each frame as it lands, checks the trailer,
+    and handles DONE / CANCEL after the units sent before them. So the next unit's data flows
+    while the previous one is hashed, instead of waiting for its receives to be posted."""
+
+    def __init__(self, receiver: KVReceiver, channel: Channel) -> None:
+        self.r, self.channel = receiver, channel
+        self.work: queue.Queue[_PostedUnit | tuple[Header, bytes] | None] = queue.Queue(PIPELINE_DEPTH)
+        self.error: TransportError | None = None  # the verifier's, reported instead of "closed"
+
+    def run(self) -> None:
+        verifier = threading.Thread(target=self._verify_loop, daemon=True,
+                                    name=f"kv-receiver-verify-{self.channel.peer}")
+        verifier.start()
+        failure: TransportError | None = None
+        try:
+            while True:
+                self.r._delay()
+                header, body = recv_msg(self.channel, None, self.r.timeout)
+                if header.kind is Kind.UNIT:
+                    self.work.put(self._post_unit(header, body))
+                elif header.kind in (Kind.DONE, Kind.CANCEL):
+                    self.work.put((header, body))
+                else:
+                    raise ProtocolError(f"unexpected {header.kind.name} from a sender")
+        except TransportError as e:
+            failure = e
+        finally:
+            self.channel.close()  # pending receives fail at once; the verifier drains the rest
+            self.work.put(None)
+            verifier.join()
+        assert failure is not None, "the control loop only ends by raising"
+        raise self.error or failure
+
+    def _post_unit(self, header: Header, body: bytes) -> _PostedUnit:
+        request_id, ids = parse_unit_body(body, header.num_blocks)
+        exp = self.r._claim(self.channel, request_id, header.layer, ids, header.payload_len)
+        try:
+            views = (self._scratch(header.payload_len) if exp is None
+                     else self.r.kv.views(header.layer, ids))
+            trailer = bytearray(TRAILER.size)
+            frames = [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]]
+            return _PostedUnit(exp, header, frames, self.channel.post_recvs(frames), trailer)
+        except BaseException:
+            self.r._release(exp)
+            raise
+
+    def _scratch(self, payload_len: int) -> list[memoryview]:
+        """Views a drained payload lands in: one shared throw-away buffer per frame."""
+        scratch = memoryview(bytearray(min(payload_len, FRAME_BYTES)))
+        full, rest = divmod(payload_len, FRAME_BYTES)
+        return [scratch] * full + ([scratch[:rest]] if rest else [])
+
+    def _verify_loop(self) -> None:
+        replying = None  # the last RESULT still on the wire
+        while (item := self.work.get()) is not None:
+            if self.error is not None:  # the connection failed: only release what was claimed
+                if isinstance(item, _PostedUnit):
+                    self.r._release(item.exp)
+                continue
+            try:
+                if isinstance(item, _PostedUnit):
+                    self._finish_unit(item)
+                    continue
+                if replying is not None:
+                    replying(self.r.timeout)
+                replying = self.r._dispatch(self.channel, *item)
+            except TransportError as e:
+                self.error = e
+                self.channel.close()  # wakes the control thread; no receive writes after it
+
+    def _finish_unit(self, unit: _PostedUnit) -> None:
+        h = new_hash()
+        last = len(unit.frames) - 1
+        try:
+            for i, frame in enumerate(unit.frames):
+                unit.posted.wait(i, self.r.timeout)
+                if unit.exp is not None and i < last:
+                    for v in frame:
+                        h.update(v)
+        except BaseException:
+            self.channel.close()  # before the release: no posted receive may write after it
+            raise
+        finally:
+            self.r._release(unit.exp)
+        if unit.exp is not None:
+            self.r._verified(unit.exp, unit.header, TRAILER.unpack(unit.trailer)[0], h.intdigest())

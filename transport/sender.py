@@ -51,7 +51,7 @@ from transport.protocol import (
 )
 
 log = logging.getLogger("halfmoon.transport")
-MAX_POSTED_JOBS = 4  # jobs whose sends may be on the wire at once (per connection)
+MAX_POSTED_JOBS = 8  # jobs whose sends may be on the wire at once (per connection)
 
 
 @dataclass(slots=True)
@@ -350,7 +350,7 @@ class KVSender:
             elif i == len(frames) - 1:
                 TRAILER.pack_into(trailer, 0, h.intdigest())
 
-        finish = self.channel.post_many(frames, self.timeout, before)
+        finish = self.channel.post_many(frames, self.timeout, before, data_from=len(head))
         self.stats.units += 1
         self.stats.bytes += job.nbytes
         return finish

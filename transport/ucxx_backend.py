@@ -12,10 +12,14 @@ for the GIL held transfers to 0.3-0.6x of `ucx_perftest`.)
 
 Channels: UCX matches tags per worker, not per endpoint, so each channel has a random 62-bit id;
 the connecting side sends it over the endpoint's own stream (UCX's per-endpoint ordered byte
-stream) and every frame is then a tag message with tag = id * 2 + direction. A frame of one view
-is sent / received in place (zero copy); a frame of several views (a fragmented block table) is
-packed into / unpacked from a staging buffer. `send_many` / `recv_many` keep up to WINDOW frames
-in flight, so hashing a frame overlaps the transfer of the next ones.
+stream) and every frame is then a tag message with tag = id * 4 + lane * 2 + direction. Two
+lanes: control (headers, DONE, RESULT) and data (payload frames and their trailer). Messages of
+one lane are matched in order, so the receiver keeps reading headers on the control lane while
+the payload receives it posted (`post_recvs`) fill on the data lane: the next unit's frames are
+posted before the previous unit is hashed, and UCX never waits for a receive to be posted. A
+frame of one view is sent / received in place (zero copy); a frame of several views (a
+fragmented block table) is packed into / unpacked from a staging buffer. `send_many` /
+`recv_many` keep up to WINDOW frames in flight, so hashing a frame overlaps the next ones.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from transport.channel import Backend, Channel, Listener
+from transport.channel import Backend, Channel, Listener, PostedRecvs
 from transport.errors import BackendUnavailableError, PeerLostError, TransferTimeoutError, TransportError
 from transport.frames import copy_views, total_bytes
 from transport.tcp import parse_address
@@ -192,22 +196,61 @@ class _Stages:
         return memoryview(self._bufs[slot])[:nbytes]
 
 
+class _StagePool:
+    """Staging buffers for posted multi-view receives: taken when posted, given back once
+    copied out (deque append / pop are atomic, so the two threads need no lock)."""
+
+    def __init__(self) -> None:
+        self._free: deque[bytearray] = deque()
+
+    def take(self, nbytes: int) -> bytearray:
+        try:
+            buf = self._free.pop()
+        except IndexError:
+            return bytearray(nbytes)
+        return buf if len(buf) >= nbytes else bytearray(nbytes)
+
+    def give(self, buf: bytearray) -> None:
+        if len(self._free) < WINDOW:
+            self._free.append(buf)
+
+
+class _UcxxPostedRecvs(PostedRecvs):
+    def __init__(self, channel: UcxxChannel, frames: Sequence[Sequence[memoryview]],
+                 ops: list[tuple[Op, bytearray | None]]) -> None:
+        self._channel, self._frames, self._ops = channel, frames, ops
+
+    def wait(self, i: int, timeout: float | None) -> None:
+        op, stage = self._ops[i]
+        self._channel._wait(op, timeout, "receive from")
+        if stage is not None:
+            copy_views([memoryview(stage)[: total_bytes(self._frames[i])]], self._frames[i])
+            self._channel._recv_pool.give(stage)
+
+
 class UcxxChannel(Channel):
     message_based = True
+    posted_recv = True
 
     def __init__(self, rt: _Runtime, endpoint: Any, channel_id: int, outbound: bool, peer: str) -> None:
         self._rt = rt
         self._ep = endpoint
-        # The connecting side sends on id*2 and receives on id*2+1; the listening side the reverse.
-        self._send_tag = rt.ucx.UCXXTag(channel_id * 2 + (0 if outbound else 1))
-        self._recv_tag = rt.ucx.UCXXTag(channel_id * 2 + (1 if outbound else 0))
+        # tag = id*4 + lane*2 + direction: the connecting side sends on direction 0, the
+        # listening side on 1; lane 0 is control, lane 1 data.
+        mine, theirs = (0, 1) if outbound else (1, 0)
+        tag = rt.ucx.UCXXTag
+        self._send_tag, self._recv_tag = tag(channel_id * 4 + mine), tag(channel_id * 4 + theirs)
+        self._send_data_tag = tag(channel_id * 4 + 2 + mine)
+        self._recv_data_tag = tag(channel_id * 4 + 2 + theirs)
         self.peer = peer
         self._send_stages = _Stages()
         self._recv_stages = _Stages()
+        self._recv_pool = _StagePool()
         self._in_flight: deque[Op] = deque()  # sends posted on this channel, oldest first
         self._slot_ops: list[Op | None] = [None] * WINDOW  # the last send from each send stage
         self._next_slot = 0
-        self._closed = threading.Event()
+        self._closed = threading.Event()  # set when close() starts
+        self._endpoint_closed = threading.Event()  # set when no operation can touch memory
 
     def sendv(self, views: Sequence[memoryview], timeout: float) -> None:
         self.send_many([views], timeout)
@@ -221,10 +264,13 @@ class UcxxChannel(Channel):
         finish(timeout)
 
     def post_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
-                  before: Callable[[int], None] | None = None) -> Callable[[float], None]:
-        """Post every frame (at most SEND_WINDOW sends in flight on the channel, across calls);
-        returns the wait for this call's sends. One thread sends on a channel at a time."""
+                  before: Callable[[int], None] | None = None,
+                  data_from: int | None = None) -> Callable[[float], None]:
+        """Post every frame (at most SEND_WINDOW sends in flight on the channel, across calls),
+        frames from `data_from` on on the data lane; returns the wait for this call's sends.
+        One thread sends on a channel at a time."""
         ops: list[Op] = []
+        first_data = len(frames) if data_from is None else data_from
         for i, views in enumerate(frames):
             while len(self._in_flight) >= SEND_WINDOW:
                 self._wait(self._in_flight.popleft(), timeout, "send to")
@@ -233,7 +279,8 @@ class UcxxChannel(Channel):
             staged = len(views) > 1
             buf = self._pack(views, timeout) if staged else views[0]
             array = self._array(buf)
-            op = self._post(lambda a=array: self._ep.tag_send(a, self._send_tag))
+            tag = self._send_data_tag if i >= first_data else self._send_tag
+            op = self._post(lambda a=array, t=tag: self._ep.tag_send(a, t))
             if staged:
                 self._slot_ops[(self._next_slot - 1) % WINDOW] = op
             ops.append(op)
@@ -259,6 +306,14 @@ class UcxxChannel(Channel):
                 copy_views([stage], frames[i])
             if after is not None:
                 after(i)
+
+    def post_recvs(self, frames: Sequence[Sequence[memoryview]]) -> PostedRecvs:
+        ops = []
+        for views in frames:
+            stage = None if len(views) == 1 else self._recv_pool.take(total_bytes(views))
+            array = self._array(views[0] if stage is None else memoryview(stage))
+            ops.append((self._post(lambda a=array: self._ep.tag_recv(a, self._recv_data_tag)), stage))
+        return _UcxxPostedRecvs(self, frames, ops)
 
     def _post_recv(self, views: Sequence[memoryview], i: int) -> tuple[Op, memoryview | None]:
         stage = None if len(views) == 1 else self._recv_stages.get(i % WINDOW, total_bytes(views))
@@ -289,6 +344,9 @@ class UcxxChannel(Channel):
         remaining = timeout
         while not op.done.wait(0.2 if remaining is None else min(0.2, remaining)):
             if self._closed.is_set():
+                # Raise only once the endpoint is closed: a caller that frees the op's memory
+                # on this error must not race a receive still writing into it.
+                self._endpoint_closed.wait(10.0)
                 raise PeerLostError(f"channel to {self.peer} was closed")
             if remaining is not None:
                 remaining -= 0.2
@@ -299,12 +357,15 @@ class UcxxChannel(Channel):
     def close(self) -> None:
         """Close the endpoint: pending operations on it fail (their waiters see PeerLostError)."""
         if self._closed.is_set():
+            self._endpoint_closed.wait(10.0)  # another thread is closing it: wait for that
             return
         self._closed.set()
         try:  # wait, so no operation of this endpoint touches memory once close() returned
             self._rt.wait(self._rt.post(self._close_endpoint, is_request=False), 10.0, f"close {self.peer}")
         except TransportError as e:
             log.warning("closing the UCX endpoint to %s: %s", self.peer, e)
+        finally:
+            self._endpoint_closed.set()
 
     def _close_endpoint(self) -> None:
         """On the owner thread, which must also drop the last reference (ucxx objects may only

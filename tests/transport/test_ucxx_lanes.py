@@ -1,0 +1,74 @@
+"""The ucxx channel's two lanes: payload receives posted ahead (data lane) never swallow a
+control message, and the receiver reads headers while payload is still landing.
+
+This is what lets `KVReceiver` post the next unit's payload before it has hashed the previous
+one (transport.receiver._Pipeline); the shared suite (test_backends, test_faults) runs the
+whole protocol over it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from transport import get_backend
+from transport.channel import Channel
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Channel, Channel]]:
+    backend = get_backend("ucxx")
+    listener = backend.listen("127.0.0.1", 0)
+    accepted: list[Channel | None] = []
+    t = threading.Thread(target=lambda: accepted.append(listener.accept(10.0)))
+    t.start()
+    sender = backend.connect(listener.address, 10.0)
+    t.join(10.0)
+    receiver = accepted[0]
+    assert receiver is not None
+    yield sender, receiver
+    sender.close()
+    receiver.close()
+    listener.close()
+
+
+def test_control_messages_pass_payload_receives_posted_ahead(pair: tuple[Channel, Channel]) -> None:
+    sender, receiver = pair
+    assert receiver.posted_recv and receiver.message_based
+    rng = np.random.default_rng(0)
+    payload = [rng.integers(0, 256, n, dtype=np.uint8) for n in (1 << 20, 3000, 64)]
+    # Receiver: payload frames posted first (data lane), one of them into a 3-view frame.
+    out = [np.zeros_like(p) for p in payload]
+    split = [memoryview(out[1])[:1000], memoryview(out[1])[1000:2000], memoryview(out[1])[2000:]]
+    posted = receiver.post_recvs([[memoryview(out[0])], split, [memoryview(out[2])]])
+    # Sender: control, payload (data lane from index 1), control again.
+    frames = [[memoryview(b"head-1")], *[[memoryview(p)] for p in payload], [memoryview(b"head-2")]]
+    finish = sender.post_many(frames[:4], 10.0, data_from=1)
+    sender.send_many([frames[4]], 10.0)
+    # Both control messages arrive on the control lane, whatever the data lane holds.
+    got = [bytearray(16), bytearray(16)]
+    for buf in got:
+        receiver.recv_into([memoryview(buf)], 10.0)
+    assert [bytes(g[:6]) for g in got] == [b"head-1", b"head-2"]
+    for i in range(3):
+        posted.wait(i, 10.0)
+    finish(10.0)
+    for p, o in zip(payload, out):
+        assert np.array_equal(p, o)
+
+
+def test_closing_fails_posted_receives_and_returns_once_nothing_writes(
+        pair: tuple[Channel, Channel]) -> None:
+    from transport.errors import PeerLostError
+
+    _, receiver = pair
+    buf = np.zeros(1 << 16, np.uint8)
+    posted = receiver.post_recvs([[memoryview(buf)]])
+    closer = threading.Timer(0.3, receiver.close)
+    closer.start()
+    with pytest.raises(PeerLostError):
+        posted.wait(0, 10.0)
+    closer.join()
