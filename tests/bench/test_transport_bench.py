@@ -33,3 +33,25 @@ def test_tiny_tcp_run_reports_ratio_and_target() -> None:
     for r in rows:
         assert r["gbps"] > 0 and r["raw_gbps"] > 0 and r["ratio"] == pytest.approx(r["gbps"] / r["raw_gbps"])
     assert rows[0]["target"] is None and rows[1]["target"] == 0.70  # the target applies from 8 MB
+
+
+def test_rounds_keep_the_best_per_size_and_an_error_sticks() -> None:
+    from bench.transport_bench import _best
+
+    acc = _best({}, {8: 1.0, 64: 3.0})
+    acc = _best(acc, {8: 2.0, 64: 2.5})
+    assert acc == {8: 2.0, 64: 3.0}
+    assert _best(acc, "ucx_perftest not found") == "ucx_perftest not found"
+    assert _best("ucx_perftest failed", {8: 9.0}) == "ucx_perftest failed"
+
+
+def test_ucxx_run_prints_both_perftest_baselines() -> None:
+    """One small real ucxx point: the like-for-like baseline (perftest -e) and the plain one."""
+    proc = subprocess.run([sys.executable, "-m", "halfmoon.cli", "bench", "transport", "--backends", "ucxx",
+                           "--ucx-tls", "tcp", "--sizes-mb", "8", "--rounds", "1", "--budget-mb", "32",
+                           "--skip", "pipelining", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout)["throughput"]
+    assert row["backend"] == "ucxx (tcp)" and row["baseline"] == "ucx_perftest -e tcp"
+    assert row["gbps"] > 0 and row["raw_gbps"] > 0 and row["plain_gbps"] > 0
+    assert row["ratio"] == pytest.approx(row["gbps"] / row["raw_gbps"])
