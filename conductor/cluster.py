@@ -332,7 +332,10 @@ class ClusterBackend(GenerationBackend):
         from decode_worker.worker import DecodeTask
         from prefill_worker.worker import PrefillTask
 
-        route = self._route(inp, excluded)
+        # Hashing the prompt and the index round trip run off the event loop: a slow or hung
+        # Redis (up to the index's socket timeout) must not stall every other stream.
+        prefix = await asyncio.to_thread(self.prefix_tokens, inp.prompt_ids, inp.cache_salt)
+        route = self._route(inp, excluded, prefix)  # on the loop: decision + accounting at once
         n = len(inp.prompt_ids)
         p, d = route.prefill, route.decode
         timeout = self.config.request_timeout_s
@@ -411,11 +414,13 @@ class ClusterBackend(GenerationBackend):
 
     # ------------------------------------------------------------------ routing
 
-    def _route(self, inp: GenerationInput, excluded: set[str] = frozenset()) -> Route:
-        """Mooncake Algorithm 1 over the live workers, then the SLO check on its predictions."""
+    def _route(self, inp: GenerationInput, excluded: set[str],
+               prefix: tuple[dict[str, int], int, str]) -> Route:
+        """Mooncake Algorithm 1 over the live workers, given the index's `prefix_tokens`, then
+        the SLO check on its predictions."""
         assert self.cost is not None
         n = len(inp.prompt_ids)
-        matched, best_len, best_holder = self.prefix_tokens(inp.prompt_ids, inp.cache_salt)
+        matched, best_len, best_holder = prefix
         request = RouteRequest(n, inp.params.max_tokens, best_len, best_holder if best_len else None)
         up = {wid for wid, w in self.manager.workers.items() if w.alive and wid not in excluded}
         prefill = [PrefillView(w.spec.worker_id, matched.get(w.spec.worker_id, 0), max(0.0, w.queued_ms),

@@ -162,3 +162,40 @@ def test_serving_continues_through_a_redis_restart(cluster: RunningApi, redis: E
     finally:
         redis.start()
     assert generate_all(cluster.grpc_target, ids, [4, 4]) == want
+
+
+def test_a_hung_redis_does_not_stall_the_front_door(cluster: RunningApi, redis: EmbeddedRedis,
+                                                    engine: Engine) -> None:
+    """Redis stops answering (CLIENT PAUSE, past the index's 2 s socket timeout) while a request
+    is in its index lookup: the lookup waits off the event loop, so the front door answers
+    another call at once; the request then goes on without the index (local tiers only)."""
+    import redis as redis_py
+
+    # Two full blocks or more, so the lookup has hashes to ask Redis about.
+    ids = [engine.tokenizer.encode("List five fruits and, for each one, the colour of its skin "
+                                   "when ripe, its usual size, where it grows best, which month "
+                                   "it is picked in, and one dish it is often cooked in.")]
+    assert len(ids[0]) >= 2 * 16
+    want = reference(engine, ids, [3])
+    index = cluster.backend.index
+    assert index is not None
+
+    def answered_with_the_index_healthy() -> bool:  # after a Redis restart it may be backing off
+        assert generate_all(cluster.grpc_target, ids, [3]) == want
+        return index.healthy
+
+    wait_until(answered_with_the_index_healthy, timeout=60, what="the Conductor's index on Redis")
+    errors = index.stats.redis_errors
+    out: list[list[list[int]]] = []
+    redis_py.Redis.from_url(redis.url).client_pause(3500, all=True)
+    request = threading.Thread(target=lambda: out.append(generate_all(cluster.grpc_target, ids, [3])))
+    request.start()
+    time.sleep(0.5)  # the request is waiting for Redis now
+    with grpc.insecure_channel(cluster.grpc_target) as channel:
+        start = time.perf_counter()
+        pb_grpc.GenerationStub(channel).ListModels(pb.ListModelsRequest(), timeout=10)
+        took = time.perf_counter() - start
+    request.join(120)
+    assert took < 1.0, f"the front door took {took:.2f} s to answer while Redis hung"
+    assert out == [want]
+    assert index.stats.redis_errors > errors, index.stats  # the lookup did wait for Redis
