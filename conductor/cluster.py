@@ -87,12 +87,16 @@ class ClusterConfig:
         return specs
 
 
-def fetch_from_actor(holder: HolderId, hashes: list[bytes]) -> bytes:
-    """The cross-worker block read (runs inside a worker): the holder actor's `serve_blocks`."""
+def block_server_of(holder: HolderId) -> str:
+    """Where a holder serves its blocks (runs inside a worker, once per holder until a fetch
+    from it fails): asked of the holder's actor. The blocks then move over the KV transport."""
     import ray
 
     actor = ray.get_actor(holder.worker_id, namespace=NAMESPACE)
-    return ray.get(actor.serve_blocks.remote(hashes), timeout=FETCH_TIMEOUT_S)
+    address = ray.get(actor.block_address.remote(), timeout=FETCH_TIMEOUT_S)
+    if address is None:
+        raise LookupError(f"worker {holder.worker_id} serves no blocks")
+    return address
 
 
 @dataclass(slots=True)
@@ -163,7 +167,7 @@ class ClusterManager:
         import ray
 
         from decode_worker.worker import DecodeWorker
-        from engine.worker import BlockFetcher
+        from engine.worker import TransportBlockReader
         from prefill_worker.worker import PrefillWorker
 
         cls = PrefillWorker if spec.role == "prefill" else DecodeWorker
@@ -172,7 +176,7 @@ class ClusterManager:
                    "max_concurrency": 1000}
         if self.config.gpus(spec.role):
             options["num_gpus"] = self.config.gpus(spec.role)
-        return ray.remote(cls).options(**options).remote(spec, BlockFetcher(fetch_from_actor))
+        return ray.remote(cls).options(**options).remote(spec, TransportBlockReader(block_server_of, FETCH_TIMEOUT_S))
 
     def role(self, role: str) -> list[Worker]:
         return [w for w in self.workers.values() if w.spec.role == role]

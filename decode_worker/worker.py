@@ -22,6 +22,7 @@ from engine.errors import HalfmoonError
 from engine.sampling_params import SamplingParams
 from engine.worker import EngineWorker, WorkerSpec
 from kvpool.remote import RemoteBlockReader
+from transport.config import advertised_address
 from transport.errors import TransportError
 from transport.receiver import KVReceiver
 
@@ -60,7 +61,7 @@ class DecodeWorker(EngineWorker):
         self.receiver = KVReceiver(self.engine.kv_cache, self.layout, backend, host=spec.transport.host,
                                    port=spec.transport.port, secret=spec.transport.secret(),
                                    timeout=spec.transport.timeout_s).start()
-        self.address = advertised(self.receiver.address, spec.transport.host)
+        self.address = advertised_address(self.receiver.address, spec.transport.host)
         self._reserved: dict[str, list[int]] = {}
 
     async def reserve(self, request_id: str, num_tokens: int) -> tuple[str, list[int]]:
@@ -136,23 +137,6 @@ class DecodeWorker(EngineWorker):
     def close(self) -> None:
         self.receiver.close()
         super().close()
-
-
-def advertised(bound: str, host: str) -> str:
-    """The address prefill workers should dial: a wildcard bind (0.0.0.0 / ::, for pods and
-    multi-node clusters) is replaced by this node's IP as Ray (else the resolver) knows it."""
-    if host not in ("0.0.0.0", "::", ""):
-        return bound
-    port = bound.rsplit(":", 1)[1]
-    try:
-        import ray
-
-        ip = ray.util.get_node_ip_address()
-    except Exception:  # not inside Ray: ask the resolver
-        import socket
-
-        ip = socket.gethostbyname(socket.gethostname())
-    return f"{ip}:{port}"
 
 
 def _event(out, kv_wait_ms: float) -> DecodeEvent:  # out: RequestOutput

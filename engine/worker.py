@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,8 +21,11 @@ from engine.engine import Engine
 from engine.loop import EngineLoop
 from kvpool.cluster_index import HolderId
 from kvpool.remote import RemoteBlockReader
-from transport.config import TransportConfig
+from transport.blocks import BlockClient, BlockServer
+from transport.config import TransportConfig, advertised_address
 from transport.layout import KVLayout
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,25 +50,43 @@ class WorkerSpec:
                                    num_threads=threads)
 
 
-class BlockFetcher(RemoteBlockReader):
-    """Reads blocks from another worker through a callable (the cluster wires it to that worker's
-    `serve_blocks`, e.g. over Ray); a failed or timed-out fetch delivers nothing (recompute)."""
+class TransportBlockReader(RemoteBlockReader):
+    """kvpool's remote reads over the transport: blocks come from the holder's `BlockServer`
+    (transport.blocks), whose address `resolve(holder)` finds (the cluster asks the holder's
+    actor once; cached until a fetch from it fails, e.g. after a restart on another port). A
+    failed or timed-out fetch delivers nothing: the blocks are recomputed."""
 
-    def __init__(self, fetch: Callable[[HolderId, list[bytes]], bytes]) -> None:
-        self._fetch = fetch
+    def __init__(self, resolve: Callable[[HolderId], str], timeout_s: float = 5.0) -> None:
+        self._resolve = resolve
+        self.timeout_s = timeout_s
+        self.client: BlockClient | None = None  # bound by the worker once its KV layout exists
+        self._addresses: dict[HolderId, str] = {}
         self.failures = 0
 
+    def bind(self, layout: KVLayout, config: TransportConfig) -> None:
+        self.client = BlockClient(layout, config.make_backend(), config.secret(), self.timeout_s)
+
     def fetch(self, holder: HolderId, hashes: Sequence[bytes], dst: torch.Tensor) -> int:
-        try:
-            data = self._fetch(holder, list(hashes))
-        except Exception:  # the holder died or timed out: the blocks are recomputed instead
-            self.failures += 1
+        if self.client is None:
             return 0
-        row = dst.shape[1]
-        n = min(len(data) // row, len(hashes)) if row else 0
-        if n:
-            dst[:n] = torch.frombuffer(bytearray(data[: n * row]), dtype=torch.uint8).view(n, row)
+        try:
+            address = self._addresses.get(holder) or self._resolve(holder)
+        except Exception as e:  # the holder is gone (or Ray is): recompute
+            self.failures += 1
+            log.warning("no block server address for %s: %s", holder, e)
+            return 0
+        failed_before = self.client.failures + self.client.checksum_failures
+        n = self.client.fetch(address, hashes, dst)
+        if self.client.failures + self.client.checksum_failures > failed_before:
+            self.failures += 1
+            self._addresses.pop(holder, None)  # ask again next time
+        else:
+            self._addresses[holder] = address
         return n
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
 
 
 class EngineWorker:
@@ -77,23 +99,32 @@ class EngineWorker:
         self.engine = Engine(spec.engine_config(), remote=remote)
         self.layout = KVLayout.of(self.engine.kv_cache, self.engine.model_config.fingerprint)
         self.loop = EngineLoop(self.engine, name=f"{spec.role}-engine").start()
+        self.remote = remote
+        if isinstance(remote, TransportBlockReader):
+            remote.bind(self.layout, spec.transport)
+        self.block_server = self._start_block_server()
+
+    def _start_block_server(self) -> BlockServer | None:
+        """Serve this worker's blocks (device, host, disk) to the others by hash."""
+        tiers, t = self.engine.tiers, self.spec.transport
+        if tiers is None:
+            return None
+
+        def serve(hashes: list[bytes], rows: torch.Tensor) -> int:
+            return self.loop.call(lambda: tiers.serve_blocks(hashes, rows)).result(t.timeout_s)  # type: ignore[return-value]
+
+        return BlockServer(serve, self.layout, tiers.block_bytes, t.make_backend(), host=t.host,
+                           secret=t.secret(), timeout=t.timeout_s).start()
+
+    def block_address(self) -> str | None:
+        """Where other workers fetch this worker's blocks (None: it keeps no tiers)."""
+        if self.block_server is None:
+            return None
+        return advertised_address(self.block_server.address, self.spec.transport.host)
 
     async def on_engine(self, fn: Callable[[], object]) -> object:
         """Run `fn` on the engine thread (between steps) and await its result."""
         return await asyncio.wrap_future(self.loop.call(fn))
-
-    async def serve_blocks(self, hashes: list[bytes]) -> bytes:
-        """The leading blocks of `hashes` this worker holds (device, then host/disk), as bytes."""
-        tiers = self.engine.tiers
-        if tiers is None or not hashes:
-            return b""
-
-        def read() -> bytes:
-            buf = torch.empty(len(hashes), tiers.block_bytes, dtype=torch.uint8)
-            n = tiers.serve_blocks(hashes, buf)
-            return buf[:n].numpy().tobytes()
-
-        return await self.on_engine(read)  # type: ignore[return-value]
 
     def ping(self) -> dict:
         """Liveness and load, for the cluster manager's health checks and the router."""
@@ -124,6 +155,10 @@ class EngineWorker:
         return self.loop.call(lambda: profile_engine(self.engine, quick=quick).to_json()).result()
 
     def close(self) -> None:
+        if self.block_server is not None:
+            self.block_server.close()
+        if isinstance(self.remote, TransportBlockReader):
+            self.remote.close()
         self.loop.stop()
         self.engine.close()
 

@@ -1,8 +1,10 @@
 """Reading KV blocks held by another worker, by hash.
 
-`RemoteBlockReader` is what the pool asks; the transport issue implements it over UCX/TCP. Until
-then `InProcessReader` connects workers living in one process (tests, the co-located mode): each
-registers its `BlockServer` (its `KVTiers`), and a fetch copies straight from the holder's tiers.
+`RemoteBlockReader` is what the pool asks. Between processes the bytes move over the KV
+transport (ucxx / tcp): `engine.worker.TransportBlockReader` asks the holder's
+`transport.blocks.BlockServer`, checksummed, batch by batch. `InProcessReader` connects workers
+living in one process (tests): each registers its `BlockServer` (its `KVTiers`), and a fetch
+copies straight from the holder's tiers.
 """
 
 from __future__ import annotations

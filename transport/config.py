@@ -76,3 +76,20 @@ class TransportConfig:
     def make_backend(self) -> Backend:
         """The configured backend, or BackendUnavailableError right now (never a silent fallback)."""
         return get_backend(self.backend, ucx_tls=self.ucx_tls)
+
+
+def advertised_address(bound: str, host: str) -> str:
+    """The address other workers should dial: a wildcard bind (0.0.0.0 / ::, for pods and
+    multi-node clusters) is replaced by this node's IP as Ray (else the resolver) knows it."""
+    if host not in ("0.0.0.0", "::", ""):
+        return bound
+    port = bound.rsplit(":", 1)[1]
+    try:
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+    except Exception:  # not inside Ray: ask the resolver
+        import socket
+
+        ip = socket.gethostbyname(socket.gethostname())
+    return f"{ip}:{port}"

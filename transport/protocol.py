@@ -27,6 +27,7 @@ import enum
 import hashlib
 import hmac
 import json
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -60,6 +61,8 @@ class Kind(enum.IntEnum):
     DONE = 6
     CANCEL = 7
     RESULT = 8
+    FETCH = 9  # block pulls (transport.blocks): the hashes a client wants
+    BLOCKS = 10  # the leading ones the server holds: count, payload, trailer
 
 
 @dataclass(slots=True)
@@ -140,6 +143,36 @@ def check_hello(msg: dict, layout: KVLayout, nonce: bytes, secret: bytes | None)
     for name, mine in layout.as_dict().items():
         if theirs.get(name) != mine:
             raise HandshakeError(name, f"sender has {name}={theirs.get(name)!r}, receiver has {mine!r}")
+
+
+def offer_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float) -> None:
+    """The connecting side: answer the CHALLENGE with HELLO; raises HandshakeError on REFUSE."""
+    header, body = recv_msg(channel, timeout, timeout)
+    if header.kind is not Kind.CHALLENGE:
+        raise HandshakeError("protocol", f"expected CHALLENGE, got {header.kind.name}")
+    nonce = bytes.fromhex(str(parse_json(body).get("nonce", "")))
+    send_json(channel, Kind.HELLO, hello(layout, nonce, secret), timeout)
+    header, body = recv_msg(channel, timeout, timeout)
+    if header.kind is Kind.REFUSE:
+        msg = parse_json(body)
+        raise HandshakeError(str(msg.get("field")), str(msg.get("message")))
+    if header.kind is not Kind.ACCEPT:
+        raise HandshakeError("protocol", f"expected ACCEPT, got {header.kind.name}")
+
+
+def accept_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float) -> None:
+    """The listening side: CHALLENGE, check the HELLO, ACCEPT or REFUSE (naming the field)."""
+    nonce = os.urandom(16)
+    send_json(channel, Kind.CHALLENGE, {"nonce": nonce.hex()}, timeout)
+    header, body = recv_msg(channel, timeout, timeout)
+    if header.kind is not Kind.HELLO:
+        raise HandshakeError("protocol", f"expected HELLO, got {header.kind.name}")
+    try:
+        check_hello(parse_json(body), layout, nonce, secret)
+    except HandshakeError as e:
+        send_json(channel, Kind.REFUSE, {"field": e.field, "message": e.message}, timeout)
+        raise
+    send_json(channel, Kind.ACCEPT, {}, timeout)
 
 
 def _check_secret(msg: dict, nonce: bytes, secret: bytes | None) -> None:

@@ -15,7 +15,6 @@ checksum fails the request: its blocks are freed by the caller, never joined to 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -43,13 +42,12 @@ from transport.protocol import (
     TRAILER,
     Header,
     Kind,
-    check_hello,
+    accept_handshake,
     json_body,
     message_frames,
     parse_json,
     parse_unit_body,
     recv_msg,
-    send_json,
 )
 
 log = logging.getLogger("halfmoon.transport")
@@ -237,17 +235,7 @@ class KVReceiver:
             time.sleep(self.faults.receive_delay)  # fault injection: a slow receiver
 
     def _handshake(self, channel: Channel) -> None:
-        nonce = os.urandom(16)
-        send_json(channel, Kind.CHALLENGE, {"nonce": nonce.hex()}, self.timeout)
-        header, body = recv_msg(channel, self.timeout, self.timeout)
-        if header.kind is not Kind.HELLO:
-            raise HandshakeError("protocol", f"expected HELLO, got {header.kind.name}")
-        try:
-            check_hello(parse_json(body), self.layout, nonce, self.secret)
-        except HandshakeError as e:
-            send_json(channel, Kind.REFUSE, {"field": e.field, "message": e.message}, self.timeout)
-            raise
-        send_json(channel, Kind.ACCEPT, {}, self.timeout)
+        accept_handshake(channel, self.layout, self.secret, self.timeout)
 
     def _lost(self, channel: Channel, error: TransportError) -> None:
         """The channel broke: every request it was feeding fails with that error."""

@@ -26,7 +26,6 @@ import torch
 from transport.channel import Backend
 from transport.errors import (
     ChecksumError,
-    HandshakeError,
     PeerLostError,
     ProtocolError,
     TransferCancelledError,
@@ -41,9 +40,9 @@ from transport.protocol import (
     TRAILER,
     Header,
     Kind,
-    hello,
     json_body,
     message_frames,
+    offer_handshake,
     parse_json,
     recv_msg,
     send_json,
@@ -178,17 +177,7 @@ class KVSender:
             t.start()
 
     def _handshake(self, secret: bytes | None) -> None:
-        header, body = recv_msg(self.channel, self.timeout, self.timeout)
-        if header.kind is not Kind.CHALLENGE:
-            raise HandshakeError("protocol", f"expected CHALLENGE, got {header.kind.name}")
-        nonce = bytes.fromhex(str(parse_json(body).get("nonce", "")))
-        send_json(self.channel, Kind.HELLO, hello(self.layout, nonce, secret), self.timeout)
-        header, body = recv_msg(self.channel, self.timeout, self.timeout)
-        if header.kind is Kind.REFUSE:
-            msg = parse_json(body)
-            raise HandshakeError(str(msg.get("field")), str(msg.get("message")))
-        if header.kind is not Kind.ACCEPT:
-            raise HandshakeError("protocol", f"expected ACCEPT, got {header.kind.name}")
+        offer_handshake(self.channel, self.layout, secret, self.timeout)
 
     # ------------------------------------------------------------------ the caller's verbs
 

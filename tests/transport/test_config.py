@@ -110,3 +110,11 @@ def test_peer_cache_reuses_and_reconnects(backend_name: str) -> None:
     finally:
         peers.close()
 
+
+
+def test_advertised_address_replaces_only_a_wildcard_bind() -> None:
+    from transport.config import advertised_address
+
+    assert advertised_address("tcp://127.0.0.1:7001", "127.0.0.1") == "tcp://127.0.0.1:7001"
+    host, port = advertised_address("tcp://0.0.0.0:7001", "0.0.0.0").rsplit(":", 1)
+    assert port == "7001" and host not in ("0.0.0.0", "") and "://" not in host

@@ -60,7 +60,7 @@ def test_version_mismatch_is_refused(backend: Backend) -> None:
     receiver = receiver_for(backend, kv)
     try:
         old_hello = protocol.hello
-        newer = mock.patch("transport.sender.hello", side_effect=lambda *a: {**old_hello(*a), "version": 99})
+        newer = mock.patch("transport.protocol.hello", side_effect=lambda *a: {**old_hello(*a), "version": 99})
         with newer, pytest.raises(HandshakeError) as err:
             KVSender(kv, KVLayout.of(kv, FINGERPRINT), backend, receiver.address, timeout=5.0)
         assert err.value.field == "version" and "99" in str(err.value)

@@ -1,0 +1,130 @@
+"""Block pulls by hash (transport.blocks) on every backend: bit-exact, leading prefix only,
+batched, checksummed, and a failure of any kind is a shorter answer, never an exception."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from tests.transport.conftest import FINGERPRINT, kv_tensor
+from transport import KVLayout
+from transport.blocks import FETCH_BATCH, BlockClient, BlockServer
+from transport.channel import Backend
+from transport.faults import FaultInjector
+
+BLOCK_BYTES = 4096
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest()[:16]
+
+
+class Holder:
+    """A block server over a dict of blocks (what KVTiers.serve_blocks does, in memory)."""
+
+    def __init__(self, backend: Backend, blocks: dict[bytes, torch.Tensor], **kw: object) -> None:
+        self.blocks = blocks
+        self.layout = KVLayout.of(kv_tensor(4), FINGERPRINT)
+        self.server = BlockServer(self.serve, self.layout, BLOCK_BYTES, backend, **kw).start()
+
+    def serve(self, hashes: list[bytes], rows: torch.Tensor) -> int:
+        for i, h in enumerate(hashes):
+            if h not in self.blocks:
+                return i
+            rows[i] = self.blocks[h]
+        return len(hashes)
+
+
+def random_blocks(n: int, seed: int = 0) -> dict[bytes, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {key(i): torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8, generator=gen) for i in range(n)}
+
+
+@pytest.fixture
+def holder(backend: Backend) -> Iterator[Holder]:
+    h = Holder(backend, random_blocks(3 * FETCH_BATCH + 5))
+    yield h
+    h.server.close()
+
+
+def client_for(backend: Backend, holder: Holder, **kw: object) -> BlockClient:
+    return BlockClient(holder.layout, backend, timeout=5.0, **kw)
+
+
+def test_fetch_is_bit_exact_across_batches(backend: Backend, holder: Holder) -> None:
+    client = client_for(backend, holder)
+    hashes = [key(i) for i in range(3 * FETCH_BATCH + 5)]
+    dst = torch.zeros(len(hashes), BLOCK_BYTES, dtype=torch.uint8)
+    assert client.fetch(holder.server.address, hashes, dst) == len(hashes)
+    assert all(torch.equal(dst[i], holder.blocks[h]) for i, h in enumerate(hashes))
+    # Again on the same (cached) connection: the leading prefix only, up to the first miss.
+    hashes = [key(i) for i in range(10)] + [key(10_000)] + [key(11)]
+    dst = torch.zeros(len(hashes), BLOCK_BYTES, dtype=torch.uint8)
+    assert client.fetch(holder.server.address, hashes, dst) == 10
+    assert torch.equal(dst[9], holder.blocks[key(9)]) and not dst[10:].any()
+    assert client.fetched_blocks == (3 * FETCH_BATCH + 5) + 10 and client.failures == 0
+    client.close()
+
+
+def test_unknown_blocks_and_an_empty_ask_deliver_nothing(backend: Backend, holder: Holder) -> None:
+    client = client_for(backend, holder)
+    dst = torch.zeros(2, BLOCK_BYTES, dtype=torch.uint8)
+    assert client.fetch(holder.server.address, [key(10_000), key(0)], dst) == 0
+    assert client.fetch(holder.server.address, [], dst) == 0
+    assert not dst.any() and client.failures == 0
+    with pytest.raises(ValueError, match="uint8"):
+        client.fetch(holder.server.address, [key(0)], torch.zeros(1, BLOCK_BYTES))
+    client.close()
+
+
+def test_a_flipped_bit_is_detected_and_the_batch_not_used(backend: Backend) -> None:
+    faults = FaultInjector()
+    holder = Holder(backend, random_blocks(2 * FETCH_BATCH), faults=faults)
+    client = client_for(backend, holder)
+    try:
+        hashes = [key(i) for i in range(2 * FETCH_BATCH)]
+        dst = torch.zeros(len(hashes), BLOCK_BYTES, dtype=torch.uint8)
+        faults.corrupt_next(request_id="fetch")  # the first batch goes out corrupted
+        assert client.fetch(holder.server.address, hashes, dst) == 0
+        assert client.checksum_failures == 1 and faults.injected == 1
+        # The connection is still in step: the next fetch is whole and exact.
+        assert client.fetch(holder.server.address, hashes, dst) == len(hashes)
+        assert all(torch.equal(dst[i], holder.blocks[h]) for i, h in enumerate(hashes))
+    finally:
+        client.close()
+        holder.server.close()
+
+
+def test_a_gone_server_is_a_miss_within_the_timeout(backend: Backend) -> None:
+    holder = Holder(backend, random_blocks(4))
+    client = client_for(backend, holder)
+    dst = torch.zeros(4, BLOCK_BYTES, dtype=torch.uint8)
+    assert client.fetch(holder.server.address, [key(i) for i in range(4)], dst) == 4
+    holder.server.close()
+    assert client.fetch(holder.server.address, [key(i) for i in range(4)], dst) == 0
+    assert client.failures >= 1
+    client.close()
+
+
+def test_a_layout_mismatch_is_refused_and_delivers_nothing(backend: Backend, holder: Holder) -> None:
+    other = KVLayout.of(kv_tensor(4, head_dim=64), FINGERPRINT)
+    client = BlockClient(other, backend, timeout=5.0)
+    dst = torch.zeros(1, BLOCK_BYTES, dtype=torch.uint8)
+    assert client.fetch(holder.server.address, [key(0)], dst) == 0
+    assert client.failures == 1 and not dst.any()
+    client.close()
+
+
+def test_the_shared_secret_is_checked(backend: Backend) -> None:
+    holder = Holder(backend, random_blocks(1), secret=b"s3cret")
+    try:
+        dst = torch.zeros(1, BLOCK_BYTES, dtype=torch.uint8)
+        assert client_for(backend, holder).fetch(holder.server.address, [key(0)], dst) == 0
+        good = client_for(backend, holder, secret=b"s3cret")
+        assert good.fetch(holder.server.address, [key(0)], dst) == 1
+        good.close()
+    finally:
+        holder.server.close()

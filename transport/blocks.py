@@ -1,0 +1,235 @@
+"""Pulling whole KV blocks by hash from another worker: the transport under kvpool's remote reads.
+
+A prefix the cluster index says another worker holds is fetched from that worker instead of
+recomputed. Every worker runs a `BlockServer`; a worker that wants blocks asks it through a
+`BlockClient` (one cached connection per server):
+
+    server = BlockServer(serve, layout, backend, host="0.0.0.0").start()   # the holder
+    client = BlockClient(layout, backend)                                   # the requester
+    n = client.fetch(server.address, hashes, dst)    # dst: [len(hashes), block_bytes] uint8
+
+`serve(hashes, rows)` copies the leading blocks of `hashes` the holder has into `rows` and
+returns how many (kvpool.tiered.KVTiers.serve_blocks, run on the holder's engine thread).
+
+Wire, on one channel of any backend, after the same handshake as a KV push (protocol version,
+KV layout, shared secret):
+
+    client -> FETCH  {"hashes": [hex, ...]}               at most FETCH_BATCH hashes
+    server -> BLOCKS count=n, payload_len=n*block_bytes   then the payload frames and an xxh3-64
+                                                          trailer, on the data lane
+The client asks batch after batch until a batch comes back short. Payload lands straight in the
+caller's rows; a batch whose checksum fails is not used (the blocks are recomputed), and any
+failure (peer gone, timeout, refused handshake) delivers what was verified so far, never raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+
+import torch
+
+from transport.channel import Backend, Channel
+from transport.errors import ProtocolError, TransportError
+from transport.faults import FaultInjector, flip_one_bit
+from transport.frames import new_hash, split_frames
+from transport.layout import KVLayout
+from transport.protocol import (
+    FRAME_BYTES,
+    TRAILER,
+    Header,
+    Kind,
+    accept_handshake,
+    json_body,
+    message_frames,
+    offer_handshake,
+    parse_json,
+    recv_msg,
+)
+
+log = logging.getLogger("halfmoon.transport")
+FETCH_BATCH = 32  # blocks per FETCH: bounds the server's staging memory (32 x block bytes)
+ServeFn = Callable[[list[bytes], torch.Tensor], int]
+
+
+class BlockServer:
+    """Answers FETCH requests from any number of clients, one thread per connection."""
+
+    def __init__(self, serve: ServeFn, layout: KVLayout, block_bytes: int, backend: Backend,
+                 host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
+                 timeout: float = 30.0, faults: FaultInjector | None = None) -> None:
+        self.serve, self.layout, self.block_bytes = serve, layout, block_bytes
+        self.secret, self.timeout, self.faults = secret, timeout, faults
+        self.served_blocks = 0
+        self._listener = backend.listen(host, port)
+        self.address = self._listener.address
+        self._channels: set[Channel] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> BlockServer:
+        threading.Thread(target=self._accept_loop, name="kv-block-server", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            channels = list(self._channels)
+        self._listener.close()
+        for ch in channels:
+            ch.close()
+
+    def _accept_loop(self) -> None:
+        while (channel := self._listener.accept(timeout=None)) is not None:
+            with self._lock:
+                if self._closed:
+                    channel.close()
+                    return
+                self._channels.add(channel)
+            threading.Thread(target=self._serve_channel, args=(channel,), daemon=True,
+                             name=f"kv-block-server-{channel.peer}").start()
+
+    def _serve_channel(self, channel: Channel) -> None:
+        try:
+            accept_handshake(channel, self.layout, self.secret, self.timeout)
+            while True:
+                header, body = recv_msg(channel, None, self.timeout)
+                if header.kind is not Kind.FETCH:
+                    raise ProtocolError(f"unexpected {header.kind.name} from a block client")
+                self._answer(channel, _parse_hashes(body))
+        except TransportError as e:
+            log.debug("block client %s: %s", channel.peer, e)
+        finally:
+            channel.close()
+            with self._lock:
+                self._channels.discard(channel)
+
+    def _answer(self, channel: Channel, hashes: list[bytes]) -> None:
+        rows = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)
+        n = self.serve(hashes, rows) if hashes else 0
+        views = [memoryview(rows[:n].numpy()).cast("B")] if n else []
+        h = new_hash()
+        for v in views:
+            h.update(v)
+        wire = views
+        if views and self.faults is not None and self.faults.should_corrupt("fetch", 0):
+            wire = [flip_one_bit(views[0])]  # hashed true, sent corrupted
+        trailer = bytearray(TRAILER.size)
+        TRAILER.pack_into(trailer, 0, h.intdigest())
+        head = message_frames(Header(Kind.BLOCKS, count=n, payload_len=n * self.block_bytes), b"")
+        frames = [*head, *split_frames(wire, FRAME_BYTES), [memoryview(trailer)]]
+        finish = channel.post_many(frames, self.timeout, data_from=len(head))
+        if finish is not None:
+            finish(self.timeout)
+        self.served_blocks += n
+
+
+class BlockClient:
+    """Fetches blocks from block servers; one connection per server address, reused."""
+
+    def __init__(self, layout: KVLayout, backend: Backend, secret: bytes | None = None,
+                 timeout: float = 30.0) -> None:
+        self.layout, self.backend, self.secret, self.timeout = layout, backend, secret, timeout
+        self.fetched_blocks = 0
+        self.checksum_failures = 0
+        self.failures = 0
+        self._channels: dict[str, Channel] = {}
+        self._lock = threading.Lock()  # one fetch at a time per client (the engine thread's)
+
+    def fetch(self, address: str, hashes: Sequence[bytes], dst: torch.Tensor) -> int:
+        """The leading blocks of `hashes` that `address` holds, verified, in `dst` rows; the
+        count. Never raises: a failure delivers the batches verified before it."""
+        if dst.dtype != torch.uint8 or dst.dim() != 2 or not dst.is_contiguous() or len(dst) < len(hashes):
+            raise ValueError(f"dst must be a contiguous [>= {len(hashes)}, block_bytes] uint8 tensor")
+        got = 0
+        with self._lock:
+            while got < len(hashes):
+                batch = list(hashes[got : got + FETCH_BATCH])
+                n = self._fetch_batch(address, batch, dst[got : got + len(batch)])
+                got += n
+                if n < len(batch):
+                    break
+        self.fetched_blocks += got
+        return got
+
+    def close(self) -> None:
+        with self._lock:
+            for ch in self._channels.values():
+                ch.close()
+            self._channels.clear()
+
+    def _fetch_batch(self, address: str, hashes: list[bytes], rows: torch.Tensor) -> int:
+        try:
+            channel = self._channel(address)
+            channel.send_many(message_frames(Header(Kind.FETCH), _hashes_body(hashes)), self.timeout)
+            return self._receive(channel, rows, len(hashes))
+        except TransportError as e:
+            self.failures += 1
+            log.warning("fetching %d blocks from %s failed (they are recomputed): %s", len(hashes), address, e)
+            self._drop(address)
+            return 0
+
+    def _channel(self, address: str) -> Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self.backend.connect(address, self.timeout)
+            try:
+                offer_handshake(channel, self.layout, self.secret, self.timeout)
+            except BaseException:
+                channel.close()
+                raise
+            self._channels[address] = channel
+        return channel
+
+    def _drop(self, address: str) -> None:
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            channel.close()
+
+    def _receive(self, channel: Channel, rows: torch.Tensor, asked: int) -> int:
+        header, _ = recv_msg(channel, self.timeout, self.timeout)
+        n = header.count
+        if header.kind is not Kind.BLOCKS or n > asked or header.payload_len != n * rows.shape[1]:
+            raise ProtocolError(f"expected BLOCKS of <= {asked} blocks, got {header.kind.name} "
+                                f"count={n} payload={header.payload_len}")
+        views = [memoryview(rows[:n].numpy()).cast("B")] if n else []
+        trailer = bytearray(TRAILER.size)
+        h = new_hash()
+        frames = [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]]
+        last = len(frames) - 1
+
+        def after(i: int) -> None:
+            if i < last:
+                for v in frames[i]:
+                    h.update(v)
+
+        if channel.posted_recv:
+            posted = channel.post_recvs(frames)
+            for i in range(len(frames)):
+                posted.wait(i, self.timeout)
+                after(i)
+        else:
+            channel.recv_many(frames, self.timeout, after)
+        if h.intdigest() != TRAILER.unpack(trailer)[0]:
+            self.checksum_failures += 1
+            log.error("%d blocks fetched from %s failed their checksum; not used", n, channel.peer)
+            return 0
+        return n
+
+
+def _hashes_body(hashes: Sequence[bytes]) -> bytes:
+    return json_body({"hashes": [h.hex() for h in hashes]})
+
+
+def _parse_hashes(body: bytes) -> list[bytes]:
+    raw = parse_json(body).get("hashes")
+    if not isinstance(raw, list) or len(raw) > FETCH_BATCH:
+        raise ProtocolError(f"FETCH carries no list of at most {FETCH_BATCH} hashes")
+    try:
+        return [bytes.fromhex(h) for h in raw]
+    except (TypeError, ValueError) as e:
+        raise ProtocolError(f"FETCH carries a malformed hash: {e}") from e
+
+
+__all__ = ["FETCH_BATCH", "BlockClient", "BlockServer"]
