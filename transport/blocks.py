@@ -32,12 +32,9 @@ import torch
 
 from transport.channel import Backend, Channel
 from transport.errors import ProtocolError, TransportError
-from transport.faults import FaultInjector, flip_one_bit
-from transport.frames import new_hash, split_frames
+from transport.faults import FaultInjector
 from transport.layout import KVLayout
 from transport.protocol import (
-    FRAME_BYTES,
-    TRAILER,
     Header,
     Kind,
     accept_handshake,
@@ -45,6 +42,8 @@ from transport.protocol import (
     message_frames,
     offer_handshake,
     parse_json,
+    post_payload,
+    receive_payload,
     recv_msg,
 )
 
@@ -109,17 +108,9 @@ class BlockServer:
         rows = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)
         n = self.serve(hashes, rows) if hashes else 0
         views = [memoryview(rows[:n].numpy()).cast("B")] if n else []
-        h = new_hash()
-        for v in views:
-            h.update(v)
-        wire = views
-        if views and self.faults is not None and self.faults.should_corrupt("fetch", 0):
-            wire = [flip_one_bit(views[0])]  # hashed true, sent corrupted
-        trailer = bytearray(TRAILER.size)
-        TRAILER.pack_into(trailer, 0, h.intdigest())
+        corrupt = bool(views) and self.faults is not None and self.faults.should_corrupt("fetch", 0)
         head = message_frames(Header(Kind.BLOCKS, count=n, payload_len=n * self.block_bytes), b"")
-        frames = [*head, *split_frames(wire, FRAME_BYTES), [memoryview(trailer)]]
-        finish = channel.post_many(frames, self.timeout, data_from=len(head))
+        finish = post_payload(channel, head, views, self.timeout, corrupt)
         if finish is not None:
             finish(self.timeout)
         self.served_blocks += n
@@ -194,24 +185,8 @@ class BlockClient:
             raise ProtocolError(f"expected BLOCKS of <= {asked} blocks, got {header.kind.name} "
                                 f"count={n} payload={header.payload_len}")
         views = [memoryview(rows[:n].numpy()).cast("B")] if n else []
-        trailer = bytearray(TRAILER.size)
-        h = new_hash()
-        frames = [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]]
-        last = len(frames) - 1
-
-        def after(i: int) -> None:
-            if i < last:
-                for v in frames[i]:
-                    h.update(v)
-
-        if channel.posted_recv:
-            posted = channel.post_recvs(frames)
-            for i in range(len(frames)):
-                posted.wait(i, self.timeout)
-                after(i)
-        else:
-            channel.recv_many(frames, self.timeout, after)
-        if h.intdigest() != TRAILER.unpack(trailer)[0]:
+        actual, expected = receive_payload(channel, views, self.timeout)
+        if actual != expected:
             self.checksum_failures += 1
             log.error("%d blocks fetched from %s failed their checksum; not used", n, channel.peer)
             return 0

@@ -29,13 +29,15 @@ import hmac
 import json
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from transport.channel import Channel
 from transport.errors import HandshakeError, ProtocolError
+from transport.faults import flip_one_bit
+from transport.frames import new_hash, split_frames
 from transport.layout import KVLayout
 
 PROTOCOL_VERSION = 2  # 2: payload frames and trailers on a data lane of their own (ucxx tags)
@@ -228,6 +230,51 @@ def recv_msg(channel: Channel, timeout: float | None, body_timeout: float) -> tu
     if body:
         channel.recv_into([memoryview(body)], body_timeout)
     return header, bytes(body)
+
+
+def post_payload(channel: Channel, head: list[list[memoryview]], views: Sequence[memoryview],
+                 timeout: float, corrupt: bool = False) -> Callable[[float], None] | None:
+    """Post a message's `head` frames, then `views` as payload frames (the data lane) and an
+    xxh3-64 trailer; returns the wait for the sends (None: already done). Each frame is hashed
+    right before it goes out, so hashing overlaps the transfer of the frames before it.
+    `corrupt` (fault injection) sends a copy with one bit flipped, hashed true."""
+    wire = [flip_one_bit(views[0]), *views[1:]] if corrupt and views else list(views)
+    true_frames = list(split_frames(views, FRAME_BYTES))
+    trailer = bytearray(TRAILER.size)
+    frames = [*head, *split_frames(wire, FRAME_BYTES), [memoryview(trailer)]]
+    h = new_hash()
+
+    def before(i: int) -> None:
+        if len(head) <= i < len(frames) - 1:
+            for v in true_frames[i - len(head)]:
+                h.update(v)
+        elif i == len(frames) - 1:
+            TRAILER.pack_into(trailer, 0, h.intdigest())
+
+    return channel.post_many(frames, timeout, before, data_from=len(head))
+
+
+def receive_payload(channel: Channel, views: Sequence[memoryview], timeout: float) -> tuple[int, int]:
+    """A payload sent by `post_payload`, straight into `views` (each frame hashed as it lands),
+    then its trailer. Returns (hash of what arrived, hash the sender computed)."""
+    h = new_hash()
+    trailer = bytearray(TRAILER.size)
+    frames = [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]]
+    last = len(frames) - 1
+
+    def after(i: int) -> None:
+        if i < last:
+            for v in frames[i]:
+                h.update(v)
+
+    if channel.posted_recv:
+        posted = channel.post_recvs(frames)
+        for i in range(len(frames)):
+            posted.wait(i, timeout)
+            after(i)
+    else:
+        channel.recv_many(frames, timeout, after)
+    return h.intdigest(), TRAILER.unpack(trailer)[0]
 
 
 def send_json(channel: Channel, kind: Kind, obj: object, timeout: float, count: int = 0) -> None:

@@ -47,6 +47,7 @@ from transport.protocol import (
     message_frames,
     parse_json,
     parse_unit_body,
+    receive_payload,
     recv_msg,
 )
 
@@ -271,7 +272,7 @@ class KVReceiver:
             self._drain(channel, header.payload_len)
             return
         try:
-            actual, expected = self._receive_payload(channel, self.kv.views(header.layer, ids))
+            actual, expected = receive_payload(channel, self.kv.views(header.layer, ids), self.timeout)
         finally:
             self._release(exp)
         self._verified(exp, header, expected, actual)
@@ -282,21 +283,6 @@ class KVReceiver:
             with self._cond:
                 exp.busy -= 1
                 self._cond.notify_all()
-
-    def _receive_payload(self, channel: Channel, views: list[memoryview]) -> tuple[int, int]:
-        """Frames straight into `views`, each hashed right after it lands; then the trailer.
-        Returns (hash of what arrived, hash the sender computed)."""
-        h = new_hash()
-        trailer = bytearray(TRAILER.size)
-        frames = [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]]
-
-        def after(i: int) -> None:
-            if i < len(frames) - 1:
-                for v in frames[i]:
-                    h.update(v)
-
-        channel.recv_many(frames, self.timeout, after)
-        return h.intdigest(), TRAILER.unpack(trailer)[0]
 
     def _claim(self, channel: Channel, request_id: str, layer: int, ids: list[int],
                payload_len: int) -> _Expected | None:

@@ -32,18 +32,16 @@ from transport.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from transport.faults import FaultInjector, flip_one_bit
-from transport.frames import new_hash, split_frames
+from transport.faults import FaultInjector
 from transport.layout import KVBytes, KVLayout
 from transport.protocol import (
-    FRAME_BYTES,
-    TRAILER,
     Header,
     Kind,
     json_body,
     message_frames,
     offer_handshake,
     parse_json,
+    post_payload,
     recv_msg,
     send_json,
     unit_body,
@@ -319,27 +317,13 @@ class KVSender:
         return None
 
     def _send_unit(self, job: _Job) -> Callable[[float], None] | None:
-        """Header, body, payload frames, hash trailer — as one batch, so a message backend keeps
-        frames in flight; each frame is hashed right before it goes out, the trailer last."""
+        """Header + body, then the payload frames and the hash trailer as one batch, so a message
+        backend keeps frames in flight while the next ones are hashed."""
         views = self.kv.views(job.layer, job.src)
-        wire = views
-        if self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer):
-            wire = [flip_one_bit(views[0]), *views[1:]]  # hashed true, sent corrupted
+        corrupt = self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer)
         header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes)
         head = message_frames(header, unit_body(job.stream.request_id, job.dst))
-        true_frames = list(split_frames(views, FRAME_BYTES))
-        trailer = bytearray(TRAILER.size)
-        frames = [*head, *split_frames(wire, FRAME_BYTES), [memoryview(trailer)]]
-        h = new_hash()
-
-        def before(i: int) -> None:
-            if len(head) <= i < len(frames) - 1:
-                for v in true_frames[i - len(head)]:
-                    h.update(v)
-            elif i == len(frames) - 1:
-                TRAILER.pack_into(trailer, 0, h.intdigest())
-
-        finish = self.channel.post_many(frames, self.timeout, before, data_from=len(head))
+        finish = post_payload(self.channel, head, views, self.timeout, corrupt)
         self.stats.units += 1
         self.stats.bytes += job.nbytes
         return finish
