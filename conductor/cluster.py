@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from conductor.backend import (BackendStats, Completion, GenerationBackend, GenerationInput,
                                ModelCard, Timings, TokenDelta, Usage)
-from conductor.cost_model import CostModel
+from conductor.cost_model import CostModel, fit_profile
 from conductor.errors import ServiceUnavailableError, SloMissError, SloPrediction
 from conductor.router import DecodeView, PrefillView, RouteRequest, Router
 from engine.config import EngineConfig
@@ -282,7 +282,7 @@ class ClusterBackend(GenerationBackend):
         if self.config.cost_model is not None:
             return CostModel.load(self.config.cost_model)
         log.warning("no cost model given: profiling the first prefill worker (quick)")
-        return CostModel.from_json(await _await(first.profile.remote(True)))
+        return fit_profile(await _await(first.profile.remote(True)))  # type: ignore[arg-type]
 
     async def _health_loop(self) -> None:
         while True:

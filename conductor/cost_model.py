@@ -1,8 +1,9 @@
 """The cost model: predicted prefill time, decode step time and KV transfer time of a worker.
 
-Router, admission and simulator all read one `CostModel`, profiled from a real engine by
-`profile_engine` (what `halfmoon profile` writes, and what a worker runs at startup when it is
-given no profile file) and stored as JSON.
+Router, admission and simulator all read one `CostModel`, fitted here to what
+engine.profiling measured on a real engine (`fit_profile`; `profile_engine` measures and fits
+in one process, as `halfmoon profile` does; the Conductor fits what its first prefill worker
+measured when it is given no profile file) and stored as JSON.
 
     prefill_ms(n, c)      = p0 + p1*n + p2*n*c + p3*n^2    n new tokens computed, c cached
     decode_step_ms(b, k)  = d0 + d1*b + d2*k               b running requests, k context tokens
@@ -25,18 +26,15 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import statistics
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
-from tqdm import tqdm
 
 from engine.errors import ConfigError, HalfmoonError
-from engine.sampling_params import SamplingParams
+from engine.profiling import DecodeSample, PrefillSample, Profile, measure_engine
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module is read by the router too
     from engine.engine import Engine
@@ -45,28 +43,10 @@ SCHEMA_VERSION = 1
 PREFILL_TERMS = ("1", "n", "n*c", "n^2")
 DECODE_TERMS = ("1", "b", "k")
 DEFAULT_TRANSFER_BYTES_PER_S = 2.0e9
-# Profile requests hash under their own salt: they never match (or pollute) a tenant's prefixes.
-PROFILE_SALT = "halfmoon-profile"
 
 
 class FitError(HalfmoonError, ValueError):
     """The samples cannot determine the polynomial (too few, or not finite)."""
-
-
-class ProfileError(HalfmoonError):
-    """The engine cannot be profiled (busy, or too small for any grid point)."""
-
-
-class PrefillSample(NamedTuple):
-    n_new: int
-    n_cached: int
-    ms: float
-
-
-class DecodeSample(NamedTuple):
-    batch: int
-    context_tokens: int
-    ms: float
 
 
 class Fit(NamedTuple):
@@ -257,189 +237,18 @@ def _poly_field(doc: dict[str, Any], name: str, terms: tuple[str, ...]) -> tuple
     return tuple(float(a) for a in coef)
 
 
-# ---------------------------------------------------------------------- profiling a real engine
-
-
-@dataclass(frozen=True, slots=True)
-class ProfileGrid:
-    """Where `measure_engine` samples. Points that do not fit the engine (KV pool, context
-    limit, max_num_seqs) are skipped.
-
-    prefill_new / prefill_cached: new x cached prompt tokens (cached: multiples of block_size).
-    decode_batches / decode_contexts: running requests x prompt tokens of each.
-    decode_steps: timed decode steps per point (their lower quartile is the sample), after one
-        untimed.
-    prefill_repeats: prefills per point, each on fresh tokens (the fastest is the sample).
-
-    Other processes only ever add time, so low statistics estimate the engine's own cost.
-    """
-
-    prefill_new: tuple[int, ...]
-    prefill_cached: tuple[int, ...]
-    decode_batches: tuple[int, ...]
-    decode_contexts: tuple[int, ...]
-    decode_steps: int
-    prefill_repeats: int = 1
-
-    def __post_init__(self) -> None:
-        sizes = (*self.prefill_new, *self.decode_batches, *self.decode_contexts, self.decode_steps,
-                 self.prefill_repeats)
-        if min(sizes, default=0) < 1 or min(self.prefill_cached, default=-1) < 0:
-            raise ConfigError(f"profile grid needs sizes >= 1 and cached lengths >= 0: {self}")
-
-    @property
-    def num_points(self) -> int:
-        return (len(self.prefill_new) * len(self.prefill_cached)
-                + len(self.decode_batches) * len(self.decode_contexts))
-
-
-# SmolLM2 fp32 on one thread: quick ~12 s (the decode points' prefills are most of it), full
-# ~2-3 min.
-QUICK_GRID = ProfileGrid((16, 64, 256, 512), (0, 256), (1, 4, 8), (16, 128), 6)
-FULL_GRID = ProfileGrid((16, 32, 64, 128, 256, 512, 1024), (0, 256, 1024), (1, 2, 4, 8, 16),
-                        (32, 128, 512), 8, prefill_repeats=2)
-
-
-class Profile(NamedTuple):
-    prefill: tuple[PrefillSample, ...]
-    decode: tuple[DecodeSample, ...]
-    kv_bytes_per_token: int
-    source: str
+# ---------------------------------------------------------------------- from a real engine
 
 
 def profile_engine(engine: Engine, *, quick: bool,
                    transfer_bytes_per_s: float = DEFAULT_TRANSFER_BYTES_PER_S) -> CostModel:
     """Measure `engine` (idle, not stepped by anyone else meanwhile) and fit its cost model.
     `quick` samples a small grid (what a worker runs at startup); the full grid takes minutes."""
-    profile = measure_engine(engine, quick=quick)
+    return fit_profile(measure_engine(engine, quick=quick), transfer_bytes_per_s)
+
+
+def fit_profile(profile: Profile, transfer_bytes_per_s: float = DEFAULT_TRANSFER_BYTES_PER_S) -> CostModel:
+    """The cost model fitted to a worker's measurements (engine.profiling.measure_engine)."""
     return CostModel.from_samples(profile.prefill, profile.decode,
                                   transfer_bytes_per_s=transfer_bytes_per_s,
                                   kv_bytes_per_token=profile.kv_bytes_per_token, source=profile.source)
-
-
-def measure_engine(engine: Engine, *, quick: bool, grid: ProfileGrid | None = None) -> Profile:
-    """Time prefills and decode steps of a real engine on deterministic token ids. The engine
-    must be idle; it is idle again afterwards (the profile's blocks stay as salted prefix cache)."""
-    if engine.has_unfinished():
-        raise ProfileError("the engine is busy; profile it before it serves requests")
-    grid = grid or (QUICK_GRID if quick else FULL_GRID)
-    _warm_up(engine)
-    # The full profile shows a progress bar; the quick one (a worker's startup) stays quiet.
-    with tqdm(total=grid.num_points, desc="profile", unit="pt", disable=quick) as bar:
-        prefill = _measure_prefills(engine, grid, bar.update)
-        decode = _measure_decodes(engine, grid, bar.update)
-    cfg = engine.config
-    source = (f"{cfg.model} {cfg.dtype} threads={cfg.num_threads or 'default'} "
-              f"{'quick' if quick else 'full'} profile, {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    return Profile(tuple(prefill), tuple(decode), kv_bytes_per_token(engine), source)
-
-
-def kv_bytes_per_token(engine: Engine) -> int:
-    """KV bytes of one token: layers x (K, V) x kv_heads x head_dim x itemsize."""
-    kv = engine.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    return kv.shape[0] * kv.shape[1] * kv.shape[4] * kv.shape[5] * kv.element_size()
-
-
-def _tokens(engine: Engine, seed: int, n: int) -> list[int]:
-    """Deterministic token ids, distinct per seed (so no sample hits another's cache)."""
-    vocab = engine.model_config.vocab_size
-    return np.random.default_rng(seed).integers(16, vocab, size=n).tolist()
-
-
-def _max_prompt_tokens(engine: Engine) -> int:
-    """Longest prompt that leaves room for one output token in the context and the KV pool."""
-    return min(engine.max_model_len, engine.pool.num_blocks * engine.config.block_size) - 1
-
-
-def _prefill_once(engine: Engine, prompt: list[int]) -> PrefillSample:
-    params = SamplingParams(max_tokens=1, ignore_eos=True)
-    result = engine.generate([prompt], params, cache_salt=PROFILE_SALT)[0]
-    return PrefillSample(len(prompt) - result.num_cached_tokens, result.num_cached_tokens,
-                         result.prefill_ms)
-
-
-def _warm_up(engine: Engine) -> None:
-    """First passes pay one-time costs (allocations, weight packing) that are no one's prefill."""
-    for seed in (1, 2):
-        _prefill_once(engine, _tokens(engine, seed, 64))
-
-
-def _measure_prefills(engine: Engine, grid: ProfileGrid, tick: Callable[[int], Any]) -> list[PrefillSample]:
-    """For each cached length c: compute a c-token prefix once, then prefill prefix + n fresh
-    tokens for each n (the engine reports how much it actually served from its cache)."""
-    samples, seed = [], 1000
-    limit = _max_prompt_tokens(engine)
-    for cached in grid.prefill_cached:
-        fitting = [n for n in grid.prefill_new if cached + n <= limit]
-        tick(len(grid.prefill_new) - len(fitting))
-        if not fitting:
-            continue
-        prefix = _tokens(engine, seed, cached)
-        seed += 1
-        if cached:
-            _prefill_once(engine, prefix)
-        for n_new in fitting:
-            runs = [_prefill_once(engine, prefix + _tokens(engine, seed + r, n_new))
-                    for r in range(grid.prefill_repeats)]
-            seed += grid.prefill_repeats
-            samples.append(min(runs, key=lambda s: s.ms))
-            tick(1)
-    return samples
-
-
-def _measure_decodes(engine: Engine, grid: ProfileGrid, tick: Callable[[int], Any]) -> list[DecodeSample]:
-    samples = []
-    for i, (batch, context) in enumerate(itertools.product(grid.decode_batches, grid.decode_contexts)):
-        tick(1)
-        sample = _decode_point(engine, batch, context, grid.decode_steps, seed=2000 + 100 * i)
-        if sample is not None:
-            samples.append(sample)
-    return samples
-
-
-def _decode_point(engine: Engine, batch: int, context: int, steps: int, seed: int) -> DecodeSample | None:
-    """Time of one decode-only step of `batch` requests with `context`-token prompts
-    (None when they do not fit). Tokens stay enough for the requests whose prefill finished
-    first to keep decoding until the last one is done."""
-    budget = engine.config.max_num_batched_tokens - batch  # what decodes leave to prefills
-    if budget <= 0:
-        return None
-    max_tokens = -(-batch * context // budget) + steps + 3
-    per_request = -(-(context + max_tokens) // engine.config.block_size)
-    if (batch > engine.config.max_num_seqs or context + max_tokens > engine.max_model_len
-            or batch * per_request > engine.pool.num_blocks):
-        return None
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    ids = [engine.add_request(_tokens(engine, seed + j, context), params, cache_salt=PROFILE_SALT)
-           for j in range(batch)]
-    try:
-        return _time_decode_steps(engine, ids, context, steps)
-    finally:
-        for request_id in ids:
-            engine.abort(request_id)
-        while engine.has_unfinished():
-            engine.step()
-
-
-def _time_decode_steps(engine: Engine, ids: list[str], context: int, steps: int) -> DecodeSample:
-    lengths = dict.fromkeys(ids, context)  # context tokens of each request (prompt + outputs)
-    started: set[str] = set()
-    times: list[float] = []
-    totals: list[int] = []
-    while len(times) < steps + 1:
-        total, t0 = sum(lengths.values()), time.perf_counter()
-        outputs = engine.step()
-        elapsed = (time.perf_counter() - t0) * 1e3
-        if len(started) == len(ids):  # every prefill was done before this step: a pure decode
-            times.append(elapsed)
-            totals.append(total)
-        for out in outputs:
-            if out.finished:
-                raise ProfileError(f"decode point batch={len(ids)}: {out.request_id} ended early "
-                                   f"({out.finish_reason}); its batch is not the one measured")
-            started.add(out.request_id)
-            lengths[out.request_id] += len(out.new_token_ids)
-    # The first pure decode step is untimed (it may still pay for the last prefill's layout). The
-    # steps do the same work, so their spread is other processes: take the lower quartile.
-    low = statistics.quantiles(times[1:], n=4)[0] if steps > 1 else times[1]
-    return DecodeSample(len(ids), round(statistics.fmean(totals[1:])), low)

@@ -19,6 +19,7 @@ import torch
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loop import EngineLoop
+from engine.profiling import Profile, measure_engine
 from kvpool.cluster_index import HolderId
 from kvpool.remote import RemoteBlockReader
 from transport.blocks import BlockClient, BlockServer
@@ -148,11 +149,9 @@ class EngineWorker:
                 "dtype": str(e.config.torch_dtype).removeprefix("torch."),
                 "kv_bytes_per_token": e.kv_cache[:, :, 0, 0].numel() * e.kv_cache.element_size()}
 
-    def profile(self, quick: bool = True) -> str:
-        """Measure this worker's engine (idle) and return the cost model as JSON."""
-        from conductor.cost_model import profile_engine
-
-        return self.loop.call(lambda: profile_engine(self.engine, quick=quick).to_json()).result()
+    def profile(self, quick: bool = True) -> Profile:
+        """Measure this worker's engine (idle); the Conductor fits its cost model to it."""
+        return self.loop.call(lambda: measure_engine(self.engine, quick=quick)).result()  # type: ignore[return-value]
 
     def close(self) -> None:
         if self.block_server is not None:

@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from conductor.cost_model import DEFAULT_TRANSFER_BYTES_PER_S, CostModel, measure_engine
+    from conductor.cost_model import DEFAULT_TRANSFER_BYTES_PER_S, CostModel
+    from engine.profiling import measure_engine
     from engine.engine import Engine
     from engine.errors import ConfigError
     from halfmoon.cli import engine_config

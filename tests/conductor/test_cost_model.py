@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import itertools
 import json
 import os
@@ -11,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from conductor.cost_model import (DECODE_TERMS, PREFILL_TERMS, CostModel, DecodeSample, FitError,
-                                  PrefillSample, ProfileError, ProfileGrid, fit_decode, fit_prefill,
-                                  measure_engine, profile_engine)
+from conductor.cost_model import (DECODE_TERMS, PREFILL_TERMS, CostModel, FitError, fit_decode, fit_prefill,
+                                  fit_profile, profile_engine)
 from engine.engine import Engine
 from engine.errors import ConfigError
+from engine.profiling import DecodeSample, PrefillSample, ProfileError, ProfileGrid, measure_engine
 from engine.sampling_params import SamplingParams
 from tests.conftest import EngineFactory, assert_engine_idle
 
@@ -185,6 +187,11 @@ def test_grid_points_that_do_not_fit_are_skipped(profiled: tuple[Engine, CostMod
     assert measured == [(1, 16), (1, 300), (40, 16)]
     assert all(s.ms > 0 for s in (*profile.prefill, *profile.decode))
     assert_engine_idle(engine)
+    # What a worker returns crosses processes (Ray pickles it) and the Conductor fits it.
+    shipped = pickle.loads(pickle.dumps(profile))
+    assert shipped == profile
+    with pytest.raises(FitError):  # one prefill point cannot determine four coefficients
+        fit_profile(shipped)
 
 
 @pytest.mark.slow
