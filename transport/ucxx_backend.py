@@ -30,6 +30,7 @@ import queue
 import secrets
 import select
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -55,6 +56,9 @@ UCX_ENV_DEFAULTS = {
 }
 log = logging.getLogger("halfmoon.transport")
 WINDOW = 8  # receives posted ahead per recv_many; staging slots per direction
+# A connecting peer sends its channel id right after connecting; one that does not within this
+# is dropped (accepting is serial: a mute peer must not hold up the next ones for long).
+GREET_TIMEOUT_S = 5.0
 SEND_WINDOW = 16  # sends in flight per channel (across messages)
 
 
@@ -375,6 +379,15 @@ class UcxxChannel(Channel):
             endpoint.close_blocking(period=10**8, max_attempts=1)
 
 
+def _close_held(holder: list[Any]) -> None:
+    """On the owner thread: close an endpoint nobody uses and drop its last reference here."""
+    endpoint = holder.pop()
+    try:
+        endpoint.close_blocking(period=10**8, max_attempts=1)
+    except Exception as e:  # already failed: nothing left to close
+        log.debug("closing a dropped UCX endpoint: %s", e)
+
+
 class UcxxListener(Listener):
     def __init__(self, rt: _Runtime, host: str, port: int) -> None:
         self._rt = rt
@@ -388,20 +401,34 @@ class UcxxListener(Listener):
         self._incoming.put(self._listener.create_endpoint_from_conn_request(conn_request, True))
 
     def accept(self, timeout: float | None) -> Channel | None:
-        try:
-            endpoint = self._incoming.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        return None if endpoint is None else self._greet(endpoint)
+        """The next peer that introduced itself. A connection that fails before sending its
+        channel id (a peer that died or gave up while connecting, e.g. a stale attempt at an
+        address this listener now reuses) is dropped with a warning and accepting goes on."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                endpoint = self._incoming.get(timeout=left)
+            except queue.Empty:
+                return None
+            if endpoint is None:
+                return None
+            holder = [endpoint]
+            del endpoint  # the owner thread drops the last reference (see _close_endpoint)
+            try:
+                return self._greet(holder)
+            except TransportError as e:
+                log.warning("dropped an incoming UCX connection on %s: %s", self.address, e)
+                self._rt.post(lambda held=holder: _close_held(held), is_request=False)
 
-    def _greet(self, endpoint: Any) -> UcxxChannel:
+    def _greet(self, holder: list[Any]) -> UcxxChannel:
         """The connecting side's first bytes on the endpoint's stream: its channel id."""
         rt = self._rt
         hello = np.zeros(1, np.uint64)
         array = rt.Array(hello)
-        rt.wait(rt.post(lambda: endpoint.stream_recv(array)), 30.0, "channel id from a new peer")
+        rt.wait(rt.post(lambda: holder[0].stream_recv(array)), GREET_TIMEOUT_S, "channel id from a new peer")
         channel_id = int(hello[0])
-        return UcxxChannel(rt, endpoint, channel_id, outbound=False, peer=f"ucxx-peer-{channel_id:x}")
+        return UcxxChannel(rt, holder.pop(), channel_id, outbound=False, peer=f"ucxx-peer-{channel_id:x}")
 
     def close(self) -> None:
         self._incoming.put(None)

@@ -9,6 +9,7 @@ whole protocol over it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -72,3 +73,36 @@ def test_closing_fails_posted_receives_and_returns_once_nothing_writes(
     with pytest.raises(PeerLostError):
         posted.wait(0, 10.0)
     closer.join()
+
+
+def test_a_peer_that_never_introduces_itself_is_dropped_and_accepting_goes_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A connection that dies before sending its channel id (seen in CI: a stale attempt at a
+    port a new listener reused) must not end the accept loop of a KV receiver."""
+    from transport.tcp import parse_address
+    from transport.ucxx_backend import _close_held, runtime
+
+    backend = get_backend("ucxx")
+    listener = backend.listen("127.0.0.1", 0)
+    rt = runtime(None)
+    host, port = parse_address(listener.address, "ucxx")
+    mute = [rt.call(lambda: rt.ucx.UCXEndpoint.create(rt.worker, host, port, True), 10.0, "connect")]
+    time.sleep(0.5)  # the listener has its end of the connection
+    rt.call(lambda: _close_held(mute), 10.0, "close")  # gone without a word
+    accepted: list[Channel | None] = []
+    t = threading.Thread(target=lambda: accepted.append(listener.accept(20.0)))
+    t.start()
+    sender = backend.connect(listener.address, 10.0)
+    t.join(30.0)
+    try:
+        assert accepted and accepted[0] is not None, "accept gave up after the mute peer"
+        receiver = accepted[0]
+        sender.sendv([memoryview(b"hello")], 10.0)
+        buf = bytearray(16)
+        receiver.recv_into([memoryview(buf)], 10.0)
+        assert bytes(buf[:5]) == b"hello"
+        receiver.close()
+        assert "dropped an incoming UCX connection" in caplog.text  # the mute peer was seen
+    finally:
+        sender.close()
+        listener.close()
