@@ -257,24 +257,45 @@ def post_payload(channel: Channel, head: list[list[memoryview]], views: Sequence
 def receive_payload(channel: Channel, views: Sequence[memoryview], timeout: float) -> tuple[int, int]:
     """A payload sent by `post_payload`, straight into `views` (each frame hashed as it lands),
     then its trailer. Returns (hash of what arrived, hash the sender computed)."""
+    if channel.posted_recv:
+        return PayloadReceipt(channel, views).finish(timeout)
+    frames, trailer = _payload_frames(views)
     h = new_hash()
-    trailer = bytearray(TRAILER.size)
-    frames = [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]]
-    last = len(frames) - 1
 
     def after(i: int) -> None:
-        if i < last:
+        if i < len(frames) - 1:
             for v in frames[i]:
                 h.update(v)
 
-    if channel.posted_recv:
-        posted = channel.post_recvs(frames)
-        for i in range(len(frames)):
-            posted.wait(i, timeout)
-            after(i)
-    else:
-        channel.recv_many(frames, timeout, after)
+    channel.recv_many(frames, timeout, after)
     return h.intdigest(), TRAILER.unpack(trailer)[0]
+
+
+class PayloadReceipt:
+    """A payload whose frame and trailer receives are posted now (`Channel.post_recvs`, a
+    backend with `posted_recv`); `finish` waits for them, possibly on another thread."""
+
+    def __init__(self, channel: Channel, views: Sequence[memoryview]) -> None:
+        self._frames, self._trailer = _payload_frames(views)
+        self._posted = channel.post_recvs(self._frames)
+
+    def finish(self, timeout: float, verify: bool = True) -> tuple[int, int]:
+        """Wait for every frame in order, hashing each as it lands (unless not `verify`, e.g.
+        a drained payload); (hash of what arrived, hash the sender computed)."""
+        h = new_hash()
+        last = len(self._frames) - 1
+        for i, frame in enumerate(self._frames):
+            self._posted.wait(i, timeout)
+            if verify and i < last:
+                for v in frame:
+                    h.update(v)
+        return h.intdigest(), TRAILER.unpack(self._trailer)[0]
+
+
+def _payload_frames(views: Sequence[memoryview]) -> tuple[list[list[memoryview]], bytearray]:
+    """The frames a payload is cut into (as `post_payload` cuts it), then its trailer's."""
+    trailer = bytearray(TRAILER.size)
+    return [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]], trailer
 
 
 def send_json(channel: Channel, kind: Kind, obj: object, timeout: float, count: int = 0) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transport.channel import Backend, Channel, PostedRecvs
+from transport.channel import Backend, Channel
 from transport.errors import (
     ChecksumError,
     HandshakeError,
@@ -35,13 +35,13 @@ from transport.errors import (
     TransportError,
 )
 from transport.faults import FaultInjector
-from transport.frames import new_hash, split_frames
 from transport.layout import KVBytes, KVLayout
 from transport.protocol import (
     FRAME_BYTES,
     TRAILER,
     Header,
     Kind,
+    PayloadReceipt,
     accept_handshake,
     json_body,
     message_frames,
@@ -373,9 +373,7 @@ class _PostedUnit:
 
     exp: _Expected | None
     header: Header
-    frames: list[list[memoryview]]
-    posted: PostedRecvs
-    trailer: bytearray
+    receipt: PayloadReceipt
 
 
 class _Pipeline:
@@ -420,9 +418,7 @@ class _Pipeline:
         try:
             views = (self._scratch(header.payload_len) if exp is None
                      else self.r.kv.views(header.layer, ids))
-            trailer = bytearray(TRAILER.size)
-            frames = [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]]
-            return _PostedUnit(exp, header, frames, self.channel.post_recvs(frames), trailer)
+            return _PostedUnit(exp, header, PayloadReceipt(self.channel, views))
         except BaseException:
             self.r._release(exp)
             raise
@@ -452,18 +448,12 @@ class _Pipeline:
                 self.channel.close()  # wakes the control thread; no receive writes after it
 
     def _finish_unit(self, unit: _PostedUnit) -> None:
-        h = new_hash()
-        last = len(unit.frames) - 1
         try:
-            for i, frame in enumerate(unit.frames):
-                unit.posted.wait(i, self.r.timeout)
-                if unit.exp is not None and i < last:
-                    for v in frame:
-                        h.update(v)
+            actual, expected = unit.receipt.finish(self.r.timeout, verify=unit.exp is not None)
         except BaseException:
             self.channel.close()  # before the release: no posted receive may write after it
             raise
         finally:
             self.r._release(unit.exp)
         if unit.exp is not None:
-            self.r._verified(unit.exp, unit.header, TRAILER.unpack(unit.trailer)[0], h.intdigest())
+            self.r._verified(unit.exp, unit.header, expected, actual)
