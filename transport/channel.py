@@ -108,14 +108,15 @@ class Backend(abc.ABC):
 BACKENDS = ("ucxx", "tcp", "local")
 
 
-def get_backend(name: str, ucx_tls: str | None = None) -> Backend:
+def get_backend(name: str, ucx_tls: str | None = None, ucx_poll_us: int | None = None) -> Backend:
     """The backend called `name`; "auto" is ucxx when it imports, else tcp — with a warning
     that says why. A backend asked for by name that cannot run raises
-    `BackendUnavailableError` here, at startup: there is no silent fallback."""
+    `BackendUnavailableError` here, at startup: there is no silent fallback. `ucx_poll_us`:
+    see `TransportConfig.ucx_poll_us` (None: the ucxx backend's default)."""
     from transport.errors import BackendUnavailableError
 
     if name == "auto":
-        return _auto(ucx_tls)
+        return _auto(ucx_tls, ucx_poll_us)
     if name == "tcp":
         from transport.tcp import TcpBackend
 
@@ -127,17 +128,17 @@ def get_backend(name: str, ucx_tls: str | None = None) -> Backend:
     if name == "ucxx":
         from transport.ucxx_backend import UcxxBackend
 
-        return UcxxBackend(ucx_tls)
+        return UcxxBackend(ucx_tls) if ucx_poll_us is None else UcxxBackend(ucx_tls, ucx_poll_us)
     raise BackendUnavailableError(name, f"unknown backend; choose one of {', '.join(BACKENDS)} or auto")
 
 
-def _auto(ucx_tls: str | None) -> Backend:
+def _auto(ucx_tls: str | None, ucx_poll_us: int | None) -> Backend:
     import logging
 
     from transport.errors import BackendUnavailableError
 
     try:
-        return get_backend("ucxx", ucx_tls)
+        return get_backend("ucxx", ucx_tls, ucx_poll_us)
     except BackendUnavailableError as e:
         logging.getLogger("halfmoon.transport").warning(
             "KV transport: %s -- using the tcp backend (pass --kv-transport tcp to silence this, "

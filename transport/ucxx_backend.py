@@ -4,9 +4,13 @@ UCX picks the transport per peer (shared memory on one host, TCP or RDMA between
 `UCX_TLS` restricts the choice and is configurable (`UcxxBackend(tls=...)` or the environment).
 
 One thread per process owns the UCX worker (a UCX worker is single-threaded): it runs the posts
-other threads queue, progresses the worker, and sets each finished operation's event; when idle
-it sleeps in `select` on the worker's event fd and a wake-up pipe (UCX's arm / wait pattern), so
-nothing spins. A waiting thread blocks on its operation's event with its timeout. (ucxx's
+other threads queue, progresses the worker, and sets each finished operation's event. While
+operations are in flight and events keep coming it polls the worker in C without the GIL
+(transport/_ucxspin.c), for up to `poll_s` after the last event: UCX moves a large message in
+fragments that each need both ends progressed, and a wake-up per fragment costs about half the
+shared-memory throughput. Otherwise it sleeps in `select` on the worker's event fd and a wake-up
+pipe (UCX's arm / wait pattern), so an idle process does not spin. A waiting thread blocks on its
+operation's event with its timeout. (ucxx's
 asyncio API was measured first: a hand-off per operation through its loop and awaits that spin
 for the GIL held transfers to 0.3-0.6x of `ucx_perftest`.)
 
@@ -24,6 +28,7 @@ fragmented block table) is packed into / unpacked from a staging buffer. `send_m
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -60,6 +65,8 @@ WINDOW = 8  # receives posted ahead per recv_many; staging slots per direction
 # is dropped (accepting is serial: a mute peer must not hold up the next ones for long).
 GREET_TIMEOUT_S = 5.0
 SEND_WINDOW = 16  # sends in flight per channel (across messages)
+POLL_US_DEFAULT = 2000  # keep polling this long after the last event (TransportConfig.ucx_poll_us)
+POLL_SLICE_NS = 200_000  # one native polling slice; between slices the owner reaps in Python
 
 
 class Op:
@@ -77,7 +84,7 @@ class Op:
 class _Runtime:
     """The process's UCX context and worker, and the thread that owns them."""
 
-    def __init__(self, tls: str | None) -> None:
+    def __init__(self, tls: str | None, poll_us: int) -> None:
         for key, value in UCX_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         if tls is not None:
@@ -96,6 +103,8 @@ class _Runtime:
         self._watch: list[Op] = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        self.poll_s = poll_us / 1e6  # read by the owner thread on every turn
+        self._poll_slice = native_poller(self.worker, self._wake_r)
         threading.Thread(target=self._run, name="ucx-owner", daemon=True).start()
 
     # ------------------------------------------------------------------ any thread
@@ -123,20 +132,37 @@ class _Runtime:
     def _run(self) -> None:
         worker = self.worker
         epoll_fd = worker.epoll_file_descriptor
+        poll = self._poll_slice
+        last_event = 0.0
         while True:
-            self._submit_posts()
+            active = self._submit_posts()
             while worker.progress_once():
-                pass
+                active = True
             self._reap()
-            if self._posts or not worker.arm():
-                continue  # more work, or events arrived while arming: progress again
+            if self._posts:
+                continue
+            if active:
+                last_event = time.monotonic()
+            if poll is not None and self._should_poll(last_event):
+                if poll():
+                    last_event = time.monotonic()
+                continue
+            if not worker.arm():
+                continue  # events arrived while arming: progress again
             select.select([epoll_fd, self._wake_r], [], [], 0.5)
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
                 pass  # woken by UCX, not by a post
 
-    def _submit_posts(self) -> None:
+    def _should_poll(self, last_event: float) -> bool:
+        """Poll (rather than sleep) while operations are in flight and the last event is recent."""
+        return bool(self._watch) and time.monotonic() - last_event < self.poll_s
+
+    def _submit_posts(self) -> bool:
+        """Run the queued posts; False if there were none."""
+        if not self._posts:
+            return False
         while self._posts:
             fn, op, is_request = self._posts.popleft()
             try:
@@ -152,6 +178,7 @@ class _Runtime:
             else:
                 op.result = result
                 op.done.set()
+        return True
 
     def _reap(self) -> None:
         if not self._watch:
@@ -170,19 +197,42 @@ class _Runtime:
         self._watch = still
 
 
+def native_poller(worker: Any, wake_fd: int) -> Callable[[], int] | None:
+    """One slice of polling `worker` without the GIL (transport._ucxspin.spin): the number of
+    events, 0 if none came within the slice or another thread queued a post. None, with a
+    warning, when the extension is not built or libucp's progress function cannot be found."""
+    try:
+        from transport import _ucxspin
+
+        libucp = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD | os.RTLD_NOW)  # the one ucxx loaded
+        progress = ctypes.cast(libucp.ucp_worker_progress, ctypes.c_void_p).value
+    except (ImportError, OSError, AttributeError) as e:
+        log.warning("the ucxx backend runs without its native polling loop (%s): its owner thread "
+                    "sleeps on UCX events between fragments, ~0.7x the shared-memory throughput; "
+                    "build it with a C compiler and `pip install -e .`", e)
+        return None
+    handle, spin = worker.handle, _ucxspin.spin
+    return lambda: spin(progress, handle, wake_fd, POLL_SLICE_NS)
+
+
 _runtime: _Runtime | None = None  # UCX's context is per process, so is its runtime
 _runtime_lock = threading.Lock()
 
 
-def runtime(tls: str | None) -> _Runtime:
+def runtime(tls: str | None, poll_us: int = POLL_US_DEFAULT) -> _Runtime:
+    """The process's UCX runtime, started on first use. `poll_us` applies to the whole process
+    (the last backend created sets it)."""
     global _runtime
+    if poll_us < 0:
+        raise ValueError(f"poll_us must be >= 0, got {poll_us}")
     with _runtime_lock:
         if _runtime is None:
-            _runtime = _Runtime(tls)
+            _runtime = _Runtime(tls, poll_us)
         elif tls is not None and tls != _runtime.tls:
             raise BackendUnavailableError(
                 "ucxx", f"UCX is already running with UCX_TLS={_runtime.tls!r} in this process; "
                 f"cannot switch to {tls!r}")
+        _runtime.poll_s = poll_us / 1e6
         return _runtime
 
 
@@ -441,9 +491,11 @@ class UcxxListener(Listener):
 class UcxxBackend(Backend):
     name = "ucxx"
 
-    def __init__(self, tls: str | None = None) -> None:
-        """Raises BackendUnavailableError at once when ucxx cannot run here."""
-        self._rt = runtime(tls)
+    def __init__(self, tls: str | None = None, poll_us: int = POLL_US_DEFAULT) -> None:
+        """Raises BackendUnavailableError at once when ucxx cannot run here. `poll_us`: how long
+        the owner thread keeps polling after the last event while operations are in flight (0:
+        sleep on every event; less CPU, lower throughput)."""
+        self._rt = runtime(tls, poll_us)
 
     def listen(self, host: str, port: int) -> Listener:
         return UcxxListener(self._rt, host, port)

@@ -677,6 +677,7 @@ BAD_VALUES = {
     "negative GPUs": ({"prefill": {"gpus": -1}}, "/prefill/gpus"),
     "pvc model without a claim": ({"model": {"source": "pvc", "path": "m"}}, "/model/pvc/claimName"),
     "UCX_TLS for the tcp backend": ({"kvTransport": {"backend": "tcp", "ucxTls": "rc"}}, "/kvTransport/ucxTls"),
+    "negative UCX polling": ({"kvTransport": {"ucxPollUs": -1}}, "/kvTransport/ucxPollUs"),
 }
 
 

@@ -157,6 +157,8 @@ argparse parser, so a flag that does not exist fails the tests).
 - --ucx-tls
 - {{ . | quote }}
 {{- end }}
+- --ucx-poll-us
+- {{ $v.kvTransport.ucxPollUs | int | quote }}
 - --redis-url
 - {{ include "halfmoon.redisUrl" . | quote }}
 - --model
