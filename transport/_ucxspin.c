@@ -6,7 +6,9 @@
  * between fragments pays a wake-up per fragment (measured: about half of ucx_perftest's
  * throughput); one that is polled from a Python loop holds the GIL between calls and starves
  * the threads that post and hash. Here the owner thread polls the worker in C with the GIL
- * released, for a bounded slice, and comes back to Python as soon as something happened.
+ * released, for a bounded slice, and comes back to Python as soon as something happened. An
+ * idle turn yields the core (sched_yield), so the polling costs little to threads that have
+ * work: on a machine with few cores, a hashing thread and the poller share one.
  *
  *   spin(progress_fn, worker, wake_fd, budget_ns) -> int
  *       progress_fn: address of `unsigned ucp_worker_progress(ucp_worker_h)` (from ctypes);
@@ -19,6 +21,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdint.h>
 #include <time.h>
 
@@ -50,6 +53,7 @@ static unsigned long long spin_loop(progress_fn_t progress, void *worker, int wa
         }
         if (events)
             return events;  /* something happened and it is quiet now: let Python reap */
+        sched_yield();  /* nothing to do: a thread of ours that has work (hashing, posting) runs */
         if (i % CHECK_EVERY == 0 && (now_ns() >= deadline || readable(wake_fd)))
             return 0;
     }
