@@ -125,7 +125,7 @@ class ClusterManager:
         """Start Ray (unless joining one) and every worker; returns when all answered a ping."""
         import ray
 
-        self._init_ray()
+        self.init_ray()
         engine = self.config.engine
         for spec in self.config.specs():
             spec = WorkerSpec(spec.worker_id, spec.role, _with_redis(engine, redis_url), spec.transport, spec.cpus)
@@ -134,7 +134,10 @@ class ClusterManager:
         for wid, ref in pings.items():
             self.workers[wid].pid = ray.get(ref, timeout=300)
 
-    def _init_ray(self) -> None:
+    def init_ray(self) -> None:
+        """Start the embedded Ray (or join `ray_address`); a no-op once Ray is up. Call it on the
+        main thread where possible: Ray installs its SIGTERM handler only there (and says so
+        otherwise)."""
         import ray
 
         if ray.is_initialized():

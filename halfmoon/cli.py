@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from engine.errors import HalfmoonError
+# Before grpc is imported: gRPC's fork handlers only matter to a child that goes on using gRPC
+# without exec. Ray starts its processes with fork + exec while the driver's gRPC threads run,
+# and with the handlers on, gRPC logs "Other threads are currently calling into gRPC, skipping
+# fork() handlers" for each one (ray-project/ray#24917) — noise in `halfmoon serve`'s first lines.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+from engine.errors import HalfmoonError  # noqa: E402
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -211,6 +211,7 @@ def _serve_cluster(args: argparse.Namespace, config, engine_cfg) -> int:
           f"({args.model}, {args.dtype}, {cluster.worker_threads} thread(s) each) on Ray ...",
           file=sys.stderr, flush=True)
     backend = ClusterBackend(cluster, engine_cfg.redis_url)
+    backend.manager.init_ray()  # on the main thread, before the servers' threads exist
     asyncio.run(_main(backend, config))
     print("halfmoon: stopped", file=sys.stderr, flush=True)
     return 0

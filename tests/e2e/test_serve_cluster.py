@@ -37,6 +37,9 @@ def test_cluster_serves_from_a_yaml_config_and_ctrl_c_leaves_no_orphan(tmp_path:
     try:
         match = wait_for_log(proc, log, r"listening grpc=(\S+) http=(\S+)")
         assert "starting 1 prefill + 1 decode workers" in log.read_text()
+        # The first lines a user sees: no noise from Ray or gRPC about threads and forks.
+        for noise in ("skipping fork() handlers", "SIGTERM handler is not set", "Failed to start the dashboard"):
+            assert noise not in log.read_text(), log.read_text()[:3000]
         client = openai.OpenAI(base_url=match.group(2) + "/v1", api_key="none", max_retries=0)
         out = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=6, extra_body={"ignore_eos": True})
         ids = engine.tokenizer.encode(PROMPT)
