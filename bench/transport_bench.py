@@ -303,7 +303,7 @@ def _transfer(engine, sender, peer: Peer, blocks: list[int], rid: str) -> float:
 
 def throughput_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'backend':<22}{'size':>8}{'halfmoon GB/s':>15}{'raw GB/s':>10}  {'baseline':<30}{'ratio':>7}"
-            f"  {'target':<15}{'no-EH raw':>10}{'ratio':>7}")
+            f"  {'target':<15}{'no-EH raw':>10}{'ratio':>7}  rounds (backend / raw, back to back)")
     lines = [head, "-" * len(head)]
     for r in rows:
         ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
@@ -311,10 +311,13 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
         target = "" if r["target"] is None else (">=0.70x " + ("met" if r["met"] else "MISSED"))
         plain = r.get("plain_gbps")
         extra = "" if plain is None else f"{plain:>10.2f}{r['gbps'] / plain:>6.2f}x"
+        if r.get("round_ratios"):
+            extra += "  " + " ".join(f"{x:.2f}" for x in r["round_ratios"])
         lines.append(f"{r['backend']:<22}{r['size_mb']:>6}MB{r['gbps']:>15.2f}{raw:>10}  {r['baseline']:<30}"
                      f"{ratio:>7}  {target:<15}{extra}")
     lines.append("ucxx baseline: ucx_perftest -e (endpoints with peer error handling, as the backend's) "
-                 "and the backend's UCX settings; no-EH raw: ucx_perftest without -e (CMA zero-copy on one host)")
+                 "and the backend's UCX settings; no-EH raw: ucx_perftest without -e (CMA zero-copy on one host); "
+                 "ratio and target: best of the rounds on each side; rounds: each round's own ratio")
     return "\n".join(lines)
 
 
@@ -340,31 +343,38 @@ def throughput_rows(backends: Sequence[str], sizes: Sequence[int], tls_list: Seq
         got = kv_throughput("tcp", sizes, budget, None, rounds)
         rows += [_row("tcp", s, got[s], raw[s], "python sockets") for s in sizes]
     for tls in tls_list if "ucxx" in backends else ():
-        got, raw_ucx, plain = _ucxx_rounds(tls, sizes, budget, rounds, progress)
+        got, raw_ucx, plain, paired = _ucxx_rounds(tls, sizes, budget, rounds, progress)
         for s in sizes:
             base = None if isinstance(raw_ucx, str) else raw_ucx[s]
             label = f"ucx_perftest -e {tls}" if base else "ucx_perftest unavailable"
             row = _row(f"ucxx ({tls})", s, got[s], base, label)
             row["plain_gbps"] = None if isinstance(plain, str) else plain[s]
+            row["round_ratios"] = paired.get(s, [])
             rows.append(row)
     return rows
 
 
 def _ucxx_rounds(tls: str, sizes: Sequence[int], budget: int, rounds: int, progress: Progress
-                 ) -> tuple[dict[int, float], dict[int, float] | str, dict[int, float] | str]:
-    """Best of `rounds` for the backend, perftest -e and plain perftest, taking turns."""
+                 ) -> tuple[dict[int, float], dict[int, float] | str, dict[int, float] | str, dict[int, list[float]]]:
+    """Best of `rounds` for the backend, perftest -e and plain perftest, taking turns; and per
+    size the ratio backend / perftest -e of each round (the two measured back to back)."""
     env = {**UCX_LOOPBACK_ENV, "UCX_TLS": tls}
     got: dict[int, float] = {}
     raw: dict[int, float] | str = {}
     plain: dict[int, float] | str = {}
+    paired: dict[int, list[float]] = {}
     for r in range(rounds):
         progress(f"throughput: UCX_TLS={tls}, round {r + 1}/{rounds}: ucx_perftest -e, ucx_perftest, ucxx backend")
-        raw = _best(raw, perftest_throughput(tls, sizes, 1, error_handling=True))
+        raw_r = perftest_throughput(tls, sizes, 1, error_handling=True)
         plain = _best(plain, perftest_throughput(tls, sizes, 1, error_handling=False))
-        got = _best(got, kv_throughput("ucxx", sizes, budget, env, 1))  # type: ignore[assignment]
+        got_r = kv_throughput("ucxx", sizes, budget, env, 1)
+        raw, got = _best(raw, raw_r), _best(got, got_r)  # type: ignore[assignment]
+        if not isinstance(raw_r, str):
+            for s in sizes:
+                paired.setdefault(s, []).append(got_r[s] / raw_r[s])
     if isinstance(raw, str):
         progress(f"  baseline unavailable: {raw}")
-    return got, raw, plain
+    return got, raw, plain, paired
 
 
 def _best(acc: dict[int, float] | str, new: dict[int, float] | str) -> dict[int, float] | str:

@@ -48,10 +48,12 @@ def test_rounds_keep_the_best_per_size_and_an_error_sticks() -> None:
 def test_ucxx_run_prints_both_perftest_baselines() -> None:
     """One small real ucxx point: the like-for-like baseline (perftest -e) and the plain one."""
     proc = subprocess.run([sys.executable, "-m", "halfmoon.cli", "bench", "transport", "--backends", "ucxx",
-                           "--ucx-tls", "tcp", "--sizes-mb", "8", "--rounds", "1", "--budget-mb", "32",
+                           "--ucx-tls", "tcp", "--sizes-mb", "8", "--rounds", "2", "--budget-mb", "32",
                            "--skip", "pipelining", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(proc.stdout)["throughput"]
     assert row["backend"] == "ucxx (tcp)" and row["baseline"] == "ucx_perftest -e tcp"
     assert row["gbps"] > 0 and row["raw_gbps"] > 0 and row["plain_gbps"] > 0
     assert row["ratio"] == pytest.approx(row["gbps"] / row["raw_gbps"])
+    # Each round's own ratio (backend and perftest back to back): one per round.
+    assert len(row["round_ratios"]) == 2 and all(x > 0 for x in row["round_ratios"])
