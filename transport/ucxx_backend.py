@@ -62,7 +62,7 @@ UCX_ENV_DEFAULTS = {
 log = logging.getLogger("halfmoon.transport")
 WINDOW = 8  # receives posted ahead per recv_many; staging slots per direction
 # A connecting peer sends its channel id right after connecting; one that does not within this
-# is dropped (each is greeted on a thread of its own, so a mute one holds up nobody else).
+# is dropped (accepting is serial: a mute peer must not hold up the next ones for long).
 GREET_TIMEOUT_S = 5.0
 SEND_WINDOW = 16  # sends in flight per channel (across messages)
 POLL_US_DEFAULT = 2000  # keep polling this long after the last event (TransportConfig.ucx_poll_us)
@@ -439,48 +439,39 @@ def _close_held(holder: list[Any]) -> None:
 
 
 class UcxxListener(Listener):
-    """Accepts UCX connections. Each new endpoint is greeted (its channel id read) on a short-lived
-    thread of its own, so a peer that stays mute for GREET_TIMEOUT_S holds up nobody else."""
-
     def __init__(self, rt: _Runtime, host: str, port: int) -> None:
         self._rt = rt
-        self._ready: queue.Queue[UcxxChannel | None] = queue.Queue()
-        self._lock = threading.Lock()  # orders greeted channels against close()
-        self._closed = False
+        self._incoming: queue.Queue[Any] = queue.Queue()
         self._listener = rt.call(lambda: rt.ucx.UCXListener.create(rt.worker, port, self._on_connect),
                                  30.0, "listen")
         self.address = f"ucxx://{host}:{self._listener.port}"
 
     def _on_connect(self, conn_request: Any) -> None:
-        """Runs on the owner thread inside progress: make the endpoint, greet it elsewhere."""
-        holder = [self._listener.create_endpoint_from_conn_request(conn_request, True)]
-        threading.Thread(target=self._greet, args=(holder,), name="ucx-greet", daemon=True).start()
+        """Runs on the owner thread inside progress: make the endpoint, queue it."""
+        self._incoming.put(self._listener.create_endpoint_from_conn_request(conn_request, True))
 
     def accept(self, timeout: float | None) -> Channel | None:
-        """The next peer that introduced itself; None on timeout or once closed. A connection
-        that fails or stays mute before sending its channel id (a peer that died or gave up
-        while connecting, e.g. a stale attempt at an address this listener now reuses) is
-        dropped with a warning and never returned."""
-        try:
-            return self._ready.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        """The next peer that introduced itself. A connection that fails before sending its
+        channel id (a peer that died or gave up while connecting, e.g. a stale attempt at an
+        address this listener now reuses) is dropped with a warning and accepting goes on."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                endpoint = self._incoming.get(timeout=left)
+            except queue.Empty:
+                return None
+            if endpoint is None:
+                return None
+            holder = [endpoint]
+            del endpoint  # the owner thread drops the last reference (see _close_endpoint)
+            try:
+                return self._greet(holder)
+            except TransportError as e:
+                log.warning("dropped an incoming UCX connection on %s: %s", self.address, e)
+                self._rt.post(lambda held=holder: _close_held(held), is_request=False)
 
-    def _greet(self, holder: list[Any]) -> None:
-        """On a greeting thread: read the channel id, then hand the channel to accept()."""
-        try:
-            channel = self._introduce(holder)
-        except TransportError as e:
-            log.warning("dropped an incoming UCX connection on %s: %s", self.address, e)
-            self._rt.post(lambda held=holder: _close_held(held), is_request=False)
-            return
-        with self._lock:
-            if not self._closed:
-                self._ready.put(channel)
-                return
-        channel.close()  # greeted after the listener closed: nobody will accept it
-
-    def _introduce(self, holder: list[Any]) -> UcxxChannel:
+    def _greet(self, holder: list[Any]) -> UcxxChannel:
         """The connecting side's first bytes on the endpoint's stream: its channel id."""
         rt = self._rt
         hello = np.zeros(1, np.uint64)
@@ -490,20 +481,7 @@ class UcxxListener(Listener):
         return UcxxChannel(rt, holder.pop(), channel_id, outbound=False, peer=f"ucxx-peer-{channel_id:x}")
 
     def close(self) -> None:
-        """Stop accepting: a waiting accept() returns None; channels greeted but not accepted
-        are closed."""
-        with self._lock:
-            self._closed = True
-        unclaimed = []
-        while True:
-            try:
-                unclaimed.append(self._ready.get_nowait())
-            except queue.Empty:
-                break
-        self._ready.put(None)
-        for channel in unclaimed:
-            if channel is not None:
-                channel.close()
+        self._incoming.put(None)
         self._rt.post(self._drop, is_request=False)
 
     def _drop(self) -> None:

@@ -2,17 +2,18 @@
 owner thread's use of it: polling while transfers are in flight, asleep when idle.
 
 The shared suites (test_backends, test_faults, test_blocks) run every ucxx transfer through the
-polling owner thread; here: the slice's contract on a worker of the test's own, both polling
+polling owner thread; here: the slice's contract on a worker of its own (in a subprocess), both polling
 settings moving the same bytes, and an idle process that does not spin.
 """
 
 from __future__ import annotations
 
-import ctypes
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -36,55 +37,26 @@ def spin() -> Any:
 
 
 @pytest.fixture(scope="module")
-def progress_fn() -> int:
-    get_backend("ucxx")  # loads libucp through ucxx
-    lib = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-    addr = ctypes.cast(lib.ucp_worker_progress, ctypes.c_void_p).value
-    assert addr
-    return addr
+def probe() -> dict[str, Any]:
+    """The slice on a worker of its own, in a process of its own (tests/transport/ucxspin_probe.py)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.transport.ucxspin_probe"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture
-def worker() -> Iterator[Any]:
-    """A worker of the test's own (the runtime's belongs to its owner thread)."""
-    context = u.UCXContext(feature_flags=(u.Feature.TAG, u.Feature.STREAM))
-    yield u.UCXWorker(context)
+def test_an_idle_worker_is_polled_for_the_budget_then_zero(probe: dict[str, Any]) -> None:
+    assert probe["idle_events"] == 0
+    assert 0.025 <= probe["idle_s"] < 2.0  # a 30 ms budget
 
 
-@pytest.fixture
-def wake() -> Iterator[tuple[int, int]]:
-    r, w = os.pipe()
-    yield r, w
-    os.close(r)
-    os.close(w)
+def test_a_queued_post_ends_the_slice_at_once(probe: dict[str, Any]) -> None:
+    assert probe["woken_events"] == 0 and probe["woken_s"] < 1.0  # of a 10 s budget
 
 
-def test_an_idle_worker_is_polled_for_the_budget_then_zero(spin: Any, progress_fn: int, worker: Any,
-                                                             wake: tuple[int, int]) -> None:
-    start = time.perf_counter()
-    assert spin(progress_fn, worker.handle, wake[0], 30_000_000) == 0
-    assert 0.025 <= time.perf_counter() - start < 2.0
-
-
-def test_a_queued_post_ends_the_slice_at_once(spin: Any, progress_fn: int, worker: Any,
-                                               wake: tuple[int, int]) -> None:
-    os.write(wake[1], b"x")
-    start = time.perf_counter()
-    assert spin(progress_fn, worker.handle, wake[0], 10_000_000_000) == 0  # a 10 s budget
-    assert time.perf_counter() - start < 1.0
-
-
-def test_events_are_counted_and_end_the_slice(spin: Any, progress_fn: int, worker: Any,
-                                               wake: tuple[int, int]) -> None:
+def test_events_are_counted_and_end_the_slice(probe: dict[str, Any]) -> None:
     """A connection to a listener of the same worker: the slices that saw it return > 0."""
-    accepted: list[Any] = []
-    listener = u.UCXListener.create(
-        worker, 0, lambda request: accepted.append(listener.create_endpoint_from_conn_request(request, True)))
-    endpoint = u.UCXEndpoint.create(worker, "127.0.0.1", listener.port, True)  # noqa: F841 (kept alive)
-    events, deadline = 0, time.monotonic() + 10.0
-    while not accepted and time.monotonic() < deadline:
-        events += spin(progress_fn, worker.handle, wake[0], 100_000_000)
-    assert accepted and events > 0
+    assert probe["accepted"] == 1 and probe["connect_events"] > 0
 
 
 @pytest.mark.parametrize("args", [(0, 1, 0, 1000), (1, 0, 0, 1000), (1, 1, 0, -1)],
