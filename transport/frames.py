@@ -39,6 +39,53 @@ def split_frames(views: Sequence[View], max_bytes: int) -> Iterator[list[View]]:
         yield frame
 
 
+def split_at(views: Sequence[View], lengths: Sequence[int]) -> Iterator[list[View]]:
+    """Yield frames (lists of views) of the given `lengths` (which add up to the views' total)."""
+    it = iter(views)
+    v = next(it, memoryview(b""))
+    for length in lengths:
+        frame: list[View] = []
+        while length:
+            while not v.nbytes:
+                v = next(it)
+            take = min(length, v.nbytes)
+            frame.append(v[:take])
+            v = v[take:]
+            length -= take
+        yield frame
+
+
+def frame_lengths(src_bounds: Sequence[int], dst_bounds: Sequence[int], total: int, max_bytes: int,
+                  min_direct: int) -> list[int]:
+    """Where a payload is cut into frames, given the offsets at which the source's and the
+    destination's views break. A piece between two consecutive breaks lies in one view on both
+    ends: a piece of at least `min_direct` bytes gets frames of its own (sent and received in
+    place, no staging copy), in chunks of at most `max_bytes`; smaller pieces are gathered into
+    frames of up to `max_bytes` (staged, once, on the end where they span views)."""
+    breaks = sorted({b for b in (*src_bounds, *dst_bounds) if 0 < b < total} | {total})
+    lengths: list[int] = []
+    gathered, start = 0, 0
+    for end in breaks:
+        piece = end - start
+        start = end
+        if piece >= min_direct:
+            if gathered:
+                lengths.append(gathered)
+                gathered = 0
+            full, rest = divmod(piece, max_bytes)
+            lengths += [max_bytes] * full + ([rest] if rest else [])
+            continue
+        while piece:
+            take = min(piece, max_bytes - gathered)
+            gathered, piece = gathered + take, piece - take
+            if gathered == max_bytes:
+                lengths.append(gathered)
+                gathered = 0
+    if gathered:
+        lengths.append(gathered)
+    return lengths
+
+
 def copy_views(src: Sequence[View], dst: Sequence[View]) -> None:
     """Copy a byte stream between two view lists with different boundaries (same total)."""
     if total_bytes(src) != total_bytes(dst):

@@ -76,6 +76,18 @@ class KVBytes:
         arr = self.array
         return [memoryview(arr[layer, kv, start:stop]).cast("B") for kv in (0, 1) for start, stop in runs]
 
+    def bounds(self, block_ids: Sequence[int]) -> list[int]:
+        """Byte offsets (in a unit's payload) at which `views(layer, block_ids)` breaks: the end
+        of each view but the last. The same for every layer; computed from the ids alone, so a
+        sender knows its receiver's breaks too."""
+        slab = self.array.shape[3]
+        out, pos = [], 0
+        for _ in (0, 1):
+            for start, stop in _runs(block_ids):
+                pos += (stop - start) * slab
+                out.append(pos)
+        return out[:-1]
+
     def check(self, layer: int, block_ids: Sequence[int]) -> None:
         """ProtocolError unless `layer` and every id are in range."""
         if not 0 <= layer < self.num_layers:

@@ -3,10 +3,16 @@
 
     header (40 B) = magic "HMKV" | kind u8 | pad | layer u32 | body_len u32 | num_blocks u32
                     | payload_len u64 | count u64
-    UNIT payload  = frames of <= FRAME_BYTES, then an 8-byte trailer: xxh3-64 of the payload.
+    UNIT payload  = frames of <= FRAME_BYTES, cut where the body says (see below), then an
+                    8-byte trailer: xxh3-64 of the payload.
                     A trailer, not a header field, so both ends hash each frame while it is
                     still in cache and the hashing overlaps the other end's work.
-    body          = UNIT: int32 block ids + request id (utf-8); others: a JSON object
+    body          = UNIT: int32 block ids (num_blocks), uint64 frame lengths (count), request id
+                    (utf-8); others: a JSON object
+
+The sender cuts a unit's payload where its own views or the receiver's break (it knows both
+block lists), so every large run is sent and received in place; only small pieces of
+fragmented block tables are gathered into staged frames (frames.frame_lengths).
 
 Connection setup (the receiver listens, the sender connects):
 
@@ -29,7 +35,7 @@ import hmac
 import json
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,10 +43,12 @@ import numpy as np
 from transport.channel import Channel
 from transport.errors import HandshakeError, ProtocolError
 from transport.faults import flip_one_bit
-from transport.frames import new_hash, split_frames
-from transport.layout import KVLayout
+from transport.frames import frame_lengths, new_hash, split_at, split_frames
+from transport.layout import KVBytes, KVLayout
 
-PROTOCOL_VERSION = 2  # 2: payload frames and trailers on a data lane of their own (ucxx tags)
+# 2: payload frames and trailers on a data lane of their own (ucxx tags); 3: the sender's frame
+# cuts travel in the UNIT body.
+PROTOCOL_VERSION = 3
 MAGIC = b"HMKV"
 _HEADER = struct.Struct("<4sB3xIIIQQ")
 TRAILER = struct.Struct("<Q")
@@ -52,6 +60,9 @@ INLINE_BODY_BYTES = CONTROL_BYTES - HEADER_BYTES
 # Payload frames: both ends cut a unit at the same offsets (see frames.split_frames). 4 MB: large
 # enough for UCX's rendezvous path, small enough to hash from cache right after it moved.
 FRAME_BYTES = 4 << 20
+# A piece of a payload that lies in one view on both ends gets frames of its own from this size
+# on (zero copy on a message backend); smaller pieces are gathered into staged frames.
+MIN_DIRECT_BYTES = 256 << 10
 
 
 class Kind(enum.IntEnum):
@@ -98,16 +109,33 @@ class Header:
 # ---------------------------------------------------------------- bodies
 
 
-def unit_body(request_id: str, block_ids: Sequence[int]) -> bytes:
-    return np.asarray(block_ids, dtype="<i4").tobytes() + request_id.encode()
+def unit_body(request_id: str, block_ids: Sequence[int], lengths: Sequence[int]) -> bytes:
+    """The UNIT body; the header's num_blocks = len(block_ids), count = len(lengths)."""
+    return (np.asarray(block_ids, dtype="<i4").tobytes() + np.asarray(lengths, dtype="<u8").tobytes()
+            + request_id.encode())
 
 
-def parse_unit_body(body: bytes, num_blocks: int) -> tuple[str, list[int]]:
-    ids_len = 4 * num_blocks
-    if len(body) < ids_len:
-        raise ProtocolError(f"unit body of {len(body)} bytes cannot hold {num_blocks} block ids")
-    ids = np.frombuffer(body, dtype="<i4", count=num_blocks).tolist()
-    return body[ids_len:].decode(), ids
+def parse_unit_body(header: Header, body: bytes) -> tuple[str, list[int], list[int]]:
+    """(request id, destination block ids, frame lengths), the lengths checked against the
+    header's payload length."""
+    ids_len, cuts_len = 4 * header.num_blocks, 8 * header.count
+    if len(body) < ids_len + cuts_len:
+        raise ProtocolError(f"unit body of {len(body)} bytes cannot hold {header.num_blocks} block ids "
+                            f"and {header.count} frame lengths")
+    ids = np.frombuffer(body, dtype="<i4", count=header.num_blocks).tolist()
+    lengths = np.frombuffer(body, dtype="<u8", count=header.count, offset=ids_len)
+    if header.payload_len and (int(lengths.sum()) != header.payload_len or int(lengths.min()) == 0
+                               or int(lengths.max()) > FRAME_BYTES):
+        raise ProtocolError(f"frame lengths of a unit do not cut its {header.payload_len} bytes into "
+                            f"frames of 1..{FRAME_BYTES} bytes")
+    if not header.payload_len and header.count:
+        raise ProtocolError("frame lengths for an empty payload")
+    return body[ids_len + cuts_len :].decode(), ids, lengths.tolist()
+
+
+def unit_frame_lengths(kv: KVBytes, src_ids: Sequence[int], dst_ids: Sequence[int], nbytes: int) -> list[int]:
+    """Where the sender cuts a unit (see frames.frame_lengths)."""
+    return frame_lengths(kv.bounds(src_ids), kv.bounds(dst_ids), nbytes, FRAME_BYTES, MIN_DIRECT_BYTES)
 
 
 def json_body(obj: object) -> bytes:
@@ -233,15 +261,17 @@ def recv_msg(channel: Channel, timeout: float | None, body_timeout: float) -> tu
 
 
 def post_payload(channel: Channel, head: list[list[memoryview]], views: Sequence[memoryview],
-                 timeout: float, corrupt: bool = False) -> Callable[[float], None] | None:
-    """Post a message's `head` frames, then `views` as payload frames (the data lane) and an
-    xxh3-64 trailer; returns the wait for the sends (None: already done). Each frame is hashed
-    right before it goes out, so hashing overlaps the transfer of the frames before it.
-    `corrupt` (fault injection) sends a copy with one bit flipped, hashed true."""
+                 timeout: float, corrupt: bool = False,
+                 lengths: Sequence[int] | None = None) -> Callable[[float], None] | None:
+    """Post a message's `head` frames, then `views` as payload frames (the data lane; cut at
+    `lengths`, else every FRAME_BYTES) and an xxh3-64 trailer; returns the wait for the sends
+    (None: already done). Each frame is hashed right before it goes out, so hashing overlaps
+    the transfer of the frames before it. `corrupt` (fault injection) sends a copy with one bit
+    flipped, hashed true."""
     wire = [flip_one_bit(views[0]), *views[1:]] if corrupt and views else list(views)
-    true_frames = list(split_frames(views, FRAME_BYTES))
+    true_frames = list(_cut(views, lengths))
     trailer = bytearray(TRAILER.size)
-    frames = [*head, *split_frames(wire, FRAME_BYTES), [memoryview(trailer)]]
+    frames = [*head, *_cut(wire, lengths), [memoryview(trailer)]]
     h = new_hash()
 
     def before(i: int) -> None:
@@ -254,12 +284,14 @@ def post_payload(channel: Channel, head: list[list[memoryview]], views: Sequence
     return channel.post_many(frames, timeout, before, data_from=len(head))
 
 
-def receive_payload(channel: Channel, views: Sequence[memoryview], timeout: float) -> tuple[int, int]:
-    """A payload sent by `post_payload`, straight into `views` (each frame hashed as it lands),
-    then its trailer. Returns (hash of what arrived, hash the sender computed)."""
+def receive_payload(channel: Channel, views: Sequence[memoryview], timeout: float,
+                    lengths: Sequence[int] | None = None) -> tuple[int, int]:
+    """A payload sent by `post_payload` (with the same `lengths`), straight into `views` (each
+    frame hashed as it lands), then its trailer. Returns (hash of what arrived, hash the sender
+    computed)."""
     if channel.posted_recv:
-        return PayloadReceipt(channel, views).finish(timeout)
-    frames, trailer = _payload_frames(views)
+        return PayloadReceipt(channel, views, lengths).finish(timeout)
+    frames, trailer = _payload_frames(views, lengths)
     h = new_hash()
 
     def after(i: int) -> None:
@@ -275,8 +307,8 @@ class PayloadReceipt:
     """A payload whose frame and trailer receives are posted now (`Channel.post_recvs`, a
     backend with `posted_recv`); `finish` waits for them, possibly on another thread."""
 
-    def __init__(self, channel: Channel, views: Sequence[memoryview]) -> None:
-        self._frames, self._trailer = _payload_frames(views)
+    def __init__(self, channel: Channel, views: Sequence[memoryview], lengths: Sequence[int] | None = None) -> None:
+        self._frames, self._trailer = _payload_frames(views, lengths)
         self._posted = channel.post_recvs(self._frames)
 
     def finish(self, timeout: float, verify: bool = True) -> tuple[int, int]:
@@ -292,10 +324,15 @@ class PayloadReceipt:
         return h.intdigest(), TRAILER.unpack(self._trailer)[0]
 
 
-def _payload_frames(views: Sequence[memoryview]) -> tuple[list[list[memoryview]], bytearray]:
+def _payload_frames(views: Sequence[memoryview], lengths: Sequence[int] | None
+                    ) -> tuple[list[list[memoryview]], bytearray]:
     """The frames a payload is cut into (as `post_payload` cuts it), then its trailer's."""
     trailer = bytearray(TRAILER.size)
-    return [*split_frames(views, FRAME_BYTES), [memoryview(trailer)]], trailer
+    return [*_cut(views, lengths), [memoryview(trailer)]], trailer
+
+
+def _cut(views: Sequence[memoryview], lengths: Sequence[int] | None) -> Iterator[list[memoryview]]:
+    return split_frames(views, FRAME_BYTES) if lengths is None else split_at(views, lengths)
 
 
 def send_json(channel: Channel, kind: Kind, obj: object, timeout: float, count: int = 0) -> None:

@@ -239,13 +239,13 @@ class KVReceiver:
     # ------------------------------------------------------------------ units
 
     def _receive_unit(self, channel: Channel, header: Header, body: bytes) -> None:
-        request_id, ids = parse_unit_body(body, header.num_blocks)
+        request_id, ids, lengths = parse_unit_body(header, body)
         exp = self._claim(channel, request_id, header.layer, ids, header.payload_len)
         if exp is None:
-            self._drain(channel, header.payload_len)
+            self._drain(channel, lengths)
             return
         try:
-            actual, expected = receive_payload(channel, self.kv.views(header.layer, ids), self.timeout)
+            actual, expected = receive_payload(channel, self.kv.views(header.layer, ids), self.timeout, lengths)
         finally:
             self._release(exp)
         self._verified(exp, header, expected, actual)
@@ -290,9 +290,9 @@ class KVReceiver:
             self.stats.units += 1
             self.stats.bytes += header.payload_len
 
-    def _drain(self, channel: Channel, payload: int) -> None:
+    def _drain(self, channel: Channel, lengths: list[int]) -> None:
         """Consume a payload nobody may use, in frames as the sender cut it (then the trailer)."""
-        for size in [FRAME_BYTES] * (payload // FRAME_BYTES) + [payload % FRAME_BYTES, TRAILER.size]:
+        for size in [*lengths, TRAILER.size]:
             self._drain_frame(channel, size)
 
     def _drain_frame(self, channel: Channel, nbytes: int) -> None:
@@ -386,12 +386,12 @@ class _Pipeline:
         raise self.error or failure
 
     def _post_unit(self, header: Header, body: bytes) -> _PostedUnit:
-        request_id, ids = parse_unit_body(body, header.num_blocks)
+        request_id, ids, lengths = parse_unit_body(header, body)
         exp = self.r._claim(self.channel, request_id, header.layer, ids, header.payload_len)
         try:
             views = (self._scratch(header.payload_len) if exp is None
                      else self.r.kv.views(header.layer, ids))
-            return _PostedUnit(exp, header, PayloadReceipt(self.channel, views))
+            return _PostedUnit(exp, header, PayloadReceipt(self.channel, views, lengths))
         except BaseException:
             self.r._release(exp)
             raise

@@ -45,6 +45,7 @@ from transport.protocol import (
     recv_msg,
     send_json,
     unit_body,
+    unit_frame_lengths,
 )
 
 log = logging.getLogger("halfmoon.transport")
@@ -321,9 +322,11 @@ class KVSender:
         backend keeps frames in flight while the next ones are hashed."""
         views = self.kv.views(job.layer, job.src)
         corrupt = self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer)
-        header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes)
-        head = message_frames(header, unit_body(job.stream.request_id, job.dst))
-        finish = post_payload(self.channel, head, views, self.timeout, corrupt)
+        lengths = unit_frame_lengths(self.kv, job.src, job.dst, job.nbytes)
+        header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes,
+                        count=len(lengths))
+        head = message_frames(header, unit_body(job.stream.request_id, job.dst, lengths))
+        finish = post_payload(self.channel, head, views, self.timeout, corrupt, lengths)
         self.stats.units += 1
         self.stats.bytes += job.nbytes
         return finish
