@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from transport.acceptor import Acceptor
 from transport.channel import Backend, Channel
 from transport.errors import (
     ChecksumError,
@@ -101,16 +100,20 @@ class KVReceiver:
         self.timeout = timeout
         self.stats = ReceiverStats()
         self.faults = faults
-        self._acceptor = Acceptor(backend.listen(host, port), self._serve, "kv-receiver")
-        self.address = self._acceptor.address
+        self._listener = backend.listen(host, port)
+        self.address = self._listener.address
         self._expected: dict[str, _Expected] = {}
         self._outcomes: OrderedDict[str, _Expected] = OrderedDict()  # recently forgotten requests
         self._cond = threading.Condition()
+        self._channels: set[Channel] = set()
         self._closed = False
         self._scratch = memoryview(bytearray(min(FRAME_BYTES, 1 << 20)))
+        self._threads: list[threading.Thread] = []
 
     def start(self) -> KVReceiver:
-        self._acceptor.start()
+        t = threading.Thread(target=self._accept_loop, name="kv-receiver-accept", daemon=True)
+        t.start()
+        self._threads.append(t)
         return self
 
     # ------------------------------------------------------------------ the caller's verbs
@@ -154,7 +157,12 @@ class KVReceiver:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-        self._acceptor.close(join_s=5.0)
+            channels = list(self._channels)
+        self._listener.close()
+        for ch in channels:
+            ch.close()
+        for t in self._threads:
+            t.join(timeout=5)
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
 
@@ -180,6 +188,21 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ connections
 
+    def _accept_loop(self) -> None:
+        while True:
+            channel = self._listener.accept(timeout=None)
+            if channel is None:
+                return
+            with self._cond:
+                if self._closed:
+                    channel.close()
+                    return
+                self._channels.add(channel)
+            t = threading.Thread(target=self._serve, args=(channel,), name=f"kv-receiver-{channel.peer}",
+                                 daemon=True)
+            t.start()
+            self._threads.append(t)
+
     def _serve(self, channel: Channel) -> None:
         try:
             self._handshake(channel)
@@ -192,6 +215,10 @@ class KVReceiver:
             log.warning("refused a KV sender from %s: %s", channel.peer, e)
         except TransportError as e:
             self._lost(channel, e)
+        finally:
+            channel.close()
+            with self._cond:
+                self._channels.discard(channel)
 
     def _serve_in_order(self, channel: Channel) -> None:
         """One message at a time: a unit's payload is received and verified before the next
