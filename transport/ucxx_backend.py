@@ -36,6 +36,7 @@ import secrets
 import select
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -49,7 +50,8 @@ from transport.tcp import parse_address
 
 # Defaults (the caller's environment wins): larger TCP segments and socket buffers (measured on
 # loopback: 1.2 -> ~5 GB/s with UCX_TLS=tcp), error handling on the shared-memory transports so a
-# dead peer fails pending operations instead of hanging them.
+# dead peer fails pending operations instead of hanging them; SO_REUSEADDR on listeners (a
+# replaced worker's listeners rebind their ports: transport.ucxx_recovery).
 UCX_ENV_DEFAULTS = {
     "UCX_WARN_UNUSED_ENV_VARS": "n",
     "UCX_TCP_TX_SEG_SIZE": "1m",
@@ -58,12 +60,14 @@ UCX_ENV_DEFAULTS = {
     "UCX_TCP_RCVBUF": "8m",
     "UCX_SYSV_ERROR_HANDLING": "y",
     "UCX_POSIX_ERROR_HANDLING": "y",
+    "UCX_TCP_CM_REUSEADDR": "y",  # a listener can take its port back while old connections linger
 }
 log = logging.getLogger("halfmoon.transport")
 WINDOW = 8  # receives posted ahead per recv_many; staging slots per direction
 # A connecting peer sends its channel id right after connecting; one that does not within this
 # is dropped (accepting is serial: a mute peer must not hold up the next ones for long).
 GREET_TIMEOUT_S = 5.0
+MOVE_TIMEOUT_S = GREET_TIMEOUT_S + 5.0  # a moving listener waits this long for its port
 SEND_WINDOW = 16  # sends in flight per channel (across messages)
 POLL_US_DEFAULT = 2000  # keep polling this long after the last event (TransportConfig.ucx_poll_us)
 POLL_SLICE_NS = 200_000  # one native polling slice; between slices the owner reaps in Python
@@ -105,6 +109,12 @@ class _Runtime:
         os.set_blocking(self._wake_r, False)
         self.poll_s = poll_us / 1e6  # read by the owner thread on every turn
         self._poll_slice = native_poller(self.worker, self._wake_r)
+        # What lives on this worker, so a replacement (transport.ucxx_recovery) can move it.
+        self._members_lock = threading.Lock()
+        self._listeners: weakref.WeakSet[UcxxListener] = weakref.WeakSet()
+        self._channels: weakref.WeakSet[UcxxChannel] = weakref.WeakSet()
+        self.suspect = threading.Event()  # a peer closed an endpoint: check this worker
+        self.retired = False  # replaced by a new runtime; kept (idle) so nothing is freed early
         threading.Thread(target=self._run, name="ucx-owner", daemon=True).start()
 
     # ------------------------------------------------------------------ any thread
@@ -126,6 +136,22 @@ class _Runtime:
         if op.error is not None:
             raise PeerLostError(f"{what} failed: {op.error}") from op.error
         return op
+
+    def adopt(self, member: UcxxChannel | UcxxListener) -> None:
+        with self._members_lock:
+            (self._listeners if isinstance(member, UcxxListener) else self._channels).add(member)
+
+    def members(self) -> tuple[list[UcxxListener], list[UcxxChannel]]:
+        with self._members_lock:
+            return list(self._listeners), list(self._channels)
+
+    def peer_lost(self) -> None:
+        """A peer closed (or lost) an endpoint of this worker: have it checked. On the owner
+        thread, so it only sets an event; transport.ucxx_recovery does the rest."""
+        from transport.ucxx_recovery import watch
+
+        self.suspect.set()
+        watch(self)
 
     # ------------------------------------------------------------------ the owner thread
 
@@ -219,6 +245,38 @@ _runtime: _Runtime | None = None  # UCX's context is per process, so is its runt
 _runtime_lock = threading.Lock()
 
 
+def current_runtime() -> _Runtime:
+    """The runtime new connections and listeners use (after a replacement, the new one)."""
+    if _runtime is None:
+        raise RuntimeError("the UCX runtime was not started (create a UcxxBackend first)")
+    return _runtime
+
+
+def replace_runtime(old: _Runtime) -> _Runtime:
+    """Start a new runtime (context, worker, owner thread) in place of `old`, move `old`'s
+    listeners to it on their own ports and close `old`'s channels (their waiters get
+    PeerLostError; senders reconnect). `old` is kept, idle, so nothing it owns is freed under
+    a pending operation. Returns the new runtime."""
+    global _runtime
+    with _runtime_lock:
+        if _runtime is not old:
+            return current_runtime()  # already replaced
+        new = _runtime = _Runtime(old.tls, round(old.poll_s * 1e6))
+        _retired.append(old)
+    old.retired = True
+    listeners, channels = old.members()
+    for channel in channels:  # first: a listener's port is free once its endpoints are gone
+        channel.close()
+    # Receives still posted for closed channels hold their endpoints, and so the listener.
+    old.call(old.worker.cancel_inflight_requests, 10.0, "cancel the old worker's operations")
+    for listener in listeners:
+        listener.move_to(new)
+    return new
+
+
+_retired: list[_Runtime] = []  # replaced runtimes: never destroyed (see replace_runtime)
+
+
 def runtime(tls: str | None, poll_us: int = POLL_US_DEFAULT) -> _Runtime:
     """The process's UCX runtime, started on first use. `poll_us` applies to the whole process
     (the last backend created sets it)."""
@@ -282,13 +340,36 @@ class _UcxxPostedRecvs(PostedRecvs):
             self._channel._recv_pool.give(stage)
 
 
+class _CloseWatch:
+    """Tells a peer's close of an endpoint from our own: UCX calls `fired` (on the owner
+    thread) whenever the endpoint closes; `closing` is set before we close it ourselves."""
+
+    __slots__ = ("rt", "closing")
+
+    def __init__(self, rt: _Runtime) -> None:
+        self.rt, self.closing = rt, False
+
+    def fired(self) -> None:
+        if not self.closing:
+            self.rt.peer_lost()
+
+
+def _watched(rt: _Runtime, endpoint: Any) -> tuple[Any, _CloseWatch]:
+    """On the owner thread: `endpoint` with a close watch installed."""
+    watch = _CloseWatch(rt)
+    endpoint.set_close_callback(watch.fired)
+    return endpoint, watch
+
+
 class UcxxChannel(Channel):
     message_based = True
     posted_recv = True
 
-    def __init__(self, rt: _Runtime, endpoint: Any, channel_id: int, outbound: bool, peer: str) -> None:
+    def __init__(self, rt: _Runtime, endpoint: Any, watch: _CloseWatch, channel_id: int, outbound: bool,
+                 peer: str) -> None:
         self._rt = rt
         self._ep = endpoint
+        self._watch = watch
         # tag = id*4 + lane*2 + direction: the connecting side sends on direction 0, the
         # listening side on 1; lane 0 is control, lane 1 data.
         mine, theirs = (0, 1) if outbound else (1, 0)
@@ -305,6 +386,7 @@ class UcxxChannel(Channel):
         self._next_slot = 0
         self._closed = threading.Event()  # set when close() starts
         self._endpoint_closed = threading.Event()  # set when no operation can touch memory
+        rt.adopt(self)
 
     def sendv(self, views: Sequence[memoryview], timeout: float) -> None:
         self.send_many([views], timeout)
@@ -408,12 +490,17 @@ class UcxxChannel(Channel):
                     raise TransferTimeoutError(f"{what} {self.peer} made no progress for {timeout:.1f}s")
         self._rt.wait(op, 0, f"{what} {self.peer}")
 
+    def expect_close(self) -> None:
+        """Both ends of this channel are ours and about to close: the peer's close is no news."""
+        self._watch.closing = True
+
     def close(self) -> None:
         """Close the endpoint: pending operations on it fail (their waiters see PeerLostError)."""
         if self._closed.is_set():
             self._endpoint_closed.wait(10.0)  # another thread is closing it: wait for that
             return
         self._closed.set()
+        self._watch.closing = True
         try:  # wait, so no operation of this endpoint touches memory once close() returned
             self._rt.wait(self._rt.post(self._close_endpoint, is_request=False), 10.0, f"close {self.peer}")
         except TransportError as e:
@@ -429,8 +516,10 @@ class UcxxChannel(Channel):
             endpoint.close_blocking(period=10**8, max_attempts=1)
 
 
-def _close_held(holder: list[Any]) -> None:
+def _close_held(holder: list[Any], watch: _CloseWatch | None = None) -> None:
     """On the owner thread: close an endpoint nobody uses and drop its last reference here."""
+    if watch is not None:
+        watch.closing = True
     endpoint = holder.pop()
     try:
         endpoint.close_blocking(period=10**8, max_attempts=1)
@@ -439,16 +528,48 @@ def _close_held(holder: list[Any]) -> None:
 
 
 class UcxxListener(Listener):
-    def __init__(self, rt: _Runtime, host: str, port: int) -> None:
-        self._rt = rt
-        self._incoming: queue.Queue[Any] = queue.Queue()
-        self._listener = rt.call(lambda: rt.ucx.UCXListener.create(rt.worker, port, self._on_connect),
-                                 30.0, "listen")
-        self.address = f"ucxx://{host}:{self._listener.port}"
+    def __init__(self, rt: _Runtime, host: str, port: int, greet_timeout: float = GREET_TIMEOUT_S) -> None:
+        self._incoming: queue.Queue[tuple[_Runtime, Any, _CloseWatch] | None] = queue.Queue()
+        self._greet_timeout = greet_timeout
+        self._closed = False
+        self._rt, self._held = rt, self._listen(rt, port)
+        self.port = self._held[0].port
+        self.address = f"ucxx://{host}:{self.port}"
+        rt.adopt(self)
 
-    def _on_connect(self, conn_request: Any) -> None:
+    def _listen(self, rt: _Runtime, port: int) -> list[Any]:
+        """A UCX listener on `rt`'s worker, in a list only the owner thread empties."""
+        held: list[Any] = []
+
+        def create() -> None:  # on the owner thread, before any connection can be delivered
+            held.append(rt.ucx.UCXListener.create(rt.worker, port, lambda req: self._on_connect(rt, held, req)))
+
+        rt.call(create, 30.0, "listen")
+        return held
+
+    def _on_connect(self, rt: _Runtime, held: list[Any], conn_request: Any) -> None:
         """Runs on the owner thread inside progress: make the endpoint, queue it."""
-        self._incoming.put(self._listener.create_endpoint_from_conn_request(conn_request, True))
+        endpoint = held[0].create_endpoint_from_conn_request(conn_request, True)
+        self._incoming.put((rt, *_watched(rt, endpoint)))
+
+    def move_to(self, rt: _Runtime) -> None:
+        """Listen on `rt`'s worker instead, on the same port (see replace_runtime)."""
+        if self._closed:
+            return
+        self._rt.call(self._held.clear, 10.0, "close listener")  # destroyed on its owner thread
+        deadline = time.monotonic() + MOVE_TIMEOUT_S
+        while True:  # the port is bound until the endpoints accepted on it are gone too
+            try:
+                self._rt, self._held = rt, self._listen(rt, self.port)
+                break
+            except TransportError as e:
+                if time.monotonic() > deadline:
+                    log.error("the UCX listener %s could not move to the new worker: %s; it accepts "
+                              "no more connections", self.address, e)
+                    self.close()
+                    return
+                time.sleep(0.1)
+        rt.adopt(self)
 
     def accept(self, timeout: float | None) -> Channel | None:
         """The next peer that introduced itself. A connection that fails before sending its
@@ -458,34 +579,44 @@ class UcxxListener(Listener):
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                endpoint = self._incoming.get(timeout=left)
+                incoming = self._incoming.get(timeout=left)
             except queue.Empty:
                 return None
-            if endpoint is None:
+            if incoming is None:
                 return None
+            rt, endpoint, watch = incoming
             holder = [endpoint]
-            del endpoint  # the owner thread drops the last reference (see _close_endpoint)
+            del endpoint, incoming  # the owner thread drops the last reference (see _close_endpoint)
             try:
-                return self._greet(holder)
+                return self._greet(rt, holder, watch)
             except TransportError as e:
                 log.warning("dropped an incoming UCX connection on %s: %s", self.address, e)
-                self._rt.post(lambda held=holder: _close_held(held), is_request=False)
+                rt.post(lambda held=holder, w=watch: _close_held(held, w), is_request=False)
 
-    def _greet(self, holder: list[Any]) -> UcxxChannel:
+    def _greet(self, rt: _Runtime, holder: list[Any], watch: _CloseWatch) -> UcxxChannel:
         """The connecting side's first bytes on the endpoint's stream: its channel id."""
-        rt = self._rt
         hello = np.zeros(1, np.uint64)
         array = rt.Array(hello)
-        rt.wait(rt.post(lambda: holder[0].stream_recv(array)), GREET_TIMEOUT_S, "channel id from a new peer")
+        rt.wait(rt.post(lambda: holder[0].stream_recv(array)), self._greet_timeout, "channel id from a new peer")
         channel_id = int(hello[0])
-        return UcxxChannel(rt, holder.pop(), channel_id, outbound=False, peer=f"ucxx-peer-{channel_id:x}")
+        return UcxxChannel(rt, holder.pop(), watch, channel_id, outbound=False, peer=f"ucxx-peer-{channel_id:x}")
 
     def close(self) -> None:
+        self._closed = True
         self._incoming.put(None)
-        self._rt.post(self._drop, is_request=False)
+        self._rt.post(self._held.clear, is_request=False)  # destroyed on the owner thread
 
-    def _drop(self) -> None:
-        self._listener = None  # destroyed on the owner thread
+
+def connect(rt: _Runtime, address: str, timeout: float) -> UcxxChannel:
+    """A channel to the listener at `address`: connect, then send our channel id."""
+    host, port = parse_address(address, "ucxx")
+    endpoint, watch = rt.call(lambda: _watched(rt, rt.ucx.UCXEndpoint.create(rt.worker, host, port, True)),
+                              timeout, f"connect to {address}")
+    channel_id = secrets.randbits(62)
+    hello = np.array([channel_id], np.uint64)
+    array = rt.Array(hello)
+    rt.wait(rt.post(lambda: endpoint.stream_send(array)), timeout, f"connect to {address}")
+    return UcxxChannel(rt, endpoint, watch, channel_id, outbound=True, peer=address)
 
 
 class UcxxBackend(Backend):
@@ -495,18 +626,10 @@ class UcxxBackend(Backend):
         """Raises BackendUnavailableError at once when ucxx cannot run here. `poll_us`: how long
         the owner thread keeps polling after the last event while operations are in flight (0:
         sleep on every event; less CPU, lower throughput)."""
-        self._rt = runtime(tls, poll_us)
+        runtime(tls, poll_us)
 
     def listen(self, host: str, port: int) -> Listener:
-        return UcxxListener(self._rt, host, port)
+        return UcxxListener(current_runtime(), host, port)
 
     def connect(self, address: str, timeout: float) -> Channel:
-        host, port = parse_address(address, "ucxx")
-        rt = self._rt
-        endpoint = rt.call(lambda: rt.ucx.UCXEndpoint.create(rt.worker, host, port, True), timeout,
-                           f"connect to {address}")
-        channel_id = secrets.randbits(62)
-        hello = np.array([channel_id], np.uint64)
-        array = rt.Array(hello)
-        rt.wait(rt.post(lambda: endpoint.stream_send(array)), timeout, f"connect to {address}")
-        return UcxxChannel(rt, endpoint, channel_id, outbound=True, peer=address)
+        return connect(current_runtime(), address, timeout)
