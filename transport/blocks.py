@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from transport.acceptor import Acceptor
 from transport.channel import Backend, Channel
 from transport.errors import ProtocolError, TransportError
 from transport.faults import FaultInjector
@@ -61,33 +62,15 @@ class BlockServer:
         self.serve, self.layout, self.block_bytes = serve, layout, block_bytes
         self.secret, self.timeout, self.faults = secret, timeout, faults
         self.served_blocks = 0
-        self._listener = backend.listen(host, port)
-        self.address = self._listener.address
-        self._channels: set[Channel] = set()
-        self._lock = threading.Lock()
-        self._closed = False
+        self._acceptor = Acceptor(backend.listen(host, port), self._serve_channel, "kv-block-server")
+        self.address = self._acceptor.address
 
     def start(self) -> BlockServer:
-        threading.Thread(target=self._accept_loop, name="kv-block-server", daemon=True).start()
+        self._acceptor.start()
         return self
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            channels = list(self._channels)
-        self._listener.close()
-        for ch in channels:
-            ch.close()
-
-    def _accept_loop(self) -> None:
-        while (channel := self._listener.accept(timeout=None)) is not None:
-            with self._lock:
-                if self._closed:
-                    channel.close()
-                    return
-                self._channels.add(channel)
-            threading.Thread(target=self._serve_channel, args=(channel,), daemon=True,
-                             name=f"kv-block-server-{channel.peer}").start()
+        self._acceptor.close()
 
     def _serve_channel(self, channel: Channel) -> None:
         try:
@@ -99,10 +82,6 @@ class BlockServer:
                 self._answer(channel, _parse_hashes(body))
         except TransportError as e:
             log.debug("block client %s: %s", channel.peer, e)
-        finally:
-            channel.close()
-            with self._lock:
-                self._channels.discard(channel)
 
     def _answer(self, channel: Channel, hashes: list[bytes]) -> None:
         rows = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from transport.acceptor import Acceptor
 from transport.channel import Backend, Channel
 from transport.errors import (
     ChecksumError,
@@ -100,20 +101,16 @@ class KVReceiver:
         self.timeout = timeout
         self.stats = ReceiverStats()
         self.faults = faults
-        self._listener = backend.listen(host, port)
-        self.address = self._listener.address
+        self._acceptor = Acceptor(backend.listen(host, port), self._serve, "kv-receiver")
+        self.address = self._acceptor.address
         self._expected: dict[str, _Expected] = {}
         self._outcomes: OrderedDict[str, _Expected] = OrderedDict()  # recently forgotten requests
         self._cond = threading.Condition()
-        self._channels: set[Channel] = set()
         self._closed = False
         self._scratch = memoryview(bytearray(min(FRAME_BYTES, 1 << 20)))
-        self._threads: list[threading.Thread] = []
 
     def start(self) -> KVReceiver:
-        t = threading.Thread(target=self._accept_loop, name="kv-receiver-accept", daemon=True)
-        t.start()
-        self._threads.append(t)
+        self._acceptor.start()
         return self
 
     # ------------------------------------------------------------------ the caller's verbs
@@ -157,12 +154,7 @@ class KVReceiver:
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            channels = list(self._channels)
-        self._listener.close()
-        for ch in channels:
-            ch.close()
-        for t in self._threads:
-            t.join(timeout=5)
+        self._acceptor.close(join_s=5.0)
 
     # ------------------------------------------------------------------ bookkeeping (lock held)
 
@@ -188,21 +180,6 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ connections
 
-    def _accept_loop(self) -> None:
-        while True:
-            channel = self._listener.accept(timeout=None)
-            if channel is None:
-                return
-            with self._cond:
-                if self._closed:
-                    channel.close()
-                    return
-                self._channels.add(channel)
-            t = threading.Thread(target=self._serve, args=(channel,), name=f"kv-receiver-{channel.peer}",
-                                 daemon=True)
-            t.start()
-            self._threads.append(t)
-
     def _serve(self, channel: Channel) -> None:
         try:
             self._handshake(channel)
@@ -215,10 +192,6 @@ class KVReceiver:
             log.warning("refused a KV sender from %s: %s", channel.peer, e)
         except TransportError as e:
             self._lost(channel, e)
-        finally:
-            channel.close()
-            with self._cond:
-                self._channels.discard(channel)
 
     def _serve_in_order(self, channel: Channel) -> None:
         """One message at a time: a unit's payload is received and verified before the next
