@@ -70,7 +70,8 @@ GREET_TIMEOUT_S = 5.0
 MOVE_TIMEOUT_S = GREET_TIMEOUT_S + 5.0  # a moving listener waits this long for its port
 SEND_WINDOW = 16  # sends in flight per channel (across messages)
 POLL_US_DEFAULT = 2000  # keep polling this long after the last event (TransportConfig.ucx_poll_us)
-POLL_SLICE_NS = 200_000  # one native polling slice; between slices the owner reaps in Python
+POLL_SLICE_NS = 200_000
+RETIRED_TICK_S = 0.1  # how often a replaced runtime's owner thread looks for posts  # one native polling slice; between slices the owner reaps in Python
 
 
 class Op:
@@ -115,7 +116,8 @@ class _Runtime:
         self._channels: weakref.WeakSet[UcxxChannel] = weakref.WeakSet()
         self.suspect = threading.Event()  # a peer closed an endpoint: check this worker
         self.retired = False  # replaced by a new runtime; kept (idle) so nothing is freed early
-        threading.Thread(target=self._run, name="ucx-owner", daemon=True).start()
+        self.owner = threading.Thread(target=self._run, name="ucx-owner", daemon=True)
+        self.owner.start()
 
     # ------------------------------------------------------------------ any thread
 
@@ -167,6 +169,9 @@ class _Runtime:
             self._reap()
             if self._posts:
                 continue
+            if self.retired:  # a wedged worker may never arm again: tick, do not spin
+                self._sleep([self._wake_r], RETIRED_TICK_S)
+                continue
             if active:
                 last_event = time.monotonic()
             if poll is not None and self._should_poll(last_event):
@@ -175,11 +180,14 @@ class _Runtime:
                 continue
             if not worker.arm():
                 continue  # events arrived while arming: progress again
-            select.select([epoll_fd, self._wake_r], [], [], 0.5)
-            try:
-                os.read(self._wake_r, 4096)
-            except BlockingIOError:
-                pass  # woken by UCX, not by a post
+            self._sleep([epoll_fd, self._wake_r], 0.5)
+
+    def _sleep(self, fds: list[int], timeout: float) -> None:
+        select.select(fds, [], [], timeout)
+        try:
+            os.read(self._wake_r, 4096)
+        except BlockingIOError:
+            pass  # woken by UCX, not by a post
 
     def _should_poll(self, last_event: float) -> bool:
         """Poll (rather than sleep) while operations are in flight and the last event is recent."""

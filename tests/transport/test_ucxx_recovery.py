@@ -46,6 +46,18 @@ def wedge_shared_memory_queues() -> int:
     return len(fifos)
 
 
+def cpu_seconds_over(tid: int, seconds: float) -> float:
+    """CPU time thread `tid` of this process used over the next `seconds`."""
+    def now() -> float:
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    before = now()
+    time.sleep(seconds)
+    return now() - before
+
+
 def pair(listener: Listener) -> tuple[Channel, Channel]:
     backend = get_backend("ucxx")
     accepted: list[Channel | None] = []
@@ -117,6 +129,8 @@ def test_a_wedged_queue_is_found_and_the_worker_replaced(listener: Listener,
     try:
         round_trip(sender, receiver)
         assert ucxx_recovery.probe(new, timeout=5.0)
+        used = cpu_seconds_over(old.owner.native_id, 1.0)
+        assert used < 0.2, f"the replaced worker's owner thread used {used:.2f} s of CPU in 1 s"
     finally:
         for channel in (sender, receiver, bystander_tx, bystander_rx, leaving_rx):
             channel.close()
