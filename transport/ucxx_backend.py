@@ -65,7 +65,7 @@ UCX_ENV_DEFAULTS = {
 log = logging.getLogger("halfmoon.transport")
 WINDOW = 8  # receives posted ahead per recv_many; staging slots per direction
 # A connecting peer sends its channel id right after connecting; one that does not within this
-# is dropped (accepting is serial: a mute peer must not hold up the next ones for long).
+# is dropped (each is greeted on a thread of its own, so a mute one holds up nobody else).
 GREET_TIMEOUT_S = 5.0
 MOVE_TIMEOUT_S = GREET_TIMEOUT_S + 5.0  # a moving listener waits this long for its port
 SEND_WINDOW = 16  # sends in flight per channel (across messages)
@@ -536,9 +536,13 @@ def _close_held(holder: list[Any], watch: _CloseWatch | None = None) -> None:
 
 
 class UcxxListener(Listener):
+    """Accepts UCX connections. Each new endpoint is greeted (its channel id read) on a
+    short-lived thread of its own, so a peer that stays mute holds up nobody else."""
+
     def __init__(self, rt: _Runtime, host: str, port: int, greet_timeout: float = GREET_TIMEOUT_S) -> None:
-        self._incoming: queue.Queue[tuple[_Runtime, Any, _CloseWatch] | None] = queue.Queue()
+        self._ready: queue.Queue[UcxxChannel | None] = queue.Queue()
         self._greet_timeout = greet_timeout
+        self._lock = threading.Lock()  # orders greeted channels against close()
         self._closed = False
         self._rt, self._held = rt, self._listen(rt, port)
         self.port = self._held[0].port
@@ -556,9 +560,9 @@ class UcxxListener(Listener):
         return held
 
     def _on_connect(self, rt: _Runtime, held: list[Any], conn_request: Any) -> None:
-        """Runs on the owner thread inside progress: make the endpoint, queue it."""
-        endpoint = held[0].create_endpoint_from_conn_request(conn_request, True)
-        self._incoming.put((rt, *_watched(rt, endpoint)))
+        """Runs on the owner thread inside progress: make the endpoint, greet it elsewhere."""
+        endpoint, watch = _watched(rt, held[0].create_endpoint_from_conn_request(conn_request, True))
+        threading.Thread(target=self._greet, args=(rt, [endpoint], watch), name="ucx-greet", daemon=True).start()
 
     def move_to(self, rt: _Runtime) -> None:
         """Listen on `rt`'s worker instead, on the same port (see replace_runtime)."""
@@ -580,28 +584,33 @@ class UcxxListener(Listener):
         rt.adopt(self)
 
     def accept(self, timeout: float | None) -> Channel | None:
-        """The next peer that introduced itself. A connection that fails before sending its
-        channel id (a peer that died or gave up while connecting, e.g. a stale attempt at an
-        address this listener now reuses) is dropped with a warning and accepting goes on."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                incoming = self._incoming.get(timeout=left)
-            except queue.Empty:
-                return None
-            if incoming is None:
-                return None
-            rt, endpoint, watch = incoming
-            holder = [endpoint]
-            del endpoint, incoming  # the owner thread drops the last reference (see _close_endpoint)
-            try:
-                return self._greet(rt, holder, watch)
-            except TransportError as e:
-                log.warning("dropped an incoming UCX connection on %s: %s", self.address, e)
-                rt.post(lambda held=holder, w=watch: _close_held(held, w), is_request=False)
+        """The next peer that introduced itself; None on timeout or once closed. A connection
+        that fails or stays mute before sending its channel id (a peer that died or gave up
+        while connecting, e.g. a stale attempt at an address this listener now reuses) is
+        dropped with a warning and never returned."""
+        try:
+            channel = self._ready.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if channel is None:
+            self._ready.put(None)  # closed: wake every other waiting accept() too
+        return channel
 
-    def _greet(self, rt: _Runtime, holder: list[Any], watch: _CloseWatch) -> UcxxChannel:
+    def _greet(self, rt: _Runtime, holder: list[Any], watch: _CloseWatch) -> None:
+        """On a greeting thread: read the channel id, then hand the channel to accept()."""
+        try:
+            channel = self._introduce(rt, holder, watch)
+        except TransportError as e:
+            log.warning("dropped an incoming UCX connection on %s: %s", self.address, e)
+            rt.post(lambda: _close_held(holder, watch), is_request=False)
+            return
+        with self._lock:
+            if not self._closed:
+                self._ready.put(channel)
+                return
+        channel.close()  # greeted after the listener closed: nobody will accept it
+
+    def _introduce(self, rt: _Runtime, holder: list[Any], watch: _CloseWatch) -> UcxxChannel:
         """The connecting side's first bytes on the endpoint's stream: its channel id."""
         hello = np.zeros(1, np.uint64)
         array = rt.Array(hello)
@@ -610,8 +619,17 @@ class UcxxListener(Listener):
         return UcxxChannel(rt, holder.pop(), watch, channel_id, outbound=False, peer=f"ucxx-peer-{channel_id:x}")
 
     def close(self) -> None:
-        self._closed = True
-        self._incoming.put(None)
+        """Stop accepting: waiting accept() calls return None; channels greeted but not
+        accepted are closed."""
+        with self._lock:
+            self._closed = True
+            unclaimed = []
+            while not self._ready.empty():
+                unclaimed.append(self._ready.get_nowait())
+            self._ready.put(None)
+        for channel in unclaimed:
+            if channel is not None:
+                channel.close()
         self._rt.post(self._held.clear, is_request=False)  # destroyed on the owner thread
 
 

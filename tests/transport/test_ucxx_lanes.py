@@ -108,6 +108,36 @@ def test_a_peer_that_never_introduces_itself_is_dropped_and_accepting_goes_on(
         listener.close()
 
 
+
+def test_a_mute_peer_does_not_hold_up_the_next_connection() -> None:
+    """A peer that connects and stays silent (half-open, or a port scanner) is greeted on its own
+    thread: a good peer right behind it is accepted at once, not after GREET_TIMEOUT_S."""
+    from transport.tcp import parse_address
+    from transport.ucxx_backend import GREET_TIMEOUT_S, _close_held, runtime
+
+    backend = get_backend("ucxx")
+    listener = backend.listen("127.0.0.1", 0)
+    rt = runtime(None)
+    host, port = parse_address(listener.address, "ucxx")
+    mute = [rt.call(lambda: rt.ucx.UCXEndpoint.create(rt.worker, host, port, True), 10.0, "connect")]
+    time.sleep(0.3)  # the listener has its end of the mute connection
+    sender = backend.connect(listener.address, 10.0)
+    try:
+        start = time.monotonic()
+        receiver = listener.accept(GREET_TIMEOUT_S * 2)
+        waited = time.monotonic() - start
+        assert receiver is not None
+        assert waited < GREET_TIMEOUT_S / 2, f"accept waited {waited:.1f} s behind the mute peer"
+        sender.sendv([memoryview(b"hello")], 10.0)
+        buf = bytearray(16)
+        receiver.recv_into([memoryview(buf)], 10.0)
+        assert bytes(buf[:5]) == b"hello"
+        receiver.close()
+    finally:
+        sender.close()
+        rt.call(lambda: _close_held(mute), 10.0, "close")
+        listener.close()
+
 def test_closing_the_listener_wakes_a_waiting_accept() -> None:
     backend = get_backend("ucxx")
     listener = backend.listen("127.0.0.1", 0)
