@@ -107,7 +107,7 @@ class KVReceiver:
         self._outcomes: OrderedDict[str, _Expected] = OrderedDict()  # recently forgotten requests
         self._cond = threading.Condition()
         self._closed = False
-        self._scratch = memoryview(bytearray(min(FRAME_BYTES, 1 << 20)))
+        self._drain_buf = memoryview(bytearray(min(FRAME_BYTES, 1 << 20)))
 
     def start(self) -> KVReceiver:
         self._acceptor.start()
@@ -298,8 +298,8 @@ class KVReceiver:
     def _drain_frame(self, channel: Channel, nbytes: int) -> None:
         views = []
         while nbytes:
-            n = min(nbytes, self._scratch.nbytes)
-            views.append(self._scratch[:n])  # the same scratch again: contents are thrown away
+            n = min(nbytes, self._drain_buf.nbytes)
+            views.append(self._drain_buf[:n])  # the same buffer again: contents are thrown away
             nbytes -= n
         if views:
             channel.recv_into(views, self.timeout)
@@ -389,14 +389,14 @@ class _Pipeline:
         request_id, ids, lengths = parse_unit_body(header, body)
         exp = self.r._claim(self.channel, request_id, header.layer, ids, header.payload_len)
         try:
-            views = (self._scratch(header.payload_len) if exp is None
+            views = (self._throwaway_views(header.payload_len) if exp is None
                      else self.r.kv.views(header.layer, ids))
             return _PostedUnit(exp, header, PayloadReceipt(self.channel, views, lengths))
         except BaseException:
             self.r._release(exp)
             raise
 
-    def _scratch(self, payload_len: int) -> list[memoryview]:
+    def _throwaway_views(self, payload_len: int) -> list[memoryview]:
         """Views a drained payload lands in: one shared throw-away buffer per frame."""
         scratch = memoryview(bytearray(min(payload_len, FRAME_BYTES)))
         full, rest = divmod(payload_len, FRAME_BYTES)

@@ -231,6 +231,13 @@ class _Runtime:
         self._watch = still
 
 
+def ucp_progress_address() -> int:
+    """The address of `ucp_worker_progress` in the libucp ucxx loaded (OSError if it is not
+    loaded, AttributeError if it lacks the symbol)."""
+    libucp = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+    return ctypes.cast(libucp.ucp_worker_progress, ctypes.c_void_p).value
+
+
 def native_poller(worker: Any, wake_fd: int) -> Callable[[], int] | None:
     """One slice of polling `worker` without the GIL (transport._ucxspin.spin): the number of
     events, 0 if none came within the slice or another thread queued a post. None, with a
@@ -238,8 +245,7 @@ def native_poller(worker: Any, wake_fd: int) -> Callable[[], int] | None:
     try:
         from transport import _ucxspin
 
-        libucp = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD | os.RTLD_NOW)  # the one ucxx loaded
-        progress = ctypes.cast(libucp.ucp_worker_progress, ctypes.c_void_p).value
+        progress = ucp_progress_address()
     except (ImportError, OSError, AttributeError) as e:
         log.warning("the ucxx backend runs without its native polling loop (%s): its owner thread "
                     "sleeps on UCX events between fragments, ~0.7x the shared-memory throughput; "

@@ -9,7 +9,6 @@ runtime's worker is progressed on its owner thread are not safe).
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import time
@@ -21,8 +20,9 @@ def main() -> None:
 
     from transport import _ucxspin
 
-    lib = ctypes.CDLL("libucp.so.0", mode=os.RTLD_NOLOAD | os.RTLD_NOW)
-    fn = ctypes.cast(lib.ucp_worker_progress, ctypes.c_void_p).value
+    from transport.ucxx_backend import ucp_progress_address
+
+    fn = ucp_progress_address()
     worker = u.UCXWorker(u.UCXContext(feature_flags=(u.Feature.TAG, u.Feature.STREAM)))
     r, w = os.pipe()
     out: dict[str, Any] = {}
