@@ -243,6 +243,18 @@ class WorkerLostError(ServiceUnavailableError):
         self.worker_id = worker_id
 
 
+class TransferFailedError(ServiceUnavailableError):
+    """A request's KV did not reach its decode worker intact (connection lost, timeout,
+    checksum mismatch) while both workers lived; both sides gave its blocks back."""
+
+
+def _is_transfer_failure(cause: BaseException) -> bool:
+    from decode_worker.worker import KVTransferFailedError
+    from transport.errors import TransportError
+
+    return isinstance(cause, (TransportError, KVTransferFailedError))
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     prefill: Worker
@@ -313,8 +325,9 @@ class ClusterBackend(GenerationBackend):
     # ------------------------------------------------------------------ requests
 
     async def generate(self, inp: GenerationInput) -> AsyncIterator[TokenDelta | Completion]:
-        """Route and run; a worker lost before the first token is routed around once,
-        transparently (nothing reached the client yet); later it is UNAVAILABLE."""
+        """Route and run. A worker lost, or a KV transfer failed, before the first token: the
+        request is re-run once, transparently (nothing reached the client yet; a lost worker is
+        routed around); later it is UNAVAILABLE."""
         rid = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
         arrival = time.perf_counter()
         excluded: set[str] = set()
@@ -327,11 +340,12 @@ class ClusterBackend(GenerationBackend):
                     sent = True
                     yield item
                 return
-            except WorkerLostError as e:
+            except (WorkerLostError, TransferFailedError) as e:
                 if sent or attempt == 2:
                     raise ServiceUnavailableError(str(e)) from e
-                log.warning("request %s: %s before its first token; re-routing", rid, e)
-                excluded.add(e.worker_id)
+                log.warning("request %s: %s before its first token; re-running it", rid, e)
+                if isinstance(e, WorkerLostError):
+                    excluded.add(e.worker_id)
 
     async def _attempt(self, inp: GenerationInput, rid: str, wid: str, arrival: float,
                        excluded: set[str]) -> AsyncIterator[TokenDelta | Completion]:
@@ -417,6 +431,8 @@ class ClusterBackend(GenerationBackend):
             raise WorkerLostError(worker.spec.worker_id) from e
         except RayTaskError as e:
             cause = e.cause if isinstance(e.cause, Exception) else e
+            if _is_transfer_failure(cause):
+                raise TransferFailedError(f"worker {worker.spec.worker_id}: {cause}") from e
             raise ServiceUnavailableError(f"worker {worker.spec.worker_id}: {cause}") from e
 
     # ------------------------------------------------------------------ routing

@@ -31,6 +31,11 @@ class DecodeFailedError(HalfmoonError):
     """The request could not be decoded here (its KV never arrived intact, or the engine failed)."""
 
 
+class KVTransferFailedError(DecodeFailedError):
+    """The request's KV did not arrive intact (sender lost, timeout, checksum mismatch); its
+    blocks were given back. Nothing was decoded, so the Conductor may re-run the request."""
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeTask:
     request_id: str
@@ -104,7 +109,7 @@ class DecodeWorker(EngineWorker):
             result = await asyncio.to_thread(self.receiver.wait, task.request_id, task.timeout_s)
         except TransportError as e:
             await self._release(task.request_id)
-            raise DecodeFailedError(f"request {task.request_id!r}: KV transfer failed: {e}") from e
+            raise KVTransferFailedError(f"request {task.request_id!r}: KV transfer failed: {e}") from e
         except BaseException:  # cancelled while waiting: nothing more may be written there
             self.receiver.cancel(task.request_id)
             await self._release(task.request_id)

@@ -21,6 +21,7 @@ from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.worker import EngineWorker, WorkerSpec
 from kvpool.remote import RemoteBlockReader
+from transport.faults import FaultInjector
 from transport.peers import KVPeers
 
 
@@ -52,7 +53,8 @@ class PrefillResult:
 class PrefillWorker(EngineWorker):
     def __init__(self, spec: WorkerSpec, remote: RemoteBlockReader | None = None) -> None:
         super().__init__(spec, remote)
-        self.peers = KVPeers(self.engine.kv_cache, self.layout, spec.transport)
+        self.faults = FaultInjector()  # drills: corrupt_next_push
+        self.peers = KVPeers(self.engine.kv_cache, self.layout, spec.transport, faults=self.faults)
         self.pending_tokens = 0  # prompt tokens accepted and not yet prefilled
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -78,6 +80,12 @@ class PrefillWorker(EngineWorker):
                 self.loop.unwatch(task.request_id)
                 self.engine.abort(task.request_id)
                 self.loop.wake()
+
+    async def corrupt_next_push(self, request_id: str | None = None, times: int = 1) -> None:
+        """Drill: flip one bit in the next `times` KV units pushed for `request_id` (None: any
+        request). The decode side detects it, the transfer fails, and the Conductor re-runs the
+        request if no token had reached the client."""
+        self.faults.corrupt_next(request_id=request_id, times=times)
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -7,6 +7,7 @@ One 2P2D cluster serves the module; a 1P1D cluster is started for its own test. 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -104,6 +105,26 @@ def _kill(api: RunningApi, worker_id: str) -> None:
 def _all_alive_again(api: RunningApi) -> bool:
     return all(w.alive for w in api.backend.manager.workers.values())
 
+
+
+def test_a_kv_transfer_that_fails_before_the_first_token_is_re_run(cluster: RunningApi, engine: Engine,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A KV unit corrupted on the wire (the prefill workers' drill hook): the decode side
+    refuses the data and gives its blocks back, and the Conductor re-runs the request: the
+    client only sees the right tokens."""
+    import ray
+
+    ids = engine.tokenizer.encode("The first law of thermodynamics states that")
+    rid = "drill-corrupt-push"
+    for worker in cluster.backend.manager.role("prefill"):  # whichever gets it: only this id's first try
+        ray.get(worker.handle.corrupt_next_push.remote(rid))
+    with caplog.at_level(logging.WARNING, logger="conductor.cluster"), grpc.insecure_channel(cluster.grpc_target) as ch:
+        req = pb.GenerateRequest(prompt_token_ids=ids, max_tokens=4, ignore_eos=True, request_id=rid)
+        tokens = [t for r in pb_grpc.GenerationStub(ch).Generate(req, timeout=120) for t in r.token_ids]
+    assert tokens == reference(engine, [ids], [4])[0]
+    assert f"request {rid}" in caplog.text and "checksum mismatch" in caplog.text and "re-running it" in caplog.text
+    for wid in ("decode-0", "decode-1"):
+        wait_until(lambda wid=wid: worker_load(cluster, wid)["reserved"] == 0, what=f"{wid} released")
 
 def test_killing_the_decode_worker_mid_stream(cluster: RunningApi, engine: Engine) -> None:
     ids = engine.tokenizer.encode("Count slowly from one to one hundred:")
