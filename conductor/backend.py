@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import abc
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -91,6 +92,8 @@ class BackendStats:
     kv_blocks_free: int
     kv_blocks_total: int
     engine_steps: int
+    # Requests re-run before their first token, by reason ("worker_lost", "kv_transfer").
+    requests_rerun: Mapping[str, int] = field(default_factory=dict)
 
 
 class GenerationBackend(abc.ABC):

@@ -20,6 +20,7 @@ when CUDA is present), pins each local worker to its own cores, restarts dead ac
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import time
@@ -278,6 +279,7 @@ class ClusterBackend(GenerationBackend):
         self._health: asyncio.Task | None = None
         self._requests = 0  # attempts in flight
         self._streaming = 0  # of which past their first token
+        self._reruns: collections.Counter[str] = collections.Counter()  # see BackendStats.requests_rerun
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -320,7 +322,8 @@ class ClusterBackend(GenerationBackend):
         decode = self.manager.role("decode")
         free = sum(w.free_blocks for w in decode)
         total = sum(w.total_blocks for w in decode)
-        return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0)
+        return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0,
+                            dict(self._reruns))
 
     # ------------------------------------------------------------------ requests
 
@@ -346,6 +349,7 @@ class ClusterBackend(GenerationBackend):
                 log.warning("request %s: %s before its first token; re-running it", rid, e)
                 if isinstance(e, WorkerLostError):
                     excluded.add(e.worker_id)
+                self._reruns["worker_lost" if isinstance(e, WorkerLostError) else "kv_transfer"] += 1
 
     async def _attempt(self, inp: GenerationInput, rid: str, wid: str, arrival: float,
                        excluded: set[str]) -> AsyncIterator[TokenDelta | Completion]:

@@ -116,6 +116,7 @@ def test_a_kv_transfer_that_fails_before_the_first_token_is_re_run(cluster: Runn
 
     ids = engine.tokenizer.encode("The first law of thermodynamics states that")
     rid = "drill-corrupt-push"
+    reruns = cluster.backend.stats().requests_rerun.get("kv_transfer", 0)
     for worker in cluster.backend.manager.role("prefill"):  # whichever gets it: only this id's first try
         ray.get(worker.handle.corrupt_next_push.remote(rid))
     with caplog.at_level(logging.WARNING, logger="conductor.cluster"), grpc.insecure_channel(cluster.grpc_target) as ch:
@@ -123,6 +124,7 @@ def test_a_kv_transfer_that_fails_before_the_first_token_is_re_run(cluster: Runn
         tokens = [t for r in pb_grpc.GenerationStub(ch).Generate(req, timeout=120) for t in r.token_ids]
     assert tokens == reference(engine, [ids], [4])[0]
     assert f"request {rid}" in caplog.text and "checksum mismatch" in caplog.text and "re-running it" in caplog.text
+    assert cluster.backend.stats().requests_rerun["kv_transfer"] == reruns + 1  # halfmoon_requests_rerun
     for wid in ("decode-0", "decode-1"):
         wait_until(lambda wid=wid: worker_load(cluster, wid)["reserved"] == 0, what=f"{wid} released")
 
@@ -161,9 +163,12 @@ def test_killing_a_prefill_worker_mid_transfer_frees_the_reservation(cluster: Ru
         time.sleep(0.5)  # inside the chunked prefill: some layers pushed, the rest not yet computed
         victim = _busiest(cluster, "prefill", "queued_ms")
         restarts = cluster.backend.manager.workers[victim].restarts
+        reruns = sum(cluster.backend.stats().requests_rerun.values())
         _kill(cluster, victim)
         tokens = [t for r in responses for t in r.token_ids]
     assert tokens == reference(engine, [long_prompt], [4])[0]
+    # Re-run once: as a lost worker, or as a failed transfer if the decode side saw it first.
+    assert sum(cluster.backend.stats().requests_rerun.values()) == reruns + 1
     for wid in ("decode-0", "decode-1"):  # every reservation was given back or became prefix cache
         wait_until(lambda wid=wid: worker_load(cluster, wid)["reserved"] == 0, what=f"{wid} released")
         load = worker_load(cluster, wid)

@@ -118,4 +118,5 @@ def test_metrics_and_health_over_http(served: Served) -> None:
 
     assert httpx.get(served.http_url + "/health").json() == {"status": "ok"}
     names = {f.name for f in text_string_to_metric_families(httpx.get(served.http_url + "/metrics").text)}
-    assert {"halfmoon_requests", "halfmoon_time_to_first_token_seconds", "halfmoon_kv_cache_usage_ratio"} <= names
+    assert {"halfmoon_requests", "halfmoon_time_to_first_token_seconds", "halfmoon_kv_cache_usage_ratio",
+            "halfmoon_requests_rerun"} <= names
