@@ -70,8 +70,8 @@ GREET_TIMEOUT_S = 5.0
 MOVE_TIMEOUT_S = GREET_TIMEOUT_S + 5.0  # a moving listener waits this long for its port
 SEND_WINDOW = 16  # sends in flight per channel (across messages)
 POLL_US_DEFAULT = 2000  # keep polling this long after the last event (TransportConfig.ucx_poll_us)
-POLL_SLICE_NS = 200_000
-RETIRED_TICK_S = 0.1  # how often a replaced runtime's owner thread looks for posts  # one native polling slice; between slices the owner reaps in Python
+POLL_SLICE_NS = 200_000  # one native polling slice; between slices the owner reaps in Python
+RETIRED_TICK_S = 0.1  # how often a replaced runtime's owner thread looks for posts
 
 
 class Op:
