@@ -611,10 +611,10 @@ class UcxxListener(Listener):
             rt.post(lambda: _close_held(holder, watch), is_request=False)
             return
         with self._lock:
-            if not self._closed:
+            if not self._closed and not rt.retired:
                 self._ready.put(channel)
                 return
-        channel.close()  # greeted after the listener closed: nobody will accept it
+        channel.close()  # greeted after the listener closed or its worker was replaced
 
     def _introduce(self, rt: _Runtime, holder: list[Any], watch: _CloseWatch) -> UcxxChannel:
         """The connecting side's first bytes on the endpoint's stream: its channel id."""
