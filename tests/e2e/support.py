@@ -37,10 +37,11 @@ def cost_model_file(path: Path) -> str:
     return str(path)
 
 
-def start_cluster(tmp: Path, prefill: int, decode: int, redis: EmbeddedRedis) -> RunningApi:
+def start_cluster(tmp: Path, prefill: int, decode: int, redis: EmbeddedRedis,
+                  kv_transport: str = "tcp") -> RunningApi:
     config = ClusterConfig(prefill=prefill, decode=decode,
                            engine=EngineConfig(num_blocks=256, max_num_batched_tokens=256),
-                           transport=TransportConfig(backend="tcp", timeout_s=20.0), worker_threads=1,
+                           transport=TransportConfig(backend=kv_transport, timeout_s=20.0), worker_threads=1,
                            object_store_mb=128, cost_model=cost_model_file(tmp / "cost.json"),
                            request_timeout_s=30.0)
     return run_api(ClusterBackend(config, redis.url), ServerConfig(grpc_port=0, http_port=0))
