@@ -105,6 +105,6 @@ def copy_views(src: Sequence[View], dst: Sequence[View]) -> None:
 
 
 def new_hash() -> xxhash.xxh3_64:
-    """The transfer checksum: xxh3-64, fed frame by frame (~19 GB/s here)."""
+    """The transfer checksum: xxh3-64, fed frame by frame (33-39 GB/s here on 8-64 MB)."""
     return xxhash.xxh3_64()
 
