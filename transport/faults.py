@@ -33,14 +33,20 @@ class FaultInjector:
 
     def corrupt_next(self, request_id: str | None = None, layer: int | None = None, times: int = 1) -> None:
         """Corrupt the next `times` units matching (None matches anything)."""
+        if times < 1:
+            raise ValueError(f"times must be >= 1, got {times}")
         with self._lock:
             self._rules.append(_Rule(request_id, layer, times))
 
     def should_corrupt(self, request_id: str, layer: int) -> bool:
+        if not self._rules:  # the usual case (a worker's drill hook, idle): no lock per unit
+            return False
         with self._lock:
             for rule in self._rules:
-                if rule.remaining and rule.request_id in (None, request_id) and rule.layer in (None, layer):
+                if rule.request_id in (None, request_id) and rule.layer in (None, layer):
                     rule.remaining -= 1
+                    if not rule.remaining:
+                        self._rules.remove(rule)
                     self.injected += 1
                     return True
         return False

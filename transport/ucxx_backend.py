@@ -115,6 +115,7 @@ class _Runtime:
         self._listeners: weakref.WeakSet[UcxxListener] = weakref.WeakSet()
         self._channels: weakref.WeakSet[UcxxChannel] = weakref.WeakSet()
         self.suspect = threading.Event()  # a peer closed an endpoint: check this worker
+        self.doctor: threading.Thread | None = None  # checks it (transport.ucxx_recovery.watch)
         self.retired = False  # replaced by a new runtime; kept (idle) so nothing is freed early
         self.owner = threading.Thread(target=self._run, name="ucx-owner", daemon=True)
         self.owner.start()

@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from transport.errors import TransportError
@@ -33,36 +32,34 @@ log = logging.getLogger("halfmoon.transport")
 PROBE_DELAY_S = 0.2  # let a failure settle first: several endpoints often go at once
 PROBE_TIMEOUT_S = 3.0  # a healthy worker greets itself in milliseconds
 
-_doctors: dict[int, threading.Thread] = {}  # id(runtime) -> its doctor thread
-_doctors_lock = threading.Lock()
+_checking_lock = threading.Lock()
 _checking = 0  # checks (probe, and replacement if needed) in progress, over all runtimes
 
 
 def watch(rt: _Runtime) -> None:
     """Make sure a doctor thread checks `rt` whenever `rt.suspect` is set. Cheap and
-    non-blocking: it runs on the owner thread."""
-    with _doctors_lock:
-        if id(rt) not in _doctors:
-            _doctors[id(rt)] = threading.Thread(target=_doctor, args=(rt,), name="ucx-doctor", daemon=True)
-            _doctors[id(rt)].start()
+    non-blocking; only `rt`'s owner thread calls it, so one doctor is started per runtime."""
+    if rt.doctor is None:
+        rt.doctor = threading.Thread(target=_doctor, args=(rt,), name="ucx-doctor", daemon=True)
+        rt.doctor.start()
 
 
 def _doctor(rt: _Runtime) -> None:
-    from transport.ucxx_backend import replace_runtime
-
     global _checking
     while not rt.retired:
         rt.suspect.wait()
-        with _doctors_lock:
+        with _checking_lock:
             _checking += 1
         try:
-            _check(rt, replace_runtime)
+            _check(rt)
         finally:
-            with _doctors_lock:
+            with _checking_lock:
                 _checking -= 1
 
 
-def _check(rt: _Runtime, replace_runtime: Callable[[_Runtime], object]) -> None:
+def _check(rt: _Runtime) -> None:
+    from transport.ucxx_backend import replace_runtime
+
     time.sleep(PROBE_DELAY_S)
     rt.suspect.clear()
     if rt.retired or probe(rt):

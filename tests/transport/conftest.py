@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from transport import KVLayout, KVReceiver, KVSender, get_backend
-from transport.channel import Backend
+from transport.channel import Backend, Channel, Listener
 
 BACKENDS = ["local", "tcp", "ucxx"]
 FINGERPRINT = "test-layout"
@@ -53,3 +55,20 @@ def make_pair(backend: Backend) -> Iterator:
     for p in pairs:
         p.close()
 
+
+def accept_pair(backend: Backend, listener: Listener) -> tuple[Channel, Channel]:
+    """A channel from `backend` to `listener` and the channel `listener` accepted for it."""
+    accepted: list[Channel | None] = []
+    t = threading.Thread(target=lambda: accepted.append(listener.accept(10.0)))
+    t.start()
+    sender = backend.connect(listener.address, 10.0)
+    t.join(15.0)
+    assert accepted and accepted[0] is not None, "the listener did not accept"
+    return sender, accepted[0]
+
+
+def thread_cpu_s(tid: int) -> float:
+    """CPU time (user + system) thread `tid` of this process has used so far."""
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -9,7 +9,6 @@ settings moving the same bytes, and an idle process that does not spin.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests.transport.conftest import accept_pair, thread_cpu_s
 from transport import get_backend
 from transport import ucxx_backend as ub
 
@@ -96,9 +96,9 @@ def test_an_idle_process_does_not_spin() -> None:
         waiting.start()
         time.sleep(0.2)
         owner = ub.current_runtime().owner
-        before = _thread_cpu_s(owner.native_id)
+        before = thread_cpu_s(owner.native_id)
         time.sleep(1.0)
-        used = _thread_cpu_s(owner.native_id) - before
+        used = thread_cpu_s(owner.native_id) - before
     finally:
         _close(pair)
     assert used < 0.2, f"the idle UCX owner thread used {used:.2f} s of CPU in 1 s"
@@ -118,13 +118,7 @@ def test_a_negative_polling_time_is_refused() -> None:
 
 def _pair(backend: Any) -> tuple[Any, Any, Any]:
     listener = backend.listen("127.0.0.1", 0)
-    accepted: list[Any] = []
-    t = threading.Thread(target=lambda: accepted.append(listener.accept(10.0)))
-    t.start()
-    sender = backend.connect(listener.address, 10.0)
-    t.join(10.0)
-    assert accepted and accepted[0] is not None
-    return sender, accepted[0], listener
+    return (*accept_pair(backend, listener), listener)
 
 
 def _close(pair: tuple[Any, Any, Any]) -> None:
@@ -148,8 +142,3 @@ def _transfer(sender: Any, receiver: Any, frames: list[np.ndarray]) -> list[np.n
     done.join(10.0)
     assert not done.is_alive()
     return out
-
-
-def _thread_cpu_s(tid: int) -> float:
-    fields = open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

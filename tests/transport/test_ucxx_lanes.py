@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from tests.transport.conftest import accept_pair
 from transport import get_backend
 from transport.channel import Channel
 
@@ -23,13 +24,7 @@ from transport.channel import Channel
 def pair() -> Iterator[tuple[Channel, Channel]]:
     backend = get_backend("ucxx")
     listener = backend.listen("127.0.0.1", 0)
-    accepted: list[Channel | None] = []
-    t = threading.Thread(target=lambda: accepted.append(listener.accept(10.0)))
-    t.start()
-    sender = backend.connect(listener.address, 10.0)
-    t.join(10.0)
-    receiver = accepted[0]
-    assert receiver is not None
+    sender, receiver = accept_pair(backend, listener)
     yield sender, receiver
     sender.close()
     receiver.close()

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from tests.transport.conftest import accept_pair, thread_cpu_s
 from transport import get_backend
 from transport import ucxx_backend as ub
 from transport import ucxx_recovery
@@ -46,27 +46,8 @@ def wedge_shared_memory_queues() -> int:
     return len(fifos)
 
 
-def cpu_seconds_over(tid: int, seconds: float) -> float:
-    """CPU time thread `tid` of this process used over the next `seconds`."""
-    def now() -> float:
-        with open(f"/proc/self/task/{tid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    before = now()
-    time.sleep(seconds)
-    return now() - before
-
-
 def pair(listener: Listener) -> tuple[Channel, Channel]:
-    backend = get_backend("ucxx")
-    accepted: list[Channel | None] = []
-    t = threading.Thread(target=lambda: accepted.append(listener.accept(10.0)))
-    t.start()
-    sender = backend.connect(listener.address, 10.0)
-    t.join(15.0)
-    assert accepted and accepted[0] is not None, "the listener did not accept"
-    return sender, accepted[0]
+    return accept_pair(get_backend("ucxx"), listener)
 
 
 def round_trip(sender: Channel, receiver: Channel) -> None:
@@ -129,7 +110,9 @@ def test_a_wedged_queue_is_found_and_the_worker_replaced(listener: Listener,
     try:
         round_trip(sender, receiver)
         assert ucxx_recovery.probe(new, timeout=5.0)
-        used = cpu_seconds_over(old.owner.native_id, 1.0)
+        before = thread_cpu_s(old.owner.native_id)
+        time.sleep(1.0)
+        used = thread_cpu_s(old.owner.native_id) - before
         assert used < 0.2, f"the replaced worker's owner thread used {used:.2f} s of CPU in 1 s"
     finally:
         for channel in (sender, receiver, bystander_tx, bystander_rx, leaving_rx):
