@@ -226,13 +226,15 @@ def _mac(secret: bytes, nonce: bytes, msg: dict) -> str:
 
 
 def message_frames(header: Header, body: bytes) -> list[list[memoryview]]:
-    """The frames of a message: header and body in one frame when the body fits
-    INLINE_BODY_BYTES (one message instead of two on a message backend), else two."""
+    """The frames of a message: header and body in one contiguous frame when the body fits
+    INLINE_BODY_BYTES (one message, and no staging copy, on a message backend), else two."""
     header.body_len = len(body)
-    head = header.pack_into(bytearray(HEADER_BYTES))
     if len(body) <= INLINE_BODY_BYTES:
-        return [[head, memoryview(body)]]
-    return [[head], [memoryview(body)]]
+        buf = bytearray(HEADER_BYTES + len(body))
+        header.pack_into(buf)
+        buf[HEADER_BYTES:] = body
+        return [[memoryview(buf)]]
+    return [[header.pack_into(bytearray(HEADER_BYTES))], [memoryview(body)]]
 
 
 def send_msg(channel: Channel, header: Header, body: bytes, timeout: float) -> None:
