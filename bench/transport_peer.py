@@ -7,6 +7,12 @@
         the sending side: plan = [[size, rounds, [rid, ...], [block, ...]], ...]; for each size the
         first rid warms up, the rest go out back to back in `rounds` equal rounds; prints
         {"gbps": {size: GB/s of the best round}}
+    python -m bench.transport_peer chan --nbytes N --count C [--no-hash]
+        the checksummed-channel reference: a ucxx channel alone (no KV protocol), receiving C
+        units of N bytes into one buffer, cut into the protocol's frames, xxh3-64 over each frame
+        as it lands, then a 1-byte ack; prints {"address": A}
+    python -m bench.transport_peer chansend --address A --nbytes N --count C [--no-hash]
+        its sending side (xxh3-64 over each frame before it goes out); prints {"gbps": GB/s}
     python -m bench.transport_peer socket --nbytes N --count C
         the raw baseline: plain sockets, `recv_into` one preallocated buffer C times, then a 1-byte ack;
         prints {"port": P}
@@ -16,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import sys
+import time
 
 import torch
 
@@ -53,8 +61,6 @@ def run_kv(args: argparse.Namespace) -> None:
 
 
 def run_send(args: argparse.Namespace) -> None:
-    import time
-
     from transport import KVLayout, KVSender, get_backend
 
     shape = tuple(int(x) for x in args.shape.split(","))
@@ -105,9 +111,55 @@ def run_socket(args: argparse.Namespace) -> None:
     server.close()
 
 
+def _unit_frames(nbytes: int) -> tuple[bytearray, list[list[memoryview]]]:
+    """One unit's buffer, cut into frames the way the KV protocol cuts a one-view payload."""
+    from transport.frames import split_frames
+    from transport.protocol import FRAME_BYTES
+
+    buf = bytearray(os.urandom(1024)) * (nbytes // 1024)
+    return buf, list(split_frames([memoryview(buf)], FRAME_BYTES))
+
+
+def _hasher(frames: list[list[memoryview]], on: bool):  # noqa: ANN202
+    """A per-frame callback feeding frame i to an xxh3-64 (or nothing when not `on`)."""
+    from transport.frames import new_hash
+
+    h = new_hash()
+    return (lambda i: h.update(frames[i][0])) if on else None
+
+
+def run_chan(args: argparse.Namespace) -> None:
+    from transport import get_backend
+
+    listener = get_backend("ucxx").listen("127.0.0.1", 0)
+    reply({"address": listener.address})
+    channel = listener.accept(60)
+    _, unit = _unit_frames(args.nbytes)
+    frames = unit * args.count  # one call, so receives stay posted ahead across units
+    channel.recv_many(frames, 60, _hasher(frames, args.hash))
+    channel.sendv([memoryview(b"k")], 30)
+    time.sleep(0.5)  # let the ack leave before the endpoint closes
+    channel.close()
+    listener.close()
+
+
+def run_chansend(args: argparse.Namespace) -> None:
+    from transport import get_backend
+
+    channel = get_backend("ucxx").connect(args.address, 60)
+    _, unit = _unit_frames(args.nbytes)
+    channel.send_many(unit, 60, _hasher(unit, args.hash))  # warm-up
+    frames = unit * (args.count - 1)
+    start = time.perf_counter()
+    channel.send_many(frames, 60, _hasher(frames, args.hash))
+    channel.recv_into([memoryview(bytearray(1))], 60)
+    reply({"gbps": (args.count - 1) * args.nbytes / (time.perf_counter() - start) / 1e9})
+    channel.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["kv", "send", "socket"])
+    ap.add_argument("mode", choices=["kv", "send", "socket", "chan", "chansend"])
     ap.add_argument("--address")
     ap.add_argument("--plan")
     ap.add_argument("--backend", default="tcp")
@@ -116,8 +168,10 @@ def main() -> None:
     ap.add_argument("--fingerprint", default="bench")
     ap.add_argument("--nbytes", type=int)
     ap.add_argument("--count", type=int)
+    ap.add_argument("--no-hash", dest="hash", action="store_false")
     args = ap.parse_args()
-    {"kv": run_kv, "send": run_send, "socket": run_socket}[args.mode](args)
+    modes = {"kv": run_kv, "send": run_send, "socket": run_socket, "chan": run_chan, "chansend": run_chansend}
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

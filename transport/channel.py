@@ -34,6 +34,14 @@ class Channel(abc.ABC):
     def close(self) -> None:
         """Close both directions; idempotent."""
 
+    def recv_control(self, nbytes: int, timeout: float | None) -> memoryview:
+        """Receive one frame of at most `nbytes` (a message backend: the message fills a prefix).
+        The protocol reads every control message this way, always with the same `nbytes`, so
+        a message backend may keep such receives posted ahead (ucxx does)."""
+        buf = memoryview(bytearray(nbytes))
+        self.recv_into([buf], timeout)
+        return buf
+
     def send_many(self, frames: Sequence[Sequence[memoryview]], timeout: float,
                   before: Callable[[int], None] | None = None) -> None:
         """Send frames in order, calling `before(i)` right before frame i goes out (it may

@@ -227,14 +227,18 @@ def _mac(secret: bytes, nonce: bytes, msg: dict) -> str:
 
 def message_frames(header: Header, body: bytes) -> list[list[memoryview]]:
     """The frames of a message: header and body in one contiguous frame when the body fits
-    INLINE_BODY_BYTES (one message, and no staging copy, on a message backend), else two."""
+    INLINE_BODY_BYTES (one message, and no staging copy, on a message backend); else the header,
+    then the body in frames of at most CONTROL_BYTES (so a message backend can keep control
+    receives of that size posted ahead: `Channel.recv_control`)."""
     header.body_len = len(body)
     if len(body) <= INLINE_BODY_BYTES:
         buf = bytearray(HEADER_BYTES + len(body))
         header.pack_into(buf)
         buf[HEADER_BYTES:] = body
         return [[memoryview(buf)]]
-    return [[header.pack_into(bytearray(HEADER_BYTES))], [memoryview(body)]]
+    view = memoryview(body)
+    return [[header.pack_into(bytearray(HEADER_BYTES))],
+            *([view[i : i + CONTROL_BYTES]] for i in range(0, len(body), CONTROL_BYTES))]
 
 
 def send_msg(channel: Channel, header: Header, body: bytes, timeout: float) -> None:
@@ -243,23 +247,30 @@ def send_msg(channel: Channel, header: Header, body: bytes, timeout: float) -> N
 
 
 def recv_msg(channel: Channel, timeout: float | None, body_timeout: float) -> tuple[Header, bytes]:
-    """Wait up to `timeout` (None: forever) for a message to start; a body sent as a frame of
+    """Wait up to `timeout` (None: forever) for a message to start; a body sent in frames of
     its own then has `body_timeout`. On a message backend the header and an inline body arrive
-    in one receive into a CONTROL_BYTES buffer; on a byte stream they are read back to back."""
+    in one control receive (`Channel.recv_control`); on a byte stream they are read back to back."""
     if channel.message_based:
-        buf = bytearray(CONTROL_BYTES)
-        channel.recv_into([memoryview(buf)], timeout)
+        buf = channel.recv_control(CONTROL_BYTES, timeout)
         header = Header.unpack(buf)
         if header.body_len <= INLINE_BODY_BYTES:
             return header, bytes(buf[HEADER_BYTES : HEADER_BYTES + header.body_len])
-    else:
-        buf = bytearray(HEADER_BYTES)
-        channel.recv_into([memoryview(buf)], timeout)
-        header = Header.unpack(buf)
+        return header, _recv_body_frames(channel, header.body_len, body_timeout)
+    buf = bytearray(HEADER_BYTES)
+    channel.recv_into([memoryview(buf)], timeout)
+    header = Header.unpack(buf)
     body = bytearray(header.body_len)
     if body:
         channel.recv_into([memoryview(body)], body_timeout)
     return header, bytes(body)
+
+
+def _recv_body_frames(channel: Channel, body_len: int, timeout: float) -> bytes:
+    """A body sent in frames of at most CONTROL_BYTES (message_frames), read as control frames."""
+    parts = []
+    for start in range(0, body_len, CONTROL_BYTES):
+        parts.append(bytes(channel.recv_control(CONTROL_BYTES, timeout)[: min(CONTROL_BYTES, body_len - start)]))
+    return b"".join(parts)
 
 
 def post_payload(channel: Channel, head: list[list[memoryview]], views: Sequence[memoryview],

@@ -69,6 +69,7 @@ WINDOW = 8  # receives posted ahead per recv_many; staging slots per direction
 GREET_TIMEOUT_S = 5.0
 MOVE_TIMEOUT_S = GREET_TIMEOUT_S + 5.0  # a moving listener waits this long for its port
 SEND_WINDOW = 16  # sends in flight per channel (across messages)
+CONTROL_AHEAD = 4  # control-lane receives kept posted (recv_control): a header is never waited for twice
 POLL_US_DEFAULT = 2000  # keep polling this long after the last event (TransportConfig.ucx_poll_us)
 POLL_SLICE_NS = 200_000  # one native polling slice; between slices the owner reaps in Python
 RETIRED_TICK_S = 0.1  # how often a replaced runtime's owner thread looks for posts
@@ -129,6 +130,13 @@ class _Runtime:
         self._posts.append((fn, op, is_request))
         os.write(self._wake_w, b"x")
         return op
+
+    def post_all(self, fns: Sequence[Callable[[], Any]]) -> list[Op]:
+        """`post` for several UCX requests at once, with one wake-up of the owner thread."""
+        ops = [Op() for _ in fns]
+        self._posts.extend((fn, op, True) for fn, op in zip(fns, ops))
+        os.write(self._wake_w, b"x")
+        return ops
 
     def call(self, fn: Callable[[], Any], timeout: float, what: str) -> Any:
         return self.wait(self.post(fn, is_request=False), timeout, what).result
@@ -397,6 +405,7 @@ class UcxxChannel(Channel):
         self._recv_stages = _Stages()
         self._recv_pool = _StagePool()
         self._in_flight: deque[Op] = deque()  # sends posted on this channel, oldest first
+        self._control: deque[tuple[Op, bytearray]] = deque()  # control receives posted ahead
         self._slot_ops: list[Op | None] = [None] * WINDOW  # the last send from each send stage
         self._next_slot = 0
         self._closed = threading.Event()  # set when close() starts
@@ -458,13 +467,31 @@ class UcxxChannel(Channel):
             if after is not None:
                 after(i)
 
+    def recv_control(self, nbytes: int, timeout: float | None) -> memoryview:
+        """The next control message, from CONTROL_AHEAD receives of `nbytes` kept posted on the
+        control lane (the caller reads every control message this way: see Channel)."""
+        missing = CONTROL_AHEAD - len(self._control)
+        if missing > 0:
+            bufs = [bytearray(nbytes) for _ in range(missing)]
+            arrays = [self._array(memoryview(buf)) for buf in bufs]
+            if self._closed.is_set():
+                raise PeerLostError(f"channel to {self.peer} is closed")
+            ops = self._rt.post_all([lambda a=array: self._ep.tag_recv(a, self._recv_tag) for array in arrays])
+            self._control.extend(zip(ops, bufs))
+        op, buf = self._control[0]
+        if len(buf) != nbytes:
+            raise ValueError(f"control receives are posted with {len(buf)} bytes, not {nbytes}")
+        self._wait(op, timeout, "receive from")
+        self._control.popleft()
+        return memoryview(buf)
+
     def post_recvs(self, frames: Sequence[Sequence[memoryview]]) -> PostedRecvs:
-        ops = []
-        for views in frames:
-            stage = None if len(views) == 1 else self._recv_pool.take(total_bytes(views))
-            array = self._array(views[0] if stage is None else memoryview(stage))
-            ops.append((self._post(lambda a=array: self._ep.tag_recv(a, self._recv_data_tag)), stage))
-        return _UcxxPostedRecvs(self, frames, ops)
+        stages = [None if len(views) == 1 else self._recv_pool.take(total_bytes(views)) for views in frames]
+        arrays = [self._array(views[0] if stage is None else memoryview(stage)) for views, stage in zip(frames, stages)]
+        if self._closed.is_set():
+            raise PeerLostError(f"channel to {self.peer} is closed")
+        ops = self._rt.post_all([lambda a=array: self._ep.tag_recv(a, self._recv_data_tag) for array in arrays])
+        return _UcxxPostedRecvs(self, frames, list(zip(ops, stages)))
 
     def _post_recv(self, views: Sequence[memoryview], i: int) -> tuple[Op, memoryview | None]:
         stage = None if len(views) == 1 else self._recv_stages.get(i % WINDOW, total_bytes(views))

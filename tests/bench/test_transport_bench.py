@@ -46,14 +46,32 @@ def test_rounds_keep_the_best_per_size_and_an_error_sticks() -> None:
 
 
 def test_ucxx_run_prints_both_perftest_baselines() -> None:
-    """One small real ucxx point: the like-for-like baseline (perftest -e) and the plain one."""
+    """One small real ucxx point: the like-for-like baseline (perftest -e), the plain one and
+    the checksummed channel's ceiling."""
     proc = subprocess.run([sys.executable, "-m", "halfmoon.cli", "bench", "transport", "--backends", "ucxx",
                            "--ucx-tls", "tcp", "--sizes-mb", "8", "--rounds", "2", "--budget-mb", "32",
                            "--skip", "pipelining", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(proc.stdout)["throughput"]
     assert row["backend"] == "ucxx (tcp)" and row["baseline"] == "ucx_perftest -e tcp"
-    assert row["gbps"] > 0 and row["raw_gbps"] > 0 and row["plain_gbps"] > 0
+    assert row["gbps"] > 0 and row["raw_gbps"] > 0 and row["plain_gbps"] > 0 and row["channel_gbps"] > 0
     assert row["ratio"] == pytest.approx(row["gbps"] / row["raw_gbps"])
     # Each round's own ratio (backend and perftest back to back): one per round.
     assert len(row["round_ratios"]) == 2 and all(x > 0 for x in row["round_ratios"])
+
+
+def test_checksummed_channel_moves_every_byte() -> None:
+    """The ceiling's peers: the receiver acks only after every frame of every unit landed (a
+    short count would leave the sender waiting), with checksums on and off."""
+    from bench.transport_bench import Peer
+
+    for flags in ([], ["--no-hash"]):
+        receiver = Peer(["chan", "--nbytes", str(8 * MB), "--count", "3", *flags], {"UCX_TLS": "tcp"})
+        try:
+            sender = Peer(["chansend", "--address", receiver.first["address"], "--nbytes", str(8 * MB),
+                           "--count", "3", *flags], {"UCX_TLS": "tcp"})
+            assert sender.first["gbps"] > 0
+            assert sender.proc.wait(30) == 0
+        finally:
+            receiver.close()
+        assert receiver.proc.returncode == 0

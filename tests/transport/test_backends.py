@@ -78,6 +78,43 @@ def test_message_sizes(make_pair, nbytes: int) -> None:  # noqa: ANN001
     assert torch.equal(dst_kv[:, :, 1:], src_kv[:, :, :-1])
 
 
+def test_a_unit_whose_block_list_outgrows_a_control_message(make_pair) -> None:  # noqa: ANN001
+    """20,000 shuffled block ids: the UNIT body (80 KB of ids plus the frame cuts) travels in
+    several control frames, and the payload, cut into many staged frames, still lands bit-exact."""
+    n = 20_000
+    src_kv, dst_kv = kv_tensor(n, layers=1, seed=5, head_dim=4), kv_tensor(n, layers=1, head_dim=4)
+    pair = make_pair(src_kv, dst_kv)
+    rng = random.Random(2)
+    src, dst = rng.sample(range(n), n), rng.sample(range(n), n)
+    pair.receiver.expect("wide", dst)
+    push(pair, "wide", src, dst).wait(60)
+    assert pair.receiver.wait("wide", 60).num_units == 1
+    assert torch.equal(dst_kv[:, :, dst], src_kv[:, :, src])
+
+
+def test_messages_with_large_bodies_keep_their_order(backend) -> None:  # noqa: ANN001
+    """Bodies of 0 B .. 3 control frames and a bit, back to back, each read whole and in order."""
+    from tests.transport.conftest import accept_pair
+    from transport.protocol import CONTROL_BYTES, Header, Kind, recv_msg, send_msg
+
+    listener = backend.listen("127.0.0.1", 0)
+    try:
+        a, b = accept_pair(backend, listener)
+        sizes = [0, 10, CONTROL_BYTES - 40, CONTROL_BYTES, 3 * CONTROL_BYTES + 7, 5]
+        bodies = [bytes(random.Random(i).randbytes(size)) for i, size in enumerate(sizes)]
+        sender = threading.Thread(target=lambda: [send_msg(a, Header(Kind.DONE, count=i), body, 10)
+                                                  for i, body in enumerate(bodies)])
+        sender.start()  # the local backend's sends wait for their receives
+        for i, body in enumerate(bodies):
+            header, got = recv_msg(b, 10, 10)
+            assert (header.count, got) == (i, body)
+        sender.join(10)
+        a.close()
+        b.close()
+    finally:
+        listener.close()
+
+
 def test_units_outside_the_reservation_are_refused(make_pair) -> None:  # noqa: ANN001
     pair = make_pair(kv_tensor(16, seed=4), kv_tensor(16))
     pair.receiver.expect("r", [0, 1])
