@@ -47,8 +47,9 @@ from transport.frames import frame_lengths, new_hash, split_at, split_frames
 from transport.layout import KVBytes, KVLayout
 
 # 2: payload frames and trailers on a data lane of their own (ucxx tags); 3: the sender's frame
-# cuts travel in the UNIT body.
-PROTOCOL_VERSION = 3
+# cuts travel in the UNIT body; 4: a body beyond one control frame travels in CONTROL_BYTES frames
+# (a message backend keeps control receives of that size posted ahead).
+PROTOCOL_VERSION = 4
 MAGIC = b"HMKV"
 _HEADER = struct.Struct("<4sB3xIIIQQ")
 TRAILER = struct.Struct("<Q")
