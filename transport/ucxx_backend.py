@@ -76,15 +76,31 @@ RETIRED_TICK_S = 0.1  # how often a replaced runtime's owner thread looks for po
 
 
 class Op:
-    """One posted UCX operation: `done` is set by the owner thread when it finished."""
+    """One posted UCX operation, finished once by the owner thread (`finish`).
 
-    __slots__ = ("done", "request", "error", "result")
+    Completion is a lock held from creation and released by `finish`: a wait or a check is one
+    C call, where a threading.Event costs a dozen Python frames on each side, several times per
+    transfer unit."""
+
+    __slots__ = ("_pending", "request", "error", "result")
 
     def __init__(self) -> None:
-        self.done = threading.Event()
+        self._pending = threading.Lock()
+        self._pending.acquire()
         self.request: Any = None
         self.error: BaseException | None = None
         self.result: Any = None
+
+    def finish(self) -> None:
+        """The owner thread: the operation completed (or failed: `error` is set first)."""
+        self._pending.release()
+
+    def wait(self, timeout: float | None) -> bool:
+        """True once finished (at once if it already is); False after `timeout` seconds."""
+        if not self._pending.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
+            return False
+        self._pending.release()  # stays finished for every later wait
+        return True
 
 
 class _Runtime:
@@ -124,7 +140,7 @@ class _Runtime:
     # ------------------------------------------------------------------ any thread
 
     def post(self, fn: Callable[[], Any], is_request: bool = True) -> Op:
-        """Run `fn` on the owner thread; if it returns a UCX request, `op.done` is set when that
+        """Run `fn` on the owner thread; if it returns a UCX request, `op` finishes when that
         request completes, else as soon as `fn` ran (its return value in `op.result`)."""
         op = Op()
         self._posts.append((fn, op, is_request))
@@ -142,7 +158,7 @@ class _Runtime:
         return self.wait(self.post(fn, is_request=False), timeout, what).result
 
     def wait(self, op: Op, timeout: float | None, what: str) -> Op:
-        if not op.done.wait(timeout):
+        if not op.wait(timeout):
             raise TransferTimeoutError(f"{what} made no progress for {timeout:.1f}s")
         if op.error is not None:
             raise PeerLostError(f"{what} failed: {op.error}") from op.error
@@ -213,14 +229,14 @@ class _Runtime:
                 del fn  # a post's closure may hold the last reference to a ucxx object
             except Exception as e:  # the endpoint already failed: the waiter sees it
                 op.error = e
-                op.done.set()
+                op.finish()
                 continue
             if is_request:
                 op.request = result
                 self._watch.append(op)
             else:
                 op.result = result
-                op.done.set()
+                op.finish()
         return True
 
     def _reap(self) -> None:
@@ -234,7 +250,7 @@ class _Runtime:
                 except Exception as e:  # UCXXConnectionResetError, UCXXCanceledError, ...
                     op.error = e
                 op.request = None  # released here, on the owner thread
-                op.done.set()
+                op.finish()
             else:
                 still.append(op)
         self._watch = still
@@ -520,7 +536,7 @@ class UcxxChannel(Channel):
     def _wait(self, op: Op, timeout: float | None, what: str) -> None:
         """Wait in slices so a close() from another thread is noticed."""
         remaining = timeout
-        while not op.done.wait(0.2 if remaining is None else min(0.2, remaining)):
+        while not op.wait(0.2 if remaining is None else min(0.2, remaining)):
             if self._closed.is_set():
                 # Raise only once the endpoint is closed: a caller that frees the op's memory
                 # on this error must not race a receive still writing into it.
