@@ -11,8 +11,11 @@
    error handling (`-e`: a dead peer fails pending operations instead of hanging them, which
    the fault tests need). On one host that mode rules out CMA's zero-copy read, so UCX moves
    shared-memory rendezvous data by copy-in / copy-out through sysv fragments. perftest without
-   `-e` (CMA) is printed beside it as a second reference. Baseline and backend take turns
-   round by round, so load from elsewhere on the machine hits both alike.
+   `-e` (CMA) is printed beside it as a second reference. Two more references split the gap:
+   the backend's ucxx channel alone (no KV protocol) without and with the protocol's checksums
+   (xxh3-64 of every frame on both ends, which the issue requires): the second is the ceiling
+   for a verified transfer. Baseline, references and backend take turns round by round, so load
+   from elsewhere on the machine hits all alike.
 2. Layer-pipelined vs transfer-after-prefill, SmolLM2 prompts (512, 2048, 8191 tokens): time
    from prefill start until the decode side holds every verified layer. The baseline is the
    prefill, then the whole transfer (t_transfer). Pipelined, only the part of the transfer still
@@ -148,17 +151,20 @@ def _socket_rate(size: int, count: int) -> float:
         peer.close()
 
 
-def channel_throughput(sizes: Sequence[int], budget: int, env: dict[str, str]) -> dict[int, float]:
+def channel_throughput(sizes: Sequence[int], budget: int, env: dict[str, str],
+                       checksums: bool = True) -> dict[int, float]:
     """GB/s of a ucxx channel alone, checksummed like the KV protocol (xxh3-64 over every
-    frame on both ends) but without the protocol: what the backend could reach at best once it
-    verifies every byte. Two processes, one unit buffer per side reused (as perftest's)."""
+    frame on both ends; `checksums=False`: none) but without the protocol: what the backend
+    could reach at best once it verifies every byte. Two processes, one unit buffer per side
+    reused (as perftest's)."""
     out: dict[int, float] = {}
+    flags = [] if checksums else ["--no-hash"]
     for size in sizes:
         count = str(count_for(size, budget) + 1)
-        receiver = Peer(["chan", "--nbytes", str(size), "--count", count], env)
+        receiver = Peer(["chan", "--nbytes", str(size), "--count", count, *flags], env)
         try:
             sender = Peer(["chansend", "--address", receiver.first["address"], "--nbytes", str(size),
-                           "--count", count], env)
+                           "--count", count, *flags], env)
             out[size] = sender.first["gbps"]
             sender.close()
         finally:
@@ -321,7 +327,7 @@ def _transfer(engine, sender, peer: Peer, blocks: list[int], rid: str) -> float:
 
 def throughput_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'backend':<22}{'size':>8}{'halfmoon GB/s':>15}{'raw GB/s':>10}  {'baseline':<30}{'ratio':>7}"
-            f"  {'target':<15}{'no-EH raw':>10}{'ratio':>7}{'chan+xxh3':>10}{'ratio':>7}"
+            f"  {'target':<15}{'no-EH raw':>10}{'ratio':>7}{'chan':>7}{'ratio':>7}{'chan+xxh3':>10}{'ratio':>7}"
             "  rounds (backend / raw, back to back)")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -330,17 +336,18 @@ def throughput_table(rows: list[dict[str, Any]]) -> str:
         target = "" if r["target"] is None else (">=0.70x " + ("met" if r["met"] else "MISSED"))
         plain = r.get("plain_gbps")
         extra = "" if plain is None else f"{plain:>10.2f}{r['gbps'] / plain:>6.2f}x"
-        chan = r.get("channel_gbps")
-        if chan is not None and r["raw_gbps"]:
-            extra += f"{chan:>10.2f}{chan / r['raw_gbps']:>6.2f}x"
+        bare, chan = r.get("bare_channel_gbps"), r.get("channel_gbps")
+        if bare is not None and chan is not None and r["raw_gbps"]:
+            extra += f"{bare:>7.2f}{bare / r['raw_gbps']:>6.2f}x{chan:>10.2f}{chan / r['raw_gbps']:>6.2f}x"
         if r.get("round_ratios"):
             extra += "  " + " ".join(f"{x:.2f}" for x in r["round_ratios"])
         lines.append(f"{r['backend']:<22}{r['size_mb']:>6}MB{r['gbps']:>15.2f}{raw:>10}  {r['baseline']:<30}"
                      f"{ratio:>7}  {target:<15}{extra}")
     lines.append("ucxx baseline: ucx_perftest -e (endpoints with peer error handling, as the backend's) "
                  "and the backend's UCX settings; no-EH raw: ucx_perftest without -e (CMA zero-copy on one host); "
-                 "chan+xxh3: a ucxx channel alone with the protocol's checksums (xxh3-64 of every frame on both "
-                 "ends), no KV protocol, and its ratio to perftest -e: the ceiling for a verified transfer; "
+                 "chan: a ucxx channel alone (the backend's, no KV protocol, no checksums); chan+xxh3: the same with "
+                 "the protocol's checksums (xxh3-64 of every frame on both ends): the ceiling for a verified "
+                 "transfer; their ratios are to perftest -e; "
                  "ratio and target: best of the rounds on each side; rounds: each round's own ratio")
     return "\n".join(lines)
 
@@ -367,13 +374,14 @@ def throughput_rows(backends: Sequence[str], sizes: Sequence[int], tls_list: Seq
         got = kv_throughput("tcp", sizes, budget, None, rounds)
         rows += [_row("tcp", s, got[s], raw[s], "python sockets") for s in sizes]
     for tls in tls_list if "ucxx" in backends else ():
-        got, raw_ucx, plain, chan, paired = _ucxx_rounds(tls, sizes, budget, rounds, progress)
+        got, raw_ucx, plain, chan, bare, paired = _ucxx_rounds(tls, sizes, budget, rounds, progress)
         for s in sizes:
             base = None if isinstance(raw_ucx, str) else raw_ucx[s]
             label = f"ucx_perftest -e {tls}" if base else "ucx_perftest unavailable"
             row = _row(f"ucxx ({tls})", s, got[s], base, label)
             row["plain_gbps"] = None if isinstance(plain, str) else plain[s]
             row["channel_gbps"] = None if isinstance(chan, str) else chan[s]
+            row["bare_channel_gbps"] = None if isinstance(bare, str) else bare[s]
             row["round_ratios"] = paired.get(s, [])
             rows.append(row)
     return rows
@@ -381,22 +389,24 @@ def throughput_rows(backends: Sequence[str], sizes: Sequence[int], tls_list: Seq
 
 def _ucxx_rounds(tls: str, sizes: Sequence[int], budget: int, rounds: int, progress: Progress
                  ) -> tuple[dict[int, float], dict[int, float] | str, dict[int, float] | str,
-                            dict[int, float] | str, dict[int, list[float]]]:
-    """Best of `rounds` for the backend, perftest -e, plain perftest and the checksummed channel
-    (channel_throughput), taking turns; and per size the ratio backend / perftest -e of each
-    round (the two measured back to back)."""
+                            dict[int, float] | str, dict[int, float] | str, dict[int, list[float]]]:
+    """Best of `rounds` for the backend, perftest -e, plain perftest and the channel alone
+    (channel_throughput) with and without checksums, taking turns; and per size the ratio
+    backend / perftest -e of each round (the two measured back to back)."""
     env = {**UCX_LOOPBACK_ENV, "UCX_TLS": tls}
     got: dict[int, float] = {}
     raw: dict[int, float] | str = {}
     plain: dict[int, float] | str = {}
     chan: dict[int, float] | str = {}
+    bare: dict[int, float] | str = {}
     paired: dict[int, list[float]] = {}
     for r in range(rounds):
         progress(f"throughput: UCX_TLS={tls}, round {r + 1}/{rounds}: ucx_perftest -e, ucx_perftest, "
-                 "checksummed channel, ucxx backend")
+                 "channel with and without checksums, ucxx backend")
         raw_r = perftest_throughput(tls, sizes, 1, error_handling=True)
         plain = _best(plain, perftest_throughput(tls, sizes, 1, error_handling=False))
         chan = _best(chan, channel_throughput(sizes, budget, env))
+        bare = _best(bare, channel_throughput(sizes, budget, env, checksums=False))
         got_r = kv_throughput("ucxx", sizes, budget, env, 1)
         raw, got = _best(raw, raw_r), _best(got, got_r)  # type: ignore[assignment]
         if not isinstance(raw_r, str):
@@ -404,7 +414,7 @@ def _ucxx_rounds(tls: str, sizes: Sequence[int], budget: int, rounds: int, progr
                 paired.setdefault(s, []).append(got_r[s] / raw_r[s])
     if isinstance(raw, str):
         progress(f"  baseline unavailable: {raw}")
-    return got, raw, plain, chan, paired
+    return got, raw, plain, chan, bare, paired
 
 
 def _best(acc: dict[int, float] | str, new: dict[int, float] | str) -> dict[int, float] | str:

@@ -76,14 +76,13 @@ class TransportBlockReader(RemoteBlockReader):
             self.failures += 1
             log.warning("no block server address for %s: %s", holder, e)
             return 0
-        failed_before = self.client.failures + self.client.checksum_failures
-        n = self.client.fetch(address, hashes, dst)
-        if self.client.failures + self.client.checksum_failures > failed_before:
+        outcome = self.client.fetch_outcome(address, hashes, dst)
+        if outcome.failed:
             self.failures += 1
             self._addresses.pop(holder, None)  # ask again next time
         else:
             self._addresses[holder] = address
-        return n
+        return outcome.count
 
     def close(self) -> None:
         if self.client is not None:

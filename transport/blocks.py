@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -110,18 +111,23 @@ class BlockClient:
     def fetch(self, address: str, hashes: Sequence[bytes], dst: torch.Tensor) -> int:
         """The leading blocks of `hashes` that `address` holds, verified, in `dst` rows; the
         count. Never raises: a failure delivers the batches verified before it."""
+        return self.fetch_outcome(address, hashes, dst).count
+
+    def fetch_outcome(self, address: str, hashes: Sequence[bytes], dst: torch.Tensor) -> Fetched:
+        """`fetch`, also telling whether it stopped on a failure (a lost connection, a protocol
+        error or a checksum mismatch) rather than on a block `address` does not hold."""
         if dst.dtype != torch.uint8 or dst.dim() != 2 or not dst.is_contiguous() or len(dst) < len(hashes):
             raise ValueError(f"dst must be a contiguous [>= {len(hashes)}, block_bytes] uint8 tensor")
-        got = 0
+        got, failed = 0, False
         with self._lock:
-            while got < len(hashes):
+            while got < len(hashes) and not failed:
                 batch = list(hashes[got : got + FETCH_BATCH])
-                n = self._fetch_batch(address, batch, dst[got : got + len(batch)])
+                n, failed = self._fetch_batch(address, batch, dst[got : got + len(batch)])
                 got += n
                 if n < len(batch):
                     break
         self.fetched_blocks += got
-        return got
+        return Fetched(got, failed)
 
     def close(self) -> None:
         with self._lock:
@@ -129,16 +135,18 @@ class BlockClient:
                 ch.close()
             self._channels.clear()
 
-    def _fetch_batch(self, address: str, hashes: list[bytes], rows: torch.Tensor) -> int:
+    def _fetch_batch(self, address: str, hashes: list[bytes], rows: torch.Tensor) -> tuple[int, bool]:
+        """(blocks delivered, whether the batch failed)."""
         try:
             channel = self._channel(address)
             channel.send_many(message_frames(Header(Kind.FETCH), _hashes_body(hashes)), self.timeout)
-            return self._receive(channel, rows, len(hashes))
+            n = self._receive(channel, rows, len(hashes))
         except TransportError as e:
             self.failures += 1
             log.warning("fetching %d blocks from %s failed (they are recomputed): %s", len(hashes), address, e)
             self._drop(address)
-            return 0
+            return 0, True
+        return (0, True) if n is None else (n, False)
 
     def _channel(self, address: str) -> Channel:
         channel = self._channels.get(address)
@@ -157,7 +165,8 @@ class BlockClient:
         if channel is not None:
             channel.close()
 
-    def _receive(self, channel: Channel, rows: torch.Tensor, asked: int) -> int:
+    def _receive(self, channel: Channel, rows: torch.Tensor, asked: int) -> int | None:
+        """The blocks delivered, None when they failed their checksum."""
         header, _ = recv_msg(channel, self.timeout, self.timeout)
         n = header.count
         if header.kind is not Kind.BLOCKS or n > asked or header.payload_len != n * rows.shape[1]:
@@ -168,8 +177,16 @@ class BlockClient:
         if actual != expected:
             self.checksum_failures += 1
             log.error("%d blocks fetched from %s failed their checksum; not used", n, channel.peer)
-            return 0
+            return None
         return n
+
+
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    """What `BlockClient.fetch_outcome` delivered."""
+
+    count: int  # leading blocks delivered and verified
+    failed: bool  # it stopped on a failure, not on a block the holder lacks
 
 
 def _hashes_body(hashes: Sequence[bytes]) -> bytes:
@@ -186,4 +203,4 @@ def _parse_hashes(body: bytes) -> list[bytes]:
         raise ProtocolError(f"FETCH carries a malformed hash: {e}") from e
 
 
-__all__ = ["FETCH_BATCH", "BlockClient", "BlockServer"]
+__all__ = ["FETCH_BATCH", "BlockClient", "BlockServer", "Fetched"]

@@ -55,6 +55,7 @@ def test_ucxx_run_prints_both_perftest_baselines() -> None:
     (row,) = json.loads(proc.stdout)["throughput"]
     assert row["backend"] == "ucxx (tcp)" and row["baseline"] == "ucx_perftest -e tcp"
     assert row["gbps"] > 0 and row["raw_gbps"] > 0 and row["plain_gbps"] > 0 and row["channel_gbps"] > 0
+    assert row["bare_channel_gbps"] > 0
     assert row["ratio"] == pytest.approx(row["gbps"] / row["raw_gbps"])
     # Each round's own ratio (backend and perftest back to back): one per round.
     assert len(row["round_ratios"]) == 2 and all(x > 0 for x in row["round_ratios"])

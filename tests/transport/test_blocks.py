@@ -72,7 +72,8 @@ def test_fetch_is_bit_exact_across_batches(backend: Backend, holder: Holder) -> 
 def test_unknown_blocks_and_an_empty_ask_deliver_nothing(backend: Backend, holder: Holder) -> None:
     client = client_for(backend, holder)
     dst = torch.zeros(2, BLOCK_BYTES, dtype=torch.uint8)
-    assert client.fetch(holder.server.address, [key(10_000), key(0)], dst) == 0
+    missing = client.fetch_outcome(holder.server.address, [key(10_000), key(0)], dst)
+    assert missing.count == 0 and not missing.failed  # a miss, not a failure
     assert client.fetch(holder.server.address, [], dst) == 0
     assert not dst.any() and client.failures == 0
     with pytest.raises(ValueError, match="uint8"):
@@ -88,7 +89,8 @@ def test_a_flipped_bit_is_detected_and_the_batch_not_used(backend: Backend) -> N
         hashes = [key(i) for i in range(2 * FETCH_BATCH)]
         dst = torch.zeros(len(hashes), BLOCK_BYTES, dtype=torch.uint8)
         faults.corrupt_next(request_id="fetch")  # the first batch goes out corrupted
-        assert client.fetch(holder.server.address, hashes, dst) == 0
+        corrupted = client.fetch_outcome(holder.server.address, hashes, dst)
+        assert corrupted.count == 0 and corrupted.failed
         assert client.checksum_failures == 1 and faults.injected == 1
         # The connection is still in step: the next fetch is whole and exact.
         assert client.fetch(holder.server.address, hashes, dst) == len(hashes)
@@ -104,7 +106,8 @@ def test_a_gone_server_is_a_miss_within_the_timeout(backend: Backend) -> None:
     dst = torch.zeros(4, BLOCK_BYTES, dtype=torch.uint8)
     assert client.fetch(holder.server.address, [key(i) for i in range(4)], dst) == 4
     holder.server.close()
-    assert client.fetch(holder.server.address, [key(i) for i in range(4)], dst) == 0
+    gone = client.fetch_outcome(holder.server.address, [key(i) for i in range(4)], dst)
+    assert gone.count == 0 and gone.failed
     assert client.failures >= 1
     client.close()
 
