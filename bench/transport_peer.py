@@ -116,7 +116,7 @@ def _unit_frames(nbytes: int) -> tuple[bytearray, list[list[memoryview]]]:
     from transport.frames import split_frames
     from transport.protocol import FRAME_BYTES
 
-    buf = bytearray(os.urandom(1024)) * (nbytes // 1024)
+    buf = (bytearray(os.urandom(1024)) * (nbytes // 1024 + 1))[:nbytes]
     return buf, list(split_frames([memoryview(buf)], FRAME_BYTES))
 
 

@@ -88,11 +88,13 @@ class KVBytes:
         """The ids as an int64 array; ProtocolError unless `layer` and every id are in range."""
         if not 0 <= layer < self.num_layers:
             raise ProtocolError(f"layer {layer} is not in 0..{self.num_layers - 1}")
-        ids = np.asarray(block_ids, dtype=np.int64)
+        ids = np.asarray(block_ids)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise ProtocolError(f"block ids must be integers, got {ids.dtype} values")
         bad = (ids < 0) | (ids >= self.num_blocks)
         if bad.any():
             raise ProtocolError(f"block id {ids[bad.argmax()]} is not in 0..{self.num_blocks - 1}")
-        return ids
+        return ids.astype(np.int64)
 
 
 def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

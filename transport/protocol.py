@@ -1,7 +1,7 @@
 """Wire format: every message is a fixed-size header frame, then an optional body frame, then
 (for a transfer unit) the payload frames.
 
-    header (40 B) = magic "HMKV" | kind u8 | pad | layer u32 | body_len u32 | num_blocks u32
+    header (36 B) = magic "HMKV" | kind u8 | pad | layer u32 | body_len u32 | num_blocks u32
                     | payload_len u64 | count u64
     UNIT payload  = frames of <= FRAME_BYTES, cut where the body says (see below), then an
                     8-byte trailer: xxh3-64 of the payload.

@@ -82,24 +82,29 @@ class Op:
     C call, where a threading.Event costs a dozen Python frames on each side, several times per
     transfer unit."""
 
-    __slots__ = ("_pending", "request", "error", "result")
+    __slots__ = ("_pending", "_done", "request", "error", "result")
 
     def __init__(self) -> None:
         self._pending = threading.Lock()
         self._pending.acquire()
+        self._done = False
         self.request: Any = None
         self.error: BaseException | None = None
-        self.result: Any = None
+        self.result: Any = None  # a post's return value; a posted receive's buffer (kept alive)
 
     def finish(self) -> None:
         """The owner thread: the operation completed (or failed: `error` is set first)."""
+        self._done = True
         self._pending.release()
 
     def wait(self, timeout: float | None) -> bool:
-        """True once finished (at once if it already is); False after `timeout` seconds."""
+        """True once finished (at once if it already is, whoever else is waiting); False after
+        `timeout` seconds."""
+        if self._done:
+            return True
         if not self._pending.acquire(True, -1 if timeout is None else max(timeout, 0.0)):
-            return False
-        self._pending.release()  # stays finished for every later wait
+            return self._done  # finished while another waiter held the lock for a moment
+        self._pending.release()  # stays free for every other waiter
         return True
 
 
@@ -493,6 +498,8 @@ class UcxxChannel(Channel):
             if self._closed.is_set():
                 raise PeerLostError(f"channel to {self.peer} is closed")
             ops = self._rt.post_all([lambda a=array: self._ep.tag_recv(a, self._recv_tag) for array in arrays])
+            for op, buf in zip(ops, bufs):
+                op.result = buf  # lives as long as the op: until the receive completed or failed
             self._control.extend(zip(ops, bufs))
         op, buf = self._control[0]
         if len(buf) != nbytes:
@@ -510,6 +517,9 @@ class UcxxChannel(Channel):
         return _UcxxPostedRecvs(self, frames, list(zip(ops, stages)))
 
     def _post_recv(self, views: Sequence[memoryview], i: int) -> tuple[Op, memoryview | None]:
+        if self._control:
+            raise RuntimeError("this channel's control lane is read by recv_control (receives posted ahead): "
+                               "recv_into / recv_many on it would take messages out of order")
         stage = None if len(views) == 1 else self._recv_stages.get(i % WINDOW, total_bytes(views))
         array = self._array(views[0] if stage is None else stage)
         return self._post(lambda: self._ep.tag_recv(array, self._recv_tag)), stage

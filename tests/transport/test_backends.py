@@ -93,14 +93,15 @@ def test_a_unit_whose_block_list_outgrows_a_control_message(make_pair) -> None: 
 
 
 def test_messages_with_large_bodies_keep_their_order(backend) -> None:  # noqa: ANN001
-    """Bodies of 0 B .. 3 control frames and a bit, back to back, each read whole and in order."""
+    """Bodies of 0 B .. 3 control frames and a bit, back to back, each read whole and in order:
+    the largest inline body, one byte more (the first body in frames of its own), and more."""
     from tests.transport.conftest import accept_pair
-    from transport.protocol import CONTROL_BYTES, Header, Kind, recv_msg, send_msg
+    from transport.protocol import CONTROL_BYTES, INLINE_BODY_BYTES, Header, Kind, recv_msg, send_msg
 
     listener = backend.listen("127.0.0.1", 0)
     try:
         a, b = accept_pair(backend, listener)
-        sizes = [0, 10, CONTROL_BYTES - 40, CONTROL_BYTES, 3 * CONTROL_BYTES + 7, 5]
+        sizes = [0, 10, INLINE_BODY_BYTES, INLINE_BODY_BYTES + 1, CONTROL_BYTES, 3 * CONTROL_BYTES + 7, 5]
         bodies = [bytes(random.Random(i).randbytes(size)) for i, size in enumerate(sizes)]
         sender = threading.Thread(target=lambda: [send_msg(a, Header(Kind.DONE, count=i), body, 10)
                                                   for i, body in enumerate(bodies)])

@@ -18,6 +18,7 @@ import pytest
 from tests.transport.conftest import accept_pair
 from transport import get_backend
 from transport.channel import Channel
+from transport.errors import TransferTimeoutError
 
 
 @pytest.fixture
@@ -54,6 +55,23 @@ def test_control_messages_pass_payload_receives_posted_ahead(pair: tuple[Channel
     finish(10.0)
     for p, o in zip(payload, out):
         assert np.array_equal(p, o)
+
+
+def test_control_receives_stay_posted_and_the_lane_has_one_reader(pair: tuple[Channel, Channel]) -> None:
+    """recv_control keeps receives posted on the control lane, so messages already sent are
+    read at once, in order; a timed-out read leaves them in step; a raw receive on that lane
+    afterwards is refused (it would take a message meant for a posted control receive)."""
+    from transport.protocol import CONTROL_BYTES, Header, Kind, recv_msg, send_msg
+
+    sender, receiver = pair
+    with pytest.raises(TransferTimeoutError):
+        recv_msg(receiver, 0.3, 1.0)  # nothing sent yet: the posted receives stay posted
+    for i in range(6):  # more than are posted ahead
+        send_msg(sender, Header(Kind.DONE, count=i), b"x" * i, 5.0)
+    assert [recv_msg(receiver, 5.0, 5.0) for _ in range(6)] == [
+        (Header(Kind.DONE, body_len=i, count=i), b"x" * i) for i in range(6)]
+    with pytest.raises(RuntimeError, match="control lane"):
+        receiver.recv_into([memoryview(bytearray(CONTROL_BYTES))], 1.0)
 
 
 def test_closing_fails_posted_receives_and_returns_once_nothing_writes(
