@@ -74,7 +74,8 @@ class KVBytes:
         ids = self.check(layer, block_ids)
         starts, stops = _runs(ids)
         arr = self.array
-        return [memoryview(arr[layer, kv, start:stop]).cast("B") for kv in (0, 1) for start, stop in zip(starts, stops)]
+        runs = list(zip(starts, stops))
+        return [memoryview(arr[layer, kv, start:stop]).cast("B") for kv in (0, 1) for start, stop in runs]
 
     def bounds(self, block_ids: Sequence[int]) -> list[int]:
         """Byte offsets (in a unit's payload) at which `views(layer, block_ids)` breaks: the end

@@ -147,15 +147,12 @@ class _Runtime:
     def post(self, fn: Callable[[], Any], is_request: bool = True) -> Op:
         """Run `fn` on the owner thread; if it returns a UCX request, `op` finishes when that
         request completes, else as soon as `fn` ran (its return value in `op.result`)."""
-        op = Op()
-        self._posts.append((fn, op, is_request))
-        os.write(self._wake_w, b"x")
-        return op
+        return self.post_all([fn], is_request)[0]
 
-    def post_all(self, fns: Sequence[Callable[[], Any]]) -> list[Op]:
-        """`post` for several UCX requests at once, with one wake-up of the owner thread."""
+    def post_all(self, fns: Sequence[Callable[[], Any]], is_request: bool = True) -> list[Op]:
+        """`post` for several functions at once, with one wake-up of the owner thread."""
         ops = [Op() for _ in fns]
-        self._posts.extend((fn, op, True) for fn, op in zip(fns, ops))
+        self._posts.extend((fn, op, is_request) for fn, op in zip(fns, ops))
         os.write(self._wake_w, b"x")
         return ops
 
@@ -426,7 +423,7 @@ class UcxxChannel(Channel):
         self._recv_stages = _Stages()
         self._recv_pool = _StagePool()
         self._in_flight: deque[Op] = deque()  # sends posted on this channel, oldest first
-        self._control: deque[tuple[Op, bytearray]] = deque()  # control receives posted ahead
+        self._control: deque[Op] = deque()  # control receives posted ahead (buffer in op.result)
         self._slot_ops: list[Op | None] = [None] * WINDOW  # the last send from each send stage
         self._next_slot = 0
         self._closed = threading.Event()  # set when close() starts
@@ -494,27 +491,29 @@ class UcxxChannel(Channel):
         missing = CONTROL_AHEAD - len(self._control)
         if missing > 0:
             bufs = [bytearray(nbytes) for _ in range(missing)]
-            arrays = [self._array(memoryview(buf)) for buf in bufs]
-            if self._closed.is_set():
-                raise PeerLostError(f"channel to {self.peer} is closed")
-            ops = self._rt.post_all([lambda a=array: self._ep.tag_recv(a, self._recv_tag) for array in arrays])
+            ops = self._post_recvs([memoryview(buf) for buf in bufs], self._recv_tag)
             for op, buf in zip(ops, bufs):
                 op.result = buf  # lives as long as the op: until the receive completed or failed
-            self._control.extend(zip(ops, bufs))
-        op, buf = self._control[0]
-        if len(buf) != nbytes:
-            raise ValueError(f"control receives are posted with {len(buf)} bytes, not {nbytes}")
+            self._control.extend(ops)
+        op = self._control[0]
+        if len(op.result) != nbytes:
+            raise ValueError(f"control receives are posted with {len(op.result)} bytes, not {nbytes}")
         self._wait(op, timeout, "receive from")
         self._control.popleft()
-        return memoryview(buf)
+        return memoryview(op.result)
 
     def post_recvs(self, frames: Sequence[Sequence[memoryview]]) -> PostedRecvs:
         stages = [None if len(views) == 1 else self._recv_pool.take(total_bytes(views)) for views in frames]
-        arrays = [self._array(views[0] if stage is None else memoryview(stage)) for views, stage in zip(frames, stages)]
+        targets = [views[0] if stage is None else memoryview(stage) for views, stage in zip(frames, stages)]
+        ops = self._post_recvs(targets, self._recv_data_tag)
+        return _UcxxPostedRecvs(self, frames, list(zip(ops, stages)))
+
+    def _post_recvs(self, targets: Sequence[memoryview], tag: Any) -> list[Op]:
+        """A tag receive into each target, posted with one owner wake-up."""
+        arrays = [self._array(target) for target in targets]
         if self._closed.is_set():
             raise PeerLostError(f"channel to {self.peer} is closed")
-        ops = self._rt.post_all([lambda a=array: self._ep.tag_recv(a, self._recv_data_tag) for array in arrays])
-        return _UcxxPostedRecvs(self, frames, list(zip(ops, stages)))
+        return self._rt.post_all([lambda a=array: self._ep.tag_recv(a, tag) for array in arrays])
 
     def _post_recv(self, views: Sequence[memoryview], i: int) -> tuple[Op, memoryview | None]:
         if self._control:
