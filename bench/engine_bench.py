@@ -47,7 +47,7 @@ from engine.config import DTYPES, EngineConfig
 from engine.engine import Engine
 from engine.loader import resolve_model_path
 from engine.outputs import CompletionResult
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 
 MODEL = "smollm2"
 BLOCK_SIZE = 16

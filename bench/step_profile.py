@@ -11,7 +11,7 @@ from collections import defaultdict
 from torch.profiler import ProfilerActivity, profile
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 
 # Op name fragments -> category; the first match wins.
 CATEGORIES = (

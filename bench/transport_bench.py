@@ -293,7 +293,7 @@ def _pipeline_row(engine, sender, peer: Peer, n: int, repeats: int) -> dict[str,
 
 def _prefill(engine, prompt: list[int], salt: str, stream) -> float:  # noqa: ANN001
     """Seconds until the prefill's last forward pass returned (first token sampled)."""
-    from engine.sampling_params import SamplingParams
+    from core.params import SamplingParams
 
     start = time.perf_counter()
     engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), cache_salt=salt, kv_push=stream)

@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from conductor.errors import TooManyStreamsError, UnauthenticatedError
-from engine.errors import ConfigError
+from core.errors import ConfigError
 
 TOKENS_ENV = "HALFMOON_API_TOKENS"
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 

@@ -25,7 +25,7 @@ from conductor.errors import (DeadlineExceededError, OverloadedError, ServiceUna
                               SloMissError, SloPrediction)
 from engine.engine import Engine
 from engine.loop import EngineLoop
-from engine.errors import InvalidRequestError
+from core.errors import InvalidRequestError
 from engine.outputs import CompletionResult, RequestOutput
 
 _Item = RequestOutput | BaseException

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
-from engine.errors import ConfigError, HalfmoonError
+from core.errors import ConfigError, HalfmoonError
 from engine.profiling import DecodeSample, PrefillSample, Profile, measure_engine
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module is read by the router too

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from engine.errors import (ChatTemplateError, HalfmoonError, InvalidRequestError,
-                           RequestAbortedError)
+from core.errors import HalfmoonError, InvalidRequestError
+from engine.errors import ChatTemplateError, RequestAbortedError
 
 
 class ModelNotFoundError(HalfmoonError):

@@ -27,7 +27,7 @@ from conductor.errors import (RetryableRejection, SloMissError, client_message, 
                               status_of)
 from conductor.frontdoor import FrontDoor
 from conductor.requests import RequestSpec, check_messages, check_model
-from engine.errors import InvalidRequestError
+from core.errors import InvalidRequestError
 from halfmoon.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from conductor import openai_schema as oa
 from conductor.backend import Completion, TokenDelta
 from conductor.errors import RequestTooLargeError, RetryableRejection, status_of
 from conductor.frontdoor import FrontDoor
-from engine.errors import HalfmoonError, InvalidRequestError
+from core.errors import HalfmoonError, InvalidRequestError
 
 log = logging.getLogger(__name__)
 

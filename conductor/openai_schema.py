@@ -15,7 +15,7 @@ from typing import Any
 from conductor.backend import Completion
 from conductor.errors import SloMissError, client_message, field_of, status_of
 from conductor.requests import RequestSpec
-from engine.errors import InvalidRequestError
+from core.errors import InvalidRequestError
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
            "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from conductor.backend import GenerationInput, ModelCard, Slo
 from conductor.errors import ModelNotFoundError
-from engine.errors import InvalidRequestError
-from engine.sampling_params import SamplingParams
+from core.errors import InvalidRequestError
+from core.params import SamplingParams
 from engine.tokenizer import Tokenizer
 
 ROLES = frozenset({"system", "user", "assistant"})

@@ -26,7 +26,7 @@ from conductor.frontdoor import FrontDoor
 from conductor.grpc_api import GrpcTls, bind, build_server, set_serving
 from conductor.openai_api import BodyLimit, build_app
 from conductor.requests import Limits
-from engine.errors import ConfigError
+from core.errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,8 +18,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from engine.errors import HalfmoonError
-from engine.sampling_params import SamplingParams
+from core.errors import HalfmoonError
+from core.params import SamplingParams
 from engine.worker import EngineWorker, WorkerSpec
 from kvpool.remote import RemoteBlockReader
 from transport.config import advertised_address

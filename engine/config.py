@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import ConfigError
+from core.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 

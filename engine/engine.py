@@ -20,14 +20,15 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import EngineConfig
-from engine.errors import InvalidRequestError
+from core.errors import InvalidRequestError
 from engine.kv_push import KVPush, LayerPusher
 from engine.loader import LoadedWeights, load_weights
 from engine.model import LlamaModel
 from engine.outputs import CompletionResult, RequestOutput, TextState, completion_result
-from engine.request import FinishReason, Request
+from core.params import FinishReason
+from engine.request import Request
 from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.attention import get_backend

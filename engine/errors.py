@@ -6,9 +6,7 @@ bare `Exception` or `ValueError` for a user mistake.
 
 from __future__ import annotations
 
-
-class HalfmoonError(Exception):
-    """Base of every error Halfmoon raises on purpose."""
+from core.errors import HalfmoonError
 
 
 class ModelLoadError(HalfmoonError):
@@ -17,19 +15,6 @@ class ModelLoadError(HalfmoonError):
 
 class UnsupportedModelError(ModelLoadError):
     """The model file is readable but its architecture or tensor types are not supported."""
-
-
-class InvalidRequestError(HalfmoonError, ValueError):
-    """A request parameter is invalid; `field` names it so a client can fix it."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-class ConfigError(HalfmoonError, ValueError):
-    """An engine/cluster configuration value is invalid."""
 
 
 class RequestAbortedError(HalfmoonError):

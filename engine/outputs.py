@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.request import FinishReason, Request
+from core.params import FinishReason
+
+from engine.request import Request
 from engine.tokenizer import IncrementalDetokenizer
 
 

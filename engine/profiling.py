@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 from tqdm import tqdm
 
-from engine.errors import ConfigError, HalfmoonError
-from engine.sampling_params import SamplingParams
+from core.errors import ConfigError, HalfmoonError
+from core.params import SamplingParams
 
 if TYPE_CHECKING:
     from engine.engine import Engine

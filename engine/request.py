@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from core.params import FinishReason, SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -16,12 +16,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-class FinishReason(str, enum.Enum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens or the context limit
-    ABORT = "abort"  # cancelled by the client
 
 
 @dataclass(slots=True)

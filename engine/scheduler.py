@@ -15,7 +15,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from engine.request import FinishReason, Request, RequestStatus
+from core.params import FinishReason
+
+from engine.request import Request, RequestStatus
 from kvpool.block_hash import block_hashes
 from kvpool.block_pool import BlockPool
 from kvpool.tiered import KVTiers, TierPlan

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 # fork() handlers" for each one (ray-project/ray#24917) — noise in `halfmoon serve`'s first lines.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-from engine.errors import HalfmoonError  # noqa: E402
+from core.errors import HalfmoonError  # noqa: E402
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

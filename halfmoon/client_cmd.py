@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import ConfigError
+from core.errors import ConfigError
 
 if TYPE_CHECKING:  # grpc is imported only when a call is made
     from halfmoon.client import APIError, Client

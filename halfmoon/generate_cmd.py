@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from engine.errors import InvalidRequestError
+from core.errors import InvalidRequestError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +49,7 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from engine.engine import Engine
-    from engine.sampling_params import SamplingParams
+    from core.params import SamplingParams
     from halfmoon.cli import engine_config
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     from conductor.cost_model import DEFAULT_TRANSFER_BYTES_PER_S, CostModel
     from engine.profiling import measure_engine
     from engine.engine import Engine
-    from engine.errors import ConfigError
+    from core.errors import ConfigError
     from halfmoon.cli import engine_config
 
     bandwidth = DEFAULT_TRANSFER_BYTES_PER_S if args.transfer_gbps is None else args.transfer_gbps * 1e9

@@ -87,7 +87,7 @@ def start_index(args: argparse.Namespace) -> tuple[str | None, object | None]:
 def server_config(args: argparse.Namespace):  # -> ServerConfig (lazy import: grpc is slow)
     from conductor.requests import Limits
     from conductor.server import ServerConfig
-    from engine.errors import ConfigError
+    from core.errors import ConfigError
 
     try:
         limits = Limits(max_prompt_tokens=args.max_prompt_tokens, max_tokens=args.max_tokens_limit,
@@ -133,7 +133,7 @@ def apply_config_file(args: argparse.Namespace, argv_flags: set[str]) -> None:
     """Fill `args` from `--config` YAML; a flag given on the command line wins."""
     import yaml
 
-    from engine.errors import ConfigError
+    from core.errors import ConfigError
 
     try:
         data = yaml.safe_load(Path(args.config).read_text()) or {}
@@ -185,7 +185,7 @@ def cluster_config(args: argparse.Namespace, engine_cfg):  # -> ClusterConfig
     import dataclasses as dc
 
     from conductor.cluster import ClusterConfig
-    from engine.errors import ConfigError
+    from core.errors import ConfigError
     from transport.config import TransportConfig
 
     if args.prefill < 1 or args.decode < 1 or args.worker_threads < 1:

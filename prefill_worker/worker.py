@@ -15,10 +15,10 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from engine.errors import HalfmoonError
+from core.errors import HalfmoonError
 from engine.outputs import RequestOutput
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from core.params import FinishReason
+from core.params import SamplingParams
 from engine.worker import EngineWorker, WorkerSpec
 from kvpool.remote import RemoteBlockReader
 from transport.faults import FaultInjector

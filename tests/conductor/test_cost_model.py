@@ -16,9 +16,9 @@ import pytest
 from conductor.cost_model import (DECODE_TERMS, PREFILL_TERMS, CostModel, FitError, fit_decode, fit_prefill,
                                   fit_profile, profile_engine)
 from engine.engine import Engine
-from engine.errors import ConfigError
+from core.errors import ConfigError
 from engine.profiling import DecodeSample, PrefillSample, ProfileError, ProfileGrid, measure_engine
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 from tests.conftest import EngineFactory, assert_engine_idle
 
 PREFILL_TRUE = (25.0, 1.8, 0.0004, 0.0015)

@@ -19,7 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
 from grpc_status import rpc_status
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
 from tests.conductor.conftest import MODEL, RunningApi

@@ -17,7 +17,7 @@ from conductor.cost_model import DECODE_TERMS, PREFILL_TERMS, CostModel
 from conductor.server import ServerConfig
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
 from kvpool.redis_server import EmbeddedRedis

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 from tests.e2e.support import cost_model_file, wait_for_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -13,9 +13,10 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.errors import ConfigError, InvalidRequestError, ModelLoadError
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from core.errors import ConfigError, InvalidRequestError
+from engine.errors import ModelLoadError
+from core.params import FinishReason
+from core.params import SamplingParams
 from tests.conftest import EngineFactory, assert_engine_idle
 
 pytestmark = pytest.mark.timeout(120)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 from kvpool.redis_server import EmbeddedRedis
 from kvpool.remote import InProcessReader
 

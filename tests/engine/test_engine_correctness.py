@@ -25,8 +25,9 @@ import torch
 import engine.runner as runner_module
 from engine.engine import Engine
 from engine.outputs import CompletionResult
-from engine.request import FinishReason, Request
-from engine.sampling_params import SamplingParams
+from core.params import FinishReason
+from engine.request import Request
+from core.params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from tests.conftest import EngineFactory, assert_engine_idle
 

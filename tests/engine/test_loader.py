@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import LoadedWeights, load_weights
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 from tests.conftest import NUM_THREADS
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 

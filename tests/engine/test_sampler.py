@@ -12,7 +12,7 @@ import torch
 from engine.engine import Engine
 from engine.request import Request
 from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

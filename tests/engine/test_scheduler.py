@@ -13,8 +13,10 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
+from core.params import FinishReason
+
+from engine.request import Request, RequestStatus
+from core.params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from kvpool.block_pool import BlockPool
 

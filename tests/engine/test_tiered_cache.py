@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2 fp32, block_size 16
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from engine.engine import Engine
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 
 PROMPT = "The capital of France is"
 CLI = [sys.executable, "-m", "halfmoon.cli"]

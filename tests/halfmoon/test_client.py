@@ -25,7 +25,7 @@ import pytest
 from conductor.requests import Limits
 from engine.engine import Engine
 from engine.outputs import CompletionResult
-from engine.sampling_params import SamplingParams
+from core.params import SamplingParams
 from halfmoon.client import (TOKEN_ENV, APIError, AsyncClient, Client, DeadlineExceededError,
                              GenerationResult, InvalidArgumentError, ModelInfo, NotFoundError,
                              ResourceExhaustedError, RetryEvent, RetryPolicy, StreamChunk,

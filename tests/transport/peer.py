@@ -90,7 +90,7 @@ def handle(op: str, msg: dict, receiver: KVReceiver, engine, kv: torch.Tensor,  
 
 
 def decode(msg: dict, receiver: KVReceiver, engine, reserved: dict[str, list[int]]) -> dict:  # noqa: ANN001
-    from engine.sampling_params import SamplingParams
+    from core.params import SamplingParams
 
     rid = msg["rid"]
     blocks = reserved.pop(rid)

@@ -9,8 +9,8 @@ import torch
 
 from engine.engine import Engine
 from engine.kv_push import LayerPusher
-from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from core.params import FinishReason
+from core.params import SamplingParams
 from tests.transport.test_faults import Peer
 from transport import KVLayout, KVReceiver, KVSender, get_backend
 from transport.errors import TransportError

@@ -1,11 +1,13 @@
-"""Per-request sampling and stop parameters, validated when a request is added."""
+"""Per-request sampling and stop parameters (validated when a request is added), and why a
+request finished."""
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
+from core.errors import InvalidRequestError
 
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
@@ -51,3 +53,9 @@ class SamplingParams:
             raise InvalidRequestError("stop_token_ids", f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"  # cancelled by the client
