@@ -73,10 +73,17 @@ class AttentionBackend(ABC):
 
     name: str = "base"
 
-    @abstractmethod
     def write_kv(self, layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
-        """Store k, v ([T, kv_heads, head_dim]) into `layer_cache` ([2, blocks, bs, kvh, hd])."""
+        """Store k, v ([T, kv_heads, head_dim]) into `layer_cache` ([2, blocks, bs, kvh, hd]).
+
+        One scatter by slot on the flattened `[blocks * block_size]` axis: the cache layout is
+        the same for every backend and the scatter is valid on CPU and CUDA, so they share it.
+        """
+        kv_heads, head_dim = layer_cache.shape[-2:]
+        flat = layer_cache.view(2, -1, kv_heads, head_dim)
+        flat[0].index_copy_(0, slot_mapping, k)
+        flat[1].index_copy_(0, slot_mapping, v)
 
     @abstractmethod
     def forward(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from core.blocks import cdiv
 from kernels.attention import AttentionBackend, AttentionMetadata, DecodeBatch, PrefillSegment
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace (split-k partials)
@@ -45,7 +46,7 @@ def page_table(tables: Sequence[torch.Tensor], ctx_lens: torch.Tensor, block_siz
     ctx = ctx_lens.to("cpu", torch.int64)
     if bool((ctx < 1).any()):
         raise ValueError(f"every request needs at least one key, got lengths {ctx.tolist()}")
-    num_pages = (ctx + block_size - 1) // block_size
+    num_pages = cdiv(ctx, block_size)  # elementwise on the int64 tensor
     pages = [t[:n] for t, n in zip(tables, num_pages.tolist(), strict=True)]
     if any(len(p) != n for p, n in zip(pages, num_pages.tolist())):
         raise ValueError("a block table is shorter than its context length needs")
@@ -109,14 +110,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._decode: Any = None
         self._prefill: Any = None
         self._planned_for: AttentionMetadata | None = None
-
-    def write_kv(self, layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        # A scatter by slot on the flattened [blocks * block_size] axis; valid on CUDA as is.
-        kv_heads, head_dim = layer_cache.shape[-2:]
-        flat = layer_cache.view(2, -1, kv_heads, head_dim)
-        flat[0].index_copy_(0, slot_mapping, k)
-        flat[1].index_copy_(0, slot_mapping, v)
 
     def forward(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
                 out: torch.Tensor) -> torch.Tensor:

@@ -20,13 +20,6 @@ from kernels.attention import AttentionBackend, AttentionMetadata, DecodeBatch, 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def write_kv(self, layer_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
-        kv_heads, head_dim = layer_cache.shape[-2:]
-        flat = layer_cache.view(2, -1, kv_heads, head_dim)
-        flat[0].index_copy_(0, slot_mapping, k)
-        flat[1].index_copy_(0, slot_mapping, v)
-
     def forward(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
                 out: torch.Tensor) -> torch.Tensor:
         if meta.decode is not None and meta.decode.num:

@@ -11,7 +11,9 @@ Three layers of checks:
 from __future__ import annotations
 
 import functools
+import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -34,10 +36,6 @@ from tests.kernels.paged_scene import MIXED, Scene, _decode_batch, _prefill, mak
 needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="flashinfer backend needs CUDA; this machine has none"
 )
-
-
-
-
 
 
 # ---------------------------------------------------------------- CPU: the error a user sees
@@ -64,6 +62,14 @@ def test_missing_package_names_the_install_command(monkeypatch: pytest.MonkeyPat
         FlashInferAttentionBackend()
     assert "pip install 'halfmoon[gpu]'" in str(e.value)
     assert isinstance(e.value.__cause__, ImportError)
+
+
+def test_importing_the_backend_does_not_import_flashinfer() -> None:
+    # A fresh interpreter: this one may have imported flashinfer for another test already.
+    probe = "import sys, kernels.flashinfer_backend; print('flashinfer' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          check=True, cwd=Path(__file__).resolve().parents[2], timeout=120)
+    assert done.stdout.strip() == "False"
 
 
 # ---------------------------------------------------------------- CPU: metadata -> page tables
@@ -194,6 +200,15 @@ def test_translation_matches_torch_backend(step: dict[str, Any]) -> None:
     cache = scene.cache.clone()
     got = run_backend(FlashInferAttentionBackend(module=fake_flashinfer()), scene, cache)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_write_kv_is_the_shared_scatter() -> None:
+    scene = make_scene(**MIXED, seed=4)
+    a, b = scene.cache.clone(), scene.cache.clone()
+    FlashInferAttentionBackend(module=fake_flashinfer()).write_kv(
+        a, scene.k, scene.v, scene.meta.slot_mapping)
+    TorchAttentionBackend().write_kv(b, scene.k, scene.v, scene.meta.slot_mapping)
+    assert torch.equal(a, b)
 
 
 def test_plans_once_per_step_not_per_layer() -> None:
