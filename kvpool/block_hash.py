@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-HASH_BYTES = 16
+from kvpool.errors import BadBlockHashError
+
+HASH_BYTES = 16  # the one place a block hash's size is written
 _DOMAIN = b"halfmoon-kv/1"
 
 
@@ -51,3 +53,22 @@ def block_hashes(token_ids: Sequence[int], block_size: int, root: bytes,
         parent = chain_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def check_hashes(hashes: Iterable[bytes]) -> list[bytes]:
+    """`hashes` as a list of `bytes` (bytearray / memoryview copied), each `HASH_BYTES` long.
+
+    Raises `BadBlockHashError` (a ValueError) on anything else and TypeError for one bytes
+    object (a hash where a sequence of them was meant). The common case, a list of valid
+    `bytes`, is checked without a Python loop: every index verb runs this.
+    """
+    if isinstance(hashes, (bytes, bytearray, memoryview)):
+        raise TypeError(f"hashes must be a sequence of {HASH_BYTES}-byte hashes, not one bytes "
+                        f"object")
+    out = list(hashes)
+    if out and (set(map(type, out)) != {bytes} or set(map(len, out)) != {HASH_BYTES}):
+        out = [bytes(h) if isinstance(h, (bytes, bytearray, memoryview)) else h for h in out]
+        bad = next((h for h in out if type(h) is not bytes or len(h) != HASH_BYTES), None)
+        if bad is not None:
+            raise BadBlockHashError(f"a block hash is {HASH_BYTES} bytes, got {bad!r}")
+    return out

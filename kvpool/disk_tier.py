@@ -3,9 +3,8 @@
 Files under `directory`:
 
     slab.bin       capacity_slots x slot_bytes; slot s at offset s * slot_bytes
-    manifest.bin   | header | records: (hash, slot, checksum), least recently used first |
-                   written at `close()` (temp file + fsync + rename + fsync of the directory),
-                   consumed (deleted) when the tier opens
+    manifest.bin   slot -> (hash, checksum), least recently used first (kvpool.disk_manifest),
+                   written at `close()`, consumed (deleted) when the tier opens
 
 The manifest exists only between a clean close and the next open, so a clean restart comes
 back warm (same blocks, same LRU order) and a crash comes back cold: never a stale mapping.
@@ -16,7 +15,7 @@ Bookkeeping lives in memory (one process owns a disk tier; the host arena is the
 processes share) under a thread lock; bytes move outside it with os.pwrite / os.preadv straight
 between the caller's buffers and the file, in the I/O pool. A slot is FREE, WRITING (reserved by
 one put, invisible to readers, not evictable) or READY; READY slots sit in an LRU order, and a
-pinned (leased) one is never evicted.
+pinned (leased) one is never evicted. The verbs every tier shares are in kvpool.tier_base.
 
 Faults: a write failing with ENOSPC / EDQUOT / EFBIG / EACCES / EPERM / EROFS / EIO, or a
 directory that cannot be written at open, switches the tier to READ-ONLY with one warning:
@@ -30,42 +29,43 @@ import heapq
 import logging
 import os
 import threading
-import zlib
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
 
 import numpy as np
 
 from kvpool.checksum import BatchChecksum
-from kvpool.errors import HashStateError, PoolIntegrityError, TierClosedError
-from kvpool.host_tier import (
+from kvpool.disk_manifest import (
+    MANIFEST_FILE,
+    RECORD,
+    GeometryMismatch,
+    fsync_dir,
+    read_manifest,
+    write_manifest,
+)
+from kvpool.errors import TierClosedError
+from kvpool.tier_base import (
     BlockRows,
     BlockSource,
+    BlockTier,
     PutResult,
+    ReadLease,
     SlotState,
     TierStats,
-    as_block_rows,
-    check_checksums,
-    check_hashes,
+    check_positive_ints,
+    check_slot_bytes,
 )
 
 logger = logging.getLogger(__name__)
 
 SLAB_FILE = "slab.bin"
-MANIFEST_FILE = "manifest.bin"
 # Errors that mean "this disk cannot take writes now"; any other OSError is a bug and raises.
 WRITE_FAULTS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
                           errno.EROFS, errno.EIO})
-_MANIFEST_MAGIC = b"HMDISK01"
-_MANIFEST_VERSION = 1
-_MANIFEST_HEADER = np.dtype([("magic", "S8"), ("version", "<u4"), ("crc", "<u4"),
-                             ("slot_bytes", "<u8"), ("capacity", "<u8"), ("count", "<u8")])
-_MANIFEST_RECORD = np.dtype([("hash", "u1", (16,)), ("slot", "<u8"), ("checksum", "<u8")])
 _FREE, _WRITING, _READY = int(SlotState.FREE), int(SlotState.WRITING), int(SlotState.READY)
 
 
@@ -108,23 +108,17 @@ class _WriteJob:
         self.ok = [False] * len(self.plan.slots)
 
 
-class _Lease(NamedTuple):
-    row: int
-    slot: int
-    checksum: int
+class DiskTier(BlockTier):
+    """LRU tier of KV blocks in a slab file; the verbs of `BlockTier`, plus `put_async`."""
 
-
-class DiskTier:
-    """LRU tier of KV blocks in a slab file; `put`/`get` like the host arena, plus `put_async`.
-
-    Every verb validates its arguments before changing anything. Blocks are touched tail-first
-    within a call, so a request's last block is evicted before its first.
-    """
+    _log = logger
 
     def __init__(self, directory: str | os.PathLike[str], slot_bytes: int, capacity_slots: int,
                  io_threads: int = 2) -> None:
         """Open (or create) the tier in `directory`; a clean previous close comes back warm."""
-        _check_sizes(slot_bytes, capacity_slots, io_threads)
+        check_positive_ints(slot_bytes=slot_bytes, capacity_slots=capacity_slots,
+                            io_threads=io_threads)
+        check_slot_bytes(slot_bytes)
         self.directory = Path(directory)
         self.slot_bytes, self.capacity = slot_bytes, capacity_slots
         self.stats = TierStats()
@@ -146,38 +140,12 @@ class DiskTier:
         return (f"DiskTier({str(self.directory)!r}, slot_bytes={self.slot_bytes}, "
                 f"capacity={self.capacity}, free={len(self._free)}, {mode})")
 
-    def __enter__(self) -> DiskTier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    # --- sizes and lookups ----------------------------------------------------------------
+    # --- sizes ----------------------------------------------------------------------------
 
     def num_free(self) -> int:
         """Slots holding nothing."""
         with self._locked():
             return len(self._free)
-
-    def num_used(self) -> int:
-        """Slots READY or being written."""
-        with self._locked():
-            return self.capacity - len(self._free)
-
-    def contains(self, hashes: Sequence[bytes]) -> list[bool]:
-        """Whether each block is READY here."""
-        keys = check_hashes(hashes)
-        with self._locked():
-            return [self._ready_slot(key) is not None for key in keys]
-
-    def match_prefix(self, hashes: Sequence[bytes]) -> int:
-        """Number of leading blocks READY here."""
-        keys = check_hashes(hashes)
-        with self._locked():
-            for i, key in enumerate(keys):
-                if self._ready_slot(key) is None:
-                    return i
-            return len(keys)
 
     # --- put / get ------------------------------------------------------------------------
 
@@ -196,9 +164,7 @@ class DiskTier:
         nothing is written, `stored` is False for every block not already here, and the
         blocks count as `stats.write_errors`. `checksums` as in HostArena.put.
         """
-        keys = check_hashes(hashes)
-        rows = as_block_rows(src, len(keys), self.slot_bytes)
-        given = check_checksums(checksums, len(keys))
+        keys, rows, given = self._put_args(hashes, src, checksums)
         with self._locked():  # submitting under the lock: close() cannot shut the pool between
             plan = self._reserve(keys)
             if not plan.slots:
@@ -211,73 +177,12 @@ class DiskTier:
                 self._pool.submit(self._write_group, job, group)
         return job.future
 
-    def get(self, hashes: Sequence[bytes], dst: BlockSource) -> list[bool]:
-        """Read each READY block into `dst[i]` ([n, slot_bytes] uint8, writable); return hits.
-
-        Reads run in the I/O pool. A block failing its checksum (or a short / failed read) is a
-        miss, never returned, and is dropped with a warning once no one else holds it.
-        """
-        keys = check_hashes(hashes)
-        out = as_block_rows(dst, len(keys), self.slot_bytes, writable=True)
-        with self._locked():
-            leases = self._lease(keys)
-        good: list[bool] | None = None
-        try:
-            good = self._read(leases, out)
-        finally:
-            with self._lock:
-                self._release_reads(leases, good, len(keys))
-        hits = [False] * len(keys)
-        for lease, ok in zip(leases, good or ()):
-            hits[lease.row] = ok
-        return hits
-
-    # --- pins -----------------------------------------------------------------------------
-
-    def pin(self, hashes: Sequence[bytes]) -> list[bool]:
-        """Pin (lease) each READY block so it cannot be evicted; return which were pinned."""
-        keys = check_hashes(hashes)
-        with self._locked():
-            slots = [self._ready_slot(key) for key in keys]
-            for slot in slots:
-                if slot is not None:
-                    self._slots[slot].pins += 1
-        return [slot is not None for slot in slots]
-
-    def unpin(self, hashes: Sequence[bytes]) -> None:
-        """Drop one pin per listed block; HashStateError (nothing unpinned) if one has fewer."""
-        keys = check_hashes(hashes)
-        with self._locked():
-            for key, times in Counter(keys).items():
-                slot = self._ready_slot(key)
-                pins = 0 if slot is None else self._slots[slot].pins
-                if times > pins:
-                    raise HashStateError(key, f"unpinned {times} times but holds {pins} pins")
-            for key in keys:
-                self._slots[self._index[key]].pins -= 1
-
-    def pins(self, hash_: bytes) -> int:
-        """Pins (and read leases) held on a block; 0 when absent."""
-        (key,) = check_hashes([hash_])
-        with self._locked():
-            slot = self._index.get(key)
-            return 0 if slot is None else self._slots[slot].pins
-
     def lru_order(self) -> list[bytes]:
         """Hashes of the READY blocks, least recently used first (for tests and debugging)."""
         with self._locked():
             return [self._slots[slot].key for slot in self._lru]
 
-    # --- integrity and lifecycle ----------------------------------------------------------
-
-    def check_integrity(self) -> None:
-        """Raise PoolIntegrityError unless the bookkeeping is consistent (O(capacity))."""
-        with self._locked():
-            problem = self._integrity_problem()
-        if problem is not None:
-            raise PoolIntegrityError(f"disk tier {str(self.directory)!r}: {problem} [free "
-                                     f"{len(self._free)}, indexed {len(self._index)}, "
-                                     f"lru {len(self._lru)}, capacity {self.capacity}]")
+    # --- lifecycle ------------------------------------------------------------------------
 
     def close(self) -> None:
         """Finish pending writes, record the manifest (a clean restart comes back warm) and
@@ -333,9 +238,13 @@ class DiskTier:
         manifest (`consume`), so that after a crash from here on the next open is cold."""
         path = self.directory / MANIFEST_FILE
         try:
-            records = self._read_manifest(path)
+            records = read_manifest(path, self.slot_bytes, self.capacity)
         except FileNotFoundError:
             return
+        except GeometryMismatch:
+            logger.warning("disk tier %s: manifest is for another geometry; starting cold",
+                           self.directory)
+            records = None
         except (OSError, ValueError) as err:
             logger.warning("disk tier %s: ignoring its manifest (%s); starting cold",
                            self.directory, err)
@@ -345,37 +254,14 @@ class DiskTier:
         if consume:
             try:
                 path.unlink()
-                _fsync_dir(self.directory)
+                fsync_dir(self.directory)
             except OSError as err:
                 logger.warning("disk tier %s: could not consume its manifest (%s)",
                                self.directory, err)
 
-    def _read_manifest(self, path: Path) -> np.ndarray | None:
-        """The manifest's records, None if it was written for another geometry."""
-        data = path.read_bytes()
-        if len(data) < _MANIFEST_HEADER.itemsize:
-            raise ValueError("manifest is truncated")
-        header = np.frombuffer(data, _MANIFEST_HEADER, count=1)[0]
-        if header["magic"] != _MANIFEST_MAGIC or int(header["version"]) != _MANIFEST_VERSION:
-            raise ValueError("not a v1 disk tier manifest")
-        if (int(header["slot_bytes"]), int(header["capacity"])) != (self.slot_bytes,
-                                                                    self.capacity):
-            logger.warning("disk tier %s: manifest is for another geometry; starting cold",
-                           self.directory)
-            return None
-        body = data[_MANIFEST_HEADER.itemsize:]
-        count = int(header["count"])
-        if len(body) != count * _MANIFEST_RECORD.itemsize or zlib.crc32(body) != int(header["crc"]):
-            raise ValueError("manifest is torn or corrupt (length or crc mismatch)")
-        records = np.frombuffer(body, _MANIFEST_RECORD, count=count)
-        slots, keys = records["slot"], {r.tobytes() for r in records["hash"]}
-        if (slots >= self.capacity).any() or len(np.unique(slots)) != count or len(keys) != count:
-            raise ValueError("manifest lists a slot or a hash twice, or a slot out of range")
-        return records
-
     def _register(self, records: np.ndarray) -> None:
         """Mark the recorded slots READY, oldest first (records are in LRU order)."""
-        for record in records:  # validated by _read_manifest: distinct slots and hashes
+        for record in records:  # validated by read_manifest: distinct slots and hashes
             slot, key = int(record["slot"]), record["hash"].tobytes()
             self._slots[slot] = _Slot(_READY, key, int(record["checksum"]))
             self._index[key] = slot
@@ -388,18 +274,12 @@ class DiskTier:
         """Atomically record the READY slots, least recently used first (under the lock)."""
         assert self._fd is not None
         os.fsync(self._fd)  # the slab's bytes are durable before anything points at them
-        records = np.zeros(len(self._lru), _MANIFEST_RECORD)
+        records = np.zeros(len(self._lru), RECORD)
         for i, slot in enumerate(self._lru):
             info = self._slots[slot]
             records[i]["hash"] = np.frombuffer(info.key, np.uint8)
             records[i]["slot"], records[i]["checksum"] = slot, info.checksum
-        body = records.tobytes()
-        header = np.zeros((), _MANIFEST_HEADER)
-        header["magic"], header["version"], header["crc"] = (_MANIFEST_MAGIC, _MANIFEST_VERSION,
-                                                             zlib.crc32(body))
-        header["slot_bytes"], header["capacity"], header["count"] = (self.slot_bytes,
-                                                                     self.capacity, len(records))
-        _atomic_write(self.directory / MANIFEST_FILE, header.tobytes() + body)
+        write_manifest(self.directory / MANIFEST_FILE, self.slot_bytes, self.capacity, records)
 
     # --- internals: put (bookkeeping under the lock, bytes in the I/O pool) ---------------
 
@@ -431,7 +311,7 @@ class DiskTier:
                 break
             if self._slots[slot].pins == 0 and slot not in protected:
                 plan.evicted.append(self._slots[slot].key)
-                self._drop(slot, free=False)
+                self._free_slot(slot, free=False)
                 self.stats.evictions += 1
                 taken.append(slot)
         return sorted(taken)
@@ -514,20 +394,11 @@ class DiskTier:
                 self._lru[slot] = None
                 self.stats.stored += 1
             else:
-                self._drop(slot)
+                self._free_slot(slot)
 
     # --- internals: get -------------------------------------------------------------------
 
-    def _lease(self, keys: list[bytes]) -> list[_Lease]:
-        leases = []
-        for row, key in enumerate(keys):
-            slot = self._ready_slot(key)
-            if slot is not None:
-                self._slots[slot].pins += 1  # a lease: not evicted or rewritten while read
-                leases.append(_Lease(row, slot, self._slots[slot].checksum))
-        return leases
-
-    def _read(self, leases: list[_Lease], out: BlockRows) -> list[bool]:
+    def _read_leased(self, leases: list[ReadLease], out: BlockRows) -> list[bool]:
         """preadv each leased slot into its row and verify it (from cache), split over the
         I/O threads; False for a checksum mismatch, a short read or a read error."""
         sums = BatchChecksum(len(leases), self.slot_bytes)
@@ -544,7 +415,7 @@ class DiskTier:
         got = sums.result().tolist()
         return [read and g == lease.checksum for read, g, lease in zip(ok, got, leases)]
 
-    def _read_rows(self, leases: list[_Lease], out: BlockRows, sums: BatchChecksum,
+    def _read_rows(self, leases: list[ReadLease], out: BlockRows, sums: BatchChecksum,
                    ok: list[bool], group: range) -> None:
         """Read leases[i] for i in `group`; ok[i] says the read returned the whole block."""
         assert self._fd is not None, "a tier holding blocks has its slab open"
@@ -560,39 +431,33 @@ class DiskTier:
                 sums.add(i, out[row])
                 ok[i] = True
 
-    def _release_reads(self, leases: list[_Lease], good: list[bool] | None, asked: int) -> None:
-        """Return the leases; touch good blocks tail-first; drop bad ones nobody else holds.
-        `good` is None when the read itself raised: then nothing is touched or dropped."""
-        for lease in leases:
-            self._slots[lease.slot].pins -= 1
-        if good is None:
-            return
-        self.stats.hits += sum(good)
-        self.stats.misses += asked - sum(good)
-        self._touch([lease.slot for lease, ok in reversed(list(zip(leases, good))) if ok])
-        bad = {lease.slot for lease, ok in zip(leases, good) if not ok}
-        dropped = [slot for slot in sorted(bad)
-                   if self._slots[slot].pins == 0 and self._slots[slot].state == _READY]
-        for slot in dropped:
-            self._drop(slot)
-        if bad:
-            self.stats.corrupt_drops += len(dropped)
-            logger.warning("disk tier %s: %d block(s) failed their checksum or could not be "
-                           "read; served as misses, %d dropped", self.directory, len(bad),
-                           len(dropped))
-
     # --- internals: slots -----------------------------------------------------------------
 
-    def _ready_slot(self, key: bytes) -> int | None:
-        slot = self._index.get(key)
-        return slot if slot is not None and self._slots[slot].state == _READY else None
+    @property
+    def _label(self) -> str:
+        return f"disk tier {str(self.directory)!r}"
+
+    def _slot_of(self, key: bytes) -> int | None:
+        return self._index.get(key)
+
+    def _is_ready(self, slot: int) -> bool:
+        return self._slots[slot].state == _READY
+
+    def _pins_at(self, slot: int) -> int:
+        return self._slots[slot].pins
+
+    def _add_pins(self, slot: int, count: int) -> None:
+        self._slots[slot].pins += count
+
+    def _checksum_at(self, slot: int) -> int:
+        return self._slots[slot].checksum
 
     def _touch(self, slots: list[int]) -> None:
         """Mark `slots` used now, in order: the last one is the most recently used."""
         for slot in slots:
             self._lru.move_to_end(slot)
 
-    def _drop(self, slot: int, free: bool = True) -> None:
+    def _free_slot(self, slot: int, free: bool = True) -> None:
         """Forget a WRITING or READY slot; back to the free heap unless being reused."""
         info = self._slots[slot]
         del self._index[info.key]
@@ -609,8 +474,16 @@ class DiskTier:
 
     def _locked(self) -> AbstractContextManager[object]:
         if self._closed:
-            raise TierClosedError(f"disk tier {str(self.directory)!r} is closed")
+            raise TierClosedError(f"{self._label} is closed")
         return self._lock
+
+    def _release_lock(self) -> AbstractContextManager[object]:
+        # The bookkeeping lives in memory: a get racing close() still returns its leases.
+        return self._lock
+
+    def _integrity_summary(self) -> str:
+        return (f"free {len(self._free)}, indexed {len(self._index)}, lru {len(self._lru)}, "
+                f"capacity {self.capacity}")
 
     def _integrity_problem(self) -> str | None:
         states = Counter(info.state for info in self._slots)
@@ -627,15 +500,6 @@ class DiskTier:
         if any(info.pins < 0 or (info.pins and info.state != _READY) for info in self._slots):
             return "negative pins, or pins on a slot that is not READY"
         return None
-
-
-def _check_sizes(slot_bytes: int, capacity_slots: int, io_threads: int) -> None:
-    for label, value in (("slot_bytes", slot_bytes), ("capacity_slots", capacity_slots),
-                         ("io_threads", io_threads)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{label} must be a positive int, got {value!r}")
-    if slot_bytes % 8:
-        raise ValueError(f"slot_bytes must be a multiple of 8, got {slot_bytes}")
 
 
 def _pwrite_all(fd: int, row: np.ndarray, offset: int) -> None:
@@ -656,26 +520,3 @@ def _done(result: PutResult) -> Future[PutResult]:
     future: Future[PutResult] = Future()
     future.set_result(result)
     return future
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so a reader sees the old file or the whole new one."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -47,6 +47,10 @@ class BlockStateError(KVPoolError):
         return (type(self), (self.block_id, self.message))
 
 
+class BadBlockHashError(KVPoolError, ValueError):
+    """A block hash that is not `bytes` of length `kvpool.block_hash.HASH_BYTES`."""
+
+
 class PoolIntegrityError(KVPoolError):
     """The pool's bookkeeping is inconsistent: always a bug, never a caller mistake."""
 

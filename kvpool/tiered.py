@@ -19,8 +19,9 @@ import torch
 from kvpool.block_pool import BlockPool
 from kvpool.cluster_index import ClusterIndex, HolderId
 from kvpool.disk_tier import DiskTier
-from kvpool.host_tier import EvictedBlocks, HostArena
+from kvpool.host_tier import HostArena
 from kvpool.remote import RemoteBlockReader
+from kvpool.tier_base import EvictedBlocks
 from kvpool.tiers import Tier
 
 

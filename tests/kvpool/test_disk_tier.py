@@ -22,7 +22,8 @@ import pytest
 from kvpool.checksum import block_checksums
 from kvpool.disk_tier import MANIFEST_FILE, SLAB_FILE, DiskTier
 from kvpool.errors import HashStateError, TierClosedError
-from kvpool.host_tier import EvictedBlocks, HostArena, PutResult
+from kvpool.host_tier import HostArena
+from kvpool.tier_base import EvictedBlocks, PutResult
 from tests.kvpool.test_host_tier import (
     SLOT_BYTES,
     Checked,

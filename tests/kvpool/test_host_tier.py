@@ -24,7 +24,8 @@ import torch
 
 from kvpool.checksum import BatchChecksum, block_checksums, checksum
 from kvpool.errors import HashStateError, TierClosedError, TierLayoutError
-from kvpool.host_tier import EvictedBlocks, HostArena, PutResult
+from kvpool.host_tier import HostArena
+from kvpool.tier_base import EvictedBlocks, PutResult
 
 SLOT_BYTES = 64
 REPO_ROOT = Path(__file__).resolve().parents[2]
