@@ -27,6 +27,7 @@ from kvpool.cluster_index import (
 from kvpool.redis_server import EmbeddedRedis, EmbeddedRedisError, free_port
 from kvpool.tiers import Tier
 from tests.kvpool.conftest import IndexFactory
+from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 LOGGER = "kvpool.cluster_index"
@@ -35,6 +36,19 @@ LOGGER = "kvpool.cluster_index"
 def chain(n: int, tag: int = 0) -> list[bytes]:
     """`n` distinct 16-byte block hashes (distinct per `tag`)."""
     return [tag.to_bytes(8, "big") + i.to_bytes(8, "big") for i in range(n)]
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (`ClusterIndex(clock=...)`)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def outage_warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
@@ -129,12 +143,14 @@ def test_reserve_is_invisible_until_publish(make_index: IndexFactory) -> None:
 
 
 def test_reservation_expires_if_never_published(make_index: IndexFactory) -> None:
-    a = make_index("A", reservation_ttl_s=0.5)
+    a = make_index("A", reservation_ttl_s=1.0)  # 1 s for the next call to see it reserved
     blocks = chain(3)
     assert a.reserve(blocks, Tier.HOST) == blocks
     assert a.reserve(blocks, Tier.HOST) == []
-    time.sleep(0.6)
-    assert a.reserve(blocks, Tier.HOST) == blocks
+    # Reservations expire on the Redis server's clock: wait for it (reserving again then
+    # returns every block; until then it returns none and changes nothing).
+    wait_until(lambda: a.reserve(blocks, Tier.HOST) == blocks, timeout_s=15,
+               what="the reservation to expire")
 
 
 def test_remove_one_tier_or_all(make_index: IndexFactory) -> None:
@@ -213,15 +229,15 @@ def _model_prefix(held: dict[bytes, set[Tier]], blocks: list[bytes]) -> int:
 
 
 def test_dead_holder_is_filtered_at_once_and_collected_lazily(make_index: IndexFactory) -> None:
-    a = make_index("A", heartbeat_ttl_s=1.0)  # no heartbeat thread: dies after 1 s
+    a = make_index("A", heartbeat_ttl_s=2.0)  # no heartbeat thread: dies after 2 s
     reader = make_index("reader")
     blocks = chain(5)
     a.publish(blocks, Tier.HOST)
     assert reader.lookup(blocks).match_len(a.holder) == 5
     assert a.holder in reader.live_holders()
 
-    time.sleep(1.1)
-    assert reader.lookup(blocks).matches == ()
+    wait_until(lambda: reader.lookup(blocks).matches == (), timeout_s=15,
+               what="A's heartbeat to expire on the Redis server's clock")
     assert reader.live_holders() == {reader.holder}
 
     assert reader.heartbeat()  # declares A dead
@@ -242,11 +258,11 @@ def test_dead_holder_is_filtered_at_once_and_collected_lazily(make_index: IndexF
 
 def test_background_heartbeat_keeps_holder_alive_and_close_leaves(
         make_index: IndexFactory) -> None:
-    a = make_index("A", heartbeat_ttl_s=1.0).start()  # heartbeats every 0.33 s
+    a = make_index("A", heartbeat_ttl_s=2.0).start()  # heartbeats every 0.67 s
     reader = make_index("reader")
     blocks = chain(3)
     a.publish(blocks, Tier.DEVICE)
-    time.sleep(1.5)
+    time.sleep(2.5)  # the thing under test: A outlives its 2 s TTL only by heartbeating
     assert reader.lookup(blocks).match_len(a.holder) == 3
 
     a.close()
@@ -278,10 +294,10 @@ def test_leases_are_reported_to_the_owner_until_released(make_index: IndexFactor
 def test_lease_expires_after_its_ttl(make_index: IndexFactory) -> None:
     owner, reader = make_index("owner"), make_index("reader")
     blocks = chain(2)
-    reader.acquire_lease(owner.holder, blocks, ttl_s=0.5)
+    reader.acquire_lease(owner.holder, blocks, ttl_s=1.0)  # 1 s for the next call to see it
     assert owner.leased(blocks) == set(blocks)
-    time.sleep(0.6)
-    assert owner.leased(blocks) == set()
+    wait_until(lambda: owner.leased(blocks) == set(), timeout_s=15,
+               what="the lease to expire on the Redis server's clock")
     with pytest.raises(ValueError):
         reader.acquire_lease(owner.holder, blocks, ttl_s=reader.max_lease_ttl_s + 1)
 
@@ -366,7 +382,8 @@ def test_redis_down_degrades_then_recovers_and_republishes(
         private_redis: EmbeddedRedis, make_private_index: IndexFactory,
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    a = make_private_index("A", max_lease_ttl_s=1.0)
+    clock = FakeClock()  # times the lease blackout after the outage
+    a = make_private_index("A", max_lease_ttl_s=1.0, clock=clock)
     blocks = chain(6)
     a.publish(blocks[:4], Tier.DEVICE)
     assert a.lookup(blocks).match_len(a.holder) == 4
@@ -391,7 +408,8 @@ def test_redis_down_degrades_then_recovers_and_republishes(
     assert (match.length, match.tier, match.blocks_per_tier) == (6, Tier.HOST, (5, 1, 0))
     assert any("reachable again" in r.message for r in caplog.records)
     assert len(outage_warnings(caplog)) == 1
-    time.sleep(1.0)  # max_lease_ttl_s after the outage began: pre-outage leases are over
+    assert a.leased(blocks) == set(blocks)  # leases taken before the outage may still run
+    clock.advance(1.0)  # max_lease_ttl_s after the outage began: pre-outage leases are over
     assert a.leased(blocks) == set()
 
 
