@@ -24,7 +24,7 @@ from kvpool.disk_tier import MANIFEST_FILE, SLAB_FILE, DiskTier
 from kvpool.errors import HashStateError, TierClosedError
 from kvpool.host_tier import HostArena
 from kvpool.tier_base import EvictedBlocks, PutResult
-from tests.kvpool.test_host_tier import (
+from tests.kvpool.tier_support import (
     SLOT_BYTES,
     Checked,
     LruModel,
