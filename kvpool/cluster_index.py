@@ -47,9 +47,9 @@ from collections.abc import Iterable, Sequence
 from redis.exceptions import RedisError
 
 from kvpool.block_hash import HASH_BYTES, check_hashes
+from kvpool.errors import BadBlockHashError
 from kvpool.index_link import WRITE_CHUNK, IndexLink, chunks, logger
 from kvpool.index_types import (
-    BadBlockHashError,
     BadHolderIdError,
     ClusterIndexError,
     HolderId,

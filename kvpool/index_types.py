@@ -5,26 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from kvpool.errors import BadBlockHashError, KVPoolError
+from kvpool.errors import KVPoolError
 from kvpool.tiers import Tier
-
-__all__ = [
-    "BadBlockHashError",
-    "BadHolderIdError",
-    "ClusterIndexError",
-    "HolderId",
-    "HolderMatch",
-    "IndexClosedError",
-    "IndexStats",
-    "IndexUnavailableError",
-    "LeaseId",
-    "LookupResult",
-]
 
 
 class ClusterIndexError(KVPoolError):
     """Base of the cluster index's own errors (a bad block hash is kvpool's BadBlockHashError)."""
-
 
 
 class BadHolderIdError(ClusterIndexError, ValueError):
