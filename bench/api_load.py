@@ -64,7 +64,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def start_server(extra: str, log: Path) -> tuple[subprocess.Popen[str], str, str]:
-    cmd = [sys.executable, "-m", "halfmoon.cli", "serve", "--grpc-port", "0", "--http-port", "0", *extra.split()]
+    cmd = [sys.executable, "-m", "cli.main", "serve", "--grpc-port", "0", "--http-port", "0", *extra.split()]
     out = open(log, "w")  # noqa: SIM115 - the child keeps writing it; closed with the process
     proc = subprocess.Popen(cmd, stdout=out, stderr=out, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     deadline = time.monotonic() + 180

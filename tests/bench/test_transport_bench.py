@@ -24,7 +24,7 @@ def test_parse_perftest_reads_the_average_bandwidth() -> None:
 
 
 def test_tiny_tcp_run_reports_ratio_and_target() -> None:
-    proc = subprocess.run([sys.executable, "-m", "halfmoon.cli", "bench", "transport", "--backends", "tcp",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transport", "--backends", "tcp",
                            "--sizes-mb", "1,8", "--rounds", "1", "--budget-mb", "16", "--skip", "pipelining",
                            "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -48,7 +48,7 @@ def test_rounds_keep_the_best_per_size_and_an_error_sticks() -> None:
 def test_ucxx_run_prints_both_perftest_baselines() -> None:
     """One small real ucxx point: the like-for-like baseline (perftest -e), the plain one and
     the checksummed channel's ceiling."""
-    proc = subprocess.run([sys.executable, "-m", "halfmoon.cli", "bench", "transport", "--backends", "ucxx",
+    proc = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transport", "--backends", "ucxx",
                            "--ucx-tls", "tcp", "--sizes-mb", "8", "--rounds", "2", "--budget-mb", "32",
                            "--skip", "pipelining", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -29,7 +29,7 @@ import yaml
 from yamllint import config as yamllint_config
 from yamllint import linter as yamllint_linter
 
-from halfmoon.cli import build_parser
+from cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "halfmoon"
@@ -709,3 +709,138 @@ def test_notes_tell_how_to_connect(renderer: Renderer) -> None:
     notes = renderer.release("default").notes
     assert f"port-forward svc/{FULLNAME} 50051 8000" in notes and "WARNING: no API tokens" in notes
     assert "WARNING" not in renderer.release("gpu-1p1d").notes
+
+
+# ---------------------------------------------------------------------------- every serve flag
+
+
+class HelmValue(NamedTuple):
+    """The value of the chart that sets one `halfmoon serve` flag: its dotted path in values.yaml,
+    a value to render with, and the flag's argument it must give (None: a path the chart
+    derives, e.g. where it mounts the named Secret)."""
+
+    path: str
+    sample: Any
+    arg: str | None
+
+
+# Every `halfmoon serve` option is set by a value of the chart (a new config field's flag needs
+# one here, in values.yaml and in values.schema.json), or excluded with the reason.
+SERVE_FLAG_VALUES: dict[str, HelmValue] = {
+    "--prefill": HelmValue("prefill.replicas", 3, "3"),
+    "--decode": HelmValue("decode.replicas", 2, "2"),
+    "--prefill-gpus": HelmValue("prefill.gpus", 1, "1"),
+    "--decode-gpus": HelmValue("decode.gpus", 1, "1"),
+    "--worker-threads": HelmValue("conductor.workerThreads", 2, "2"),
+    "--grpc-port": HelmValue("conductor.grpcPort", 50052, "50052"),
+    "--http-port": HelmValue("conductor.httpPort", 8001, "8001"),
+    "--served-model-name": HelmValue("conductor.servedModelName", "probe", "probe"),
+    "--request-timeout-s": HelmValue("conductor.requestTimeoutS", 90, "90"),
+    "--max-prompt-tokens": HelmValue("conductor.limits.maxPromptTokens", 1000, "1000"),
+    "--max-tokens-limit": HelmValue("conductor.limits.maxTokens", 1001, "1001"),
+    "--max-request-bytes": HelmValue("conductor.limits.maxRequestBytes", 1002, "1002"),
+    "--max-streams-per-client": HelmValue("conductor.limits.maxStreamsPerClient", 1003, "1003"),
+    "--max-stop": HelmValue("conductor.limits.maxStop", 1004, "1004"),
+    "--max-stop-chars": HelmValue("conductor.limits.maxStopChars", 1005, "1005"),
+    "--max-messages": HelmValue("conductor.limits.maxMessages", 1006, "1006"),
+    "--max-id-chars": HelmValue("conductor.limits.maxIdChars", 1007, "1007"),
+    "--kv-transport": HelmValue("kvTransport.backend", "ucxx", "ucxx"),
+    "--kv-port": HelmValue("kvTransport.port", 5601, "5601"),
+    "--ucx-tls": HelmValue("kvTransport.ucxTls", "sm,self", "sm,self"),
+    "--ucx-poll-us": HelmValue("kvTransport.ucxPollUs", 0, "0"),
+    "--kv-timeout-s": HelmValue("kvTransport.timeoutS", 45, "45"),
+    "--kv-max-inflight-mb": HelmValue("kvTransport.maxInflightMb", 128, "128"),
+    "--redis-url": HelmValue("redis.external.url", "redis://probe:6379/0", "redis://probe:6379/0"),
+    "--model": HelmValue("model.alias", "probe-model", "probe-model"),
+    "--dtype": HelmValue("model.dtype", "bfloat16", "bfloat16"),
+    "--kv-cache-gb": HelmValue("engine.kvCacheGb", 2.5, "2.5"),
+    "--num-blocks": HelmValue("engine.numBlocks", 512, "512"),
+    "--block-size": HelmValue("engine.blockSize", 32, "32"),
+    "--max-num-seqs": HelmValue("engine.maxNumSeqs", 8, "8"),
+    "--max-num-batched-tokens": HelmValue("engine.maxNumBatchedTokens", 256, "256"),
+    "--max-model-len": HelmValue("engine.maxModelLen", 1024, "1024"),
+    "--attention-backend": HelmValue("engine.attentionBackend", "flashinfer", "flashinfer"),
+    "--host-cache-gb": HelmValue("kvTiers.hostGb", 2, "2"),
+    "--disk-cache-gb": HelmValue("kvTiers.disk.sizeGb", 4, "4"),
+    "--disk-cache-dir": HelmValue("kvTiers.disk.mountPath", "/var/lib/probe", "/var/lib/probe"),
+    "--api-token-file": HelmValue("auth.existingSecret", "probe-tokens", None),
+    "--tls-cert": HelmValue("tls.existingSecret", "probe-tls", None),
+    "--tls-key": HelmValue("tls.existingSecret", "probe-tls", None),
+}
+SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
+    "--help": "argparse's own",
+    "--config": "the chart passes every option as a flag",
+    "--colocated": "the chart runs the cluster: a head pod and worker pods",
+    "--max-waiting": "co-located mode only",
+    "--threads": "co-located mode only; each worker pins conductor.workerThreads threads",
+    "--ray-address": "always `auto`: the Conductor joins the head pod's Ray",
+    "--host": "always 0.0.0.0: the Service and the NetworkPolicy decide who reaches the pod",
+    "--kv-host": "always 0.0.0.0, advertised as the worker pod's IP",
+    "--kv-secret-file": "the secret reaches the workers as HALFMOON_KV_SECRET (kvTransport.secret)",
+    "--object-store-mb": "embedded Ray only; the chart's Ray nodes take *.objectStoreMemoryGb",
+    "--cost-model": "a file: the first prefill worker profiles itself (or mount one and use extraArgs)",
+    "--host-cache-name": "the Conductor names one host-tier arena per node",
+    "--no-redis": "the chart always runs a block index (bundled or external Redis)",
+}
+# What the samples need besides themselves: an external Redis instead of the bundled one.
+SAMPLE_EXTRAS = {"redis": {"bundled": {"enabled": False}}}
+
+
+def serve_flags() -> set[str]:
+    return {s for a in serve_parser()._actions for s in a.option_strings if s.startswith("--")}
+
+
+def lookup(tree: dict, path: str) -> Any:
+    for key in path.split("."):
+        assert isinstance(tree, dict) and key in tree, f"{path}: no {key!r}"
+        tree = tree[key]
+    return tree
+
+
+def nest(path: str, value: Any) -> dict:
+    for key in reversed(path.split(".")):
+        value = {key: value}
+    return value
+
+
+def test_every_serve_flag_has_a_helm_value_or_a_reason() -> None:
+    flags = serve_flags()
+    assert not set(SERVE_FLAG_VALUES) & set(SERVE_FLAGS_WITHOUT_VALUE)
+    missing = sorted(flags - set(SERVE_FLAG_VALUES) - set(SERVE_FLAGS_WITHOUT_VALUE))
+    assert not missing, f"`halfmoon serve` flags without a Helm value (or a reason in this file): {missing}"
+    stale = sorted((set(SERVE_FLAG_VALUES) | set(SERVE_FLAGS_WITHOUT_VALUE)) - flags)
+    assert not stale, f"not `halfmoon serve` flags any more: {stale}"
+    assert all(SERVE_FLAGS_WITHOUT_VALUE.values())
+
+
+def schema_of(schema: dict, path: str) -> dict:
+    """The schema of the value at dotted `path` (following `#/definitions/...` references)."""
+    node = schema
+    for key in path.split("."):
+        if "$ref" in node:
+            node = lookup(schema, node["$ref"].removeprefix("#/").replace("/", "."))
+        node = lookup(node, f"properties.{key}")
+    return node
+
+
+def test_each_flags_value_is_in_values_yaml_and_the_schema() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    for value in SERVE_FLAG_VALUES.values():
+        lookup(values, value.path)
+        assert "type" in schema_of(schema, value.path), value.path
+
+
+def test_each_flags_value_reaches_the_conductors_command(renderer: Renderer) -> None:
+    values = SAMPLE_EXTRAS
+    for value in SERVE_FLAG_VALUES.values():
+        values = merge(values, nest(value.path, value.sample))
+    docs = [doc for path, text in sorted(renderer.render(values).items()) if not path.endswith("NOTES.txt")
+            for doc in yaml.safe_load_all(text) if doc]
+    args = head_container(Release(renderer.chart.merge_values(values), docs, ""))["args"]
+    parse_serve(args)
+    given = dict(zip(args[:-1], args[1:], strict=True))
+    for flag, value in SERVE_FLAG_VALUES.items():
+        assert flag in given, f"{value.path}={value.sample!r} does not give {flag}"
+        if value.arg is not None:
+            assert given[flag] == value.arg, f"{value.path}={value.sample!r} gives {flag} {given[flag]}"

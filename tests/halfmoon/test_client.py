@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +32,7 @@ from halfmoon.client import (TOKEN_ENV, APIError, AsyncClient, Client, DeadlineE
 from tests.conductor import conftest as server_fixtures
 from tests.conductor.conftest import RunningApi
 from tests.conftest import assert_engine_idle
+from tests.waiting import poll
 
 # The real-server fixtures (module-scoped by their conftest's location, so bound here; assigned
 # rather than imported so the tests' `api` parameters do not read as redefinitions).
@@ -40,7 +40,7 @@ api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, se
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
-CLI = [sys.executable, "-m", "halfmoon.cli", "client"]
+CLI = [sys.executable, "-m", "cli.main", "client"]
 ENV = {k: v for k, v in os.environ.items() if k != TOKEN_ENV} | {"PYTHONUNBUFFERED": "1"}
 
 
@@ -129,14 +129,15 @@ def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
 
 def eventually(check: Callable[[], object], timeout: float = 5.0) -> object:
     """`check()` once it stops raising (for effects the server finishes just after replying)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def attempt() -> tuple[object] | None:
         try:
-            return check()
+            return (check(),)
         except (APIError, AssertionError):
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+            return None
+
+    done = poll(attempt, timeout)
+    return done[0] if done else check()  # the last try raises its error for the report
 
 
 # ---------------------------------------------------------------------------------- basics

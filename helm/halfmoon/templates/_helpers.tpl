@@ -171,11 +171,22 @@ argparse parser, so a flag that does not exist fails the tests).
 - --served-model-name
 - {{ . | quote }}
 {{- end }}
-{{- range $flag, $value := dict "--kv-cache-gb" $v.engine.kvCacheGb "--block-size" $v.engine.blockSize "--max-num-seqs" $v.engine.maxNumSeqs "--max-num-batched-tokens" $v.engine.maxNumBatchedTokens "--max-model-len" $v.engine.maxModelLen }}
+{{- range $flag, $value := dict "--kv-cache-gb" $v.engine.kvCacheGb "--block-size" $v.engine.blockSize "--max-num-seqs" $v.engine.maxNumSeqs "--max-num-batched-tokens" $v.engine.maxNumBatchedTokens "--max-model-len" $v.engine.maxModelLen "--num-blocks" $v.engine.numBlocks "--kv-timeout-s" $v.kvTransport.timeoutS "--kv-max-inflight-mb" $v.kvTransport.maxInflightMb "--request-timeout-s" $v.conductor.requestTimeoutS }}
 {{- if not (kindIs "invalid" $value) }}
 - {{ $flag }}
 - {{ include "halfmoon.num" $value | quote }}
 {{- end }}
+{{- end }}
+{{- $l := $v.conductor.limits }}
+{{- range $flag, $value := dict "--max-prompt-tokens" $l.maxPromptTokens "--max-tokens-limit" $l.maxTokens "--max-request-bytes" $l.maxRequestBytes "--max-streams-per-client" $l.maxStreamsPerClient "--max-stop" $l.maxStop "--max-stop-chars" $l.maxStopChars "--max-messages" $l.maxMessages "--max-id-chars" $l.maxIdChars }}
+{{- if not (kindIs "invalid" $value) }}
+- {{ $flag }}
+- {{ include "halfmoon.num" $value | quote }}
+{{- end }}
+{{- end }}
+{{- with $v.engine.attentionBackend }}
+- --attention-backend
+- {{ . | quote }}
 {{- end }}
 {{- if gt (float64 $v.kvTiers.hostGb) 0.0 }}
 - --host-cache-gb

@@ -7,18 +7,17 @@ import argparse
 import sys
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    from halfmoon.cli import add_engine_args
+def add_parser(p: argparse.ArgumentParser) -> None:
+    from cli.components import ENGINE
+    from cli.flags import add_flags
 
-    p = sub.add_parser("profile", help="profile the engine and write its cost model (JSON)")
     p.add_argument("--out", default="cost_model.json", help="where to write the cost model")
     p.add_argument("--quick", action="store_true",
                    help="small grid (~10-20 s, what a worker runs at startup); default: full grid (minutes)")
     p.add_argument("--transfer-gbps", type=float, default=None,
                    help="KV fetch bandwidth between workers in GB/s (not measured; default 2, the low "
                         "end of `halfmoon bench transport` on loopback)")
-    add_engine_args(p)
-    p.set_defaults(func=run)
+    add_flags(p, ENGINE)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,12 +25,13 @@ def run(args: argparse.Namespace) -> int:
     from engine.profiling import measure_engine
     from engine.engine import Engine
     from core.errors import ConfigError
-    from halfmoon.cli import engine_config
+    from cli.components import ENGINE
+    from cli.flags import build
 
     bandwidth = DEFAULT_TRANSFER_BYTES_PER_S if args.transfer_gbps is None else args.transfer_gbps * 1e9
     if not bandwidth > 0:
         raise ConfigError(f"--transfer-gbps must be > 0, got {args.transfer_gbps}")
-    engine = Engine(engine_config(args))
+    engine = Engine(build(ENGINE, args))
     try:
         profile = measure_engine(engine, quick=args.quick)
     finally:

@@ -1,4 +1,4 @@
-"""The `halfmoon` CLI as a user runs it: real processes, the real model, exit codes, Ctrl-C."""
+"""The `halfmoon` command (cli/) as a user runs it: real processes, the real model, exit codes, Ctrl-C."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -17,9 +16,10 @@ import pytest
 
 from engine.engine import Engine
 from core.params import SamplingParams
+from tests.waiting import poll
 
 PROMPT = "The capital of France is"
-CLI = [sys.executable, "-m", "halfmoon.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -60,15 +60,18 @@ def test_bad_input_exits_2_with_a_clear_message(args: list[str], needle: str) ->
 
 
 def _wait_for_url(proc: subprocess.Popen[str], log: Path, timeout: float = 120) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    """The HTTP URL of the server's `listening` line; fails the test if it exits first."""
+
+    def listening() -> re.Match[str] | None:
         match = re.search(r"listening grpc=\S+ http=(http://\S+)", log.read_text())
-        if match:
-            return match.group(1)
-        if proc.poll() is not None:
+        if not match and proc.poll() is not None:
             pytest.fail(f"serve exited early ({proc.returncode}): {log.read_text()}")
-        time.sleep(0.2)
-    pytest.fail(f"serve did not come up in {timeout}s: {log.read_text()}")
+        return match
+
+    match = poll(listening, timeout)
+    if not match:
+        pytest.fail(f"serve did not come up in {timeout}s: {log.read_text()}")
+    return match.group(1)
 
 
 def _post(url: str, body: dict) -> dict:
@@ -109,7 +112,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
 
 def test_serve_warns_when_bound_beyond_localhost(capsys: pytest.CaptureFixture[str]) -> None:
     from conductor.server import Endpoints, ServerConfig
-    from halfmoon.serve_cmd import announce
+    from cli.serve import announce
 
     announce(Endpoints("127.0.0.1", 50051, 8000, False, False), "smollm2", ServerConfig())
     assert "WARNING" not in capsys.readouterr().err

@@ -9,10 +9,10 @@ import sys
 from core.errors import InvalidRequestError
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    from halfmoon.cli import add_engine_args
+def add_parser(p: argparse.ArgumentParser) -> None:
+    from cli.components import ENGINE
+    from cli.flags import add_flags
 
-    p = sub.add_parser("generate", help="generate from one prompt with the local engine")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
@@ -25,8 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    add_engine_args(p)
-    p.set_defaults(func=run)
+    add_flags(p, ENGINE)
 
 
 def parse_ids(text: str) -> list[int]:
@@ -50,12 +49,13 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from engine.engine import Engine
     from core.params import SamplingParams
-    from halfmoon.cli import engine_config
+    from cli.components import ENGINE
+    from cli.flags import build
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
                             stop=tuple(args.stop))
-    engine = Engine(engine_config(args))
+    engine = Engine(build(ENGINE, args))
     try:
         return _generate(args, engine, params)
     finally:
@@ -64,14 +64,17 @@ def run(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace, engine, params) -> int:
     ids = prompt_ids(args, engine.tokenizer)
+    from engine.outputs import completion_result
+
     engine.add_request(ids, params, request_id="cli")
-    result = None
-    while result is None:
-        for out in engine.step():
-            if not args.json and out.new_text:
-                sys.stdout.write(out.new_text)
+    chunks = []
+    while not chunks or not chunks[-1].finished:
+        for chunk in engine.step():
+            chunks.append(chunk)
+            if not args.json and chunk.text:
+                sys.stdout.write(chunk.text)
                 sys.stdout.flush()
-            result = out.result or result
+    result = completion_result("cli", ids, chunks)
     if args.json:
         print(json.dumps({"prompt_ids": ids, "output_ids": result.output_ids, "text": result.text,
                           "finish_reason": result.finish_reason.value,

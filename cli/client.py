@@ -26,9 +26,8 @@ EXIT_ERROR = 2
 EXIT_UNAVAILABLE = 3
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("client", help="call a running server over gRPC (generate, chat, models, tokenize)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.description, p.formatter_class = __doc__, argparse.RawDescriptionHelpFormatter
     calls = p.add_subparsers(dest="call", required=True)
     conn = _connection_parser()
     gen = _generation_parser()
@@ -44,7 +43,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t = calls.add_parser("tokenize", parents=[conn], help="print the token ids of a text")
     t.add_argument("text")
     t.add_argument("--json", action="store_true", help="print a JSON list instead of 1,2,3")
-    p.set_defaults(func=run)
 
 
 def _connection_parser() -> argparse.ArgumentParser:
@@ -131,7 +129,7 @@ def _request_options(args: argparse.Namespace) -> dict[str, Any]:
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         return {**options, "messages": [*system, {"role": "user", "content": args.message}]}
     if args.prompt_ids is not None:
-        from halfmoon.generate_cmd import parse_ids
+        from cli.generate import parse_ids
 
         return {**options, "prompt_token_ids": parse_ids(args.prompt_ids)}
     return {**options, "prompt": args.prompt}

@@ -1,0 +1,82 @@
+"""The config dataclasses as flag tables: what each field's flag is called where it is not
+`--field-name`, and which fields are no flag and why. `cli.flags` generates the rest.
+
+Importing this module imports the config classes (torch, via engine.config): commands import it
+only when their own parser is built.
+"""
+
+from __future__ import annotations
+
+from conductor.cluster import ClusterConfig
+from conductor.requests import Limits
+from conductor.server import ServerConfig
+from engine.config import EngineConfig
+from transport.config import TransportConfig
+
+from cli.flags import Component, Flag
+
+ENGINE = Component(
+    EngineConfig, "engine",
+    flags={
+        "model": Flag(help="alias (smollm2), GGUF file or HF folder"),
+        "dtype": Flag(choices=("float32", "bfloat16")),
+        # Kept from the first CLI; in cluster mode each worker pins its own (--worker-threads).
+        "num_threads": Flag("threads", help="torch CPU threads (default: all cores)"),
+        "attention_backend": Flag(choices=("torch", "flashinfer")),
+    },
+    excluded={
+        "redis_url": "`serve` sets it: --redis-url, --no-redis, else the embedded Redis it starts",
+        "worker_id": "the cluster names each worker",
+        "node_id": "the worker's node (hostname) in the cluster",
+    })
+
+TRANSPORT = Component(
+    TransportConfig, "KV transport (cluster mode)",
+    flags={
+        "backend": Flag("kv-transport", choices=("auto", "ucxx", "tcp"),
+                        help="KV transfer between workers (auto = ucxx, else tcp with a warning)"),
+        # None: `serve` derives it (127.0.0.1, or 0.0.0.0 with --ray-address).
+        "host": Flag("kv-host", default=None,
+                     help="where decode workers' KV receivers bind (default 127.0.0.1; with "
+                          "--ray-address 0.0.0.0, advertised as the node's IP)"),
+        "port": Flag("kv-port", help="KV receiver port (0 = any free port)"),
+        "secret_file": Flag("kv-secret-file"),
+        "timeout_s": Flag("kv-timeout-s"),
+        "max_inflight_mb": Flag("kv-max-inflight-mb"),
+    })
+
+CLUSTER = Component(
+    ClusterConfig, "cluster (default: 1 prefill + 1 decode worker as Ray actors)",
+    flags={
+        "prefill": Flag(help="prefill workers"),
+        "decode": Flag(help="decode workers"),
+        "prefill_gpus": Flag(help="GPUs per prefill worker actor (default: 1 if this machine sees CUDA, else 0)"),
+        "decode_gpus": Flag(help="GPUs per decode worker actor (default: as above)"),
+    },
+    nested={"transport": TRANSPORT},
+    excluded={
+        "engine": "built from the engine flags by `serve` (one EngineConfig for both modes)",
+        "model_id": "derived: --served-model-name, else the model's file or folder name",
+    })
+
+LIMITS = Component(
+    Limits, "limits",
+    flags={
+        "max_tokens": Flag("max-tokens-limit", help="largest max_tokens a request may ask"),
+        "max_stop_chars": Flag(help="longest stop string, in characters"),
+        "max_id_chars": Flag(help="longest request id / cache salt, in printable characters"),
+    })
+
+SERVER = Component(
+    ServerConfig, "front door",
+    flags={
+        "host": Flag(help="address to bind (0.0.0.0 = every interface)"),
+        "grpc_port": Flag(help="gRPC port (0 = any free port)"),
+        "http_port": Flag(help="HTTP port (0 = any free port)"),
+        "tls_cert": Flag(help="PEM certificate (TLS for gRPC and HTTP)"),
+        "tls_key": Flag(help="PEM private key"),
+    },
+    nested={"limits": LIMITS})
+
+# The components whose flags `halfmoon serve` has, and the one the engine commands share.
+SERVE = (SERVER, CLUSTER, ENGINE)

