@@ -1,0 +1,114 @@
+"""The wire side of the SDK, shared by `Client` and `AsyncClient`: request messages built from
+keyword arguments, and response messages turned into results."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any, TypedDict
+
+import grpc
+
+from halfmoon.errors import InternalError
+from halfmoon.results import GenerationResult, ModelInfo, StreamChunk, Timings, Usage
+from halfmoon.v1 import generation_pb2 as pb
+
+_FINISH = MappingProxyType({pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
+                            pb.FINISH_REASON_ABORT: "abort"})
+
+
+class GenerateOptions(TypedDict, total=False):
+    """The keyword arguments of `generate` / `stream` (see `generate_request`)."""
+
+    messages: Sequence[Mapping[str, str]] | None
+    prompt_token_ids: Sequence[int] | None
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: Sequence[str]
+    stop_token_ids: Sequence[int]
+    ignore_eos: bool
+    ttft_slo_ms: float | None
+    tbt_slo_ms: float | None
+    priority: int
+    cache_salt: str | None
+    request_id: str | None
+    model: str
+
+
+def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+                     prompt_token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
+                     temperature: float | None = None, top_p: float | None = None,
+                     top_k: int | None = None, seed: int | None = None, stop: Sequence[str] = (),
+                     stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
+                     ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
+                     priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
+                     model: str = "") -> pb.GenerateRequest:
+    """The `GenerateRequest` for these arguments; None = the server's default. Give exactly one
+    of `prompt`, `messages` (`{"role", "content"}` dicts) and `prompt_token_ids` (the server
+    checks, naming the field)."""
+    sampling = pb.SamplingParams(**_present(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
+    return pb.GenerateRequest(
+        model=model, messages=_chat(messages), prompt_token_ids=list(prompt_token_ids or ()),
+        sampling=sampling, slo=pb.Slo(**_present(ttft_ms=ttft_slo_ms, tbt_ms=tbt_slo_ms)),
+        stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
+        priority=priority, cache_salt=cache_salt or "", request_id=request_id or "",
+        **_present(prompt=prompt, max_tokens=max_tokens))
+
+
+def tokenize_request(text: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+                     model: str = "") -> pb.TokenizeRequest:
+    return pb.TokenizeRequest(model=model, messages=_chat(messages), **_present(text=text))
+
+
+def _present(**fields: Any) -> dict[str, Any]:
+    """The fields that were given (proto3 `optional` fields stay unset otherwise)."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _chat(messages: Sequence[Mapping[str, str]] | None) -> list[pb.ChatMessage]:
+    return [pb.ChatMessage(role=m.get("role", ""), content=m.get("content", "")) for m in messages or ()]
+
+
+class Collector:
+    """Turns the responses of one Generate call into chunks and, at the end, the result."""
+
+    __slots__ = ("received", "request_id", "result", "texts", "token_ids")
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.received = 0  # messages delivered to the caller (a stream is retried only at 0)
+        self.result: GenerationResult | None = None
+
+    def add(self, response: pb.GenerateResponse) -> StreamChunk:
+        self.received += 1
+        self.request_id = response.request_id or self.request_id
+        ids = list(response.token_ids)
+        self.token_ids.extend(ids)
+        self.texts.append(response.text)
+        if response.HasField("final"):
+            self.result = self._result(response.final)
+        return StreamChunk(self.request_id, ids, response.text, self.result)
+
+    def finish(self) -> GenerationResult:
+        """The result; raises InternalError when the stream ended without its final message."""
+        if self.result is None:
+            raise InternalError(grpc.StatusCode.INTERNAL, "the stream ended without its final message")
+        return self.result
+
+    def _result(self, final: pb.Final) -> GenerationResult:
+        if final.finish_reason not in _FINISH:
+            raise InternalError(grpc.StatusCode.INTERNAL, f"unknown finish reason {final.finish_reason}")
+        u, t = final.usage, final.timings
+        return GenerationResult(
+            self.request_id, "".join(self.texts), list(self.token_ids), _FINISH[final.finish_reason],
+            final.stop or None, Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens),
+            Timings(t.queue_ms, t.prefill_ms, t.transfer_ms, t.ttft_ms, t.mean_tpot_ms, t.e2e_ms))
+
+
+def model_info(m: pb.ModelInfo) -> ModelInfo:
+    return ModelInfo(m.id, m.max_model_len, m.vocab_size, m.owned_by)
