@@ -104,7 +104,7 @@ def decode(msg: dict, receiver: KVReceiver, engine, reserved: dict[str, list[int
     out: list[int] = []
     while engine.has_unfinished():
         for o in engine.step():
-            out += o.new_token_ids
+            out += o.token_ids
     return {"output_ids": out}
 
 
@@ -117,7 +117,7 @@ def run_sender(args: argparse.Namespace) -> None:
     for _ in range(1000):  # the test kills us long before this ends
         for layer in range(layout.num_layers):
             stream.send_layer(layer, list(range(args.blocks)), list(range(args.blocks)))
-        time.sleep(0.01)
+        time.sleep(0.01)  # the thing under test: a sender still sending when killed (paced)
 
 
 def main() -> None:

@@ -5,10 +5,10 @@ server are built on it; their suites run through it too)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
+from tests.transport.helpers import eventually
 from transport.acceptor import Acceptor
 from transport.channel import Backend, Channel
 from transport.errors import PeerLostError
@@ -29,15 +29,6 @@ def _ask(channel: Channel, msg: bytes) -> bytes:
     buf = bytearray(8)
     channel.recv_into([memoryview(buf)], 5.0)
     return bytes(buf)
-
-
-def _wait_for(cond, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_channels_are_served_at_once_and_closed_with_the_acceptor(backend: Backend) -> None:
@@ -64,9 +55,9 @@ def test_a_failing_handler_costs_only_its_channel(backend: Backend, caplog: pyte
     try:
         assert _ask(good, b"first...") == b"first..."
         bad.sendv([memoryview(b"boom....")], 5.0)
-        assert _wait_for(lambda: "handler failed" in caplog.text), "the failure was not logged"
+        assert eventually(lambda: "handler failed" in caplog.text), "the failure was not logged"
         assert "serving" in caplog.text  # loudly, with the cause
-        assert _wait_for(lambda: acceptor.open_channels == 1), "the failed channel was not closed"
+        assert eventually(lambda: acceptor.open_channels == 1), "the failed channel was not closed"
         assert _ask(good, b"still...") == b"still..."
         late = backend.connect(acceptor.address, 5.0)  # and accepting goes on
         assert _ask(late, b"late....") == b"late...."
@@ -80,4 +71,4 @@ def test_a_failing_handler_costs_only_its_channel(backend: Backend, caplog: pyte
 def test_close_stops_the_accept_thread(backend: Backend) -> None:
     acceptor = Acceptor(backend.listen("127.0.0.1", 0), _echo, "test-close").start()
     acceptor.close(join_s=5.0)
-    assert _wait_for(lambda: not any(t.name == "test-close-accept" for t in threading.enumerate()))
+    assert eventually(lambda: not any(t.name == "test-close-accept" for t in threading.enumerate()))

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.transport.test_faults import REPO
+from tests.transport.helpers import REPO
 from transport import get_backend
 from transport.config import TransportConfig, TransportConfigError
 from transport.errors import BackendUnavailableError
@@ -80,7 +80,7 @@ def test_make_backend() -> None:
 @pytest.mark.parametrize("backend_name", ["tcp"])
 def test_peer_cache_reuses_and_reconnects(backend_name: str) -> None:
     from tests.transport.conftest import FINGERPRINT, kv_tensor
-    from tests.transport.test_faults import _eventually
+    from tests.transport.helpers import eventually
     from transport import KVLayout, KVReceiver
     from transport.peers import KVPeers
 
@@ -94,7 +94,7 @@ def test_peer_cache_reuses_and_reconnects(backend_name: str) -> None:
         sender = peers.sender(first.address)
         assert peers.sender(first.address) is sender  # cached
         first.close()  # the decode worker restarts on the same port
-        assert _eventually(lambda: sender.broken is not None)
+        assert eventually(lambda: sender.broken is not None)
         second = KVReceiver(dst, layout, backend, port=port, timeout=5.0).start()
         try:
             again = peers.sender(second.address)

@@ -11,7 +11,7 @@ from engine.engine import Engine
 from engine.kv_push import LayerPusher
 from core.params import FinishReason
 from core.params import SamplingParams
-from tests.transport.test_faults import Peer
+from tests.transport.helpers import peer_process
 from transport import KVLayout, KVReceiver, KVSender, get_backend
 from transport.errors import TransportError
 from transport.faults import FaultInjector
@@ -51,7 +51,7 @@ def disaggregated(prefill: Engine, decode: Engine, sender: KVSender, receiver: K
     outputs: dict[str, list[int]] = {rid: [] for rid in rids}
     while decode.has_unfinished():
         for out in decode.step():
-            outputs[out.request_id] += out.new_token_ids
+            outputs[out.request_id] += out.token_ids
     prefill.step()  # the prefill side releases blocks whose units have left
     return [outputs[rid] for rid in rids]
 
@@ -118,7 +118,7 @@ def test_a_failed_push_aborts_the_request_and_frees_everything(make_engine) -> N
         finals += [o for o in prefill.step() if o.finished]
     with pytest.raises(TransportError):
         stream.wait(5)
-    assert finals and finals[0].finish_reason is FinishReason.ABORT
+    assert finals and finals[0].end.finish_reason is FinishReason.ABORT
     prefill.step()
     assert_idle(prefill)
     sender.close()
@@ -127,7 +127,7 @@ def test_a_failed_push_aborts_the_request_and_frees_everything(make_engine) -> N
 @pytest.mark.parametrize("name", ["tcp", "ucxx"])
 def test_two_processes_token_identical(name: str, make_engine, shared_engine) -> None:  # noqa: ANN001
     """Prefill here, decode in another process that loads its own engine."""
-    peer = Peer("receiver", "--backend", name, "--engine")
+    peer = peer_process("receiver", "--backend", name, "--engine")
     prefill = make_engine(num_blocks=96, max_num_batched_tokens=64)
     layout = KVLayout.of(prefill.kv_cache, prefill.model_config.fingerprint)
     sender = KVSender(prefill.kv_cache, layout, get_backend(name), peer.first["address"], timeout=30.0)
@@ -191,7 +191,7 @@ def test_closing_the_sender_mid_prefill_aborts_and_frees(make_engine) -> None:  
         while prefill.has_unfinished():
             finals += [o for o in prefill.step() if o.finished]
         prefill.step()
-        assert finals and finals[0].finish_reason is FinishReason.ABORT
+        assert finals and finals[0].end.finish_reason is FinishReason.ABORT
         with pytest.raises(TransportError):
             stream.wait(1)
         assert_idle(prefill)

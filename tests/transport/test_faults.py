@@ -12,10 +12,10 @@ from unittest import mock
 import pytest
 import torch
 
-from tests.transport.conftest import FINGERPRINT, kv_tensor
-from tests.transport.peer import RAW_FINGERPRINT, raw_kv
-from bench.transport_bench import Peer as BenchPeer
 from kvpool.block_pool import BlockPool
+from tests.transport.conftest import FINGERPRINT, kv_tensor
+from tests.transport.helpers import eventually, peer_process
+from tests.transport.peer import RAW_FINGERPRINT, raw_kv
 from transport import KVLayout, KVReceiver, KVSender, get_backend, protocol
 from transport.channel import Backend
 from transport.errors import (
@@ -25,8 +25,6 @@ from transport.errors import (
     TransferTimeoutError,
 )
 from transport.faults import FaultInjector
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def receiver_for(backend: Backend, kv: torch.Tensor, secret: bytes | None = None, **kw) -> KVReceiver:  # noqa: ANN003
@@ -50,7 +48,7 @@ def test_layout_mismatch_is_refused_naming_the_field(backend: Backend, field: st
         with pytest.raises(HandshakeError) as err:
             KVSender(kv, replace(KVLayout.of(kv, FINGERPRINT), **change), backend, receiver.address, timeout=5.0)
         assert err.value.field == field and field in str(err.value)
-        assert receiver.stats.refused == 1 or _eventually(lambda: receiver.stats.refused == 1)
+        assert receiver.stats.refused == 1 or eventually(lambda: receiver.stats.refused == 1)
     finally:
         receiver.close()
 
@@ -161,17 +159,12 @@ def test_slow_receiver_keeps_sender_memory_bounded(backend: Backend) -> None:
 # ---------------------------------------------------------------- peers in other processes
 
 
-def Peer(*args: str) -> BenchPeer:  # noqa: N802 - reads as the class it builds
-    """`tests.transport.peer` in its own process."""
-    return BenchPeer(args, module="tests.transport.peer", cwd=REPO)
-
-
 PROCESS_BACKENDS = ["tcp", "ucxx"]
 
 
 @pytest.mark.parametrize("name", PROCESS_BACKENDS)
 def test_receiver_killed_mid_transfer_fails_the_sender_within_timeout(name: str) -> None:
-    peer = Peer("receiver", "--backend", name)
+    peer = peer_process("receiver", "--backend", name)
     kv = raw_kv(1)
     sender = KVSender(kv, KVLayout.of(kv, RAW_FINGERPRINT), get_backend(name), peer.first["address"], timeout=3.0)
     try:
@@ -203,9 +196,9 @@ def test_sender_killed_mid_transfer_releases_the_receivers_blocks(name: str) -> 
     try:
         blocks = pool.allocate(num_blocks)  # the peer writes blocks 0..n-1: reserve them all
         receiver.expect("victim", blocks)
-        peer = Peer("sender", "--backend", name, "--address", receiver.address, "--rid", "victim",
+        peer = peer_process("sender", "--backend", name, "--address", receiver.address, "--rid", "victim",
                     "--blocks", str(num_blocks))
-        assert _eventually(lambda: receiver.stats.units > 0, 20)
+        assert eventually(lambda: receiver.stats.units > 0, 20)
         os.kill(peer.proc.pid, signal.SIGKILL)
         with pytest.raises((PeerLostError, TransferTimeoutError)):
             receiver.wait("victim", 10)
@@ -240,12 +233,3 @@ def _assert_a_new_sender_gets_through(name: str, receiver: KVReceiver, dst: torc
         assert torch.equal(dst[:, :, [7, 9]], src[:, :, [1, 2]])
     finally:
         sender.close()
-
-
-def _eventually(cond, timeout: float = 5.0) -> bool:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
