@@ -11,9 +11,12 @@ mid-transfer, about one run in four, every later connection's greeting timed out
 So whenever a peer closes or loses an endpoint of this process's worker, a doctor thread checks
 the worker: it connects to itself through a fresh listener (the transports a peer on this host
 would use) and waits for the greeting. If the greeting does not arrive within PROBE_TIMEOUT_S,
-the doctor logs an error and replaces the runtime (`ucxx_backend.replace_runtime`): a new worker,
+the doctor logs an error and replaces the runtime (`ucxx_runtime.replace_runtime`): a new worker,
 the listeners moved to it on their own ports, the old channels closed (their waiters get
 PeerLostError; senders reconnect through their endpoint cache).
+
+A runtime calls `watch` when a peer goes because the backend gives it as the runtime's
+`on_peer_lost` (transport.ucxx_backend); the runtime itself knows nothing of this module.
 """
 
 from __future__ import annotations
@@ -21,12 +24,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
 
 from transport.errors import TransportError
-
-if TYPE_CHECKING:
-    from transport.ucxx_backend import _Runtime
+from transport.ucxx_channel import connect
+from transport.ucxx_listener import UcxxListener
+from transport.ucxx_runtime import UcxRuntime, current_runtime, replace_runtime
 
 log = logging.getLogger("halfmoon.transport")
 PROBE_DELAY_S = 0.2  # let a failure settle first: several endpoints often go at once
@@ -36,7 +38,7 @@ _checking_lock = threading.Lock()
 _checking = 0  # checks (probe, and replacement if needed) in progress, over all runtimes
 
 
-def watch(rt: _Runtime) -> None:
+def watch(rt: UcxRuntime) -> None:
     """Make sure a doctor thread checks `rt` whenever `rt.suspect` is set. Cheap and
     non-blocking; only `rt`'s owner thread calls it, so one doctor is started per runtime."""
     if rt.doctor is None:
@@ -44,7 +46,7 @@ def watch(rt: _Runtime) -> None:
         rt.doctor.start()
 
 
-def _doctor(rt: _Runtime) -> None:
+def _doctor(rt: UcxRuntime) -> None:
     global _checking
     while not rt.retired:
         rt.suspect.wait()
@@ -57,9 +59,7 @@ def _doctor(rt: _Runtime) -> None:
                 _checking -= 1
 
 
-def _check(rt: _Runtime) -> None:
-    from transport.ucxx_backend import replace_runtime
-
+def _check(rt: UcxRuntime) -> None:
     time.sleep(PROBE_DELAY_S)
     rt.suspect.clear()
     if rt.retired or probe(rt):
@@ -77,8 +77,6 @@ def _check(rt: _Runtime) -> None:
 def settled(timeout: float) -> bool:
     """Wait until the current runtime has no check pending or running (tests, and callers
     that just lost a peer and want a usable worker before they reconnect)."""
-    from transport.ucxx_backend import current_runtime
-
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not current_runtime().suspect.is_set() and _checking == 0:
@@ -87,11 +85,9 @@ def settled(timeout: float) -> bool:
     return False
 
 
-def probe(rt: _Runtime, timeout: float = PROBE_TIMEOUT_S) -> bool:
+def probe(rt: UcxRuntime, timeout: float = PROBE_TIMEOUT_S) -> bool:
     """True if a new peer on this host can still reach `rt`'s worker: a connection to itself,
     through a listener of its own, completes its greeting within `timeout`."""
-    from transport.ucxx_backend import UcxxListener, connect
-
     listener = UcxxListener(rt, "127.0.0.1", 0, greet_timeout=timeout)
     accepted: list = []
     greeter = threading.Thread(target=lambda: accepted.append(listener.accept(timeout)), name="ucx-probe",

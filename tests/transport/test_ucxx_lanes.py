@@ -93,15 +93,16 @@ def test_a_peer_that_never_introduces_itself_is_dropped_and_accepting_goes_on(
     """A connection that dies before sending its channel id (seen in CI: a stale attempt at a
     port a new listener reused) must not end the accept loop of a KV receiver."""
     from transport.tcp import parse_address
-    from transport.ucxx_backend import _close_held, runtime
+    from transport.ucxx_channel import close_held
+    from transport.ucxx_runtime import current_runtime
 
     backend = get_backend("ucxx")
     listener = backend.listen("127.0.0.1", 0)
-    rt = runtime(None)
+    rt = current_runtime()
     host, port = parse_address(listener.address, "ucxx")
     mute = [rt.call(lambda: rt.ucx.UCXEndpoint.create(rt.worker, host, port, True), 10.0, "connect")]
-    time.sleep(0.5)  # the listener has its end of the connection
-    rt.call(lambda: _close_held(mute), 10.0, "close")  # gone without a word
+    assert listener.wait_connections(1, 10.0), "the listener never saw the mute connection"
+    rt.call(lambda: close_held(mute), 10.0, "close")  # gone without a word
     accepted: list[Channel | None] = []
     t = threading.Thread(target=lambda: accepted.append(listener.accept(20.0)))
     t.start()
@@ -126,14 +127,16 @@ def test_a_mute_peer_does_not_hold_up_the_next_connection() -> None:
     """A peer that connects and stays silent (half-open, or a port scanner) is greeted on its own
     thread: a good peer right behind it is accepted at once, not after GREET_TIMEOUT_S."""
     from transport.tcp import parse_address
-    from transport.ucxx_backend import GREET_TIMEOUT_S, _close_held, runtime
+    from transport.ucxx_channel import close_held
+    from transport.ucxx_listener import GREET_TIMEOUT_S
+    from transport.ucxx_runtime import current_runtime
 
     backend = get_backend("ucxx")
     listener = backend.listen("127.0.0.1", 0)
-    rt = runtime(None)
+    rt = current_runtime()
     host, port = parse_address(listener.address, "ucxx")
     mute = [rt.call(lambda: rt.ucx.UCXEndpoint.create(rt.worker, host, port, True), 10.0, "connect")]
-    time.sleep(0.3)  # the listener has its end of the mute connection
+    assert listener.wait_connections(1, 10.0), "the listener never saw the mute connection"
     sender = backend.connect(listener.address, 10.0)
     try:
         start = time.monotonic()
@@ -148,16 +151,26 @@ def test_a_mute_peer_does_not_hold_up_the_next_connection() -> None:
         receiver.close()
     finally:
         sender.close()
-        rt.call(lambda: _close_held(mute), 10.0, "close")
+        rt.call(lambda: close_held(mute), 10.0, "close")
         listener.close()
 
+
 def test_closing_the_listener_wakes_a_waiting_accept() -> None:
+    """accept() returns None at once when the listener closes, whether it was already waiting
+    or comes a moment later (close leaves a wake-up in the queue for every accept)."""
     backend = get_backend("ucxx")
     listener = backend.listen("127.0.0.1", 0)
     got: list[Channel | None] = ["unset"]  # type: ignore[list-item]
-    t = threading.Thread(target=lambda: got.__setitem__(0, listener.accept(30.0)))
+    accepting = threading.Event()
+
+    def accept() -> None:
+        accepting.set()
+        got[0] = listener.accept(30.0)
+
+    t = threading.Thread(target=accept)
     t.start()
-    time.sleep(0.2)
+    assert accepting.wait(5.0)
     listener.close()
     t.join(5.0)
     assert not t.is_alive() and got[0] is None
+    assert listener.accept(30.0) is None  # and every later accept, at once

@@ -1,4 +1,4 @@
-"""The ucxx backend's operation handle (no UCX needed): finished once by the owner thread,
+"""The ucxx runtime's operation handle (no UCX needed): finished once by the owner thread,
 then finished for every waiter, however many wait at once."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from transport.ucxx_backend import Op
+from transport.ucxx_runtime import Op
 
 
 def test_an_operation_waits_until_finished_then_stays_finished() -> None:

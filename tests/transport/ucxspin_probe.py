@@ -20,7 +20,7 @@ def main() -> None:
 
     from transport import _ucxspin
 
-    from transport.ucxx_backend import ucp_progress_address
+    from transport.ucxx_runtime import ucp_progress_address
 
     fn = ucp_progress_address()
     worker = u.UCXWorker(u.UCXContext(feature_flags=(u.Feature.TAG, u.Feature.STREAM)))
