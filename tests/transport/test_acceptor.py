@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from tests.transport.helpers import eventually
+from tests.waiting import poll
 from transport.acceptor import Acceptor
 from transport.channel import Backend, Channel
 from transport.errors import PeerLostError
@@ -55,9 +55,9 @@ def test_a_failing_handler_costs_only_its_channel(backend: Backend, caplog: pyte
     try:
         assert _ask(good, b"first...") == b"first..."
         bad.sendv([memoryview(b"boom....")], 5.0)
-        assert eventually(lambda: "handler failed" in caplog.text), "the failure was not logged"
+        assert poll(lambda: "handler failed" in caplog.text, 5.0), "the failure was not logged"
         assert "serving" in caplog.text  # loudly, with the cause
-        assert eventually(lambda: acceptor.open_channels == 1), "the failed channel was not closed"
+        assert poll(lambda: acceptor.open_channels == 1, 5.0), "the failed channel was not closed"
         assert _ask(good, b"still...") == b"still..."
         late = backend.connect(acceptor.address, 5.0)  # and accepting goes on
         assert _ask(late, b"late....") == b"late...."
@@ -71,4 +71,4 @@ def test_a_failing_handler_costs_only_its_channel(backend: Backend, caplog: pyte
 def test_close_stops_the_accept_thread(backend: Backend) -> None:
     acceptor = Acceptor(backend.listen("127.0.0.1", 0), _echo, "test-close").start()
     acceptor.close(join_s=5.0)
-    assert eventually(lambda: not any(t.name == "test-close-accept" for t in threading.enumerate()))
+    assert poll(lambda: not any(t.name == "test-close-accept" for t in threading.enumerate()), 5.0)

@@ -80,7 +80,7 @@ def test_make_backend() -> None:
 @pytest.mark.parametrize("backend_name", ["tcp"])
 def test_peer_cache_reuses_and_reconnects(backend_name: str) -> None:
     from tests.transport.conftest import FINGERPRINT, kv_tensor
-    from tests.transport.helpers import eventually
+    from tests.waiting import poll
     from transport import KVLayout, KVReceiver
     from transport.peers import KVPeers
 
@@ -94,7 +94,7 @@ def test_peer_cache_reuses_and_reconnects(backend_name: str) -> None:
         sender = peers.sender(first.address)
         assert peers.sender(first.address) is sender  # cached
         first.close()  # the decode worker restarts on the same port
-        assert eventually(lambda: sender.broken is not None)
+        assert poll(lambda: sender.broken is not None, 5.0)
         second = KVReceiver(dst, layout, backend, port=port, timeout=5.0).start()
         try:
             again = peers.sender(second.address)

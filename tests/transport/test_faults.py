@@ -14,8 +14,9 @@ import torch
 
 from kvpool.block_pool import BlockPool
 from tests.transport.conftest import FINGERPRINT, kv_tensor
-from tests.transport.helpers import eventually, peer_process
+from tests.transport.helpers import peer_process
 from tests.transport.peer import RAW_FINGERPRINT, raw_kv
+from tests.waiting import poll
 from transport import KVLayout, KVReceiver, KVSender, get_backend, protocol
 from transport.channel import Backend
 from transport.errors import (
@@ -48,7 +49,7 @@ def test_layout_mismatch_is_refused_naming_the_field(backend: Backend, field: st
         with pytest.raises(HandshakeError) as err:
             KVSender(kv, replace(KVLayout.of(kv, FINGERPRINT), **change), backend, receiver.address, timeout=5.0)
         assert err.value.field == field and field in str(err.value)
-        assert receiver.stats.refused == 1 or eventually(lambda: receiver.stats.refused == 1)
+        assert receiver.stats.refused == 1 or poll(lambda: receiver.stats.refused == 1, 5.0)
     finally:
         receiver.close()
 
@@ -198,7 +199,7 @@ def test_sender_killed_mid_transfer_releases_the_receivers_blocks(name: str) -> 
         receiver.expect("victim", blocks)
         peer = peer_process("sender", "--backend", name, "--address", receiver.address, "--rid", "victim",
                     "--blocks", str(num_blocks))
-        assert eventually(lambda: receiver.stats.units > 0, 20)
+        assert poll(lambda: receiver.stats.units > 0, 20)
         os.kill(peer.proc.pid, signal.SIGKILL)
         with pytest.raises((PeerLostError, TransferTimeoutError)):
             receiver.wait("victim", 10)

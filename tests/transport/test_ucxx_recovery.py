@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.transport.conftest import accept_pair, thread_cpu_s
-from tests.transport.helpers import eventually
+from tests.waiting import poll
 from transport import get_backend, ucxx_recovery
 from transport import ucxx_runtime as ur
 from transport.channel import Channel, Listener
@@ -78,7 +78,7 @@ def test_a_peer_closing_leaves_a_healthy_worker_in_place(listener: Listener,
     before = ur.current_runtime()
     sender, receiver = pair(listener)
     sender.close()  # the receiver's endpoint is closed by its peer: the worker gets checked
-    assert eventually(lambda: probes, 10.0), "the worker was not checked after its peer left"
+    assert poll(lambda: probes, 10.0), "the worker was not checked after its peer left"
     assert ucxx_recovery.settled(20.0)
     receiver.close()
     # Every check found the worker healthy (an earlier test's peer may still cause one more).
@@ -96,7 +96,7 @@ def test_a_wedged_queue_is_found_and_the_worker_replaced(listener: Listener,
     assert wedge_shared_memory_queues() >= 1, "found no sysv receive FIFO of this process (UCX changed?)"
     assert not ucxx_recovery.probe(old, timeout=2.0), "the wedge did not take: UCX's FIFO layout changed?"
     leaving_tx.close()  # the peer goes away: the check that finds the wedge
-    assert eventually(lambda: old.retired, 30.0), "the wedged worker was not replaced"
+    assert poll(lambda: old.retired, 30.0), "the wedged worker was not replaced"
     assert ucxx_recovery.settled(30.0)
     new = ur.current_runtime()
     assert new is not old and old.retired
