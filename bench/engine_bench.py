@@ -48,6 +48,7 @@ from engine.engine import Engine
 from engine.loader import resolve_model_path
 from engine.outputs import CompletionResult
 from core.params import SamplingParams
+from core.blocks import cdiv
 
 MODEL = "smollm2"
 BLOCK_SIZE = 16
@@ -246,7 +247,7 @@ def load_transformers(dtype: torch.dtype) -> TransformersSystem:
 def kv_blocks_needed(sizes: Sizes) -> int:
     """Blocks for the largest workload at once (W2), so nothing is ever preempted."""
     def blocks(tokens: int) -> int:
-        return -(-tokens // BLOCK_SIZE)
+        return cdiv(tokens, BLOCK_SIZE)
     return max(sizes.w2_batch * blocks(sizes.w2_prompt + sizes.w2_output),
                blocks(sizes.w1_prompt + sizes.w1_output), blocks(sizes.w3_prompt + 1))
 

@@ -13,6 +13,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 import torch
@@ -47,14 +48,20 @@ class Figure:
 def render_table(figures: list[Figure], baseline_name: str) -> str:
     """A fixed-width table: figure, both systems, ratio halfmoon/baseline, target, met/missed."""
     head = f"{'figure':<34}{'halfmoon':>11}{baseline_name:>14}{'ratio':>9}{'target':>10}  "
-    lines = [head, "-" * len(head)]
-    for f in figures:
-        better = "higher" if f.higher_is_better else "lower"
-        target = f">={f.target:.2f}x" if f.target is not None else "-"
-        verdict = {None: f"({better} is better)", True: "met", False: "MISSED"}[f.met]
-        lines.append(f"{f.label + ' (' + f.unit + ')':<34}{f.halfmoon:>11.1f}{f.baseline:>14.1f}"
-                     f"{f.ratio:>8.2f}x{target:>10}  {verdict}")
-    return "\n".join(lines)
+    return ruled(head, map(_figure_row, figures))
+
+
+def _figure_row(f: Figure) -> str:
+    better = "higher" if f.higher_is_better else "lower"
+    target = f">={f.target:.2f}x" if f.target is not None else "-"
+    verdict = {None: f"({better} is better)", True: "met", False: "MISSED"}[f.met]
+    return (f"{f.label + ' (' + f.unit + ')':<34}{f.halfmoon:>11.1f}{f.baseline:>14.1f}"
+            f"{f.ratio:>8.2f}x{target:>10}  {verdict}")
+
+
+def ruled(head: str, rows: Iterable[str]) -> str:
+    """A fixed-width table of every bench: the header, a rule as wide as it, the rows."""
+    return "\n".join([head, "-" * len(head), *rows])
 
 
 def cpu_model() -> str:

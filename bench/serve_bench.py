@@ -30,15 +30,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.report import Figure, Progress, machine_info, render_table, utc_now
+from bench.report import Figure, Progress, machine_info, render_table, ruled, utc_now
+from bench.serve_metrics import RequestRecord, Slo, request_rows, summarize
 from bench.workload import Caps, Request, Workload, chat_workload, trace_workload
 
 DEFAULT_SERVE_ARGS = "--colocated --threads 2 --no-redis"
@@ -46,7 +46,6 @@ BASELINE_ARGS = "--colocated --threads 2"
 CLUSTER_ARGS = "--prefill 1 --decode 1 --worker-threads 1"
 BASELINE_NAME, CLUSTER_NAME = "co-located", "cluster"
 GOODPUT_TARGET = 2.0  # cluster / baseline goodput where the baseline starts missing its SLOs
-PERCENTILES = (50, 90, 99)
 WARMUP_PROMPT_TOKENS, WARMUP_MAX_TOKENS = 32, 4
 
 
@@ -91,116 +90,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.trace and args.rates:
         p.error("--rates sweeps the synthetic workload; a trace is scaled with --speed")
     return args
-
-
-# ---------------------------------------------------------------------------- metrics
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What the client saw of one request; times are seconds since the replay started."""
-
-    index: int
-    arrival_s: float
-    prompt_tokens: int
-    max_tokens: int
-    sent_s: float | None = None
-    token_times: list[float] = field(default_factory=list)  # one entry per token, in order
-    done_s: float | None = None
-    cached_tokens: int = 0
-    status: str = "pending"  # "ok" | "rejected" (RESOURCE_EXHAUSTED) | "error"
-    code: str | None = None  # the gRPC status name of a rejection or error
-    message: str = ""
-
-    @property
-    def ttft_s(self) -> float | None:
-        return self.token_times[0] - self.arrival_s if self.token_times else None
-
-
-@dataclass(frozen=True, slots=True)
-class Slo:
-    ttft_ms: float
-    tbt_ms: float
-
-
-def tbt_s(token_times: Sequence[float]) -> float | None:
-    """Mooncake's TBT: mean of the longest 10% of the gaps (at least one gap); None without gaps."""
-    gaps = np.diff(np.asarray(token_times, dtype=np.float64))
-    if gaps.size == 0:
-        return None
-    k = max(1, gaps.size // 10)
-    return float(np.sort(gaps)[-k:].mean())
-
-
-def tpot_s(token_times: Sequence[float]) -> float | None:
-    """Mean time per output token after the first; None for a single token."""
-    if len(token_times) < 2:
-        return None
-    return (token_times[-1] - token_times[0]) / (len(token_times) - 1)
-
-
-def stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
-    """mean, p50, p90, p99 in ms (linear interpolation between samples); None when empty."""
-    if not values_s:
-        return {"mean": None, **{f"p{q}": None for q in PERCENTILES}}
-    ms = np.asarray(values_s, dtype=np.float64) * 1e3
-    out: dict[str, float | None] = {"mean": round(float(ms.mean()), 3)}
-    for q in PERCENTILES:
-        out[f"p{q}"] = round(float(np.percentile(ms, q)), 3)
-    return out
-
-
-def meets_slo(record: RequestRecord, slo: Slo) -> bool:
-    """Completed, first token within the TTFT SLO, TBT within the TBT SLO (a one-token output
-    has no gaps, so no TBT to miss)."""
-    if record.status != "ok" or record.ttft_s is None:
-        return False
-    tbt = tbt_s(record.token_times)
-    return bool(record.ttft_s * 1e3 <= slo.ttft_ms and (tbt is None or tbt * 1e3 <= slo.tbt_ms))
-
-
-def summarize(records: Sequence[RequestRecord], window_s: float, makespan_s: float, slo: Slo) -> dict[str, Any]:
-    """The run's metrics. Goodput is per second of `window_s` (the workload's arrival window)."""
-    done = [r for r in records if r.status == "ok"]
-    good = sum(1 for r in records if meets_slo(r, slo))
-    prompt = sum(r.prompt_tokens for r in done)
-    output = sum(len(r.token_times) for r in done)
-    window = window_s if window_s > 0 else makespan_s  # a one-request trace has no window
-    lags = [r.sent_s - r.arrival_s for r in records if r.sent_s is not None]
-    return {
-        "requests": len(records), "completed": len(done),
-        "rejected": sum(r.status == "rejected" for r in records),
-        "errors": sum(r.status == "error" for r in records),
-        "errors_by_status": dict(sorted(Counter(r.code for r in records if r.code).items())),
-        "short_outputs": sum(len(r.token_times) != r.max_tokens for r in done),
-        "ttft_ms": stats_ms([r.ttft_s for r in done if r.ttft_s is not None]),
-        "tbt_ms": stats_ms([t for r in done if (t := tbt_s(r.token_times)) is not None]),
-        "tpot_ms": stats_ms([t for r in done if (t := tpot_s(r.token_times)) is not None]),
-        "slo_met": good,
-        "goodput_rps": good / window if window > 0 else None,
-        "slo_attainment_pct": 100.0 * good / len(records) if records else None,
-        "prefix_hit_rate": sum(r.cached_tokens for r in done) / prompt if prompt else None,
-        "throughput": {"requests_per_s": _per_s(len(done), makespan_s),
-                       "output_tokens_per_s": _per_s(output, makespan_s),
-                       "prompt_tokens_per_s": _per_s(prompt, makespan_s)},
-        "window_s": round(window, 3), "makespan_s": round(makespan_s, 3),
-        "max_send_lag_ms": round(max(lags) * 1e3, 3) if lags else None,
-    }
-
-
-def _per_s(count: float, seconds: float) -> float | None:
-    return round(count / seconds, 3) if seconds > 0 else None
-
-
-def request_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
-    """Per-request results for serve_bench.json (ms, rounded)."""
-    def ms(x: float | None) -> float | None:
-        return None if x is None else round(x * 1e3, 3)
-
-    return [{"index": r.index, "arrival_s": round(r.arrival_s, 4), "prompt_tokens": r.prompt_tokens,
-             "cached_tokens": r.cached_tokens, "max_tokens": r.max_tokens, "tokens": len(r.token_times),
-             "status": r.status, "code": r.code, "ttft_ms": ms(r.ttft_s), "tbt_ms": ms(tbt_s(r.token_times)),
-             "tpot_ms": ms(tpot_s(r.token_times)), "message": r.message or None} for r in records]
 
 
 # ---------------------------------------------------------------------------- replay
@@ -470,7 +359,7 @@ def render_run(run: dict[str, Any]) -> str:
         s = m[key]
         lines.append(f"  {label:<12}" + "".join(f"{_fmt(s[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
     t = m["throughput"]
-    hit = None if m["prefix_hit_rate"] is None else 100 * m["prefix_hit_rate"]
+    hit = _hit_pct(m)
     lines += [f"  goodput {_fmt(m['goodput_rps'], 3)} req/s over {m['window_s']:g} s "
               f"(SLO attainment {_fmt(m['slo_attainment_pct'])}%), prefix hit rate {_fmt(hit)}%",
               f"  throughput {_fmt(t['requests_per_s'], 2)} req/s, {_fmt(t['output_tokens_per_s'])} output tok/s, "
@@ -482,15 +371,20 @@ def render_run(run: dict[str, Any]) -> str:
 def render_summary(runs: list[dict[str, Any]]) -> str:
     head = (f"{'system':<12}{'rate':>6}{'done':>6}{'rej':>5}{'err':>5}{'goodput':>9}{'attain%':>9}"
             f"{'TTFT p90':>10}{'TBT p90':>9}{'hit%':>7}")
-    lines = [head, "-" * len(head)]
-    for run in runs:
-        m = run["metrics"]
-        hit = None if m["prefix_hit_rate"] is None else 100 * m["prefix_hit_rate"]
-        rate = "-" if run["rate"] is None else f"{run['rate']:g}"
-        lines.append(f"{run['system']:<12}{rate:>6}{m['completed']:>6}{m['rejected']:>5}{m['errors']:>5}"
-                     f"{_fmt(m['goodput_rps'], 3):>9}{_fmt(m['slo_attainment_pct']):>9}"
-                     f"{_fmt(m['ttft_ms']['p90']):>10}{_fmt(m['tbt_ms']['p90']):>9}{_fmt(hit):>7}")
-    return "\n".join(lines)
+    return ruled(head, map(_summary_row, runs))
+
+
+def _summary_row(run: dict[str, Any]) -> str:
+    m = run["metrics"]
+    rate = "-" if run["rate"] is None else f"{run['rate']:g}"
+    return (f"{run['system']:<12}{rate:>6}{m['completed']:>6}{m['rejected']:>5}{m['errors']:>5}"
+            f"{_fmt(m['goodput_rps'], 3):>9}{_fmt(m['slo_attainment_pct']):>9}"
+            f"{_fmt(m['ttft_ms']['p90']):>10}{_fmt(m['tbt_ms']['p90']):>9}{_fmt(_hit_pct(m)):>7}")
+
+
+def _hit_pct(metrics: dict[str, Any]) -> float | None:
+    rate = metrics["prefix_hit_rate"]
+    return None if rate is None else 100 * rate
 
 
 def render(result: dict[str, Any], runs: list[dict[str, Any]], comp: Comparison | None) -> str:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from core.blocks import cdiv
+
 HASH_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces
 DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's vocabulary
 REQUIRED_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -99,7 +101,7 @@ def _hash_ids(value: Any, input_length: int, where: str) -> tuple[int, ...]:
     for item in value:
         if isinstance(item, bool) or not isinstance(item, int) or item < 0:
             raise TraceError(f"{where}: hash_ids must be integers >= 0, got {item!r}")
-    expected = -(-input_length // HASH_BLOCK_TOKENS)
+    expected = cdiv(input_length, HASH_BLOCK_TOKENS)
     if len(value) != expected:
         raise TraceError(f"{where}: input_length {input_length} needs {expected} hash ids "
                          f"(one per {HASH_BLOCK_TOKENS} tokens), got {len(value)}")

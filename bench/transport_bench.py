@@ -38,7 +38,8 @@ from typing import Any
 
 import torch
 
-from bench.report import Progress, machine_info, utc_now
+from bench.report import Progress, machine_info, ruled, utc_now
+from core.blocks import cdiv
 
 MB = 1 << 20
 # Throughput layout: 16 tokens x 4 heads x 64 dims fp32 = 16 KB slabs, 32 KB per block-layer.
@@ -257,7 +258,7 @@ def pipelining(lengths: Sequence[int], backend: str, threads: int, repeats: int,
     from engine.engine import Engine
     from transport import KVLayout, KVSender, get_backend
 
-    blocks_max = -(-max(lengths) // 16) + 1
+    blocks_max = cdiv(max(lengths), 16) + 1
     engine = Engine(EngineConfig(model="smollm2", dtype="float32", num_threads=threads, num_blocks=blocks_max))
     kv = engine.kv_cache
     layout = KVLayout.of(kv, engine.model_config.fingerprint)
@@ -278,7 +279,7 @@ def pipelining(lengths: Sequence[int], backend: str, threads: int, repeats: int,
 def _pipeline_row(engine, sender, peer: Peer, n: int, repeats: int) -> dict[str, float]:  # noqa: ANN001
     gen = torch.Generator().manual_seed(n)
     prompt = torch.randint(0, engine.model_config.vocab_size, (n,), generator=gen).tolist()
-    blocks = list(range(-(-n // 16)))
+    blocks = list(range(cdiv(n, 16)))
     prefill = transfer = exposed = float("inf")
     pipelined = (float("inf"), 0.0)
     for r in range(repeats):  # a fresh cache salt each run: no prefix-cache hit between runs
@@ -330,43 +331,48 @@ def _transfer(engine, sender, peer: Peer, blocks: list[int], rid: str) -> float:
 # ---------------------------------------------------------------- report
 
 
+THROUGHPUT_NOTE = (
+    "ucxx baseline: ucx_perftest -e (endpoints with peer error handling, as the backend's) "
+    "and the backend's UCX settings; no-EH raw: ucx_perftest without -e (CMA zero-copy on one host); "
+    "chan: a ucxx channel alone (the backend's, no KV protocol, no checksums); chan+xxh3: the same with "
+    "the protocol's checksums (xxh3-64 of every frame on both ends): the ceiling for a verified "
+    "transfer; their ratios are to perftest -e; "
+    "ratio and target: best of the rounds on each side; rounds: each round's own ratio")
+
+
 def throughput_table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'backend':<22}{'size':>8}{'halfmoon GB/s':>15}{'raw GB/s':>10}  {'baseline':<30}{'ratio':>7}"
             f"  {'target':<15}{'no-EH raw':>10}{'ratio':>7}{'chan':>7}{'ratio':>7}{'chan+xxh3':>10}{'ratio':>7}"
             "  rounds (backend / raw, back to back)")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
-        raw = "-" if r["raw_gbps"] is None else f"{r['raw_gbps']:.2f}"
-        target = "" if r["target"] is None else (">=0.70x " + ("met" if r["met"] else "MISSED"))
-        plain = r.get("plain_gbps")
-        extra = f"{'-':>10}{'-':>7}" if plain is None else f"{plain:>10.2f}{r['gbps'] / plain:>6.2f}x"
-        bare, chan = r.get("bare_channel_gbps"), r.get("channel_gbps")
-        if bare is not None and chan is not None and r["raw_gbps"]:
-            extra += f"{bare:>7.2f}{bare / r['raw_gbps']:>6.2f}x{chan:>10.2f}{chan / r['raw_gbps']:>6.2f}x"
-        if r.get("round_ratios"):
-            extra += "  " + " ".join(f"{x:.2f}" for x in r["round_ratios"])
-        lines.append(f"{r['backend']:<22}{r['size_mb']:>6}MB{r['gbps']:>15.2f}{raw:>10}  {r['baseline']:<30}"
-                     f"{ratio:>7}  {target:<15}{extra}")
-    lines.append("ucxx baseline: ucx_perftest -e (endpoints with peer error handling, as the backend's) "
-                 "and the backend's UCX settings; no-EH raw: ucx_perftest without -e (CMA zero-copy on one host); "
-                 "chan: a ucxx channel alone (the backend's, no KV protocol, no checksums); chan+xxh3: the same with "
-                 "the protocol's checksums (xxh3-64 of every frame on both ends): the ceiling for a verified "
-                 "transfer; their ratios are to perftest -e; "
-                 "ratio and target: best of the rounds on each side; rounds: each round's own ratio")
-    return "\n".join(lines)
+    return ruled(head, [*map(_throughput_row, rows), THROUGHPUT_NOTE])
+
+
+def _throughput_row(r: dict[str, Any]) -> str:
+    ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}x"
+    raw = "-" if r["raw_gbps"] is None else f"{r['raw_gbps']:.2f}"
+    target = "" if r["target"] is None else (">=0.70x " + ("met" if r["met"] else "MISSED"))
+    plain = r.get("plain_gbps")
+    extra = f"{'-':>10}{'-':>7}" if plain is None else f"{plain:>10.2f}{r['gbps'] / plain:>6.2f}x"
+    bare, chan = r.get("bare_channel_gbps"), r.get("channel_gbps")
+    if bare is not None and chan is not None and r["raw_gbps"]:
+        extra += f"{bare:>7.2f}{bare / r['raw_gbps']:>6.2f}x{chan:>10.2f}{chan / r['raw_gbps']:>6.2f}x"
+    if r.get("round_ratios"):
+        extra += "  " + " ".join(f"{x:.2f}" for x in r["round_ratios"])
+    return (f"{r['backend']:<22}{r['size_mb']:>6}MB{r['gbps']:>15.2f}{raw:>10}  {r['baseline']:<30}"
+            f"{ratio:>7}  {target:<15}{extra}")
 
 
 def pipeline_table(rows: list[dict[str, float]]) -> str:
     head = (f"{'tokens':>7}{'KV MB':>8}{'prefill ms':>12}{'transfer ms':>13}{'after ms':>10}"
             f"{'pipelined ms':>14}{'exposed ms':>12}{'hidden':>9}  target")
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        target = (">=80% " + ("met" if r["hidden"] >= 0.8 else "MISSED")) if r["tokens"] == 2048 else ""
-        lines.append(f"{r['tokens']:>7}{r['kv_mb']:>8.0f}{r['prefill_ms']:>12.0f}{r['transfer_ms']:>13.0f}"
-                     f"{r['after_ms']:>10.0f}{r['pipelined_ms']:>14.0f}{r['exposed_ms']:>12.1f}"
-                     f"{r['hidden']:>8.0%}  {target}")
-    return "\n".join(lines)
+    return ruled(head, map(_pipeline_row, rows))
+
+
+def _pipeline_row(r: dict[str, float]) -> str:
+    target = (">=80% " + ("met" if r["hidden"] >= 0.8 else "MISSED")) if r["tokens"] == 2048 else ""
+    return (f"{r['tokens']:>7}{r['kv_mb']:>8.0f}{r['prefill_ms']:>12.0f}{r['transfer_ms']:>13.0f}"
+            f"{r['after_ms']:>10.0f}{r['pipelined_ms']:>14.0f}{r['exposed_ms']:>12.1f}"
+            f"{r['hidden']:>8.0%}  {target}")
 
 
 def throughput_rows(backends: Sequence[str], sizes: Sequence[int], tls_list: Sequence[str],

@@ -12,17 +12,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.kvpool_bench import (
-    DEFAULT_TRACE,
-    HashLRU,
-    PrefixHasher,
-    ReplayConfig,
-    load_requests,
-    main,
-    replay,
-    upper_bound,
-    usable_blocks,
-)
+from bench.kvpool_bench import DEFAULT_TRACE, load_requests, main
+from bench.kvpool_replay import HashLRU, PrefixHasher, ReplayConfig, replay, upper_bound, usable_blocks
 from bench.trace import (
     HASH_BLOCK_TOKENS,
     TraceError,

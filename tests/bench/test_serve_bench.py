@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from bench import serve_bench as sb
+from bench import serve_metrics as sm
 from bench.trace import HASH_BLOCK_TOKENS
 from bench.workload import (MIN_TOKEN_ID, SYSTEM_PROMPT_TOKENS, Caps, chat_workload, trace_workload)
 from tests.conductor import conftest as server_fixtures
@@ -29,9 +30,9 @@ def timeline(gaps: list[float], first: float = 0.5) -> list[float]:
 
 
 def record(ttft: float, gaps: list[float], status: str = "ok", code: str | None = None,
-           prompt: int = 100, cached: int = 0) -> sb.RequestRecord:
+           prompt: int = 100, cached: int = 0) -> sm.RequestRecord:
     times = timeline(gaps, 1.0 + ttft) if status == "ok" else []
-    return sb.RequestRecord(0, 1.0, prompt, len(times), sent_s=1.0, token_times=times, done_s=9.0,
+    return sm.RequestRecord(0, 1.0, prompt, len(times), sent_s=1.0, token_times=times, done_s=9.0,
                             cached_tokens=cached, status=status, code=code)
 
 
@@ -40,27 +41,27 @@ def record(ttft: float, gaps: list[float], status: str = "ok", code: str | None 
 
 def test_tbt_is_the_mean_of_the_longest_tenth_of_the_gaps() -> None:
     gaps = [0.05] * 18 + [0.5, 0.3]  # 20 gaps: the longest 2
-    assert sb.tbt_s(timeline(gaps)) == pytest.approx(0.4)
+    assert sm.tbt_s(timeline(gaps)) == pytest.approx(0.4)
     gaps = [0.05] * 26 + [0.9, 0.2, 0.1, 0.06]  # 30 gaps: the longest 3 (floor of 10%)
-    assert sb.tbt_s(timeline(gaps)) == pytest.approx((0.9 + 0.2 + 0.1) / 3)
-    assert sb.tbt_s(timeline([0.05] * 8 + [0.7])) == pytest.approx(0.7)  # 9 gaps: the longest
-    assert sb.tbt_s(timeline([0.2])) == pytest.approx(0.2)
-    assert sb.tbt_s([3.0]) is None and sb.tbt_s([]) is None
+    assert sm.tbt_s(timeline(gaps)) == pytest.approx((0.9 + 0.2 + 0.1) / 3)
+    assert sm.tbt_s(timeline([0.05] * 8 + [0.7])) == pytest.approx(0.7)  # 9 gaps: the longest
+    assert sm.tbt_s(timeline([0.2])) == pytest.approx(0.2)
+    assert sm.tbt_s([3.0]) is None and sm.tbt_s([]) is None
 
 
 def test_tpot_is_the_mean_gap_after_the_first_token() -> None:
-    assert sb.tpot_s(timeline([0.1, 0.2, 0.3])) == pytest.approx(0.2)
-    assert sb.tpot_s([1.0]) is None
+    assert sm.tpot_s(timeline([0.1, 0.2, 0.3])) == pytest.approx(0.2)
+    assert sm.tpot_s([1.0]) is None
 
 
 def test_stats_are_mean_and_interpolated_percentiles_in_ms() -> None:
-    s = sb.stats_ms([x / 1e3 for x in range(1, 101)])  # 1..100 ms
+    s = sm.stats_ms([x / 1e3 for x in range(1, 101)])  # 1..100 ms
     assert s == pytest.approx({"mean": 50.5, "p50": 50.5, "p90": 90.1, "p99": 99.01})
-    assert sb.stats_ms([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+    assert sm.stats_ms([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
 
 
 def test_goodput_counts_exactly_the_requests_meeting_both_slos() -> None:
-    slo = sb.Slo(ttft_ms=500.0, tbt_ms=125.0)  # binary fractions: "exactly at the SLO" is exact
+    slo = sm.Slo(ttft_ms=500.0, tbt_ms=125.0)  # binary fractions: "exactly at the SLO" is exact
     records = [record(0.2, [0.05] * 9, prompt=200, cached=64),  # good
                record(0.5, [0.125] * 3),  # good: both exactly at the SLO
                record(0.0, [], prompt=100, cached=16),  # good: one token, no TBT to miss
@@ -68,7 +69,7 @@ def test_goodput_counts_exactly_the_requests_meeting_both_slos() -> None:
                record(0.1, [0.05] * 18 + [0.3, 0.2]),  # TBT miss: mean of the longest 2 gaps = 250 ms
                record(0.0, [], status="rejected", code="RESOURCE_EXHAUSTED"),
                record(0.0, [], status="error", code="INTERNAL")]
-    m = sb.summarize(records, window_s=4.0, makespan_s=8.0, slo=slo)
+    m = sm.summarize(records, window_s=4.0, makespan_s=8.0, slo=slo)
     assert (m["requests"], m["completed"], m["rejected"], m["errors"], m["slo_met"]) == (7, 5, 1, 1, 3)
     assert m["goodput_rps"] == pytest.approx(3 / 4.0)
     assert m["slo_attainment_pct"] == pytest.approx(100 * 3 / 7, abs=0.01)
@@ -87,10 +88,10 @@ def test_baseline_starts_missing_at_the_first_rate_below_the_attainment_target()
 
 
 def test_comparison_ratios_and_a_baseline_with_zero_goodput() -> None:
-    slo = sb.Slo(ttft_ms=500.0, tbt_ms=125.0)
+    slo = sm.Slo(ttft_ms=500.0, tbt_ms=125.0)
 
     def run(system: str, rate: float, ttfts: list[float]) -> dict:
-        metrics = sb.summarize([record(t, [0.05] * 9) for t in ttfts], 2.0, 3.0, slo)
+        metrics = sm.summarize([record(t, [0.05] * 9) for t in ttfts], 2.0, 3.0, slo)
         return {"system": system, "rate": rate, "target": "x", "serve_args": "", "workload": {},
                 "metrics": metrics}
 
@@ -198,7 +199,7 @@ def test_real_replay_against_the_in_process_server(api: server_fixtures.RunningA
 def colocated_serve_args() -> str:
     """`halfmoon serve` flags of a small co-located server, with `--colocated` once serve has it
     (then the cluster is its default)."""
-    from halfmoon.cli import build_parser
+    from cli.main import build_parser
 
     _, unknown = build_parser().parse_known_args(["serve", "--colocated"])
     return ("" if unknown else "--colocated ") + "--threads 1 --num-blocks 128"
@@ -208,7 +209,7 @@ def colocated_serve_args() -> str:
 def test_compare_runs_both_configurations_and_reports_ratios(tmp_path: Path) -> None:
     serve = colocated_serve_args()  # co-located on both sides: the mechanics, not the cluster
     proc = subprocess.run(
-        [sys.executable, "-m", "halfmoon.cli", "bench", "serve", "--compare", "--baseline-args", serve,
+        [sys.executable, "-m", "cli.main", "bench", "serve", "--compare", "--baseline-args", serve,
          "--cluster-args", serve, "--rates", "1,2", "--duration", "2", "--seed", "2", "--max-output-tokens", "4",
          "--ttft-slo-ms", "60000", "--tbt-slo-ms", "60000", "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300)
