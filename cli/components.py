@@ -7,7 +7,7 @@ only when their own parser is built.
 
 from __future__ import annotations
 
-from conductor.cluster import ClusterConfig
+from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
 from conductor.server import ServerConfig
 from engine.config import EngineConfig

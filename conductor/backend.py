@@ -1,7 +1,8 @@
 """The interface between the front door (gRPC / HTTP) and whatever generates tokens.
 
 The API layer validates and tokenizes a request into a `GenerationInput`, then iterates
-`backend.generate(input)`: `TokenDelta`s as tokens are sampled, then exactly one `Completion`.
+`backend.generate(input)`: `TokenChunk`s (core.messages) as tokens are sampled; the last one, and
+only it, carries the request's `end`.
 Closing the iterator early (client cancel, deadline, disconnect) stops the work and frees its KV.
 Two backends: the co-located engine (`conductor/colocated.py`) and the disaggregated cluster.
 """
@@ -13,6 +14,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from core.messages import TokenChunk
 from core.params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -36,43 +38,6 @@ class GenerationInput:
     slo: Slo = Slo()
     priority: int = 0
     deadline: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TokenDelta:
-    """New tokens of one request since the last delta, and their text."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Timings:
-    queue_ms: float
-    prefill_ms: float
-    transfer_ms: float
-    ttft_ms: float
-    mean_tpot_ms: float
-    e2e_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class Completion:
-    """The last item of a generation. `finish_reason` is `stop`, `length` or `abort`."""
-
-    request_id: str
-    finish_reason: str
-    stop: str | None
-    usage: Usage
-    timings: Timings
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +76,7 @@ class GenerationBackend(abc.ABC):
         """Stop serving: running requests end with `abort`, resources are released."""
 
     @abc.abstractmethod
-    def generate(self, inp: GenerationInput) -> AsyncIterator[TokenDelta | Completion]:
+    def generate(self, inp: GenerationInput) -> AsyncIterator[TokenChunk]:
         """Stream a request. Raises (before or while streaming) the precise errors of
         `conductor.errors`; closing the iterator early aborts the request and frees its KV."""
 

@@ -19,16 +19,15 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from conductor.backend import (BackendStats, Completion, GenerationBackend, GenerationInput,
-                               ModelCard, Timings, TokenDelta, Usage)
+from conductor.backend import BackendStats, GenerationBackend, GenerationInput, ModelCard
 from conductor.errors import (DeadlineExceededError, OverloadedError, ServiceUnavailableError,
                               SloMissError, SloPrediction)
+from core.messages import RequestEnd, TokenChunk
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from core.errors import InvalidRequestError
-from engine.outputs import CompletionResult, RequestOutput
 
-_Item = RequestOutput | BaseException
+_Item = TokenChunk | BaseException
 
 
 @dataclass(slots=True)
@@ -48,12 +47,13 @@ class LoadPredictor:
         self.prefill_tokens_per_ms: float | None = None
         self.tpot_ms: float | None = None
 
-    def observe(self, result: CompletionResult) -> None:
-        computed = len(result.prompt_ids) - result.num_cached_tokens
-        if computed > 0 and result.prefill_ms > 0:
-            self.prefill_tokens_per_ms = self._ewma(self.prefill_tokens_per_ms, computed / result.prefill_ms)
-        if len(result.output_ids) > 1 and result.tpot_ms > 0:
-            self.tpot_ms = self._ewma(self.tpot_ms, result.tpot_ms)
+    def observe(self, end: RequestEnd) -> None:
+        u, t = end.usage, end.timings
+        computed = u.prompt_tokens - u.cached_prompt_tokens
+        if computed > 0 and t.prefill_ms > 0:
+            self.prefill_tokens_per_ms = self._ewma(self.prefill_tokens_per_ms, computed / t.prefill_ms)
+        if u.completion_tokens > 1 and t.mean_tpot_ms > 0:
+            self.tpot_ms = self._ewma(self.tpot_ms, t.mean_tpot_ms)
 
     def ttft_ms(self, queued_tokens: int, own_tokens: int) -> float | None:
         if self.prefill_tokens_per_ms is None:
@@ -102,22 +102,17 @@ class ColocatedBackend(GenerationBackend):
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, inp: GenerationInput) -> AsyncIterator[TokenDelta | Completion]:
+    async def generate(self, inp: GenerationInput) -> AsyncIterator[TokenChunk]:
         request_id, stream = self._open(inp)
         finished = False
         try:
-            while True:
-                out = await self._next(stream, inp.deadline)
+            while not finished:
+                chunk = await self._next(stream, inp.deadline)
                 stream.started = True
-                if out.finished:
+                if chunk.end is not None:
                     finished = True
-                    if out.new_token_ids or out.new_text:
-                        yield TokenDelta(request_id, out.new_token_ids, out.new_text)
-                    assert out.result is not None
-                    self.predictor.observe(out.result)
-                    yield _completion(out.result)
-                    return
-                yield TokenDelta(request_id, out.new_token_ids, out.new_text)
+                    self.predictor.observe(chunk.end)
+                yield chunk
         finally:
             if not finished:  # cancelled, deadline, disconnect or error: free its KV now
                 self.loop.unwatch(request_id)
@@ -162,7 +157,7 @@ class ColocatedBackend(GenerationBackend):
             prediction = SloPrediction(ttft or 0.0, tbt or 0.0, slo.ttft_ms or 0.0, slo.tbt_ms or 0.0)
             raise SloMissError(prediction, drain_s)
 
-    async def _next(self, stream: _Stream, deadline: float | None) -> RequestOutput:
+    async def _next(self, stream: _Stream, deadline: float | None) -> TokenChunk:
         try:
             if deadline is None:
                 item = await stream.queue.get()
@@ -176,11 +171,4 @@ class ColocatedBackend(GenerationBackend):
         if isinstance(item, BaseException):  # the engine loop failed under this request
             raise ServiceUnavailableError(f"the engine failed: {item}") from item
         return item
-
-
-def _completion(r: CompletionResult) -> Completion:
-    # transfer_ms is 0: nothing moves between processes in the co-located engine.
-    return Completion(r.request_id, r.finish_reason.value, r.stop_text,
-                      Usage(len(r.prompt_ids), r.num_cached_tokens, len(r.output_ids)),
-                      Timings(r.queue_ms, r.prefill_ms, 0.0, r.ttft_ms, r.tpot_ms, r.e2e_ms))
 

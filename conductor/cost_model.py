@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from core.errors import ConfigError, HalfmoonError
-from engine.profiling import DecodeSample, PrefillSample, Profile, measure_engine
+from core.messages import DecodeSample, PrefillSample, Profile
+from engine.profiling import measure_engine
 
 if TYPE_CHECKING:  # the engine pulls in torch; this module is read by the router too
     from engine.engine import Engine

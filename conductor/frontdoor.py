@@ -1,7 +1,7 @@
 """What both APIs share: auth, the per-client stream limit, validation, the backend, metrics.
 
     door.client(authorization, peer)        -> client identity (or UnauthenticatedError)
-    door.generate(spec, client, api)         -> async iterator of TokenDelta ..., Completion
+    door.generate(spec, client, api)         -> async iterator of TokenChunk ..., the last with `end`
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from conductor.auth import Authenticator, StreamLimiter
-from conductor.backend import Completion, GenerationBackend, TokenDelta
+from conductor.backend import GenerationBackend
 from conductor.errors import status_of
 from conductor.metrics import Metrics
 from conductor.requests import Limits, RequestSpec, build_input
+from core.messages import TokenChunk
 
 
 class FrontDoor:
@@ -29,7 +30,7 @@ class FrontDoor:
         """Who is calling: their token's digest when auth is on, else their address."""
         return self.auth.check(authorization) or "peer:" + peer
 
-    async def generate(self, spec: RequestSpec, client: str, api: str) -> AsyncIterator[TokenDelta | Completion]:
+    async def generate(self, spec: RequestSpec, client: str, api: str) -> AsyncIterator[TokenChunk]:
         """Validate, hold one of the client's stream slots, run on the backend, count it."""
         done = False
         try:
@@ -37,9 +38,9 @@ class FrontDoor:
                 inp = build_input(spec, self.backend.tokenizer, self.backend.model, self.limits)
                 async with aclosing(self.backend.generate(inp)) as items:
                     async for item in items:
-                        if isinstance(item, Completion):
+                        if item.end is not None:
                             done = True
-                            self.metrics.finished(api, item)
+                            self.metrics.finished(api, item.end)
                         yield item
         except (asyncio.CancelledError, GeneratorExit):  # client cancel, deadline, disconnect
             if not done:

@@ -22,13 +22,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from conductor.backend import Completion, TokenDelta
 from conductor.errors import (RetryableRejection, SloMissError, client_message, field_of,
                               status_of)
 from conductor.frontdoor import FrontDoor
 from conductor.requests import RequestSpec, check_messages, check_model
 from core.errors import InvalidRequestError
 from halfmoon.v1 import generation_pb2 as pb
+from core.messages import RequestEnd
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +80,9 @@ def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestS
         names=NAMES)
 
 
-def completion_proto(c: Completion) -> pb.Final:
-    u, t = c.usage, c.timings
-    return pb.Final(finish_reason=FINISH[c.finish_reason], stop=c.stop or "",
+def final_proto(end: RequestEnd) -> pb.Final:
+    u, t = end.usage, end.timings
+    return pb.Final(finish_reason=FINISH[end.finish_reason.value], stop=end.stop or "",
                     usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
                                    completion_tokens=u.completion_tokens),
                     timings=pb.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
@@ -141,10 +141,10 @@ class GenerationService:
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
             async for item in self.door.generate(spec_from_proto(request, deadline), client, "grpc"):
-                if isinstance(item, TokenDelta):
+                if item.token_ids or item.text:
                     yield pb.GenerateResponse(request_id=item.request_id, token_ids=item.token_ids, text=item.text)
-                else:
-                    yield pb.GenerateResponse(request_id=item.request_id, final=completion_proto(item))
+                if item.end is not None:
+                    yield pb.GenerateResponse(request_id=item.request_id, final=final_proto(item.end))
         except Exception as e:  # ours map to their status; anything else is INTERNAL, logged
             await self._fail(context, e)
 

@@ -10,7 +10,8 @@ from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_cr
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from conductor.backend import BackendStats, Completion
+from conductor.backend import BackendStats
+from core.messages import RequestEnd
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RERUN_REASONS = ("worker_lost", "kv_transfer")
@@ -63,8 +64,8 @@ class Metrics:
                                buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_BackendCollector(stats))
 
-    def finished(self, api: str, completion: Completion) -> None:
-        u, t = completion.usage, completion.timings
+    def finished(self, api: str, end: RequestEnd) -> None:
+        u, t = end.usage, end.timings
         self.requests.labels(api, "ok").inc()
         self.prompt_tokens.inc(u.prompt_tokens)
         self.cached_prompt_tokens.inc(u.cached_prompt_tokens)

@@ -23,14 +23,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from conductor import openai_schema as oa
-from conductor.backend import Completion, TokenDelta
 from conductor.errors import RequestTooLargeError, RetryableRejection, status_of
 from conductor.frontdoor import FrontDoor
 from core.errors import HalfmoonError, InvalidRequestError
+from core.messages import TokenChunk
 
 log = logging.getLogger(__name__)
 
-Items = AsyncIterator[TokenDelta | Completion]
+Items = AsyncIterator[TokenChunk]
 
 
 def error_response(error: BaseException) -> JSONResponse:
@@ -142,12 +142,11 @@ async def _collect(items: Items, model: str, chat: bool) -> Response:
     texts: list[str] = []
     async with aclosing(items):
         async for item in items:
-            if isinstance(item, TokenDelta):
-                texts.append(item.text)
-            else:
-                shape = oa.chat_response if chat else oa.completion_response
-                return JSONResponse(shape(model, item, "".join(texts), oa.now_s()))
-    raise AssertionError("a generation ended without its Completion")
+            texts.append(item.text)
+            if item.end is not None:
+                return JSONResponse(oa.response_json(model, item.request_id, item.end, "".join(texts),
+                                                     oa.now_s(), chat))
+    raise AssertionError("a generation ended without its last chunk")
 
 
 async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
@@ -169,18 +168,18 @@ async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Respo
     return task.result()
 
 
-async def _sse(door: FrontDoor, first: TokenDelta | Completion, items: Items, model: str, chat: bool,
+async def _sse(door: FrontDoor, first: TokenChunk, items: Items, model: str, chat: bool,
                include_usage: bool) -> AsyncIterator[bytes]:
     created = oa.now_s()
     rid = first.request_id
     try:
         if chat:
-            yield _event(oa.chat_chunk(model, rid, created, {"role": "assistant", "content": ""}))
-        item: TokenDelta | Completion | None = first
+            yield _event(oa.stream_chunk(model, rid, created, True, {"role": "assistant", "content": ""}))
+        item: TokenChunk | None = first
         while item is not None:
             for chunk in _chunks(item, model, rid, created, chat, include_usage):
                 yield _event(chunk)
-            item = None if isinstance(item, Completion) else await items.__anext__()
+            item = None if item.end is not None else await items.__anext__()
     except HalfmoonError as e:  # headers are sent: the error travels as an event
         door.count_error("http", e)
         yield _event(oa.error_json(e))
@@ -189,19 +188,16 @@ async def _sse(door: FrontDoor, first: TokenDelta | Completion, items: Items, mo
     yield b"data: [DONE]\n\n"
 
 
-def _chunks(item: TokenDelta | Completion, model: str, rid: str, created: int, chat: bool,
+def _chunks(item: TokenChunk, model: str, rid: str, created: int, chat: bool,
             include_usage: bool) -> list[dict[str, Any]]:
-    if isinstance(item, TokenDelta):
-        if not item.text:
-            return []
-        return [oa.chat_chunk(model, rid, created, {"content": item.text}) if chat
-                else oa.completion_chunk(model, rid, created, item.text)]
-    out = [oa.chat_chunk(model, rid, created, {}, item.finish_reason) if chat
-           else oa.completion_chunk(model, rid, created, "", item.finish_reason)]
-    if include_usage:
-        usage = oa.usage_json(item)
-        out.append(oa.chat_chunk(model, rid, created, None, usage=usage) if chat
-                   else oa.completion_chunk(model, rid, created, None, usage=usage))
+    """A chunk's text (if any), then, on the last one, the finish reason and usage."""
+    out = []
+    if item.text:
+        out.append(oa.stream_chunk(model, rid, created, chat, {"content": item.text} if chat else item.text))
+    if item.end is not None:
+        out.append(oa.stream_chunk(model, rid, created, chat, {} if chat else "", item.end.finish_reason.value))
+        if include_usage:
+            out.append(oa.stream_chunk(model, rid, created, chat, None, usage=oa.usage_json(item.end.usage)))
     return out
 
 

@@ -12,10 +12,10 @@ import math
 import time
 from typing import Any
 
-from conductor.backend import Completion
 from conductor.errors import SloMissError, client_message, field_of, status_of
 from conductor.requests import RequestSpec
 from core.errors import InvalidRequestError
+from core.messages import RequestEnd, Usage
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
            "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
@@ -193,44 +193,35 @@ def parse_completion(data: Any) -> tuple[RequestSpec, bool, bool]:
 # ---------------------------------------------------------------------- responses
 
 
-def usage_json(c: Completion) -> dict[str, Any]:
-    u = c.usage
+def usage_json(u: Usage) -> dict[str, Any]:
     return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.prompt_tokens + u.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-def chat_response(model: str, c: Completion, text: str, created: int) -> dict[str, Any]:
-    return {"id": f"chatcmpl-{c.request_id}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "finish_reason": c.finish_reason, "logprobs": None}],
-            "usage": usage_json(c)}
+def response_json(model: str, rid: str, end: RequestEnd, text: str, created: int, chat: bool) -> dict[str, Any]:
+    """The whole answer of a non-streaming chat (`chat`) or text completion."""
+    content: dict[str, Any] = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+    choice = {"index": 0, **content, "finish_reason": end.finish_reason.value, "logprobs": None}
+    return {"id": _id(rid, chat), "object": "chat.completion" if chat else "text_completion",
+            "created": created, "model": model, "choices": [choice], "usage": usage_json(end.usage)}
 
 
-def completion_response(model: str, c: Completion, text: str, created: int) -> dict[str, Any]:
-    return {"id": f"cmpl-{c.request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "finish_reason": c.finish_reason, "logprobs": None}],
-            "usage": usage_json(c)}
-
-
-def chat_chunk(model: str, rid: str, created: int, delta: dict[str, str] | None,
-               finish: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]
-    chunk = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices}
+def stream_chunk(model: str, rid: str, created: int, chat: bool, content: dict[str, str] | str | None,
+                 finish: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One SSE chunk: `content` is the chat delta or the completion text (None: no choice, as
+    in the usage chunk)."""
+    key = "delta" if chat else "text"
+    choices = [] if content is None else [{"index": 0, key: content, "finish_reason": finish, "logprobs": None}]
+    chunk = {"id": _id(rid, chat), "object": "chat.completion.chunk" if chat else "text_completion",
+             "created": created, "model": model, "choices": choices}
     if usage is not None:
         chunk["usage"] = usage
     return chunk
 
 
-def completion_chunk(model: str, rid: str, created: int, text: str | None,
-                     finish: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
-    choices = [] if text is None else [{"index": 0, "text": text, "finish_reason": finish, "logprobs": None}]
-    chunk = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
-             "choices": choices}
-    if usage is not None:
-        chunk["usage"] = usage
-    return chunk
+def _id(rid: str, chat: bool) -> str:
+    return f"{'chatcmpl' if chat else 'cmpl'}-{rid}"
 
 
 def error_json(error: BaseException) -> dict[str, Any]:

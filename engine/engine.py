@@ -20,11 +20,13 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import EngineConfig
+from core.blocks import cdiv
 from core.errors import InvalidRequestError
-from engine.kv_push import KVPush, LayerPusher
+from core.messages import TokenChunk
+from engine.kv_push import KVPushes
 from engine.loader import LoadedWeights, load_weights
 from engine.model import LlamaModel
-from engine.outputs import CompletionResult, RequestOutput, TextState, completion_result
+from engine.outputs import CompletionResult, TextState, completion_result, request_end
 from core.params import FinishReason
 from engine.request import Request
 from engine.runner import ModelRunner
@@ -40,7 +42,6 @@ from kvpool.host_tier import HostArena
 from kvpool.remote import InProcessReader, RemoteBlockReader
 from kvpool.tiered import KVTiers
 from kvpool.tiered import kv_block_bytes as kv_tier_block_bytes
-from transport.errors import TransportError
 from transport.sender import PushStream
 
 
@@ -122,11 +123,7 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._live_ids: set[str] = set()  # guarded by _lock; an id is live until its final output
-        # Disaggregation, prefill side: requests whose KV is pushed layer by layer as computed,
-        # and blocks kept referenced past a request's end until its units have left.
-        self.pushes: dict[str, KVPush] = {}
-        self.pusher = LayerPusher(config.block_size)
-        self._held: list[tuple[PushStream, list[int]]] = []
+        self.pushes = KVPushes(self.pool, config.block_size)  # disaggregation, prefill side
 
     # ------------------------------------------------------------------ requests in
 
@@ -150,7 +147,7 @@ class Engine:
         with self._lock:
             req.request_id = request_id = self._claim_id(request_id)
             if kv_push is not None:
-                self.pushes[request_id] = KVPush(kv_push)
+                self.pushes.add(request_id, kv_push)
             self._inbox.append(req)
         return request_id
 
@@ -162,7 +159,7 @@ class Engine:
         joins the running batch at the next step. The blocks become the request's."""
         prompt_ids = as_token_ids(prompt_ids)
         self.validate(prompt_ids, params)
-        if len(block_ids) != -(-len(prompt_ids) // self.config.block_size):
+        if len(block_ids) != cdiv(len(prompt_ids), self.config.block_size):
             raise InvalidRequestError("block_ids", f"{len(block_ids)} blocks for a prompt of {len(prompt_ids)} tokens")
         req = self._new_request(prompt_ids, params, cache_salt)
         if generator_state is not None:
@@ -179,7 +176,7 @@ class Engine:
         """Blocks for `num_tokens` tokens of KV arriving from a prefill worker (decode side).
         Call from the thread that runs `step()`; hand them to `add_prefilled` or back to
         `release_blocks`."""
-        return self.pool.allocate(-(-num_tokens // self.config.block_size))
+        return self.pool.allocate(cdiv(num_tokens, self.config.block_size))
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Return reserved blocks whose transfer failed or was cancelled (never used)."""
@@ -192,7 +189,7 @@ class Engine:
         return Request("", prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed), root_hash=root)
 
     def _check_push(self, prompt_ids: list[int], stream: PushStream) -> None:
-        need = -(-len(prompt_ids) // self.config.block_size)
+        need = cdiv(len(prompt_ids), self.config.block_size)
         if len(stream.dst_block_ids) != need:
             raise InvalidRequestError("kv_push", f"the stream reserved {len(stream.dst_block_ids)} blocks; "
                                       f"a prompt of {len(prompt_ids)} tokens needs {need}")
@@ -261,15 +258,15 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[TokenChunk]:
         """Schedule, run one forward pass, postprocess. Returns the per-request progress."""
         outputs = self._drain_inbox()
-        self.release_sent_blocks()
+        self.pushes.release_sent()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return outputs
-        self._flush_pushes(plan.preempted)
-        self.runner.layer_hook = self.pusher if self.pusher.plan(plan.scheduled, self.pushes) else None
+        self.pushes.flush(plan.preempted)
+        self.runner.layer_hook = self.pushes.hook(plan.scheduled)
         sampled = self.runner.run(plan.scheduled)
         now = time.perf_counter()
         for req in self.scheduler.update(plan, sampled):
@@ -277,7 +274,7 @@ class Engine:
         outputs.extend(self._abort_failed_pushes(now))
         return outputs
 
-    def _drain_inbox(self) -> list[RequestOutput]:
+    def _drain_inbox(self) -> list[TokenChunk]:
         with self._lock:
             new, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
@@ -298,66 +295,27 @@ class Engine:
 
     # ------------------------------------------------------------------ KV push (prefill side)
 
-    def _flush_pushes(self, preempted: list[Request]) -> None:
-        """A preempted request's blocks were just freed and may be reallocated this step: let its
-        queued units leave before the forward pass overwrites them."""
-        for req in preempted:
-            push = self.pushes.get(req.request_id)
-            if push is not None and push.error is None:
-                try:
-                    push.stream.flush(push.stream.sender.timeout)
-                except TransportError as e:  # fails this request only (aborted after the step)
-                    push.error = e
-
     @property
     def holding_sent_blocks(self) -> bool:
         """Blocks of finished prefill-only requests still wait for their units to leave."""
-        return bool(self._held)
+        return self.pushes.holding
 
     def release_sent_blocks(self) -> None:
         """Free the blocks of finished prefill-only requests whose units have all left (each
         step does this; an idle engine's loop calls it until nothing is held)."""
-        if not self._held:
-            return
-        keep = []
-        for stream, blocks in self._held:
-            if stream.sent:
-                self.pool.free(blocks)
-            else:
-                keep.append((stream, blocks))
-        self._held = keep
+        self.pushes.release_sent()
 
-    def _abort_failed_pushes(self, now: float) -> list[RequestOutput]:
-        failed = [rid for rid, push in self.pushes.items() if push.error is not None]
+    def _abort_failed_pushes(self, now: float) -> list[TokenChunk]:
         outputs = []
-        for request_id in failed:
+        for request_id in self.pushes.failed_ids():
             req = self.scheduler.requests[request_id]
             self._finish(req, FinishReason.ABORT, now)
             outputs.append(self._output(req, [], final=True))
         return outputs
 
-    def _end_push(self, req: Request, reason: FinishReason) -> None:
-        """The request ends: complete (or cancel) its stream, hold its blocks until sent."""
-        push = self.pushes.pop(req.request_id)
-        if reason is FinishReason.ABORT or push.error is not None or req.num_output_tokens == 0:
-            push.stream.cancel()
-        else:
-            push.stream.finish(self._push_meta(req))
-        if req.block_table:
-            self.pool.incref(req.block_table)
-            self._held.append((push.stream, list(req.block_table)))
+    # ------------------------------------------------------------------ outputs
 
-    @staticmethod
-    def _push_meta(req: Request) -> dict:
-        """What the decode side needs besides the KV: the first token and, for sampling, the
-        generator state (so seeded sampling continues exactly as in one process)."""
-        meta: dict = {"first_token": req.token_ids[req.num_prompt_tokens],
-                      "num_cached_tokens": req.num_cached_tokens}
-        if not req.params.greedy:
-            meta["generator_state"] = bytes(req.generator.get_state().numpy()).hex()
-        return meta
-
-    def _postprocess(self, req: Request, now: float) -> RequestOutput:
+    def _postprocess(self, req: Request, now: float) -> TokenChunk:
         token = req.token_ids[-1]
         if req.first_token_time is None:
             req.first_token_time = now
@@ -369,8 +327,7 @@ class Engine:
         return self._output(req, [token], final=reason is not None)
 
     def _stop_reason(self, req: Request, token: int, stop_text: str | None) -> FinishReason | None:
-        push = self.pushes.get(req.request_id)
-        if push is not None and push.error is not None:  # its KV never reached the decode side
+        if self.pushes.failed(req.request_id):  # its KV never reached the decode side
             return FinishReason.ABORT
         p = req.params
         if stop_text is not None or token in p.stop_token_ids:
@@ -386,19 +343,17 @@ class Engine:
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         req.finish_time = now
         if req.request_id in self.pushes:
-            self._end_push(req, reason)
+            self.pushes.end(req, reason)
         self.scheduler.finish(req, reason)
 
-    def _output(self, req: Request, tokens: list[int], final: bool) -> RequestOutput:
-        state = self._text[req.request_id]
-        delta = state.take(final)
+    def _output(self, req: Request, tokens: list[int], final: bool) -> TokenChunk:
+        delta = self._text[req.request_id].take(final)
         if not final:
-            return RequestOutput(req.request_id, tokens, delta, False)
+            return TokenChunk(req.request_id, tokens, delta)
         del self._text[req.request_id]
         with self._lock:
             self._live_ids.discard(req.request_id)
-        result = completion_result(req, state.text)
-        return RequestOutput(req.request_id, tokens, delta, True, req.finish_reason, result)
+        return TokenChunk(req.request_id, tokens, delta, request_end(req))
 
     # ------------------------------------------------------------------ offline
 
@@ -413,9 +368,10 @@ class Engine:
         for ids, p in zip(prompts, plist):
             self.validate(ids, p)  # all or nothing: no request starts if one is bad
         order = [self.add_request(ids, p, cache_salt=cache_salt) for ids, p in zip(prompts, plist)]
-        done: dict[str, CompletionResult] = {}
-        while len(done) < len(order):
-            for out in self.step():
-                if out.result is not None:
-                    done[out.request_id] = out.result
-        return [done[rid] for rid in order]
+        chunks: dict[str, list[TokenChunk]] = {rid: [] for rid in order}
+        done = 0
+        while done < len(order):
+            for chunk in self.step():
+                chunks[chunk.request_id].append(chunk)
+                done += chunk.finished
+        return [completion_result(rid, ids, chunks[rid]) for rid, ids in zip(order, prompts)]

@@ -18,7 +18,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from core.blocks import cdiv
+from core.messages import PrefilledKV
+from core.params import FinishReason
+from engine.request import Request
 from engine.scheduler import ScheduledRequest
+from kvpool.block_pool import BlockPool
 from transport.errors import TransportError
 from transport.sender import PushStream
 
@@ -49,7 +54,7 @@ class LayerPusher:
                 continue
             req = s.request
             end = req.num_computed_tokens + s.num_tokens
-            last = -(-end // self.block_size) if end >= req.num_prompt_tokens else end // self.block_size
+            last = cdiv(end, self.block_size) if end >= req.num_prompt_tokens else end // self.block_size
             if last > push.pushed:
                 src = req.block_table[push.pushed : last]
                 dst = push.stream.dst_block_ids[push.pushed : last]
@@ -65,3 +70,81 @@ class LayerPusher:
                 push.stream.send_layer(layer, src, dst)
             except TransportError as e:  # fail this request, not the whole step
                 push.error = e
+
+
+class KVPushes:
+    """The engine's prefill-side push state: the requests whose KV is pushed as it is computed,
+    and the blocks of ended ones, kept referenced until their units have left.
+
+    Per step the engine calls `flush(preempted)`, `hook(scheduled)` (the model's layer hook),
+    and after it `failed_ids()`; when a request ends, `end(req, reason)`; `release_sent()`
+    frees what has left (each step, and an idle engine's loop while `holding`)."""
+
+    def __init__(self, pool: BlockPool, block_size: int) -> None:
+        self.pool = pool
+        self.active: dict[str, KVPush] = {}
+        self.pusher = LayerPusher(block_size)
+        self._held: list[tuple[PushStream, list[int]]] = []
+
+    def add(self, request_id: str, stream: PushStream) -> None:
+        self.active[request_id] = KVPush(stream)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.active
+
+    def failed(self, request_id: str) -> bool:
+        """Its KV never reached the decode side: the request is aborted."""
+        push = self.active.get(request_id)
+        return push is not None and push.error is not None
+
+    def failed_ids(self) -> list[str]:
+        return [rid for rid, push in self.active.items() if push.error is not None]
+
+    def hook(self, scheduled: Sequence[ScheduledRequest]) -> LayerPusher | None:
+        """The layer hook for this step's forward pass; None when nothing is pushed."""
+        return self.pusher if self.pusher.plan(scheduled, self.active) else None
+
+    def flush(self, preempted: list[Request]) -> None:
+        """A preempted request's blocks were just freed and may be reallocated this step: let its
+        queued units leave before the forward pass overwrites them."""
+        for req in preempted:
+            push = self.active.get(req.request_id)
+            if push is not None and push.error is None:
+                try:
+                    push.stream.flush(push.stream.sender.timeout)
+                except TransportError as e:  # fails this request only (aborted after the step)
+                    push.error = e
+
+    def end(self, req: Request, reason: FinishReason) -> None:
+        """The request ends: complete (or cancel) its stream, hold its blocks until sent."""
+        push = self.active.pop(req.request_id)
+        if reason is FinishReason.ABORT or push.error is not None or req.num_output_tokens == 0:
+            push.stream.cancel()
+        else:
+            push.stream.finish(prefilled_kv(req).to_meta())
+        if req.block_table:
+            self.pool.incref(req.block_table)
+            self._held.append((push.stream, list(req.block_table)))
+
+    @property
+    def holding(self) -> bool:
+        """Blocks of ended requests still wait for their units to leave."""
+        return bool(self._held)
+
+    def release_sent(self) -> None:
+        """Free the blocks of ended requests whose units have all left."""
+        if not self._held:
+            return
+        keep = []
+        for stream, blocks in self._held:
+            if stream.sent:
+                self.pool.free(blocks)
+            else:
+                keep.append((stream, blocks))
+        self._held = keep
+
+
+def prefilled_kv(req: Request) -> PrefilledKV:
+    """What the decode side needs besides the KV (the generator state only when sampling)."""
+    state = None if req.params.greedy else bytes(req.generator.get_state().numpy())
+    return PrefilledKV(req.token_ids[req.num_prompt_tokens], req.num_cached_tokens, state)

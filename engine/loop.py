@@ -22,13 +22,13 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TypeVar
 
+from core.messages import TokenChunk
 from engine.engine import Engine
-from engine.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Sink = Callable[[RequestOutput | BaseException], None]
+Sink = Callable[[TokenChunk | BaseException], None]
 
 
 class EngineLoop:
@@ -73,12 +73,12 @@ class EngineLoop:
         with self._lock:
             self._sinks[request_id] = sink
 
-    def watch_async(self, request_id: str) -> asyncio.Queue[RequestOutput | BaseException]:
+    def watch_async(self, request_id: str) -> asyncio.Queue[TokenChunk | BaseException]:
         """`watch` into an asyncio queue of the running event loop (call from that loop)."""
         aloop = asyncio.get_running_loop()
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        queue: asyncio.Queue[TokenChunk | BaseException] = asyncio.Queue()
 
-        def sink(item: RequestOutput | BaseException) -> None:
+        def sink(item: TokenChunk | BaseException) -> None:
             try:
                 aloop.call_soon_threadsafe(queue.put_nowait, item)
             except RuntimeError:  # that event loop is closed: nobody is listening any more
@@ -134,7 +134,7 @@ class EngineLoop:
             except BaseException as e:  # handed to the caller through its future
                 future.set_exception(e)
 
-    def _route(self, out: RequestOutput) -> None:
+    def _route(self, out: TokenChunk) -> None:
         with self._lock:
             sink = self._sinks.get(out.request_id)
             if out.finished:

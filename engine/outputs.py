@@ -1,9 +1,11 @@
-"""What the engine reports per step and at the end of a request."""
+"""What the engine reports: per step a `TokenChunk` per request (core.messages), the last one
+carrying its `RequestEnd`; `Engine.generate` sums a request's chunks into a `CompletionResult`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from core.messages import RequestEnd, Timings, TokenChunk, Usage
 from core.params import FinishReason
 
 from engine.request import Request
@@ -27,18 +29,6 @@ class CompletionResult:
     prefill_ms: float = 0.0  # first admitted -> first token
     stop_text: str | None = None  # the stop string that ended it, if any
     e2e_ms: float = 0.0  # arrival -> finished
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    """One request's progress in one step: new tokens, new text, and whether it is done."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: FinishReason | None = None
-    result: CompletionResult | None = None  # set on the final output
 
 
 @dataclass(slots=True)
@@ -88,16 +78,27 @@ class TextState:
         return chunk
 
 
-def completion_result(req: Request, text: str) -> CompletionResult:
-    """Summarise a finished request with its timing figures."""
+def request_end(req: Request) -> RequestEnd:
+    """How a finished request ended, with its timing figures (what its last chunk carries)."""
     assert req.finish_reason is not None and req.finish_time is not None
     first = req.first_token_time if req.first_token_time is not None else req.finish_time
     n_out = req.num_output_tokens
     tpot = (req.finish_time - first) / (n_out - 1) * 1e3 if n_out > 1 else 0.0
     scheduled = req.scheduled_time if req.scheduled_time is not None else first
-    return CompletionResult(req.request_id, req.token_ids[: req.num_prompt_tokens], req.output_ids,
-                            text, req.finish_reason, (first - req.arrival_time) * 1e3, tpot,
-                            req.num_preemptions, req.num_cached_tokens,
-                            queue_ms=(scheduled - req.arrival_time) * 1e3,
-                            prefill_ms=max(0.0, first - scheduled) * 1e3, stop_text=req.stop_text,
-                            e2e_ms=(req.finish_time - req.arrival_time) * 1e3)
+    timings = Timings(queue_ms=(scheduled - req.arrival_time) * 1e3,
+                      prefill_ms=max(0.0, first - scheduled) * 1e3,
+                      ttft_ms=(first - req.arrival_time) * 1e3, mean_tpot_ms=tpot,
+                      e2e_ms=(req.finish_time - req.arrival_time) * 1e3)
+    usage = Usage(req.num_prompt_tokens, req.num_cached_tokens, n_out)
+    return RequestEnd(req.finish_reason, req.stop_text, usage, timings, req.num_preemptions)
+
+
+def completion_result(request_id: str, prompt_ids: list[int], chunks: list[TokenChunk]) -> CompletionResult:
+    """A finished request's chunks summed up (the last one carries its end)."""
+    end = chunks[-1].end
+    assert end is not None
+    t = end.timings
+    return CompletionResult(request_id, prompt_ids, [t for c in chunks for t in c.token_ids],
+                            "".join(c.text for c in chunks), end.finish_reason, t.ttft_ms,
+                            t.mean_tpot_ms, end.num_preemptions, end.usage.cached_prompt_tokens,
+                            t.queue_ms, t.prefill_ms, end.stop, t.e2e_ms)

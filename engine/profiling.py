@@ -13,12 +13,13 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
 from core.errors import ConfigError, HalfmoonError
+from core.messages import DecodeSample, PrefillSample, Profile
 from core.params import SamplingParams
 
 if TYPE_CHECKING:
@@ -30,18 +31,6 @@ PROFILE_SALT = "halfmoon-profile"
 
 class ProfileError(HalfmoonError):
     """The engine cannot be profiled (busy, or too small for any grid point)."""
-
-
-class PrefillSample(NamedTuple):
-    n_new: int
-    n_cached: int
-    ms: float
-
-
-class DecodeSample(NamedTuple):
-    batch: int
-    context_tokens: int
-    ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +71,6 @@ class ProfileGrid:
 QUICK_GRID = ProfileGrid((16, 64, 256, 512), (0, 256), (1, 4, 8), (16, 128), 6)
 FULL_GRID = ProfileGrid((16, 32, 64, 128, 256, 512, 1024), (0, 256, 1024), (1, 2, 4, 8, 16),
                         (32, 128, 512), 8, prefill_repeats=2)
-
-
-class Profile(NamedTuple):
-    prefill: tuple[PrefillSample, ...]
-    decode: tuple[DecodeSample, ...]
-    kv_bytes_per_token: int
-    source: str
 
 
 def measure_engine(engine: Engine, *, quick: bool, grid: ProfileGrid | None = None) -> Profile:
@@ -210,9 +192,9 @@ def _time_decode_steps(engine: Engine, ids: list[str], context: int, steps: int)
         for out in outputs:
             if out.finished:
                 raise ProfileError(f"decode point batch={len(ids)}: {out.request_id} ended early "
-                                   f"({out.finish_reason}); its batch is not the one measured")
+                                   f"({out.end.finish_reason}); its batch is not the one measured")
             started.add(out.request_id)
-            lengths[out.request_id] += len(out.new_token_ids)
+            lengths[out.request_id] += len(out.token_ids)
     # The first pure decode step is untimed (it may still pay for the last prefill's layout). The
     # steps do the same work, so their spread is other processes: take the lower quartile.
     low = statistics.quantiles(times[1:], n=4)[0] if steps > 1 else times[1]

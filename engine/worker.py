@@ -1,8 +1,9 @@
 """What a prefill and a decode worker share: an engine stepped by its own thread, pinned CPU
 threads, a KV layout for the transport, and serving its blocks to other workers by hash.
 
-The worker classes are plain Python; the Conductor's cluster manager runs them as Ray actors
-(`ray.remote(PrefillWorker).options(...)`), so they are tested without Ray too.
+The worker classes are plain Python with async verbs that take and return the typed messages of
+`core.messages` (they satisfy its `PrefillApi` / `DecodeApi` protocols as they are); the
+Conductor runs them as Ray actors (conductor/ray_workers.py) and tests drive them directly.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from core.messages import ModelInfo, Profile, WorkerLoad
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loop import EngineLoop
-from engine.profiling import Profile, measure_engine
+from engine.profiling import measure_engine
 from kvpool.cluster_index import HolderId
 from kvpool.remote import RemoteBlockReader
 from transport.blocks import BlockClient, BlockServer
@@ -116,7 +118,7 @@ class EngineWorker:
         return BlockServer(serve, self.layout, tiers.block_bytes, t.make_backend(), host=t.host,
                            secret=t.secret(), timeout=t.timeout_s).start()
 
-    def block_address(self) -> str | None:
+    async def block_address(self) -> str | None:
         """Where other workers fetch this worker's blocks (None: it keeps no tiers)."""
         if self.block_server is None:
             return None
@@ -126,31 +128,31 @@ class EngineWorker:
         """Run `fn` on the engine thread (between steps) and await its result."""
         return await asyncio.wrap_future(self.loop.call(fn))
 
-    def ping(self) -> dict:
+    async def load(self) -> WorkerLoad:
         """Liveness and load, for the cluster manager's health checks and the router."""
+        return self.engine_load()
+
+    def engine_load(self) -> WorkerLoad:
         pool, stats = self.engine.pool, self.engine.scheduler.stats
         traffic = self.engine.tiers.traffic if self.engine.tiers is not None else None
-        return {"alive": self.loop.alive, "steps": self.loop.steps, "free_blocks": pool.num_free(),
-                "total_blocks": pool.num_blocks, "requests": self.loop.watching(),
-                "prompt_tokens_computed": stats.prompt_tokens_computed,
-                "prompt_tokens_cached": stats.prompt_tokens_cached,
-                "blocks_fetched_remote": traffic.fetched_remote if traffic is not None else 0,
-                "failure": None if self.loop.failure is None else str(self.loop.failure)}
+        return WorkerLoad(self.loop.alive, self.loop.steps, pool.num_free(), pool.num_blocks,
+                          self.loop.watching(), stats.prompt_tokens_computed, stats.prompt_tokens_cached,
+                          traffic.fetched_remote if traffic is not None else 0,
+                          None if self.loop.failure is None else str(self.loop.failure))
 
-    def pid(self) -> int:
+    async def pid(self) -> int:
         return os.getpid()
 
-    def model_info(self) -> dict:
+    async def model_info(self) -> ModelInfo:
         """What the Conductor needs to tokenize, hash blocks and size requests like this worker."""
         e = self.engine
-        return {"max_model_len": e.max_model_len, "vocab_size": e.model_config.vocab_size,
-                "fingerprint": e.model_config.fingerprint, "block_size": e.config.block_size,
-                "dtype": str(e.config.torch_dtype).removeprefix("torch."),
-                "kv_bytes_per_token": e.kv_cache[:, :, 0, 0].numel() * e.kv_cache.element_size()}
+        return ModelInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
+                         e.config.block_size, str(e.config.torch_dtype).removeprefix("torch."),
+                         e.kv_cache[:, :, 0, 0].numel() * e.kv_cache.element_size())
 
-    def profile(self, quick: bool = True) -> Profile:
+    async def profile(self, quick: bool = True) -> Profile:
         """Measure this worker's engine (idle); the Conductor fits its cost model to it."""
-        return self.loop.call(lambda: measure_engine(self.engine, quick=quick)).result()  # type: ignore[return-value]
+        return await self.on_engine(lambda: measure_engine(self.engine, quick=quick))  # type: ignore[return-value]
 
     def close(self) -> None:
         if self.block_server is not None:
@@ -159,14 +161,6 @@ class EngineWorker:
             self.remote.close()
         self.loop.stop()
         self.engine.close()
-
-
-def block_ids_needed(num_tokens: int, block_size: int) -> int:
-    return -(-num_tokens // block_size)
-
-
-def as_list(ids: Sequence[int]) -> list[int]:
-    return [int(t) for t in ids]
 
 
 def tokenizer_for_model(model: str):  # -> Tokenizer (without loading the weights)

@@ -1,4 +1,4 @@
-"""The prefill worker (a Ray actor in the cluster).
+"""The prefill worker (a Ray actor in the cluster; `core.messages.PrefillApi`).
 
 For each request: reuse the longest cached prefix (own device tier, else host/disk, else a remote
 holder named by the index — all inside the engine's scheduler), chunked prefill of the rest, push
@@ -13,55 +13,46 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import replace
 
-from core.errors import HalfmoonError
-from engine.outputs import RequestOutput
+from core.messages import (KVTransferFailedError, PrefillFailedError, PrefillResult, PrefillTask,
+                           TokenChunk, WorkerLoad)
 from core.params import FinishReason
-from core.params import SamplingParams
-from engine.worker import EngineWorker, WorkerSpec
+from engine.worker import EngineWorker, TransportBlockReader, WorkerSpec
+from kvpool.cluster_index import HolderId
 from kvpool.remote import RemoteBlockReader
+from transport.errors import TransportError
 from transport.faults import FaultInjector
 from transport.peers import KVPeers
 
-
-class PrefillFailedError(HalfmoonError):
-    """The prefill (or the push of its KV) did not complete; nothing reached the decode side."""
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillTask:
-    request_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    decode_address: str  # the decode worker's KV receiver
-    dst_block_ids: list[int]  # reserved there for this prompt
-    timeout_s: float = 60.0
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillResult:
-    request_id: str
-    first_token: int
-    num_cached_tokens: int
-    queue_ms: float
-    prefill_ms: float
-    push_ms: float  # prefill done -> the decode side acknowledged every unit (exposed transfer)
+FETCH_TIMEOUT_S = 5.0  # one remote block fetch; past it the blocks are recomputed
 
 
 class PrefillWorker(EngineWorker):
     def __init__(self, spec: WorkerSpec, remote: RemoteBlockReader | None = None) -> None:
-        super().__init__(spec, remote)
+        """`remote`: how prefixes held by other workers are read (default: over the transport,
+        from the block servers the Conductor names in each task)."""
+        self._block_servers: Mapping[str, str] = {}
+        super().__init__(spec, remote or TransportBlockReader(self._block_server_of, FETCH_TIMEOUT_S))
         self.faults = FaultInjector()  # drills: corrupt_next_push
         self.peers = KVPeers(self.engine.kv_cache, self.layout, spec.transport, faults=self.faults)
         self.pending_tokens = 0  # prompt tokens accepted and not yet prefilled
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Prefill `task`, pushing its KV into the decode worker's blocks; raises
-        PrefillFailedError (or the transport's error) when the KV did not arrive intact."""
-        sender = await asyncio.to_thread(self.peers.sender, task.decode_address)
-        stream = sender.open(task.request_id, task.dst_block_ids)
+        KVTransferFailedError when the KV did not arrive intact, PrefillFailedError when the
+        prefill did not complete."""
+        if task.block_servers:
+            self._block_servers = task.block_servers
+        try:
+            return await self._prefill(task)
+        except TransportError as e:
+            raise KVTransferFailedError(f"request {task.request_id!r}: KV push failed: {e}") from e
+
+    async def _prefill(self, task: PrefillTask) -> PrefillResult:
+        sender = await asyncio.to_thread(self.peers.sender, task.handoff.address)
+        stream = sender.open(task.request_id, task.handoff.block_ids)
         queue = self.loop.watch_async(task.request_id)
         self.pending_tokens += len(task.prompt_ids)
         done = False
@@ -73,7 +64,7 @@ class PrefillWorker(EngineWorker):
             done = True
             computed = time.perf_counter()
             await asyncio.to_thread(stream.wait, task.timeout_s)  # the decode side verified it all
-            return _result(task.request_id, final, (time.perf_counter() - computed) * 1e3)
+            return _result(final, (time.perf_counter() - computed) * 1e3)
         finally:
             self.pending_tokens -= len(task.prompt_ids)
             if not done:  # cancelled or failed: stop computing, free its blocks
@@ -91,18 +82,25 @@ class PrefillWorker(EngineWorker):
         self.engine.abort(request_id)
         self.loop.wake()
 
-    def load(self) -> dict:
-        return {**self.ping(), "pending_tokens": self.pending_tokens}
+    async def load(self) -> WorkerLoad:
+        return replace(self.engine_load(), pending_tokens=self.pending_tokens)
+
+    def _block_server_of(self, holder: HolderId) -> str:
+        """Where `holder` serves its blocks, as the Conductor last said (see PrefillTask)."""
+        address = self._block_servers.get(holder.worker_id)
+        if address is None:
+            raise LookupError(f"no block server known for worker {holder.worker_id}")
+        return address
 
     @staticmethod
-    async def _final(queue: asyncio.Queue, timeout_s: float) -> RequestOutput:
+    async def _final(queue: asyncio.Queue, timeout_s: float) -> TokenChunk:
         async with asyncio.timeout(timeout_s):
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise PrefillFailedError(f"the prefill engine failed: {item}") from item
-                if item.finished:
-                    if item.finish_reason is FinishReason.ABORT or item.result is None:
+                if item.end is not None:
+                    if item.end.finish_reason is FinishReason.ABORT or not item.token_ids:
                         raise PrefillFailedError(f"request {item.request_id!r}: prefill aborted "
                                                  "(its KV push failed or it was cancelled)")
                     return item
@@ -112,7 +110,8 @@ class PrefillWorker(EngineWorker):
         super().close()
 
 
-def _result(request_id: str, final: RequestOutput, push_ms: float) -> PrefillResult:
-    r = final.result
-    assert r is not None
-    return PrefillResult(request_id, r.output_ids[0], r.num_cached_tokens, r.queue_ms, r.prefill_ms, push_ms)
+def _result(final: TokenChunk, push_ms: float) -> PrefillResult:
+    end = final.end
+    assert end is not None
+    return PrefillResult(final.request_id, final.token_ids[0], end.usage.cached_prompt_tokens,
+                         end.timings.queue_ms, end.timings.prefill_ms, push_ms)

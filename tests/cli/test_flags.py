@@ -13,7 +13,7 @@ import pytest
 from cli.components import CLUSTER, ENGINE, LIMITS, SERVE, SERVER, TRANSPORT
 from cli.flags import Component, Flag, add_flags, build, env_var, field_docs
 from cli.main import build_parser, parse_args, subparser
-from conductor.cluster import ClusterConfig
+from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
 from conductor.server import ServerConfig
 from core.errors import ConfigError

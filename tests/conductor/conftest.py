@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +19,7 @@ from conductor.colocated import ColocatedBackend
 from conductor.server import Endpoints, ServerConfig, serve
 from engine.engine import Engine
 from tests.conftest import EngineFactory, idle_problems
+from tests.waiting import poll
 
 MODEL = "smollm2"
 
@@ -44,14 +44,14 @@ class RunningApi:
 
     def wait_idle(self, timeout: float = 10.0) -> list[str]:
         """Problems left once the engine had `timeout` s to settle (aborts take one step)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            problems = idle_problems(self.engine)
+
+        def problems() -> list[str]:
+            found = idle_problems(self.engine)
             if self.backend.stats().requests_running + self.backend.stats().requests_waiting:
-                problems.append("backend still tracks requests")
-            if not problems or time.monotonic() > deadline:
-                return problems
-            time.sleep(0.05)
+                found.append("backend still tracks requests")
+            return found
+
+        return [] if poll(lambda: not problems(), timeout) else problems()
 
 
 def run_api(backend: ColocatedBackend, config: ServerConfig) -> RunningApi:

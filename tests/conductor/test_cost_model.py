@@ -17,7 +17,8 @@ from conductor.cost_model import (DECODE_TERMS, PREFILL_TERMS, CostModel, FitErr
                                   fit_profile, profile_engine)
 from engine.engine import Engine
 from core.errors import ConfigError
-from engine.profiling import DecodeSample, PrefillSample, ProfileError, ProfileGrid, measure_engine
+from core.messages import DecodeSample, PrefillSample
+from engine.profiling import ProfileError, ProfileGrid, measure_engine
 from core.params import SamplingParams
 from tests.conftest import EngineFactory, assert_engine_idle
 

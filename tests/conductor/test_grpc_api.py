@@ -23,6 +23,7 @@ from core.params import SamplingParams
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
 from tests.conductor.conftest import MODEL, RunningApi
+from tests.waiting import wait_until
 
 PROMPT = "The capital of France is"
 
@@ -275,10 +276,9 @@ def test_a_failed_engine_is_unavailable_and_unhealthy(start_api) -> None:
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "injected engine failure" in err.value.details()
         h = health_pb2_grpc.HealthStub(channel)
-        deadline = time.monotonic() + 5
-        while h.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING:
-            assert time.monotonic() < deadline, "gRPC health still SERVING after the engine failed"
-            time.sleep(0.1)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        wait_until(lambda: h.Check(health_pb2.HealthCheckRequest(service="")).status != serving,
+                   timeout_s=5, what="gRPC health to stop SERVING after the engine failed")
     import httpx
 
     assert httpx.get(doomed.http_url + "/health").status_code == 503

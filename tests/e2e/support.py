@@ -6,13 +6,14 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import grpc
 import pytest
 
-from conductor.cluster import ClusterBackend, ClusterConfig
+from conductor.cluster import ClusterBackend
+from conductor.cluster_config import ClusterConfig
+from core.messages import WorkerLoad
 from conductor.cost_model import DECODE_TERMS, PREFILL_TERMS, CostModel
 from conductor.server import ServerConfig
 from engine.config import EngineConfig
@@ -22,6 +23,7 @@ from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
 from kvpool.redis_server import EmbeddedRedis
 from tests.conductor.conftest import RunningApi, run_api
+from tests.waiting import poll
 from transport.config import TransportConfig
 
 # A cost model shaped like SmolLM2 fp32 on one core (~550 prompt tok/s, ~45 ms per decode step),
@@ -87,27 +89,22 @@ def reference(engine: Engine, prompt_ids: list[list[int]], max_tokens: list[int]
     return [r.output_ids for r in engine.generate(prompt_ids, params)]
 
 
-def worker_load(api: RunningApi, worker_id: str) -> dict:
+def worker_load(api: RunningApi, worker_id: str) -> WorkerLoad:
     import ray
 
-    return ray.get(api.backend.manager.workers[worker_id].handle.load.remote(), timeout=30)
-
-
-def wait_until(predicate, timeout: float = 30.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+    return ray.get(api.backend.manager.workers[worker_id].api.handle.load.remote(), timeout=30)
 
 
 def wait_for_log(proc: subprocess.Popen[str], log: Path, pattern: str, timeout: float = 300) -> re.Match[str]:
     """The first match of `pattern` in a server's log; fails the test if it exits or times out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def seen() -> re.Match[str] | None:
         match = re.search(pattern, log.read_text())
-        if match:
-            return match
-        if proc.poll() is not None:
+        if not match and proc.poll() is not None:
             pytest.fail(f"serve exited early ({proc.returncode}): {log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    pytest.fail(f"serve did not come up in {timeout}s: {log.read_text()[-3000:]}")
+        return match
+
+    match = poll(seen, timeout, interval_s=0.2)
+    if not match:
+        pytest.fail(f"serve did not come up in {timeout}s: {log.read_text()[-3000:]}")
+    return match

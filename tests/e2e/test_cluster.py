@@ -25,9 +25,9 @@ from tests.e2e.support import (
     prompts,
     reference,
     start_cluster,
-    wait_until,
     worker_load,
 )
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -45,10 +45,10 @@ def test_2p2d_is_token_identical_to_one_process(cluster: RunningApi, engine: Eng
     got = generate_all(cluster.grpc_target, ids, max_tokens)
     assert got == reference(engine, ids, max_tokens)
     for wid in ("decode-0", "decode-1"):  # every reserved block came back or became prefix cache
-        wait_until(lambda wid=wid: worker_load(cluster, wid)["requests"] == 0, what=f"{wid} idle")
+        wait_until(lambda wid=wid: worker_load(cluster, wid).requests == 0, what=f"{wid} idle")
     used = {wid: worker_load(cluster, wid) for wid in ("prefill-0", "prefill-1", "decode-0", "decode-1")}
-    assert sum(u["prompt_tokens_computed"] for wid, u in used.items() if wid.startswith("prefill")) > 0
-    assert all(u["alive"] for u in used.values())
+    assert sum(u.prompt_tokens_computed for wid, u in used.items() if wid.startswith("prefill")) > 0
+    assert all(u.alive for u in used.values())
     stats = cluster.backend.stats()  # what /metrics shows: nothing in flight, the decode pools' blocks
     assert (stats.requests_running, stats.requests_waiting) == (0, 0)
     assert stats.kv_blocks_total == 2 * 256
@@ -67,7 +67,7 @@ def test_a_prefix_computed_on_a_busy_worker_is_reused_by_the_other(cluster: Runn
     before = {w: worker_load(cluster, w) for w in ("prefill-0", "prefill-1")}
     generate_all(cluster.grpc_target, [first], [2])  # lands on one worker: A
     after_first = {w: worker_load(cluster, w) for w in ("prefill-0", "prefill-1")}
-    a = max(after_first, key=lambda w: after_first[w]["prompt_tokens_computed"] - before[w]["prompt_tokens_computed"])
+    a = max(after_first, key=lambda w: after_first[w].prompt_tokens_computed - before[w].prompt_tokens_computed)
     b = ({"prefill-0", "prefill-1"} - {a}).pop()
     cluster.backend.manager.workers[b].queued_ms += 1e6  # keep the long prompt off B ...
     results: list = []
@@ -78,8 +78,8 @@ def test_a_prefix_computed_on_a_busy_worker_is_reused_by_the_other(cluster: Runn
     got = generate_all(cluster.grpc_target, [second], [8])
     long_request.join(300)
     end = {w: worker_load(cluster, w) for w in ("prefill-0", "prefill-1")}
-    assert end[b]["blocks_fetched_remote"] - after_first[b]["blocks_fetched_remote"] >= len(prefix) // 16
-    computed_on_b = end[b]["prompt_tokens_computed"] - after_first[b]["prompt_tokens_computed"]
+    assert end[b].blocks_fetched_remote - after_first[b].blocks_fetched_remote >= len(prefix) // 16
+    computed_on_b = end[b].prompt_tokens_computed - after_first[b].prompt_tokens_computed
     assert computed_on_b <= len(second) - len(prefix)  # only the suffix
     assert got == reference(engine, [second], [8])
     assert results and len(results[0][0]) == 1
@@ -99,7 +99,7 @@ def _busiest(api: RunningApi, role: str, attr: str) -> str:
 def _kill(api: RunningApi, worker_id: str) -> None:
     import ray
 
-    ray.kill(api.backend.manager.workers[worker_id].handle, no_restart=False)  # Ray restarts it
+    ray.kill(api.backend.manager.workers[worker_id].api.handle, no_restart=False)  # Ray restarts it
 
 
 def _all_alive_again(api: RunningApi) -> bool:
@@ -118,7 +118,7 @@ def test_a_kv_transfer_that_fails_before_the_first_token_is_re_run(cluster: Runn
     rid = "drill-corrupt-push"
     reruns = cluster.backend.stats().requests_rerun.get("kv_transfer", 0)
     for worker in cluster.backend.manager.role("prefill"):  # whichever gets it: only this id's first try
-        ray.get(worker.handle.corrupt_next_push.remote(rid))
+        ray.get(worker.api.handle.corrupt_next_push.remote(rid))
     with caplog.at_level(logging.WARNING, logger="conductor.cluster"), grpc.insecure_channel(cluster.grpc_target) as ch:
         req = pb.GenerateRequest(prompt_token_ids=ids, max_tokens=4, ignore_eos=True, request_id=rid)
         tokens = [t for r in pb_grpc.GenerationStub(ch).Generate(req, timeout=120) for t in r.token_ids]
@@ -126,7 +126,7 @@ def test_a_kv_transfer_that_fails_before_the_first_token_is_re_run(cluster: Runn
     assert f"request {rid}" in caplog.text and "checksum mismatch" in caplog.text and "re-running it" in caplog.text
     assert cluster.backend.stats().requests_rerun["kv_transfer"] == reruns + 1  # halfmoon_requests_rerun
     for wid in ("decode-0", "decode-1"):
-        wait_until(lambda wid=wid: worker_load(cluster, wid)["reserved"] == 0, what=f"{wid} released")
+        wait_until(lambda wid=wid: worker_load(cluster, wid).reserved == 0, what=f"{wid} released")
 
 def test_killing_the_decode_worker_mid_stream(cluster: RunningApi, engine: Engine) -> None:
     ids = engine.tokenizer.encode("Count slowly from one to one hundred:")
@@ -145,7 +145,7 @@ def test_killing_the_decode_worker_mid_stream(cluster: RunningApi, engine: Engin
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and victim in err.value.details()
     assert time.monotonic() - t0 < 10
     wait_until(lambda: cluster.backend.manager.workers[victim].restarts > restarts and _all_alive_again(cluster),
-               timeout=120, what=f"{victim} restarted and healthy")
+               timeout_s=120, what=f"{victim} restarted and healthy")
     later = [ids, engine.tokenizer.encode("The capital of France is")]
     assert generate_all(cluster.grpc_target, later, [5, 5]) == reference(engine, later, [5, 5])
 
@@ -155,12 +155,19 @@ def test_killing_a_prefill_worker_mid_transfer_frees_the_reservation(cluster: Ru
     """No token was sent yet: the request is re-run on the other prefill worker, transparently;
     the decode side gave the first reservation back."""
     long_prompt = engine.tokenizer.encode("Summarize the history of astronomy. " * 80)[:1200]
+    prefills = ("prefill-0", "prefill-1")
+    computed = {wid: worker_load(cluster, wid).prompt_tokens_computed for wid in prefills}
+
+    def chunks_done() -> int:  # prompt tokens prefilled since the request was sent
+        return sum(worker_load(cluster, wid).prompt_tokens_computed - computed[wid] for wid in prefills)
+
     channel, call = _stream(cluster.grpc_target, long_prompt, 4)
     with channel:
         responses = iter(call)
         wait_until(lambda: any(w.queued_ms > 0 for w in cluster.backend.manager.role("prefill")),
                    what="the prefill dispatched")
-        time.sleep(0.5)  # inside the chunked prefill: some layers pushed, the rest not yet computed
+        # Inside the chunked prefill: a chunk computed (its layers pushed), the rest not yet.
+        wait_until(chunks_done, what="the first prefill chunk computed")
         victim = _busiest(cluster, "prefill", "queued_ms")
         restarts = cluster.backend.manager.workers[victim].restarts
         reruns = sum(cluster.backend.stats().requests_rerun.values())
@@ -170,11 +177,11 @@ def test_killing_a_prefill_worker_mid_transfer_frees_the_reservation(cluster: Ru
     # Re-run once: as a lost worker, or as a failed transfer if the decode side saw it first.
     assert sum(cluster.backend.stats().requests_rerun.values()) == reruns + 1
     for wid in ("decode-0", "decode-1"):  # every reservation was given back or became prefix cache
-        wait_until(lambda wid=wid: worker_load(cluster, wid)["reserved"] == 0, what=f"{wid} released")
+        wait_until(lambda wid=wid: worker_load(cluster, wid).reserved == 0, what=f"{wid} released")
         load = worker_load(cluster, wid)
-        assert load["free_blocks"] == load["total_blocks"] and load["requests"] == 0
+        assert load.free_blocks == load.total_blocks and load.requests == 0
     wait_until(lambda: cluster.backend.manager.workers[victim].restarts > restarts and _all_alive_again(cluster),
-               timeout=120, what=f"{victim} restarted and healthy")
+               timeout_s=120, what=f"{victim} restarted and healthy")
     assert generate_all(cluster.grpc_target, [long_prompt[:40]], [3]) == reference(engine, [long_prompt[:40]], [3])
 
 
@@ -210,13 +217,15 @@ def test_a_hung_redis_does_not_stall_the_front_door(cluster: RunningApi, redis: 
         assert generate_all(cluster.grpc_target, ids, [3]) == want
         return index.healthy
 
-    wait_until(answered_with_the_index_healthy, timeout=60, what="the Conductor's index on Redis")
+    wait_until(answered_with_the_index_healthy, timeout_s=60, what="the Conductor's index on Redis")
     errors = index.stats.redis_errors
     out: list[list[list[int]]] = []
+    lookups = index.stats.lookups
     redis_py.Redis.from_url(redis.url).client_pause(3500, all=True)
     request = threading.Thread(target=lambda: out.append(generate_all(cluster.grpc_target, ids, [3])))
     request.start()
-    time.sleep(0.5)  # the request is waiting for Redis now
+    # The lookup is counted just before its Redis call, which then hangs for the socket timeout.
+    wait_until(lambda: index.stats.lookups > lookups, timeout_s=10, what="the request's index lookup")
     with grpc.insecure_channel(cluster.grpc_target) as channel:
         start = time.perf_counter()
         pb_grpc.GenerationStub(channel).ListModels(pb.ListModelsRequest(), timeout=10)

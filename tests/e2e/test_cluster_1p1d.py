@@ -23,6 +23,6 @@ def test_1p1d_is_token_identical_to_one_process(tmp_path: Path, redis: EmbeddedR
         ids = prompts(engine)
         max_tokens = [3 + (i * 7) % 11 for i in range(16)]
         assert generate_all(small.grpc_target, ids, max_tokens) == reference(engine, ids, max_tokens)
-        assert worker_load(small, "decode-0")["address"].startswith(f"{kv_transport}://")
+        assert worker_load(small, "decode-0").kv_address.startswith(f"{kv_transport}://")
     finally:
         small.stop()

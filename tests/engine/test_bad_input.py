@@ -183,7 +183,7 @@ def test_duplicate_request_id(make_engine: EngineFactory) -> None:
         engine.add_request(PROMPT, SamplingParams(max_tokens=5), request_id="same")
     assert err.value.field == "request_id"
     finished = [out for _ in range(5) for out in engine.step() if out.finished]
-    assert [(o.request_id, o.finish_reason) for o in finished] == [("same", FinishReason.LENGTH)]
+    assert [(o.request_id, o.end.finish_reason) for o in finished] == [("same", FinishReason.LENGTH)]
     assert_engine_idle(engine)
 
 

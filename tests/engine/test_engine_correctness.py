@@ -24,7 +24,8 @@ import torch
 
 import engine.runner as runner_module
 from engine.engine import Engine
-from engine.outputs import CompletionResult
+from core.messages import TokenChunk
+from engine.outputs import CompletionResult, completion_result
 from core.params import FinishReason
 from engine.request import Request
 from core.params import SamplingParams
@@ -275,13 +276,12 @@ def test_preempted_requests_match_unpreempted(engine: Engine, tiny_engine: Engin
     reference = engine.generate(prompts, params)
     assert all(r.num_preemptions == 0 for r in reference)
     order = [tiny_engine.add_request(p, params) for p in prompts]
-    done: dict[str, CompletionResult] = {}
+    chunks: dict[str, list[TokenChunk]] = {request_id: [] for request_id in order}
     while tiny_engine.has_unfinished():
         for out in tiny_engine.step():
-            if out.result is not None:
-                done[out.request_id] = out.result
+            chunks[out.request_id].append(out)
         tiny_engine.pool.check_integrity()
-    results = [done[request_id] for request_id in order]
+    results = [completion_result(rid, p, chunks[rid]) for rid, p in zip(order, prompts)]
     assert max(r.num_preemptions for r in results) > 0
     assert outputs(results) == outputs(reference)
     assert [r.text for r in results] == [r.text for r in reference]
@@ -314,15 +314,14 @@ def test_stop_strings_end_the_text_before_them(engine: Engine) -> None:
 def test_streamed_text_holds_back_a_possible_stop_string(engine: Engine) -> None:
     prompt = engine.tokenizer.encode(LIST_PROMPT)
     request_id = engine.add_request(prompt, greedy(24, stop=("ape\n5",)))
-    deltas: list[str] = []
-    final = None
+    chunks: list[TokenChunk] = []
     while engine.has_unfinished():
         for out in engine.step():
             assert out.request_id == request_id
-            deltas.append(out.new_text)
-            final = out if out.finished else final
-    assert final is not None and final.result is not None
-    assert "".join(deltas) == final.result.text == " Orange\n4. Gr"
+            chunks.append(out)
+    deltas = [c.text for c in chunks]
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert "".join(deltas) == completion_result(request_id, prompt, chunks).text == " Orange\n4. Gr"
     assert not any("ape" in d for d in deltas)  # never streamed, then taken back
 
 
@@ -367,28 +366,27 @@ def test_abort_mid_generation_frees_blocks(engine: Engine) -> None:
     streamed: dict[str, list[int]] = {victim: [], survivor: []}
     for _ in range(4):
         for out in engine.step():
-            streamed[out.request_id] += out.new_token_ids
+            streamed[out.request_id] += out.token_ids
     assert len(streamed[victim]) == 4
     assert engine.pool.num_free() < engine.pool.num_blocks
     engine.abort(victim)
     engine.abort("no-such-request")  # unknown ids are ignored
     finals = {}
     for out in engine.step():  # the abort takes effect at the start of this step
-        streamed[out.request_id] += out.new_token_ids
-        if out.finished:
-            finals[out.request_id] = out
+        streamed[out.request_id] += out.token_ids
+        if out.end is not None:
+            finals[out.request_id] = out.end
     assert finals[victim].finish_reason is FinishReason.ABORT
-    assert finals[victim].result is not None
-    assert finals[victim].result.output_ids == streamed[victim]
+    assert finals[victim].usage.completion_tokens == len(streamed[victim])
     assert len(streamed[victim]) == 4
     engine.pool.check_integrity()
     survivor_blocks = engine.scheduler.requests[survivor].block_table
     assert engine.pool.num_used() == len(survivor_blocks) > 0
     while engine.has_unfinished():
         for out in engine.step():
-            streamed[out.request_id] += out.new_token_ids
-            if out.finished:
-                finals[out.request_id] = out
+            streamed[out.request_id] += out.token_ids
+            if out.end is not None:
+                finals[out.request_id] = out.end
     assert finals[survivor].finish_reason is FinishReason.LENGTH
     assert streamed[survivor] == reference
     engine.pool.check_integrity()
@@ -399,6 +397,6 @@ def test_abort_before_the_first_step(engine: Engine) -> None:
     request_id = engine.add_request(engine.tokenizer.encode("Hello"), greedy(8))
     engine.abort(request_id)
     [out] = engine.step()
-    assert out.finished and out.finish_reason is FinishReason.ABORT
-    assert out.result is not None and out.result.output_ids == []
+    assert out.end is not None and out.end.finish_reason is FinishReason.ABORT
+    assert out.token_ids == [] and out.end.usage.completion_tokens == 0
     assert engine.pool.num_free() == engine.pool.num_blocks

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from core.messages import TokenChunk
 from engine.engine import Engine
+from engine.outputs import completion_result
 from core.params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -15,11 +17,11 @@ def _prompt(engine: Engine, n_blocks: int, seed: int) -> list[int]:
 
 def _run(engine: Engine, ids: list[int], salt: str | None) -> tuple[list[int], int, int]:
     before = engine.scheduler.stats.prompt_tokens_computed
-    engine.add_request(ids, PARAMS, cache_salt=salt)
-    result = None
-    while result is None:
-        for out in engine.step():
-            result = out.result or result
+    rid = engine.add_request(ids, PARAMS, cache_salt=salt)
+    chunks: list[TokenChunk] = []
+    while not chunks or not chunks[-1].finished:
+        chunks += engine.step()
+    result = completion_result(rid, ids, chunks)
     computed = engine.scheduler.stats.prompt_tokens_computed - before
     return result.output_ids, computed, result.num_cached_tokens
 

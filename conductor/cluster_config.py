@@ -1,0 +1,66 @@
+"""The shape of the disaggregated cluster: how many workers of each role, and what each runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.worker import WorkerSpec
+from transport.config import TransportConfig
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterConfig:
+    """The cluster `halfmoon serve --prefill N --decode M` runs.
+
+    prefill / decode: workers of each role.
+    engine / transport: what every worker runs (its engine, its KV transport).
+    worker_threads: CPU threads (and pinned cores, locally) per worker.
+    ray_address: join this Ray cluster (None = start an embedded one).
+    object_store_mb: the embedded Ray's object store (Ray takes 30% of RAM otherwise).
+    cost_model: a `halfmoon profile` JSON; None = the first prefill worker profiles itself.
+    request_timeout_s: bound on a request's KV transfer and prefill.
+    model_id: the model's name in the API.
+    prefill_gpus / decode_gpus: GPUs each actor asks Ray for (None = 1 if the Conductor's
+        machine sees CUDA; pass them explicitly when it runs on a head node without GPUs).
+    """
+
+    prefill: int = 1
+    decode: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    worker_threads: int = 1
+    ray_address: str | None = None
+    object_store_mb: int = 256
+    cost_model: str | None = None
+    request_timeout_s: float = 60.0
+    model_id: str = "smollm2"
+    prefill_gpus: int | None = None
+    decode_gpus: int | None = None
+
+    def gpus(self, role: str) -> int:
+        given = self.prefill_gpus if role == "prefill" else self.decode_gpus
+        return given if given is not None else int(_cuda())
+
+    def specs(self, redis_url: str | None = None) -> list[WorkerSpec]:
+        """Every worker's spec; local workers get consecutive cores of their own."""
+        engine = dataclasses.replace(self.engine, redis_url=redis_url)
+        cores = os.cpu_count() or 1
+        specs = []
+        for i, role in enumerate(["prefill"] * self.prefill + ["decode"] * self.decode):
+            index = i if role == "prefill" else i - self.prefill
+            first = (i * self.worker_threads) % cores
+            cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
+            specs.append(WorkerSpec(f"{role}-{index}", role, engine, self.transport, cpus))
+        return specs
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False

@@ -1,0 +1,270 @@
+"""Every message that crosses a process seam, and the worker roles' protocols.
+
+```
+Conductor                         decode worker                   prefill worker
+  DecodeApi.reserve(id, n)  ----> KVHandoff(address, block_ids)
+  PrefillApi.prefill(PrefillTask(..., handoff)) ---------------->  KV units ---> (transport)
+                                                 <---- DONE meta: PrefilledKV (transport)
+  DecodeApi.generate(DecodeTask) -> TokenChunk ... TokenChunk(end=RequestEnd)
+  PrefillResult <-------------------------------------------------  once the decode side verified
+  WorkerApi.load() -> WorkerLoad; model_info() -> ModelInfo; profile() -> Profile
+```
+
+`TokenChunk` is the one shape of output tokens from the engine to the front door: the engine
+emits it per step, the decode worker streams it, the backends hand it to the APIs. Everything
+here is a frozen dataclass (or NamedTuple) of plain values, so it pickles across Ray and compares
+in tests. The protocols are what the Conductor calls: a Ray actor handle is adapted to them
+(conductor/ray_workers.py), and the worker classes themselves satisfy them in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+from core.errors import HalfmoonError
+from core.params import FinishReason, SamplingParams
+
+# ---------------------------------------------------------------------- output tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    """Milliseconds. `transfer_ms`: prefill done -> the decode side verified its KV (0 in one
+    process)."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    ttft_ms: float = 0.0
+    mean_tpot_ms: float = 0.0
+    e2e_ms: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEnd:
+    """How a request ended; carried by its last chunk. `stop`: the stop string that ended it."""
+
+    finish_reason: FinishReason
+    stop: str | None
+    usage: Usage
+    timings: Timings
+    num_preemptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """New tokens of one request since its last chunk, and their text; the last chunk of a
+    request carries `end`."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    end: RequestEnd | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.end is not None
+
+
+# ---------------------------------------------------------------------- Conductor -> workers
+
+
+@dataclass(frozen=True, slots=True)
+class KVHandoff:
+    """Where a request's prompt KV goes: the decode worker's KV receiver and the blocks it
+    reserved there (in block-table order)."""
+
+    address: str
+    block_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTask:
+    """Prefill `prompt_ids` and push their KV into `handoff`. `block_servers`: worker id ->
+    where that worker serves its blocks, for prefixes held elsewhere (from the Conductor)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    handoff: KVHandoff
+    timeout_s: float = 60.0
+    block_servers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    request_id: str
+    first_token: int
+    num_cached_tokens: int
+    queue_ms: float
+    prefill_ms: float
+    push_ms: float  # prefill done -> the decode side acknowledged every unit (exposed transfer)
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeTask:
+    """Decode a request whose KV arrives in the blocks `reserve` returned for `request_id`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefilledKV:
+    """What travels with the KV, prefill -> decode, besides the blocks (the transport's DONE
+    metadata): the first token and, for sampling, the generator state, so seeded sampling
+    continues exactly as in one process."""
+
+    first_token: int
+    num_cached_tokens: int
+    generator_state: bytes | None = None
+
+    def to_meta(self) -> dict:
+        """JSON-able form for the transport's DONE message."""
+        meta: dict = {"first_token": self.first_token, "num_cached_tokens": self.num_cached_tokens}
+        if self.generator_state is not None:
+            meta["generator_state"] = self.generator_state.hex()
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping) -> PrefilledKV:
+        state = meta.get("generator_state")
+        return cls(int(meta["first_token"]), int(meta.get("num_cached_tokens", 0)),
+                   bytes.fromhex(state) if state else None)
+
+
+# ---------------------------------------------------------------------- workers -> Conductor
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's liveness and load (health checks, routing, metrics)."""
+
+    alive: bool
+    steps: int
+    free_blocks: int
+    total_blocks: int
+    requests: int
+    prompt_tokens_computed: int = 0
+    prompt_tokens_cached: int = 0
+    blocks_fetched_remote: int = 0
+    failure: str | None = None
+    pending_tokens: int = 0  # prefill: prompt tokens accepted and not yet prefilled
+    reserved: int = 0  # decode: requests holding a KV reservation
+    kv_address: str | None = None  # decode: where its KV receiver listens
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the Conductor needs to tokenize, hash blocks and size requests like the workers."""
+
+    max_model_len: int
+    vocab_size: int
+    fingerprint: str
+    block_size: int
+    dtype: str
+    kv_bytes_per_token: int
+
+
+class PrefillSample(NamedTuple):
+    n_new: int
+    n_cached: int
+    ms: float
+
+
+class DecodeSample(NamedTuple):
+    batch: int
+    context_tokens: int
+    ms: float
+
+
+class Profile(NamedTuple):
+    """An engine's measured prefill and decode-step times (the Conductor fits its cost model)."""
+
+    prefill: tuple[PrefillSample, ...]
+    decode: tuple[DecodeSample, ...]
+    kv_bytes_per_token: int
+    source: str
+
+
+# ---------------------------------------------------------------------- errors at the seam
+
+
+class WorkerError(HalfmoonError):
+    """A worker could not do what it was asked."""
+
+
+class WorkerLostError(WorkerError):
+    """A worker died (or is restarting) under a request."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(f"worker {worker_id} died under this request; retry")
+        self.worker_id = worker_id
+
+
+class PrefillFailedError(WorkerError):
+    """The prefill did not complete (engine failure, abort); nothing reached the decode side."""
+
+
+class DecodeFailedError(WorkerError):
+    """The request could not be decoded (the engine failed)."""
+
+
+class KVTransferFailedError(WorkerError):
+    """A request's KV did not reach its decode worker intact (connection lost, timeout,
+    checksum mismatch) while both workers lived; both sides gave its blocks back, nothing was
+    decoded, so the Conductor may run the request again."""
+
+
+# ---------------------------------------------------------------------- the worker roles
+
+
+class WorkerApi(Protocol):
+    """What every worker answers."""
+
+    async def load(self) -> WorkerLoad: ...
+
+    async def pid(self) -> int: ...
+
+    async def model_info(self) -> ModelInfo: ...
+
+    async def profile(self, quick: bool = True) -> Profile: ...
+
+    async def block_address(self) -> str | None: ...
+
+
+class PrefillApi(WorkerApi, Protocol):
+    async def prefill(self, task: PrefillTask) -> PrefillResult:
+        """Returns once the decode side verified every unit; raises KVTransferFailedError when
+        the KV did not arrive intact, PrefillFailedError when the prefill did not complete."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def corrupt_next_push(self, request_id: str | None = None, times: int = 1) -> None:
+        """Drill: flip a bit in the next `times` KV units pushed for `request_id`."""
+        ...
+
+
+class DecodeApi(WorkerApi, Protocol):
+    async def reserve(self, request_id: str, num_tokens: int) -> KVHandoff: ...
+
+    def generate(self, task: DecodeTask) -> AsyncIterator[TokenChunk]:
+        """Wait for the KV, then stream the request's tokens (the first one included); raises
+        KVTransferFailedError when the KV did not arrive intact."""
+        ...
+
+    async def cancel(self, request_id: str) -> None: ...
