@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from conductor.backend import GenerationInput, ModelCard, Slo
 from conductor.errors import ModelNotFoundError
 from core.errors import InvalidRequestError
-from core.params import SamplingParams
+from core.params import SamplingParams, check_token_ids
 from engine.tokenizer import Tokenizer
 
 ROLES = frozenset({"system", "user", "assistant"})
@@ -131,13 +131,6 @@ def check_messages(spec: RequestSpec, limits: Limits) -> list[dict[str, str]]:
     return messages
 
 
-def check_token_ids(name: str, ids: list[int], vocab_size: int) -> list[int]:
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise InvalidRequestError(name, f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    return list(ids)
-
-
 def sampling_params(spec: RequestSpec, card: ModelCard, limits: Limits, prompt_len: int) -> SamplingParams:
     max_tokens = DEFAULT_MAX_TOKENS if spec.max_tokens is None else spec.max_tokens
     room = card.max_model_len - prompt_len
@@ -147,16 +140,17 @@ def sampling_params(spec: RequestSpec, card: ModelCard, limits: Limits, prompt_l
     if max_tokens > room:
         raise InvalidRequestError(spec.name("max_tokens"), f"{max_tokens} + {prompt_len} prompt tokens is over "
                                   f"the context of {card.max_model_len}; at most {room}")
-    _check_number(spec, "temperature", spec.temperature, lambda t: 0.0 <= t < math.inf, "a finite number >= 0")
-    _check_number(spec, "top_p", spec.top_p, lambda p: 0.0 < p <= 1.0, "in (0, 1]")
-    top_k = 0 if spec.top_k == -1 else spec.top_k  # -1 = off, as vLLM spells it
-    _check_number(spec, "top_k", top_k, lambda k: k >= 0, "an integer >= 0 (0 or -1 = off)")
-    _check_number(spec, "seed", spec.seed, lambda s: 0 <= s < 2**63, "in [0, 2**63)")
-    _check_stops(spec, limits, card.vocab_size)
-    return SamplingParams(max_tokens=max_tokens, temperature=spec.temperature or 0.0,
-                          top_p=1.0 if spec.top_p is None else spec.top_p, top_k=top_k or 0,
-                          seed=spec.seed, ignore_eos=spec.ignore_eos,
-                          stop_token_ids=tuple(spec.stop_token_ids), stop=tuple(spec.stop))
+    _check_stops(spec, limits)
+    top_k = 0 if spec.top_k in (None, -1) else spec.top_k  # -1 = off, as vLLM spells it
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if spec.temperature is None else spec.temperature,
+                            top_p=1.0 if spec.top_p is None else spec.top_p, top_k=top_k,
+                            seed=spec.seed, ignore_eos=spec.ignore_eos,
+                            stop_token_ids=tuple(spec.stop_token_ids), stop=tuple(spec.stop))
+    try:  # the parameters' own rules, the same the engine checks: written once, in core.params
+        params.validate(card.vocab_size)
+    except InvalidRequestError as e:
+        raise InvalidRequestError(spec.name(e.field), e.message) from None
+    return params
 
 
 def _check_number(spec: RequestSpec, key: str, value: float | None, ok, what: str) -> None:
@@ -164,7 +158,8 @@ def _check_number(spec: RequestSpec, key: str, value: float | None, ok, what: st
         raise InvalidRequestError(spec.name(key), f"must be {what}, got {value}")
 
 
-def _check_stops(spec: RequestSpec, limits: Limits, vocab_size: int) -> None:
+def _check_stops(spec: RequestSpec, limits: Limits) -> None:
+    """The server's limits on stop conditions (their values are SamplingParams.validate's)."""
     for key, values in (("stop", spec.stop), ("stop_token_ids", spec.stop_token_ids)):
         if len(values) > limits.max_stop:
             raise InvalidRequestError(spec.name(key), f"{len(values)} entries is over the limit of {limits.max_stop}")
@@ -172,7 +167,6 @@ def _check_stops(spec: RequestSpec, limits: Limits, vocab_size: int) -> None:
         if not s or len(s) > limits.max_stop_chars:
             raise InvalidRequestError(spec.name("stop"), f"stop strings must have 1..{limits.max_stop_chars} "
                                       f"characters, got {len(s)}")
-    check_token_ids(spec.name("stop_token_ids"), spec.stop_token_ids, vocab_size)
 
 
 def slo(spec: RequestSpec) -> Slo:

@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from core.errors import InvalidRequestError
 
 
 GREEDY_EPS = 1e-5  # temperatures below this sample greedily (as vLLM does)
+
+
+def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int]:
+    """`ids` as a list; InvalidRequestError naming `field` when one is outside the vocabulary."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidRequestError(field, f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+    return list(ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,9 +57,7 @@ class SamplingParams:
             raise InvalidRequestError("top_k", f"must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError("stop_token_ids", f"ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
 

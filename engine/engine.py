@@ -30,7 +30,7 @@ from engine.outputs import CompletionResult, TextState, completion_result, reque
 from core.params import FinishReason
 from engine.request import Request
 from engine.runner import ModelRunner
-from core.params import SamplingParams
+from core.params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.attention import get_backend
@@ -216,9 +216,7 @@ class Engine:
         prompt_ids = as_token_ids(prompt_ids)
         if len(prompt_ids) == 0:
             raise InvalidRequestError("prompt", "is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError("prompt_ids", f"ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+        check_token_ids("prompt_ids", prompt_ids, vocab)
         params.validate(vocab)
         if len(prompt_ids) >= self.max_model_len:
             raise InvalidRequestError(
