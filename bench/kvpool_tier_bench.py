@@ -8,7 +8,7 @@ clean restart warm and a crash safe), so both measure the page cache path; run i
 volume (`--dir`) to measure the device.
 
 Both tiers verify a checksum on every block they store and serve; that pass is part of their
-figure. Best of `repeats` runs, all in the same process run (see DESIGN.md, "Measuring").
+figure. Best of `repeats` runs, all in the same process run (see docs/ARCHITECTURE.md, "Measuring").
 
     python -m bench.kvpool_tier_bench [--blocks 64] [--block-bytes 737280] [--json]
 """

@@ -25,7 +25,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_id: int | None
     eos_id: int
-    # Identifies the weights (name + size of the source), part of every block hash (DESIGN.md).
+    # Identifies the weights (name + size of the source), part of every block hash (docs/ARCHITECTURE.md, "Block identity").
     source_id: str = ""
 
     def __post_init__(self) -> None:

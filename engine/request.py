@@ -44,7 +44,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     stop_text: str | None = None  # the stop string that ended it, if any
-    # Prefix caching: h_0 of this request's tenant (DESIGN.md), hashes of its full blocks so far,
+    # Prefix caching: h_0 of this request's tenant (docs/ARCHITECTURE.md, "Block identity"), hashes of its full blocks so far,
     # how many of its block-table entries are registered in the device prefix cache, and how
     # many prompt tokens were served from the cache instead of computed.
     root_hash: bytes = b""

@@ -1,6 +1,6 @@
 """Attention over the paged KV layout: the interface both backends implement.
 
-Device KV layout (DESIGN.md): one tensor per worker
+Device KV layout (docs/ARCHITECTURE.md, "KV layout"): one tensor per worker
 
     kv_cache: [layers, 2, num_blocks, block_size, kv_heads, head_dim]   (2 = K, V)
 

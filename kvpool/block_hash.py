@@ -1,4 +1,4 @@
-"""Block identity: chained sha256 hashes of full token blocks (DESIGN.md, "Block identity").
+"""Block identity: chained sha256 hashes of full token blocks (docs/ARCHITECTURE.md, "Block identity").
 
     h_0 = H("halfmoon-kv/1", model fingerprint, dtype, block_size, cache_salt)
     h_i = H(h_{i-1}, token_ids of block i)

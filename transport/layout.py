@@ -1,6 +1,6 @@
 """What both ends of a KV transfer must agree on, and the byte views of a layer's blocks.
 
-The device KV tensor is `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (DESIGN.md).
+The device KV tensor is `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (docs/ARCHITECTURE.md, "KV layout").
 For one layer, each of K and V holds a block as one contiguous slab of
 `block_size * kv_heads * head_dim * itemsize` bytes. A transfer unit (request, layer, block ids)
 travels as the byte stream

@@ -1,4 +1,4 @@
-"""Prefill in one engine, decode in another, KV pushed layer by layer: the invariant of DESIGN.md
+"""Prefill in one engine, decode in another, KV pushed layer by layer: the invariant of docs/ARCHITECTURE.md ("A disaggregated request")
 (a disaggregated greedy generation is token-identical to one process), in one process over the
 local backend and across two processes over real sockets / UCX."""
 
