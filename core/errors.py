@@ -12,13 +12,37 @@ class HalfmoonError(Exception):
     """Base of every error Halfmoon raises on purpose."""
 
 
-class InvalidRequestError(HalfmoonError, ValueError):
+class StructuredError(Exception):
+    """An error made of named values: `fields` name them (in constructor order), `template`
+    formats them into the message, and each is an attribute. It pickles back to itself by its
+    values (Ray and subprocesses ship exceptions; by default one is rebuilt from its message
+    alone, which fails for a constructor with other arguments)."""
+
+    fields: tuple[str, ...] = ()
+    template = ""
+
+    def __init__(self, *values: object, **named: object) -> None:
+        given = dict(zip(self.fields, values), **named)
+        if len(values) > len(self.fields) or set(given) != set(self.fields):
+            raise TypeError(f"{type(self).__name__} takes {', '.join(self.fields)}")
+        for name in self.fields:
+            setattr(self, name, given[name])
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        return self.template.format(**{name: getattr(self, name) for name in self.fields})
+
+    def __reduce__(self) -> tuple[type[StructuredError], tuple[object, ...]]:
+        return (type(self), tuple(getattr(self, name) for name in self.fields))
+
+
+class InvalidRequestError(StructuredError, HalfmoonError, ValueError):
     """A request parameter is invalid; `field` names it so a client can fix it."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
+    field: str
+    message: str
+    fields = ("field", "message")
+    template = "{field}: {message}"
 
 
 class ConfigError(HalfmoonError, ValueError):
