@@ -192,7 +192,7 @@ class ClusterIndex(IndexLink):
     def _reservechunks(self, blocks: list[bytes], tier: Tier) -> list[bytes] | None:
         """Newly reserved blocks, or None when this holder's registration is gone."""
         newly: list[bytes] = []
-        ttl_ms = int(self.reservation_ttl_s * 1000)
+        ttl_ms = int(self.settings.reservation_ttl_s * 1000)
         args = [self._epoch, self._packed_num, int(tier), ttl_ms, len(self._block_prefix)]
         for chunk in chunks(blocks, WRITE_CHUNK):
             keys = [self._epoch_key, self._reservations_key(),
@@ -216,7 +216,7 @@ class ClusterIndex(IndexLink):
         now = self._clock()
         if len(self._reserving) > _RESERVATION_PURGE_AT:
             self._reserving = {k: t for k, t in self._reserving.items() if t > now}
-        deadline = now + self.reservation_ttl_s
+        deadline = now + self.settings.reservation_ttl_s
         for h in newly:
             self._reserving[(tier, h)] = deadline
 
@@ -288,8 +288,8 @@ class ClusterIndex(IndexLink):
         (the reader must not read remotely then) and `ValueError` for a bad `ttl_s`.
         """
         blocks = check_hashes(hashes)
-        if not 0 < ttl_s <= self.max_lease_ttl_s:
-            raise ValueError(f"lease ttl_s must be in (0, {self.max_lease_ttl_s}], got {ttl_s}")
+        if not 0 < ttl_s <= self.settings.max_lease_ttl_s:
+            raise ValueError(f"lease ttl_s must be in (0, {self.settings.max_lease_ttl_s}], got {ttl_s}")
         lease = LeaseId(secrets.token_hex(8), holder, tuple(blocks))
         keys = self._lease_keys(holder, blocks)
 
@@ -344,7 +344,7 @@ class ClusterIndex(IndexLink):
         """
         def remote() -> bool:
             keys = [self._epoch_key, self._live_key, self._names_key, self._dead_key]
-            args = [self._epoch, self._num_arg, int(self.heartbeat_ttl_s * 1000)]
+            args = [self._epoch, self._num_arg, int(self.settings.heartbeat_ttl_s * 1000)]
             if self._heartbeat_script(keys=keys, args=args):
                 return True
             self._stale = True
@@ -360,7 +360,7 @@ class ClusterIndex(IndexLink):
         return self
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.heartbeat_ttl_s / 3):
+        while not self._stop.wait(self.settings.heartbeat_ttl_s / 3):
             try:
                 if self.heartbeat():
                     self.gc_step()
@@ -395,7 +395,7 @@ class ClusterIndex(IndexLink):
         """Sweep the next `gc_keys_per_step` block keys for dead holders' entries; returns how
         many were dropped. Idle unless some holder died; a full SCAN cycle retires the dead
         holders it started with."""
-        if self.gc_keys_per_step <= 0:
+        if self.settings.gc_keys_per_step <= 0:
             return 0
         return self._call("gc", self._gc_remote, lambda: 0)
 
@@ -405,7 +405,7 @@ class ClusterIndex(IndexLink):
             if not self._gc_dead:
                 return 0
         cursor, keys = self._redis.scan(self._gc_cursor, match=self._block_prefix + b"*",
-                                        count=self.gc_keys_per_step)
+                                        count=self.settings.gc_keys_per_step)
         dropped = int(self._sweep_script(keys=[self._live_key, *keys])) if keys else 0
         self._gc_cursor = int(cursor)
         if self._gc_cursor == 0:

@@ -25,6 +25,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
 
 import redis
@@ -62,6 +63,33 @@ def chunks(items: Sequence[T], size: int) -> Iterable[Sequence[T]]:
     return (items[i:i + size] for i in range(0, len(items), size))
 
 
+@dataclass(frozen=True, slots=True)
+class IndexSettings:
+    """How a holder uses the index (validated here, once).
+
+    namespace: prefix of every key (several clusters can share one Redis).
+    heartbeat_ttl_s: a holder that stops heartbeating is dead after this (its entries filtered).
+    reservation_ttl_s: a two-phase put's reservation expires after this unless published.
+    max_lease_ttl_s: the longest read lease a reader may take.
+    retry_interval_s: while Redis is unreachable, how often to try again.
+    gc_keys_per_step: block keys the background sweep visits per step.
+    """
+
+    namespace: str = "hm"
+    heartbeat_ttl_s: float = 10.0
+    reservation_ttl_s: float = 30.0
+    max_lease_ttl_s: float = 30.0
+    retry_interval_s: float = 1.0
+    gc_keys_per_step: int = 1000
+
+    def __post_init__(self) -> None:
+        if not _NAMESPACE_RE.fullmatch(self.namespace):
+            raise ValueError(f"namespace {self.namespace!r} must match {_NAMESPACE_RE.pattern}")
+        for name in ("heartbeat_ttl_s", "reservation_ttl_s", "max_lease_ttl_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
 class IndexLink:
     """Registration and fault handling of one holder; `ClusterIndex` adds the verbs.
 
@@ -75,25 +103,14 @@ class IndexLink:
                  max_lease_ttl_s: float = 30.0, retry_interval_s: float = 1.0,
                  socket_timeout_s: float = 2.0, gc_keys_per_step: int = 1000,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not _NAMESPACE_RE.fullmatch(namespace):
-            raise ValueError(f"namespace {namespace!r} must match {_NAMESPACE_RE.pattern}")
-        for name, value in (("heartbeat_ttl_s", heartbeat_ttl_s),
-                            ("reservation_ttl_s", reservation_ttl_s),
-                            ("max_lease_ttl_s", max_lease_ttl_s)):
-            if value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
         self.url = url
         self.holder = holder
-        self.namespace = namespace
-        self.heartbeat_ttl_s = heartbeat_ttl_s
-        self.reservation_ttl_s = reservation_ttl_s
-        self.max_lease_ttl_s = max_lease_ttl_s
-        self.retry_interval_s = retry_interval_s
-        self.gc_keys_per_step = gc_keys_per_step
+        self.settings = IndexSettings(namespace, heartbeat_ttl_s, reservation_ttl_s, max_lease_ttl_s,
+                                      retry_interval_s, gc_keys_per_step)
         self.stats = IndexStats()
         self._clock = clock
         self.healthy = True
-        self._init_keys(namespace)
+        self._init_keys(self.settings.namespace)
         self._init_client(url, socket_timeout_s)
         self._init_state()
         self._ready("register")
@@ -206,10 +223,10 @@ class IndexLink:
         raise ClusterIndexError(
             f"{self.holder.key} expired {_RESYNC_ATTEMPTS} times while re-publishing "
             f"{sum(map(len, self._held.values()))} blocks: heartbeat_ttl_s="
-            f"{self.heartbeat_ttl_s} is too short for that")
+            f"{self.settings.heartbeat_ttl_s} is too short for that")
 
     def _register(self) -> None:
-        ttl_ms = int(self.heartbeat_ttl_s * 1000)
+        ttl_ms = int(self.settings.heartbeat_ttl_s * 1000)
         epoch, num = self._register_script(
             keys=[self._epoch_key, self._seq_key, self._names_key, self._live_key,
                   self._dead_key],
@@ -217,7 +234,7 @@ class IndexLink:
         if self._epoch and epoch != self._epoch:
             # Redis lost its data (restart, flush): lease records taken before are gone too.
             self._lease_blackout_until = max(self._lease_blackout_until,
-                                             self._clock() + self.max_lease_ttl_s)
+                                             self._clock() + self.settings.max_lease_ttl_s)
         self._epoch, self._num = epoch, int(num)
         self._num_arg, self._packed_num = str(self._num), struct.pack(">I", self._num)
 
@@ -237,12 +254,12 @@ class IndexLink:
     def _on_outage(self, verb: str, err: Exception) -> None:
         with self._lock:
             self.stats.redis_errors += 1
-            self._next_probe = self._clock() + self.retry_interval_s
+            self._next_probe = self._clock() + self.settings.retry_interval_s
             if not self.healthy:
                 return
             self.healthy = False
             self._stale = True
-            self._lease_blackout_until = self._clock() + self.max_lease_ttl_s
+            self._lease_blackout_until = self._clock() + self.settings.max_lease_ttl_s
         logger.warning("cluster index: Redis at %s is unreachable (%s failed: %s: %s); holder "
                        "%s degrades to local-only lookups and re-publishes its blocks when Redis "
                        "is back", self.url, verb, type(err).__name__, err, self.holder.key)
@@ -259,7 +276,7 @@ class IndexLink:
         return True
 
     def _reservations_key(self) -> str:
-        return f"{self.namespace}:r:{self._num_arg}"
+        return f"{self.settings.namespace}:r:{self._num_arg}"
 
     def _leave(self) -> None:
         """Deregister (entries vanish from lookups at once) and drop the connections."""

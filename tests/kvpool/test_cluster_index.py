@@ -242,14 +242,14 @@ def test_dead_holder_is_filtered_at_once_and_collected_lazily(make_index: IndexF
 
     assert reader.heartbeat()  # declares A dead
     client = redis.Redis.from_url(reader.url)
-    dead_key = f"{reader.namespace}:dead"
+    dead_key = f"{reader.settings.namespace}:dead"
     assert client.zcard(dead_key) == 1
     for _ in range(10_000):  # one full SCAN cycle over the session server's keys
         reader.gc_step()
         if client.zcard(dead_key) == 0:
             break
     assert reader.stats.gc_pruned == 5
-    assert client.keys(f"{reader.namespace}:b:*") == []
+    assert client.keys(f"{reader.settings.namespace}:b:*") == []
 
     assert a.heartbeat()  # the zombie wakes up: re-registers and re-publishes
     assert reader.lookup(blocks).match_len(a.holder) == 5
@@ -299,7 +299,7 @@ def test_lease_expires_after_its_ttl(make_index: IndexFactory) -> None:
     wait_until(lambda: owner.leased(blocks) == set(), timeout_s=15,
                what="the lease to expire on the Redis server's clock")
     with pytest.raises(ValueError):
-        reader.acquire_lease(owner.holder, blocks, ttl_s=reader.max_lease_ttl_s + 1)
+        reader.acquire_lease(owner.holder, blocks, ttl_s=reader.settings.max_lease_ttl_s + 1)
 
 
 # ------------------------------------------------------------------- two processes
