@@ -1,0 +1,124 @@
+"""The Conductor's request path over real workers in this process: `ClusterBackend` with an
+`InProcessWorkers` group instead of Ray (no Redis index, the hand-written test cost model).
+
+The backend lives on one event loop for the module (its health checks are a task of that loop);
+each test runs its coroutine there, bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator
+from typing import Any, NamedTuple, TypeVar
+
+import pytest
+
+from conductor.backend import GenerationInput, Slo
+from conductor.cluster import ClusterBackend
+from conductor.errors import SloMissError
+from core.messages import TokenChunk, WorkerLoad
+from core.params import FinishReason, SamplingParams
+from engine.engine import Engine
+from engine.loader import LoadedWeights
+from tests.e2e.support import cost_model_file
+from tests.workers_support import TIMEOUT_S, InProcessWorkers, cluster_config, settled, tokens
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+T = TypeVar("T")
+
+
+class Running(NamedTuple):
+    loop: asyncio.AbstractEventLoop
+    backend: ClusterBackend
+    workers: InProcessWorkers
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float = TIMEOUT_S) -> T:
+        return self.loop.run_until_complete(asyncio.wait_for(coro, timeout_s))
+
+    def settled(self) -> list[str]:
+        """Problems left once the workers and the backend had a while to settle."""
+        problems = self.run(settled([self.workers.prefill, self.workers.decode]))
+        stats = self.backend.stats()
+        tracked = stats.requests_running + stats.requests_waiting
+        if tracked:
+            problems.append(f"the backend still tracks {tracked} requests")
+        return problems
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_weights: LoadedWeights, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Running]:
+    config = cluster_config(cost_model=cost_model_file(tmp_path_factory.mktemp("cost") / "cost.json"))
+    workers = InProcessWorkers(config, smollm2_weights)
+    backend = ClusterBackend(config, redis_url=None, workers=workers)
+    loop = asyncio.new_event_loop()
+    running = Running(loop, backend, workers)
+    try:
+        running.run(backend.start(), timeout_s=120)
+        yield running
+    finally:
+        running.run(backend.stop())
+        loop.close()
+
+
+@pytest.fixture
+def idle(cluster: Running) -> Iterator[Running]:
+    """The module's cluster, idle before the test; the test must leave it idle."""
+    assert cluster.settled() == []
+    yield cluster
+    assert cluster.settled() == [], "the test left the cluster busy"
+
+
+def test_a_request_through_the_conductor_is_one_engine_s(idle: Running, engine: Engine) -> None:
+    prompt = engine.tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = engine.generate([prompt], params)[0].output_ids
+
+    async def collect() -> list[TokenChunk]:
+        stream = idle.backend.generate(GenerationInput(prompt, params, request_id="through"))
+        return [c async for c in stream]
+
+    chunks = idle.run(collect())
+
+    assert tokens(chunks) == expected
+    assert all(c.request_id == "through" for c in chunks)
+    end = chunks[-1].end
+    assert end is not None and end.finish_reason is FinishReason.LENGTH
+    assert (end.usage.prompt_tokens, end.usage.completion_tokens) == (len(prompt), params.max_tokens)
+    assert end.timings.ttft_ms > 0 and end.timings.e2e_ms >= end.timings.ttft_ms
+
+
+def test_closing_the_stream_early_leaves_both_workers_idle(idle: Running, engine: Engine) -> None:
+    """A client gone after two chunks: the backend cancels the decode side and aborts the
+    prefill; the `idle` fixture checks every block came back."""
+    prompt = engine.tokenizer.encode("Write a short poem about the sea.")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+
+    async def two_then_close() -> list[TokenChunk]:
+        stream = idle.backend.generate(GenerationInput(prompt, params, request_id="gone"))
+        chunks = [await anext(stream), await anext(stream)]
+        await stream.aclose()  # type: ignore[attr-defined]
+        return chunks
+
+    chunks = idle.run(two_then_close())
+
+    assert [c.finished for c in chunks] == [False, False]
+
+
+def test_a_request_that_cannot_meet_its_slo_is_refused_before_any_worker_works(idle: Running) -> None:
+    p, d = idle.workers.prefill, idle.workers.decode
+    inp = GenerationInput([1, 2, 3, 4], SamplingParams(max_tokens=4), slo=Slo(ttft_ms=0.001))
+
+    async def loads() -> tuple[WorkerLoad, WorkerLoad]:
+        return await p.load(), await d.load()
+
+    async def first() -> TokenChunk:
+        return await anext(idle.backend.generate(inp))
+
+    before = idle.run(loads())
+    with pytest.raises(SloMissError, match="TTFT"):
+        idle.run(first())
+    after = idle.run(loads())
+
+    assert [(w.steps, w.free_blocks, w.reserved, w.prompt_tokens_computed) for w in after] == \
+        [(w.steps, w.free_blocks, w.reserved, w.prompt_tokens_computed) for w in before]

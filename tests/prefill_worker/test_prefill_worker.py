@@ -1,0 +1,138 @@
+"""The prefill worker driven directly, beside a real decode worker: no Ray, no Conductor.
+
+Each test does what the Conductor does for a request (`reserve` on the decode worker, then
+`prefill` and `generate` at once) and checks the outcome against one engine running the same
+request, and that both workers end idle: nothing watched or reserved, every block free, pools
+consistent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+
+from core.messages import (DecodeTask, KVTransferFailedError, ModelInfo, PrefillFailedError,
+                           PrefillTask, WorkerLoad)
+from core.params import FinishReason, SamplingParams
+from engine.engine import Engine
+from engine.loader import LoadedWeights
+from tests.waiting import wait_until
+from tests.workers_support import (TIMEOUT_S, InProcessWorkers, cluster_config, drain, run_pair,
+                                   settled, tokens)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2_weights: LoadedWeights) -> Iterator[InProcessWorkers]:
+    group = InProcessWorkers(cluster_config(), smollm2_weights)
+    group.start(None)
+    yield group
+    group.stop()
+
+
+@pytest.fixture
+def workers(pair: InProcessWorkers) -> Iterator[InProcessWorkers]:
+    """The module's pair, idle before the test; the test must leave it idle."""
+    assert asyncio.run(settled([pair.prefill, pair.decode])) == []
+    yield pair
+    assert asyncio.run(settled([pair.prefill, pair.decode])) == [], "the test left a worker busy"
+
+
+def test_a_pair_is_token_identical_to_one_engine(workers: InProcessWorkers, engine: Engine) -> None:
+    prompt = engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = engine.generate([prompt], params)[0].output_ids
+
+    result, chunks = asyncio.run(run_pair(workers.prefill, workers.decode, "greedy", prompt, params))
+
+    assert tokens(chunks) == expected
+    assert result.request_id == "greedy" and result.first_token == expected[0]
+    assert [c.end is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    end = chunks[-1].end
+    assert end is not None and end.finish_reason is FinishReason.LENGTH
+    assert end.usage.completion_tokens == params.max_tokens
+
+
+def test_seeded_sampling_continues_across_the_pair(workers: InProcessWorkers, engine: Engine) -> None:
+    """The prefill worker samples the first token; the generator state travels with the KV
+    (PrefilledKV), so the decode worker continues the same random sequence."""
+    prompt = engine.tokenizer.encode("Once upon a time, in a land far away,")
+    params = SamplingParams(max_tokens=8, temperature=0.8, seed=1234, ignore_eos=True)
+    expected = engine.generate([prompt], params)[0].output_ids
+    greedy = engine.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True))[0].output_ids
+    assert expected != greedy, "the seed samples the greedy path: this test would prove nothing"
+
+    _, chunks = asyncio.run(run_pair(workers.prefill, workers.decode, "seeded", prompt, params))
+
+    assert tokens(chunks) == expected
+
+
+def test_an_aborted_prefill_fails_and_frees_its_blocks(workers: InProcessWorkers, engine: Engine) -> None:
+    """Cancelled mid-prefill (the Conductor's `decode.cancel` + `prefill.abort`): the prefill
+    raises, the decode stream raises, and both workers give every block back."""
+    p, d = workers.prefill, workers.decode
+    # ~700 tokens in chunks of 64: the abort lands while most of the prompt is still to compute.
+    prompt = engine.tokenizer.encode("Please explain in detail." * 140)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    computed = p.engine_load().prompt_tokens_computed
+
+    async def run() -> list[BaseException | object]:
+        handoff = await d.reserve("aborted", len(prompt))
+        task = PrefillTask("aborted", prompt, params, None, handoff, TIMEOUT_S)
+        prefill = asyncio.ensure_future(p.prefill(task))
+        stream = asyncio.ensure_future(drain(d.generate(DecodeTask("aborted", prompt, params, None, TIMEOUT_S))))
+        await asyncio.to_thread(wait_until, lambda: p.engine_load().prompt_tokens_computed > computed,
+                                TIMEOUT_S, "the first prefill chunk")
+        await d.cancel("aborted")
+        await p.abort("aborted")
+        return await asyncio.gather(prefill, stream, return_exceptions=True)
+
+    prefill_outcome, decode_outcome = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+
+    assert isinstance(prefill_outcome, (PrefillFailedError, KVTransferFailedError)), prefill_outcome
+    assert isinstance(decode_outcome, KVTransferFailedError), decode_outcome
+    assert p.engine_load().prompt_tokens_computed - computed < len(prompt), "the prefill ran to its end"
+
+
+def test_a_corrupted_push_fails_both_sides(workers: InProcessWorkers, engine: Engine) -> None:
+    """A flipped bit in one KV unit: the decode side's checksum catches it, both verbs raise
+    KVTransferFailedError (the Conductor may re-run the request), nothing stays reserved."""
+    p, d = workers.prefill, workers.decode
+    prompt = engine.tokenizer.encode("def fibonacci(n):")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    async def run() -> list[BaseException | object]:
+        await p.corrupt_next_push("corrupt")
+        handoff = await d.reserve("corrupt", len(prompt))
+        prefill = p.prefill(PrefillTask("corrupt", prompt, params, None, handoff, TIMEOUT_S))
+        stream = drain(d.generate(DecodeTask("corrupt", prompt, params, None, TIMEOUT_S)))
+        return await asyncio.gather(prefill, stream, return_exceptions=True)
+
+    prefill_outcome, decode_outcome = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
+
+    assert isinstance(prefill_outcome, KVTransferFailedError), prefill_outcome
+    assert isinstance(decode_outcome, KVTransferFailedError), decode_outcome
+
+
+def test_model_info_and_load_describe_the_engine(workers: InProcessWorkers) -> None:
+    p = workers.prefill
+
+    async def ask() -> tuple[ModelInfo, WorkerLoad, str | None]:
+        return await p.model_info(), await p.load(), await p.block_address()
+
+    info, load, block_address = asyncio.run(ask())
+
+    e = p.engine
+    assert info == ModelInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
+                             e.config.block_size, "float32", info.kv_bytes_per_token)
+    assert info.kv_bytes_per_token == e.model_config.num_layers * 2 * e.model_config.num_kv_heads \
+        * e.model_config.head_dim * 4
+    assert load.alive and load.failure is None
+    assert (load.free_blocks, load.total_blocks) == (e.pool.num_blocks, e.pool.num_blocks)
+    assert (load.requests, load.pending_tokens, load.reserved, load.kv_address) == (0, 0, 0, None)
+    assert block_address is None  # no host/disk tier or index: nothing to serve

@@ -1,0 +1,145 @@
+"""Prefill and decode workers in this process, no Ray: the worker classes themselves, on real
+engines (the session's shared SmolLM2 weights) and the real KV transport over loopback.
+
+```
+InProcessWorkers(config, weights).start(None)      # a WorkerGroup, as ClusterBackend wants one
+  workers["prefill-0"].api  -> PrefillWorker        # the object is its own PrefillApi
+  workers["decode-0"].api   -> DecodeWorker         #   ... and DecodeApi
+```
+
+The KV goes over tcp on 127.0.0.1: the `local` backend keeps its addresses in the backend object,
+and each worker makes its own (`TransportConfig.make_backend`), so a prefill worker cannot reach
+a decode worker's `local://` receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import AsyncIterator, Sequence
+from unittest import mock
+
+import engine.engine as engine_module
+from conductor.cluster_config import ClusterConfig
+from conductor.workers import Worker, WorkerGroup
+from core.messages import DecodeTask, PrefillResult, PrefillTask, TokenChunk, WorkerLoad
+from core.params import SamplingParams
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.loader import LoadedWeights
+from engine.worker import EngineWorker, WorkerSpec
+from prefill_worker.worker import PrefillWorker
+from tests.conftest import NUM_THREADS, idle_problems
+from tests.waiting import poll
+from transport.config import TransportConfig
+
+TRANSPORT = TransportConfig(backend="tcp", host="127.0.0.1", timeout_s=20.0)
+TIMEOUT_S = 60.0  # bound on one request through a pair (a few seconds on the 2-core machine)
+SETTLE_S = 10.0  # aborts and released pushes take an engine step or an idle tick to land
+
+
+def cluster_config(num_blocks: int = 128, max_num_batched_tokens: int = 64,
+                   **fields: object) -> ClusterConfig:
+    """One prefill + one decode worker on small fp32 SmolLM2 engines (prefills chunked by 64
+    tokens, so a long prompt takes several steps), KV over loopback tcp."""
+    engine = EngineConfig(model="smollm2", dtype="float32", num_blocks=num_blocks,
+                          max_num_batched_tokens=max_num_batched_tokens, num_threads=NUM_THREADS)
+    return ClusterConfig(**{"engine": engine, "transport": TRANSPORT, "request_timeout_s": TIMEOUT_S,
+                            **fields})  # type: ignore[arg-type]
+
+
+class InProcessWorkers(WorkerGroup):
+    """The workers of a `ClusterConfig` as objects in this process (see the module docstring).
+
+    Specs lose their CPU pinning: `EngineWorker` pins the thread that builds it, here the test's.
+    """
+
+    def __init__(self, config: ClusterConfig, weights: LoadedWeights) -> None:
+        super().__init__()
+        self.config = config
+        self.weights = weights
+
+    def start(self, redis_url: str | None) -> None:
+        for spec in self.config.specs(redis_url):
+            api = start_worker(dataclasses.replace(spec, cpus=None), self.weights)
+            self.workers[spec.worker_id] = Worker(spec, api, pid=os.getpid())  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        for w in self.workers.values():
+            w.api.close()  # type: ignore[union-attr]
+        self.workers.clear()
+
+    @property
+    def prefill(self) -> PrefillWorker:
+        return self.role("prefill")[0].api  # type: ignore[return-value]
+
+    @property
+    def decode(self) -> DecodeWorker:
+        return self.role("decode")[0].api  # type: ignore[return-value]
+
+
+def start_worker(spec: WorkerSpec, weights: LoadedWeights) -> PrefillWorker | DecodeWorker:
+    """The worker of `spec`, its engine on `weights` (no second load of the model)."""
+    cls = PrefillWorker if spec.role == "prefill" else DecodeWorker
+    with mock.patch.object(engine_module, "load_weights", return_value=weights):
+        return cls(spec)
+
+
+async def run_pair(prefill: PrefillWorker, decode: DecodeWorker, request_id: str,
+                   prompt_ids: list[int], params: SamplingParams) -> tuple[PrefillResult, list[TokenChunk]]:
+    """What the Conductor does for one request: reserve on the decode side, then the prefill
+    and the decode stream at once; the prefill's result and every chunk, within TIMEOUT_S."""
+
+    async def both() -> tuple[PrefillResult, list[TokenChunk]]:
+        handoff = await decode.reserve(request_id, len(prompt_ids))
+        task = PrefillTask(request_id, prompt_ids, params, None, handoff, TIMEOUT_S)
+        prefilled = asyncio.ensure_future(prefill.prefill(task))
+        try:
+            chunks = await drain(decode.generate(DecodeTask(request_id, prompt_ids, params, None, TIMEOUT_S)))
+        finally:
+            outcome = await asyncio.gather(prefilled, return_exceptions=True)
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0], chunks
+
+    return await asyncio.wait_for(both(), TIMEOUT_S)
+
+
+def tokens(chunks: Sequence[TokenChunk]) -> list[int]:
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def drain(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
+    """Every chunk of a decode stream (its error, if it fails)."""
+    return [chunk async for chunk in stream]
+
+
+async def worker_problems(workers: Sequence[EngineWorker]) -> list[str]:
+    """What keeps `workers` from being idle: requests watched or queued, reservations, pending
+    prompt tokens, blocks held, an inconsistent pool (checked on each engine's thread)."""
+    problems = []
+    for w in workers:
+        load: WorkerLoad = await w.load()
+        name = w.spec.worker_id
+        if load.requests or load.reserved or load.pending_tokens:
+            problems.append(f"{name}: {load.requests} watched, {load.reserved} reserved, "
+                            f"{load.pending_tokens} prompt tokens pending")
+        found = await w.on_engine(lambda w=w: idle_problems(w.engine))  # type: ignore[misc]
+        problems += [f"{name}: {p}" for p in found]  # type: ignore[attr-defined]
+    return problems
+
+
+async def settled(workers: Sequence[EngineWorker], timeout_s: float = SETTLE_S) -> list[str]:
+    """Problems left once `workers` had `timeout_s` to settle; [] when they are idle.
+
+    The poll runs on a thread and asks the workers through this event loop, which stays free to
+    run whatever the test left in flight (a backend's background cancels)."""
+    loop = asyncio.get_running_loop()
+
+    def idle() -> bool:
+        return not asyncio.run_coroutine_threadsafe(worker_problems(workers), loop).result(timeout_s)
+
+    if await asyncio.to_thread(poll, idle, timeout_s):
+        return []
+    return await worker_problems(workers)
