@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from conductor.backend import GenerationInput, ModelCard, Slo
 from conductor.errors import ModelNotFoundError
-from core.errors import InvalidRequestError
+from core.errors import InvalidRequestError, check_positive
 from core.params import SamplingParams, check_token_ids
 from engine.tokenizer import Tokenizer
 
@@ -41,10 +41,8 @@ class Limits:
     max_id_chars: int = 128
 
     def __post_init__(self) -> None:
-        for name in ("max_prompt_tokens", "max_tokens", "max_request_bytes", "max_streams_per_client",
-                     "max_stop", "max_stop_chars", "max_messages", "max_id_chars"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_positive(self, "max_prompt_tokens", "max_tokens", "max_request_bytes", "max_streams_per_client",
+                       "max_stop", "max_stop_chars", "max_messages", "max_id_chars")
 
 
 @dataclass(slots=True)

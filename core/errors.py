@@ -47,3 +47,12 @@ class InvalidRequestError(StructuredError, HalfmoonError, ValueError):
 
 class ConfigError(HalfmoonError, ValueError):
     """A configuration value is invalid."""
+
+
+def check_positive(config: object, *names: str, error: type[Exception] = ConfigError) -> None:
+    """Raise `error` naming the first of `config`'s fields `names` that is set (not None) and
+    not > 0: the check every config dataclass makes of its sizes, counts and timeouts."""
+    for name in names:
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            raise error(f"{name} must be > 0, got {value}")

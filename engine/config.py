@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.errors import ConfigError
+from core.errors import ConfigError, check_positive
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -55,13 +55,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {sorted(DTYPES)}")
-        positive = {"block_size": self.block_size, "max_num_batched_tokens": self.max_num_batched_tokens,
-                    "max_num_seqs": self.max_num_seqs}
-        for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ConfigError(f"num_blocks must be > 0, got {self.num_blocks}")
+        check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len <= 1:
@@ -70,8 +64,6 @@ class EngineConfig:
             raise ConfigError("host_cache_gb and disk_cache_gb must be >= 0")
         if self.disk_cache_dir is not None and self.disk_cache_gb <= 0:
             raise ConfigError("disk_cache_dir is set but disk_cache_gb is 0")
-        if self.num_threads is not None and self.num_threads <= 0:
-            raise ConfigError(f"num_threads must be > 0, got {self.num_threads}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -34,6 +34,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from core.errors import check_positive
 from kvpool.block_hash import HASH_BYTES
 from kvpool.index_types import (
     ClusterIndexError,
@@ -85,9 +86,7 @@ class IndexSettings:
     def __post_init__(self) -> None:
         if not _NAMESPACE_RE.fullmatch(self.namespace):
             raise ValueError(f"namespace {self.namespace!r} must match {_NAMESPACE_RE.pattern}")
-        for name in ("heartbeat_ttl_s", "reservation_ttl_s", "max_lease_ttl_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        check_positive(self, "heartbeat_ttl_s", "reservation_ttl_s", "max_lease_ttl_s", error=ValueError)
 
 
 class IndexLink:

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.errors import check_positive
 from transport.channel import BACKENDS, Backend, get_backend
 from transport.errors import TransportError
 
@@ -53,12 +54,9 @@ class TransportConfig:
             raise TransportConfigError(f"backend {self.backend!r}: choose one of auto, {', '.join(BACKENDS)}")
         if not 0 <= self.port <= 65535:
             raise TransportConfigError(f"port {self.port} is not in 0..65535")
-        if self.timeout_s <= 0:
-            raise TransportConfigError(f"timeout_s must be > 0, got {self.timeout_s}")
+        check_positive(self, "timeout_s", "max_inflight_mb", error=TransportConfigError)
         if self.ucx_poll_us < 0:
             raise TransportConfigError(f"ucx_poll_us must be >= 0, got {self.ucx_poll_us}")
-        if self.max_inflight_mb <= 0:
-            raise TransportConfigError(f"max_inflight_mb must be > 0, got {self.max_inflight_mb}")
         if self.ucx_tls is not None and self.backend not in ("ucxx", "auto"):
             raise TransportConfigError(f"ucx_tls is set but the backend is {self.backend!r}")
 
