@@ -219,6 +219,10 @@ class PrefillFailedError(WorkerError):
     """The prefill did not complete (engine failure, abort); nothing reached the decode side."""
 
 
+class ReservationError(WorkerError):
+    """A decode worker refused a KV reservation (e.g. the request id holds one already)."""
+
+
 class DecodeFailedError(WorkerError):
     """The request could not be decoded (the engine failed)."""
 

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from core.messages import (DecodeFailedError, DecodeTask, KVHandoff, KVTransferFailedError,
-                           PrefilledKV, TokenChunk, WorkerLoad)
+                           PrefilledKV, ReservationError, TokenChunk, WorkerLoad)
 from engine.worker import EngineWorker, WorkerSpec
 from kvpool.remote import RemoteBlockReader
 from transport.config import advertised_address
@@ -37,10 +37,17 @@ class DecodeWorker(EngineWorker):
         self._reserved: dict[str, list[int]] = {}
 
     async def reserve(self, request_id: str, num_tokens: int) -> KVHandoff:
-        """Blocks for a prompt's KV, open to the transport for this request only."""
+        """Blocks for a prompt's KV, open to the transport for this request only; an id that
+        holds a reservation already is refused before anything is allocated."""
+        if request_id in self._reserved:
+            raise ReservationError(f"request {request_id!r} already holds a KV reservation here")
         blocks: list[int] = await self.on_engine(lambda: self.engine.reserve_blocks(num_tokens))  # type: ignore[assignment]
+        try:
+            self.receiver.expect(request_id, blocks)
+        except BaseException:  # e.g. the receiver still expects this id: give the blocks back
+            await self.on_engine(lambda: self.engine.release_blocks(blocks))
+            raise
         self._reserved[request_id] = blocks
-        self.receiver.expect(request_id, blocks)
         return KVHandoff(self.address, blocks)
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenChunk]:

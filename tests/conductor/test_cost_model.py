@@ -211,7 +211,7 @@ def test_profile_refuses_a_busy_engine(profiled: tuple[Engine, CostModel]) -> No
 
 # ---------------------------------------------------------------------- halfmoon profile
 
-CLI = [sys.executable, "-m", "halfmoon.cli", "profile"]
+CLI = [sys.executable, "-m", "cli.main", "profile"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from core.messages import (DecodeTask, KVHandoff, KVTransferFailedError, ModelInfo, TokenChunk,
-                           WorkerError, WorkerLoad)
+                           ReservationError, WorkerLoad)
 from core.params import FinishReason, SamplingParams
 from engine.engine import Engine
 from engine.loader import LoadedWeights
@@ -123,9 +123,6 @@ def test_model_info_and_load_describe_the_engine(workers: InProcessWorkers) -> N
     assert load.kv_address == d.address and load.kv_address.startswith("tcp://127.0.0.1:")
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="DecodeWorker.reserve of an id already reserved overwrites the first "
-                          "reservation's blocks (leaked) and raises transport's ProtocolError")
 def test_reserving_an_id_twice_fails_and_leaks_nothing(smollm2_weights: LoadedWeights) -> None:
     """A second `reserve` of a live id is refused as the worker's error, and the first
     reservation stays whole: `cancel` gives every block back. (A worker of its own: a leak here
@@ -144,5 +141,5 @@ def test_reserving_an_id_twice_fails_and_leaks_nothing(smollm2_weights: LoadedWe
     finally:
         d.close()
 
-    assert isinstance(second, WorkerError), second
+    assert isinstance(second, ReservationError), second
     assert (after.reserved, after.free_blocks) == (0, after.total_blocks)

@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from tests.e2e.support import wait_for_log
 
-CLI = [sys.executable, "-m", "halfmoon.cli"]
+CLI = [sys.executable, "-m", "cli.main"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"

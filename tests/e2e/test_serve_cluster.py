@@ -31,7 +31,7 @@ def test_cluster_serves_from_a_yaml_config_and_ctrl_c_leaves_no_orphan(tmp_path:
         "object_store_mb": 128}))
     log = tmp_path / "serve.log"
     with open(log, "w") as out:  # its own session: Ctrl-C in a terminal signals the whole group
-        proc = subprocess.Popen([sys.executable, "-m", "halfmoon.cli", "serve", "--config", str(config)],
+        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config)],
                                 stdout=out, stderr=out, text=True, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
