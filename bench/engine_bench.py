@@ -43,7 +43,7 @@ import torch
 
 from bench.report import Figure, Progress, machine_info, render_table, utc_now
 from bench.step_profile import decode_step_profile
-from engine.config import DTYPES, EngineConfig
+from engine.config import EngineConfig, torch_dtype
 from engine.engine import Engine
 from engine.loader import resolve_model_path
 from engine.outputs import CompletionResult
@@ -408,7 +408,7 @@ def run(args: argparse.Namespace, sizes: Sizes, config: EngineConfig,
     progress(f"loading Halfmoon ({MODEL}, {args.dtype})")
     engine = Engine(config)
     progress(f"loading transformers ({MODEL}, {args.dtype})")
-    systems: list[System] = [HalfmoonSystem(engine), load_transformers(DTYPES[args.dtype])]
+    systems: list[System] = [HalfmoonSystem(engine), load_transformers(torch_dtype(args.dtype))]
     vocab = engine.model_config.vocab_size
     work = make_workload(sizes, vocab)
     progress("warming up both systems")

@@ -47,12 +47,6 @@ TRANSPORT = Component(
 
 CLUSTER = Component(
     ClusterConfig, "cluster (default: 1 prefill + 1 decode worker as Ray actors)",
-    flags={
-        "prefill": Flag(help="prefill workers"),
-        "decode": Flag(help="decode workers"),
-        "prefill_gpus": Flag(help="GPUs per prefill worker actor (default: 1 if this machine sees CUDA, else 0)"),
-        "decode_gpus": Flag(help="GPUs per decode worker actor (default: as above)"),
-    },
     nested={"transport": TRANSPORT},
     excluded={
         "engine": "built from the engine flags by `serve` (one EngineConfig for both modes)",

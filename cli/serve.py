@@ -116,10 +116,6 @@ def _serve(args: argparse.Namespace, config, engine_cfg) -> int:
 def cluster_config(args: argparse.Namespace, engine_cfg):  # -> ClusterConfig
     from cli.components import CLUSTER, TRANSPORT
     from cli.flags import build
-    from core.errors import ConfigError
-
-    if args.prefill < 1 or args.decode < 1 or args.worker_threads < 1:
-        raise ConfigError("--prefill, --decode and --worker-threads must be >= 1")
     kv_host = args.kv_host or ("0.0.0.0" if args.ray_address else "127.0.0.1")
     # Each worker pins its own threads; the engine's --threads applies to the co-located mode.
     engine = dataclasses.replace(engine_cfg, num_threads=None, redis_url=None)

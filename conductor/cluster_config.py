@@ -6,8 +6,8 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from engine.worker import WorkerSpec
+from core.errors import check_positive
+from engine.config import EngineConfig, WorkerSpec
 from transport.config import TransportConfig
 
 
@@ -15,7 +15,8 @@ from transport.config import TransportConfig
 class ClusterConfig:
     """The cluster `halfmoon serve --prefill N --decode M` runs.
 
-    prefill / decode: workers of each role.
+    prefill: prefill workers.
+    decode: decode workers.
     engine / transport: what every worker runs (its engine, its KV transport).
     worker_threads: CPU threads (and pinned cores, locally) per worker.
     ray_address: join this Ray cluster (None = start an embedded one).
@@ -23,8 +24,9 @@ class ClusterConfig:
     cost_model: a `halfmoon profile` JSON; None = the first prefill worker profiles itself.
     request_timeout_s: bound on a request's KV transfer and prefill.
     model_id: the model's name in the API.
-    prefill_gpus / decode_gpus: GPUs each actor asks Ray for (None = 1 if the Conductor's
-        machine sees CUDA; pass them explicitly when it runs on a head node without GPUs).
+    prefill_gpus: GPUs per prefill worker actor (default: 1 if this machine sees CUDA, else 0;
+        pass it explicitly when the Conductor runs on a head node without GPUs).
+    decode_gpus: GPUs per decode worker actor (default: as above).
     """
 
     prefill: int = 1
@@ -39,6 +41,9 @@ class ClusterConfig:
     model_id: str = "smollm2"
     prefill_gpus: int | None = None
     decode_gpus: int | None = None
+
+    def __post_init__(self) -> None:
+        check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s")
 
     def gpus(self, role: str) -> int:
         given = self.prefill_gpus if role == "prefill" else self.decode_gpus

@@ -22,7 +22,7 @@ from conductor.workers import Worker, WorkerGroup
 from core.errors import HalfmoonError
 from core.messages import (DecodeTask, KVHandoff, ModelInfo, PrefillResult, PrefillTask, Profile,
                            TokenChunk, WorkerError, WorkerLoad, WorkerLostError)
-from engine.worker import WorkerSpec
+from engine.config import WorkerSpec
 
 log = logging.getLogger(__name__)
 

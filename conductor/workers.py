@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from core.messages import DecodeApi, PrefillApi
-from engine.worker import WorkerSpec
+from engine.config import WorkerSpec
 
 log = logging.getLogger(__name__)
 

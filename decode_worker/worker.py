@@ -19,7 +19,8 @@ from dataclasses import replace
 
 from core.messages import (DecodeFailedError, DecodeTask, KVHandoff, KVTransferFailedError,
                            PrefilledKV, ReservationError, TokenChunk, WorkerLoad)
-from engine.worker import EngineWorker, WorkerSpec
+from engine.config import WorkerSpec
+from engine.worker import EngineWorker
 from kvpool.remote import RemoteBlockReader
 from transport.config import advertised_address
 from transport.errors import TransportError

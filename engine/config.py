@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import torch
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from core.errors import ConfigError, check_positive
+from transport.config import TransportConfig
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+if TYPE_CHECKING:
+    import torch
+
+# dtype names -> torch's attribute; torch is imported only when a dtype is asked for, so building a
+# command line's flags from this config stays fast.
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, DTYPES[name])
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,4 +79,26 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        return torch_dtype(self.dtype)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """One worker: its identity, engine, transport, and the CPU cores it may use.
+
+    worker_id: unique in the cluster; the Ray actor's name and the holder id in the index.
+    cpus: cores to pin this worker's threads to (None = no pinning); torch gets one thread
+        per core unless `engine.num_threads` says otherwise.
+    """
+
+    worker_id: str
+    role: str  # "prefill" | "decode"
+    engine: EngineConfig
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    cpus: tuple[int, ...] | None = None
+    node_id: str = "local"
+
+    def engine_config(self) -> EngineConfig:
+        threads = self.engine.num_threads or (len(self.cpus) if self.cpus else None)
+        return dataclasses.replace(self.engine, worker_id=self.worker_id, node_id=self.node_id,
+                                   num_threads=threads)

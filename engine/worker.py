@@ -9,16 +9,14 @@ Conductor runs them as Ray actors (conductor/ray_workers.py) and tests drive the
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from core.messages import ModelInfo, Profile, WorkerLoad
-from engine.config import EngineConfig
+from engine.config import WorkerSpec
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from engine.profiling import measure_engine
@@ -29,28 +27,6 @@ from transport.config import TransportConfig, advertised_address
 from transport.layout import KVLayout
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """One worker: its identity, engine, transport, and the CPU cores it may use.
-
-    worker_id: unique in the cluster; the Ray actor's name and the holder id in the index.
-    cpus: cores to pin this worker's threads to (None = no pinning); torch gets one thread
-        per core unless `engine.num_threads` says otherwise.
-    """
-
-    worker_id: str
-    role: str  # "prefill" | "decode"
-    engine: EngineConfig
-    transport: TransportConfig = field(default_factory=TransportConfig)
-    cpus: tuple[int, ...] | None = None
-    node_id: str = "local"
-
-    def engine_config(self) -> EngineConfig:
-        threads = self.engine.num_threads or (len(self.cpus) if self.cpus else None)
-        return dataclasses.replace(self.engine, worker_id=self.worker_id, node_id=self.node_id,
-                                   num_threads=threads)
 
 
 class TransportBlockReader(RemoteBlockReader):

@@ -19,7 +19,8 @@ from dataclasses import replace
 from core.messages import (KVTransferFailedError, PrefillFailedError, PrefillResult, PrefillTask,
                            TokenChunk, WorkerLoad)
 from core.params import FinishReason
-from engine.worker import EngineWorker, TransportBlockReader, WorkerSpec
+from engine.config import WorkerSpec
+from engine.worker import EngineWorker, TransportBlockReader
 from kvpool.cluster_index import HolderId
 from kvpool.remote import RemoteBlockReader
 from transport.errors import TransportError

@@ -28,7 +28,8 @@ from core.params import SamplingParams
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.loader import LoadedWeights
-from engine.worker import EngineWorker, WorkerSpec
+from engine.config import WorkerSpec
+from engine.worker import EngineWorker
 from prefill_worker.worker import PrefillWorker
 from tests.conftest import NUM_THREADS, idle_problems
 from tests.waiting import poll

@@ -1,9 +1,24 @@
 """KV transfer between workers: backends (ucxx, tcp, local), handshake, checksummed transfer
-units written straight into the peer's paged KV tensor, and layer-pipelined pushes."""
+units written straight into the peer's paged KV tensor, and layer-pipelined pushes.
 
-from transport.channel import BACKENDS, get_backend
-from transport.layout import KVLayout
-from transport.receiver import KVReceiver, TransferResult
-from transport.sender import KVSender, PushStream
+The names below are imported on first use, so `import transport.config` (what a command line
+needs to build its flags) does not import torch.
+"""
 
-__all__ = ["BACKENDS", "KVLayout", "KVReceiver", "KVSender", "PushStream", "TransferResult", "get_backend"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOMES = {"BACKENDS": "transport.channel", "get_backend": "transport.channel", "KVLayout": "transport.layout",
+          "KVReceiver": "transport.receiver", "TransferResult": "transport.receiver",
+          "KVSender": "transport.sender", "PushStream": "transport.sender"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)
