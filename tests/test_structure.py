@@ -24,7 +24,6 @@ MAX_LINES = 600
 GENERATED = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 SKIP_DIRS = {"tests", "build", "dist", "node_modules", "__pycache__"}
 NONE_CELL = "—"
-IN_PROGRESS = "issue 17 in progress"
 
 
 class Edge(NamedTuple):
@@ -187,19 +186,16 @@ def test_the_table_names_only_its_own_rooms(table: dict[str, set[str]]) -> None:
     assert not unknown, f"'may import' names rooms that have no row: {unknown}"
 
 
-@pytest.mark.xfail(strict=False, reason=f"{IN_PROGRESS}: cli/ is being created from halfmoon/cli.py")
 def test_every_row_is_a_package(table: dict[str, set[str]]) -> None:
     stale = sorted(set(table) - set(packages()))
     assert not stale, f"rooms table rows with no package in the repo: {stale}"
 
 
-@pytest.mark.xfail(strict=False, reason=f"{IN_PROGRESS}: code is moving between packages")
 def test_every_import_is_allowed_by_the_table(table: dict[str, set[str]], edges: list[Edge]) -> None:
     bad = [e for e in edges if e.dst not in table.get(e.src, set())]
     assert not bad, f"imports the rooms table does not allow:\n{_listing(bad)}"
 
 
-@pytest.mark.xfail(strict=False, reason=f"{IN_PROGRESS}: code is moving between packages")
 def test_the_package_graph_has_no_cycle(table: dict[str, set[str]], edges: list[Edge]) -> None:
     graph = {room: set(names) for room, names in table.items()}
     for e in edges:
@@ -213,7 +209,6 @@ def test_the_package_graph_has_no_cycle(table: dict[str, set[str]], edges: list[
 # ---------------------------------------------------------------- file sizes
 
 
-@pytest.mark.xfail(strict=False, reason=f"{IN_PROGRESS}: the long files are being split")
 def test_no_source_file_is_over_600_lines() -> None:
     long = [(str(p.relative_to(ROOT)), n) for p in source_files(ROOT)
             if not p.name.endswith(GENERATED) and (n := len(p.read_text().splitlines())) > MAX_LINES]
@@ -252,7 +247,6 @@ def test_the_test_import_finder() -> None:
         "tests.a.test_b", "test_c", "tests.a.test_d", "tests.a.test_e"]
 
 
-@pytest.mark.xfail(strict=False, reason=f"{IN_PROGRESS}: tests/engine and tests/kvpool import test modules")
 def test_no_test_module_imports_another() -> None:
     found = []
     for path in _test_files():
@@ -281,7 +275,6 @@ def _comment_lines(path: Path) -> set[int]:
         return {t.start[0] for t in tokenize.tokenize(f.readline) if t.type == tokenize.COMMENT}
 
 
-@pytest.mark.xfail(strict=False, reason=f"{IN_PROGRESS}: sleeps used as synchronisation remain")
 def test_every_sleep_in_tests_says_why() -> None:
     """A sleep is the thing under test, or the poll interval of a bounded wait: the comment on
     its line says which. Synchronisation waits on a condition (tests/waiting.py) instead."""

@@ -8,7 +8,7 @@ import torch
 
 from engine.worker import TransportBlockReader
 from tests.transport.conftest import FINGERPRINT, kv_tensor
-from tests.transport.test_blocks import BLOCK_BYTES, Holder, key, random_blocks
+from tests.transport.helpers import BLOCK_BYTES, Holder, key, random_blocks
 from transport import KVLayout
 from transport.blocks import BlockClient
 from transport.channel import get_backend

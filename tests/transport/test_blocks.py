@@ -3,45 +3,17 @@ batched, checksummed, and a failure of any kind is a shorter answer, never an ex
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from tests.transport.conftest import FINGERPRINT, kv_tensor
-from transport import KVLayout
-from transport.blocks import FETCH_BATCH, BlockClient, BlockServer
+from tests.transport.helpers import BLOCK_BYTES, Holder, key, random_blocks
+from transport.blocks import FETCH_BATCH, BlockClient
 from transport.channel import Backend
 from transport.faults import FaultInjector
-
-BLOCK_BYTES = 4096
-
-
-def key(i: int) -> bytes:
-    return hashlib.sha256(str(i).encode()).digest()[:16]
-
-
-class Holder:
-    """A block server over a dict of blocks (what KVTiers.serve_blocks does, in memory)."""
-
-    def __init__(self, backend: Backend, blocks: dict[bytes, torch.Tensor], **kw: object) -> None:
-        self.blocks = blocks
-        self.layout = KVLayout.of(kv_tensor(4), FINGERPRINT)
-        self.server = BlockServer(self.serve, self.layout, BLOCK_BYTES, backend, **kw).start()
-
-    def serve(self, hashes: list[bytes], rows: torch.Tensor) -> int:
-        for i, h in enumerate(hashes):
-            if h not in self.blocks:
-                return i
-            rows[i] = self.blocks[h]
-        return len(hashes)
-
-
-def random_blocks(n: int, seed: int = 0) -> dict[bytes, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return {key(i): torch.randint(0, 256, (BLOCK_BYTES,), dtype=torch.uint8, generator=gen) for i in range(n)}
-
+from transport.layout import KVLayout
 
 @pytest.fixture
 def holder(backend: Backend) -> Iterator[Holder]:
