@@ -126,11 +126,9 @@ class HashLRU:
     def unpin(self, keys: Iterable[bytes]) -> None:
         """Drop one pin per key (each must be pinned: KeyError otherwise)."""
         for key in keys:
-            left = self._pins[key] - 1
+            left = self._pins.pop(key) - 1
             if left:
                 self._pins[key] = left
-            else:
-                del self._pins[key]
 
     def check_integrity(self) -> None:
         """Raise PoolIntegrityError unless len <= capacity and every pin is on a held hash."""

@@ -82,11 +82,9 @@ class StreamLimiter:
             yield
         finally:
             with self._lock:
-                left = self._active[client] - 1
+                left = self._active.pop(client) - 1
                 if left:
                     self._active[client] = left
-                else:
-                    del self._active[client]
 
     def active(self) -> int:
         with self._lock:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from core.messages import TokenChunk
+from halfmoon.results import ModelInfo
 from core.params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -41,14 +42,6 @@ class GenerationInput:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelCard:
-    id: str
-    max_model_len: int
-    vocab_size: int
-    owned_by: str = "halfmoon"
-
-
-@dataclass(frozen=True, slots=True)
 class BackendStats:
     """A snapshot for `/metrics` and the dashboard."""
 
@@ -64,7 +57,7 @@ class BackendStats:
 class GenerationBackend(abc.ABC):
     """What the front door needs from a backend. Async methods run on the server's event loop."""
 
-    model: ModelCard
+    model: ModelInfo  # the served model, as the public API describes it
     tokenizer: Tokenizer
 
     @abc.abstractmethod

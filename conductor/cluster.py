@@ -27,15 +27,16 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conductor.backend import BackendStats, GenerationBackend, GenerationInput, ModelCard
+from conductor.backend import BackendStats, GenerationBackend, GenerationInput
 from conductor.cluster_config import ClusterConfig
 from conductor.cost_model import CostModel, fit_profile
 from conductor.errors import ServiceUnavailableError, SloMissError, SloPrediction
 from conductor.router import DecodeView, PrefillView, RouteRequest, Router
 from conductor.workers import PING_TIMEOUT_S, Worker, WorkerGroup
-from core.messages import (DecodeApi, DecodeTask, KVTransferFailedError, ModelInfo, PrefillApi,
+from core.messages import (DecodeApi, DecodeTask, EngineInfo, KVTransferFailedError, PrefillApi,
                            PrefillResult, PrefillTask, TokenChunk, WorkerLostError)
 from engine.worker import tokenizer_for_model
+from halfmoon.results import ModelInfo
 from kvpool.block_hash import block_hashes, root_hash
 from kvpool.cluster_index import ClusterIndex, HolderId
 
@@ -76,7 +77,7 @@ class ClusterBackend(GenerationBackend):
         self.tokenizer = tokenizer_for_model(config.engine.model)
         self.cost: CostModel | None = None
         self.index: ClusterIndex | None = None
-        self.info: ModelInfo | None = None
+        self.info: EngineInfo | None = None
         self._health: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # fire-and-forget cancels, kept referenced
         self._requests = 0  # attempts in flight
@@ -88,8 +89,8 @@ class ClusterBackend(GenerationBackend):
     async def start(self) -> None:
         await asyncio.to_thread(self.manager.start, self.redis_url)
         first = self.manager.role("prefill")[0].api
-        self.info = await first.model_info()
-        self.model = ModelCard(self.config.model_id, self.info.max_model_len, self.info.vocab_size)
+        self.info = await first.engine_info()
+        self.model = ModelInfo(self.config.model_id, self.info.max_model_len, self.info.vocab_size)
         self.cost = await self._cost_model(first)
         if self.redis_url is not None:
             self.index = ClusterIndex(self.redis_url, HolderId("conductor", "conductor"))

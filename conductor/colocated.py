@@ -19,13 +19,14 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from conductor.backend import BackendStats, GenerationBackend, GenerationInput, ModelCard
+from conductor.backend import BackendStats, GenerationBackend, GenerationInput
 from conductor.errors import (DeadlineExceededError, OverloadedError, ServiceUnavailableError,
                               SloMissError, SloPrediction)
 from core.messages import RequestEnd, TokenChunk
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from core.errors import InvalidRequestError
+from halfmoon.results import ModelInfo
 
 _Item = TokenChunk | BaseException
 
@@ -68,7 +69,7 @@ class ColocatedBackend(GenerationBackend):
     def __init__(self, engine: Engine, model_id: str, max_waiting: int = 256) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
-        self.model = ModelCard(model_id, engine.max_model_len, engine.model_config.vocab_size)
+        self.model = ModelInfo(model_id, engine.max_model_len, engine.model_config.vocab_size)
         self.max_waiting = max_waiting
         self.predictor = LoadPredictor()
         self.loop = EngineLoop(engine)

@@ -20,7 +20,7 @@ from typing import Any
 from conductor.cluster_config import ClusterConfig
 from conductor.workers import Worker, WorkerGroup
 from core.errors import HalfmoonError
-from core.messages import (DecodeTask, KVHandoff, ModelInfo, PrefillResult, PrefillTask, Profile,
+from core.messages import (DecodeTask, KVHandoff, EngineInfo, PrefillResult, PrefillTask, Profile,
                            TokenChunk, WorkerError, WorkerLoad, WorkerLostError)
 from engine.config import WorkerSpec
 
@@ -59,8 +59,8 @@ class RayWorker:
     async def pid(self) -> int:
         return await self._call("pid")
 
-    async def model_info(self) -> ModelInfo:
-        return await self._call("model_info")
+    async def engine_info(self) -> EngineInfo:
+        return await self._call("engine_info")
 
     async def profile(self, quick: bool = True) -> Profile:
         return await self._call("profile", quick)

@@ -8,11 +8,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from conductor.backend import GenerationInput, ModelCard, Slo
+from conductor.backend import GenerationInput, Slo
 from conductor.errors import ModelNotFoundError
 from core.errors import InvalidRequestError, check_positive
 from core.params import SamplingParams, check_token_ids
 from engine.tokenizer import Tokenizer
+from halfmoon.results import ModelInfo
 
 ROLES = frozenset({"system", "user", "assistant"})
 DEFAULT_MAX_TOKENS = 16
@@ -74,13 +75,13 @@ class RequestSpec:
         return self.names.get(canonical, canonical)
 
 
-def check_model(model: str, card: ModelCard) -> None:
+def check_model(model: str, card: ModelInfo) -> None:
     """Empty = the served model; anything else must be its id."""
     if model and model != card.id:
         raise ModelNotFoundError(model, [card.id])
 
 
-def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelCard, limits: Limits) -> GenerationInput:
+def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits: Limits) -> GenerationInput:
     """Validate everything, tokenize, return what the backend runs. Raises InvalidRequestError
     (naming the field), ModelNotFoundError."""
     check_model(spec.model, card)
@@ -91,7 +92,7 @@ def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelCard, limits
                            spec.priority, spec.deadline)
 
 
-def prompt_ids(spec: RequestSpec, tokenizer: Tokenizer, card: ModelCard, limits: Limits) -> list[int]:
+def prompt_ids(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits: Limits) -> list[int]:
     given = [k for k, v in (("prompt", spec.prompt), ("messages", spec.messages),
                             ("prompt_token_ids", spec.prompt_token_ids)) if v is not None]
     if len(given) != 1:
@@ -129,7 +130,7 @@ def check_messages(spec: RequestSpec, limits: Limits) -> list[dict[str, str]]:
     return messages
 
 
-def sampling_params(spec: RequestSpec, card: ModelCard, limits: Limits, prompt_len: int) -> SamplingParams:
+def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_len: int) -> SamplingParams:
     max_tokens = DEFAULT_MAX_TOKENS if spec.max_tokens is None else spec.max_tokens
     room = card.max_model_len - prompt_len
     if not 1 <= max_tokens <= limits.max_tokens:

@@ -7,7 +7,7 @@ Conductor                         decode worker                   prefill worker
                                                  <---- DONE meta: PrefilledKV (transport)
   DecodeApi.generate(DecodeTask) -> TokenChunk ... TokenChunk(end=RequestEnd)
   PrefillResult <-------------------------------------------------  once the decode side verified
-  WorkerApi.load() -> WorkerLoad; model_info() -> ModelInfo; profile() -> Profile
+  WorkerApi.load() -> WorkerLoad; engine_info() -> EngineInfo; profile() -> Profile
 ```
 
 `TokenChunk` is the one shape of output tokens from the engine to the front door: the engine
@@ -32,21 +32,22 @@ from core.params import FinishReason, SamplingParams
 @dataclass(frozen=True, slots=True)
 class Usage:
     prompt_tokens: int
-    cached_prompt_tokens: int
+    cached_prompt_tokens: int  # served from the KV cache, not computed
     completion_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
 class Timings:
-    """Milliseconds. `transfer_ms`: prefill done -> the decode side verified its KV (0 in one
-    process)."""
+    """Server-side milliseconds: queue, prefill, KV transfer (prefill done -> the decode side
+    verified its KV; 0 in one process), time to first token, mean time per output token after
+    the first, end to end."""
 
-    queue_ms: float = 0.0
-    prefill_ms: float = 0.0
-    transfer_ms: float = 0.0
-    ttft_ms: float = 0.0
-    mean_tpot_ms: float = 0.0
-    e2e_ms: float = 0.0
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+    ttft_ms: float
+    mean_tpot_ms: float
+    e2e_ms: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,7 +169,7 @@ class WorkerLoad:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelInfo:
+class EngineInfo:
     """What the Conductor needs to tokenize, hash blocks and size requests like the workers."""
 
     max_model_len: int
@@ -243,7 +244,7 @@ class WorkerApi(Protocol):
 
     async def pid(self) -> int: ...
 
-    async def model_info(self) -> ModelInfo: ...
+    async def engine_info(self) -> EngineInfo: ...
 
     async def profile(self, quick: bool = True) -> Profile: ...
 

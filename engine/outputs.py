@@ -86,7 +86,7 @@ def request_end(req: Request) -> RequestEnd:
     tpot = (req.finish_time - first) / (n_out - 1) * 1e3 if n_out > 1 else 0.0
     scheduled = req.scheduled_time if req.scheduled_time is not None else first
     timings = Timings(queue_ms=(scheduled - req.arrival_time) * 1e3,
-                      prefill_ms=max(0.0, first - scheduled) * 1e3,
+                      prefill_ms=max(0.0, first - scheduled) * 1e3, transfer_ms=0.0,
                       ttft_ms=(first - req.arrival_time) * 1e3, mean_tpot_ms=tpot,
                       e2e_ms=(req.finish_time - req.arrival_time) * 1e3)
     usage = Usage(req.num_prompt_tokens, req.num_cached_tokens, n_out)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from core.messages import ModelInfo, Profile, WorkerLoad
+from core.messages import EngineInfo, Profile, WorkerLoad
 from engine.config import WorkerSpec
 from engine.engine import Engine
 from engine.loop import EngineLoop
@@ -119,10 +119,10 @@ class EngineWorker:
     async def pid(self) -> int:
         return os.getpid()
 
-    async def model_info(self) -> ModelInfo:
+    async def engine_info(self) -> EngineInfo:
         """What the Conductor needs to tokenize, hash blocks and size requests like this worker."""
         e = self.engine
-        return ModelInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
+        return EngineInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
                          e.config.block_size, str(e.config.torch_dtype).removeprefix("torch."),
                          e.kv_cache[:, :, 0, 0].numel() * e.kv_cache.element_size())
 

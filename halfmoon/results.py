@@ -4,25 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A generation's usage and server-side timings have one shape on both sides of the API: the
+# server's own (core.messages), re-exported here.
+from core.messages import Timings, Usage
 
-@dataclass(frozen=True, slots=True)
-class Usage:
-    prompt_tokens: int
-    cached_prompt_tokens: int  # served from the KV cache, not computed
-    completion_tokens: int
-
-
-@dataclass(frozen=True, slots=True)
-class Timings:
-    """Server-side milliseconds: queue, prefill, KV transfer, time to first token, mean time
-    per output token after the first, end to end."""
-
-    queue_ms: float
-    prefill_ms: float
-    transfer_ms: float
-    ttft_ms: float
-    mean_tpot_ms: float
-    e2e_ms: float
+__all__ = ["GenerationResult", "ModelInfo", "StreamChunk", "Timings", "Usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +37,9 @@ class StreamChunk:
 
 @dataclass(frozen=True, slots=True)
 class ModelInfo:
+    """A served model (`ListModels`, `/v1/models`); the server describes its model with it too."""
+
     id: str
     max_model_len: int
     vocab_size: int
-    owned_by: str
+    owned_by: str = "halfmoon"

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from core.messages import (DecodeTask, KVHandoff, KVTransferFailedError, ModelInfo, TokenChunk,
+from core.messages import (DecodeTask, KVHandoff, KVTransferFailedError, EngineInfo, TokenChunk,
                            ReservationError, WorkerLoad)
 from core.params import FinishReason, SamplingParams
 from engine.engine import Engine
@@ -109,8 +109,8 @@ def test_generate_for_a_request_never_reserved_fails_at_once(workers: InProcessW
 def test_model_info_and_load_describe_the_engine(workers: InProcessWorkers) -> None:
     d = workers.decode
 
-    async def ask() -> tuple[ModelInfo, ModelInfo, WorkerLoad]:
-        return await d.model_info(), await workers.prefill.model_info(), await d.load()
+    async def ask() -> tuple[EngineInfo, EngineInfo, WorkerLoad]:
+        return await d.engine_info(), await workers.prefill.engine_info(), await d.load()
 
     info, prefill_info, load = asyncio.run(ask())
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from core.messages import (DecodeTask, KVTransferFailedError, ModelInfo, PrefillFailedError,
+from core.messages import (DecodeTask, KVTransferFailedError, EngineInfo, PrefillFailedError,
                            PrefillTask, WorkerLoad)
 from core.params import FinishReason, SamplingParams
 from engine.engine import Engine
@@ -122,13 +122,13 @@ def test_a_corrupted_push_fails_both_sides(workers: InProcessWorkers, engine: En
 def test_model_info_and_load_describe_the_engine(workers: InProcessWorkers) -> None:
     p = workers.prefill
 
-    async def ask() -> tuple[ModelInfo, WorkerLoad, str | None]:
-        return await p.model_info(), await p.load(), await p.block_address()
+    async def ask() -> tuple[EngineInfo, WorkerLoad, str | None]:
+        return await p.engine_info(), await p.load(), await p.block_address()
 
     info, load, block_address = asyncio.run(ask())
 
     e = p.engine
-    assert info == ModelInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
+    assert info == EngineInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
                              e.config.block_size, "float32", info.kv_bytes_per_token)
     assert info.kv_bytes_per_token == e.model_config.num_layers * 2 * e.model_config.num_kv_heads \
         * e.model_config.head_dim * 4
