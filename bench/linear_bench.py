@@ -55,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    dtypes = [d for d in (torch.float32, torch.bfloat16) if onednn_available(d)]
+    if len(dtypes) < 2:
+        print("halfmoon bench linear: this CPU has no oneDNN bf16 path: fp32 only", file=sys.stderr)
+    for dtype in dtypes:
         weights = [torch.randn(3072, 576).to(dtype) for _ in range(20)]
         rows += [measure(dtype, b, weights, args.repeats) for b in BATCH_SIZES]
     if args.json:

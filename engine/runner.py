@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from core.blocks import cdiv
 from engine.model import LayerHook, LlamaModel
 from engine.request import Request
 from engine.sampler import sample
@@ -87,7 +88,7 @@ class ModelRunner:
     def _decode_batch(self, decodes: list[ScheduledRequest], tables: dict[str, torch.Tensor]) -> DecodeBatch:
         ctx = [s.request.num_computed_tokens + 1 for s in decodes]
         max_ctx = max(ctx)
-        max_blocks = -(-max_ctx // self.block_size)
+        max_blocks = cdiv(max_ctx, self.block_size)
         padded = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for i, s in enumerate(decodes):
             table = tables[s.request.request_id][:max_blocks]
@@ -104,7 +105,7 @@ class ModelRunner:
         for s in prefills:
             start, n = s.request.num_computed_tokens, s.num_tokens
             ctx = start + n
-            table = tables[s.request.request_id][: -(-ctx // self.block_size)]
+            table = tables[s.request.request_id][: cdiv(ctx, self.block_size)]
             mask = None
             if start > 0:  # query i (position start+i) sees keys 0..start+i
                 mask = torch.arange(ctx).unsqueeze(0) <= (torch.arange(n) + start).unsqueeze(1)
