@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -178,18 +179,19 @@ class ClusterBackend(GenerationBackend):
         try:
             prefill_done = await self._start(inp, wid, p, d)
             prefill_done.add_done_callback(dequeue)
-            stream = d.api.generate(DecodeTask(wid, inp.prompt_ids, inp.params, inp.cache_salt,  # type: ignore[union-attr]
-                                               self.config.request_timeout_s))
-            async for chunk in self._decoded(d, stream, prefill_done):
-                if first_at is None:
-                    first_at = time.perf_counter()
-                    self._streaming += 1
-                if chunk.end is None:
-                    yield chunk if chunk.request_id == rid else replace(chunk, request_id=rid)
-                    continue
-                finished = True
-                yield self._last(rid, chunk, await prefill_done, n, arrival, first_at)
-                return
+            task = DecodeTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, self.config.request_timeout_s,
+                              self.manager.block_servers())
+            async with aclosing(self._decoded(d, d.api.generate(task), prefill_done)) as chunks:  # type: ignore[union-attr]
+                async for chunk in chunks:
+                    if first_at is None:
+                        first_at = time.perf_counter()
+                        self._streaming += 1
+                    if chunk.end is None:
+                        yield chunk if chunk.request_id == rid else replace(chunk, request_id=rid)
+                        continue
+                    finished = True
+                    yield self._last(rid, chunk, await prefill_done, n, arrival, first_at)
+                    return
             raise ServiceUnavailableError(f"request {rid}: the decode stream ended without a result")
         finally:
             self._requests -= 1

@@ -49,8 +49,9 @@ class ClusterConfig:
         given = self.prefill_gpus if role == "prefill" else self.decode_gpus
         return given if given is not None else int(_cuda())
 
-    def specs(self, redis_url: str | None = None) -> list[WorkerSpec]:
-        """Every worker's spec; local workers get consecutive cores of their own."""
+    def specs(self, redis_url: str | None) -> list[WorkerSpec]:
+        """Every worker's spec, its engine on the index at `redis_url` (None: no index); local
+        workers get consecutive cores of their own."""
         engine = dataclasses.replace(self.engine, redis_url=redis_url)
         cores = os.cpu_count() or 1
         specs = []

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from core.errors import HalfmoonError, InvalidRequestError
+from core.messages import WorkerError
 from engine.errors import ChatTemplateError, RequestAbortedError
 
 
@@ -111,6 +112,7 @@ _STATUS: list[tuple[type[BaseException], ErrorStatus]] = [
     (TooManyStreamsError, ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")),
     (OverloadedError, ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")),
     (ServiceUnavailableError, ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")),
+    (WorkerError, ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")),
     (DeadlineExceededError, ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error")),
     (RequestAbortedError, ErrorStatus(grpc.StatusCode.CANCELLED, 499, "cancelled")),
     (UnauthenticatedError, ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error")),

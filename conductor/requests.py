@@ -139,7 +139,6 @@ def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_l
     if max_tokens > room:
         raise InvalidRequestError(spec.name("max_tokens"), f"{max_tokens} + {prompt_len} prompt tokens is over "
                                   f"the context of {card.max_model_len}; at most {room}")
-    _check_stops(spec, limits)
     top_k = 0 if spec.top_k in (None, -1) else spec.top_k  # -1 = off, as vLLM spells it
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if spec.temperature is None else spec.temperature,
                             top_p=1.0 if spec.top_p is None else spec.top_p, top_k=top_k,
@@ -148,8 +147,13 @@ def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_l
     try:  # the parameters' own rules, the same the engine checks: written once, in core.params
         params.validate(card.vocab_size)
     except InvalidRequestError as e:
-        raise InvalidRequestError(spec.name(e.field), e.message) from None
+        raise InvalidRequestError(spec.name(e.field), e.message + _API_NOTES.get(e.field, "")) from None
+    _check_stops(spec, limits)
     return params
+
+
+# What the APIs accept beyond SamplingParams' own rules, said where those rules reject a value.
+_API_NOTES = {"top_k": " (-1 = off too)"}
 
 
 def _check_number(spec: RequestSpec, key: str, value: float | None, ok, what: str) -> None:

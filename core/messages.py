@@ -114,13 +114,16 @@ class PrefillResult:
 
 @dataclass(frozen=True, slots=True)
 class DecodeTask:
-    """Decode a request whose KV arrives in the blocks `reserve` returned for `request_id`."""
+    """Decode a request whose KV arrives in the blocks `reserve` returned for `request_id`.
+    `block_servers` as in PrefillTask (a decode worker recomputing a preempted request may
+    fetch its prefix)."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     cache_salt: str | None
     timeout_s: float = 60.0
+    block_servers: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

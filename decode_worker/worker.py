@@ -42,17 +42,23 @@ class DecodeWorker(EngineWorker):
         holds a reservation already is refused before anything is allocated."""
         if request_id in self._reserved:
             raise ReservationError(f"request {request_id!r} already holds a KV reservation here")
-        blocks: list[int] = await self.on_engine(lambda: self.engine.reserve_blocks(num_tokens))  # type: ignore[assignment]
+        self._reserved[request_id] = []  # claimed now: a concurrent reserve of the id is refused
         try:
-            self.receiver.expect(request_id, blocks)
-        except BaseException:  # e.g. the receiver still expects this id: give the blocks back
-            await self.on_engine(lambda: self.engine.release_blocks(blocks))
+            blocks: list[int] = await self.on_engine(lambda: self.engine.reserve_blocks(num_tokens))  # type: ignore[assignment]
+        except BaseException:
+            del self._reserved[request_id]
             raise
         self._reserved[request_id] = blocks
+        try:
+            self.receiver.expect(request_id, blocks)
+        except TransportError as e:  # the receiver cannot take it (e.g. it is closing)
+            await self._release(request_id)
+            raise KVTransferFailedError(f"request {request_id!r}: the KV receiver refused it: {e}") from e
         return KVHandoff(self.address, blocks)
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenChunk]:
         """Wait for the KV, then stream the request's tokens (the first one included)."""
+        self.learn_block_servers(task.block_servers)
         prefilled = await self._receive(task)
         queue = self.loop.watch_async(task.request_id)
         finished = False
@@ -100,13 +106,16 @@ class DecodeWorker(EngineWorker):
         try:
             await self.on_engine(add)
         except BaseException:
-            await self.on_engine(lambda: self.engine.release_blocks(blocks))
+            await self._give_back(blocks)
             raise
 
     async def _release(self, request_id: str) -> None:
         blocks = self._reserved.pop(request_id, None)
-        if blocks is not None:
-            await self.on_engine(lambda: self.engine.release_blocks(blocks))
+        if blocks:
+            await self._give_back(blocks)
+
+    async def _give_back(self, blocks: list[int]) -> None:
+        await self.on_engine(lambda: self.engine.release_blocks(blocks))
 
     async def load(self) -> WorkerLoad:
         return replace(self.engine_load(), reserved=len(self._reserved), kv_address=self.address)

@@ -293,16 +293,6 @@ class Engine:
 
     # ------------------------------------------------------------------ KV push (prefill side)
 
-    @property
-    def holding_sent_blocks(self) -> bool:
-        """Blocks of finished prefill-only requests still wait for their units to leave."""
-        return self.pushes.holding
-
-    def release_sent_blocks(self) -> None:
-        """Free the blocks of finished prefill-only requests whose units have all left (each
-        step does this; an idle engine's loop calls it until nothing is held)."""
-        self.pushes.release_sent()
-
     def _abort_failed_pushes(self, now: float) -> list[TokenChunk]:
         outputs = []
         for request_id in self.pushes.failed_ids():

@@ -106,8 +106,8 @@ class EngineLoop:
             self._run_calls()
             if not self.engine.has_unfinished():
                 idle_wait = 0.5
-                if self.engine.holding_sent_blocks:  # pushes still leaving: free their blocks soon
-                    self.engine.release_sent_blocks()
+                if self.engine.pushes.holding:  # pushes still leaving: free their blocks soon
+                    self.engine.pushes.release_sent()
                     idle_wait = 0.002
                 self._wake.wait(timeout=idle_wait)
                 self._wake.clear()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tqdm import tqdm
 
+from core.blocks import cdiv
 from core.errors import ConfigError, HalfmoonError
 from core.messages import DecodeSample, PrefillSample, Profile
 from core.params import SamplingParams
@@ -160,8 +161,8 @@ def _decode_point(engine: Engine, batch: int, context: int, steps: int, seed: in
     budget = engine.config.max_num_batched_tokens - batch  # what decodes leave to prefills
     if budget <= 0:
         return None
-    max_tokens = -(-batch * context // budget) + steps + 3
-    per_request = -(-(context + max_tokens) // engine.config.block_size)
+    max_tokens = cdiv(batch * context, budget) + steps + 3
+    per_request = cdiv(context + max_tokens, engine.config.block_size)
     if (batch > engine.config.max_num_seqs or context + max_tokens > engine.max_model_len
             or batch * per_request > engine.pool.num_blocks):
         return None

@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from core.blocks import cdiv
 from core.params import FinishReason
 
 from engine.request import Request, RequestStatus
@@ -133,7 +134,7 @@ class Scheduler:
         """Block-table length after this step when its first `reused_blocks` blocks need no
         compute; never decreases as `reused_blocks` grows."""
         cached = reused_blocks * self.block_size
-        return -(-(cached + min(req.num_tokens - cached, budget)) // self.block_size)
+        return cdiv(cached + min(req.num_tokens - cached, budget), self.block_size)
 
     def _device_hit(self, req: Request) -> tuple[list[bytes], list[int]]:
         """(hashes of the blocks that may be reused, device blocks holding a prefix of them).
@@ -177,7 +178,7 @@ class Scheduler:
         return ScheduledRequest(req, n, req.num_computed_tokens + n == req.num_tokens)
 
     def _blocks_needed(self, req: Request, n: int) -> int:
-        total = -(-(req.num_computed_tokens + n) // self.block_size)
+        total = cdiv(req.num_computed_tokens + n, self.block_size)
         return max(0, total - len(req.block_table))
 
     def _reserve_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -28,12 +28,15 @@ from transport.layout import KVLayout
 
 log = logging.getLogger(__name__)
 
+FETCH_TIMEOUT_S = 5.0  # one remote block fetch; past it the blocks are recomputed
+
 
 class TransportBlockReader(RemoteBlockReader):
     """kvpool's remote reads over the transport: blocks come from the holder's `BlockServer`
-    (transport.blocks), whose address `resolve(holder)` finds (the cluster asks the holder's
-    actor once; cached until a fetch from it fails, e.g. after a restart on another port). A
-    failed or timed-out fetch delivers nothing: the blocks are recomputed."""
+    (transport.blocks), whose address `resolve(holder)` finds (a worker resolves it from the
+    block servers the Conductor named in its last task; cached until a fetch from it fails,
+    e.g. after a restart on another port). A failed or timed-out fetch delivers nothing: the
+    blocks are recomputed."""
 
     def __init__(self, resolve: Callable[[HolderId], str], timeout_s: float = 5.0) -> None:
         self._resolve = resolve
@@ -71,9 +74,13 @@ class EngineWorker:
     """An engine + its loop thread; subclasses add the prefill or decode verbs."""
 
     def __init__(self, spec: WorkerSpec, remote: RemoteBlockReader | None = None) -> None:
+        """`remote`: how prefixes held by other workers are read (default: over the transport,
+        from the block servers the Conductor names in each task; see `learn_block_servers`)."""
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
         self.spec = spec
+        self._block_servers: Mapping[str, str] = {}
+        remote = remote or TransportBlockReader(self._block_server_of, FETCH_TIMEOUT_S)
         self.engine = Engine(spec.engine_config(), remote=remote)
         self.layout = KVLayout.of(self.engine.kv_cache, self.engine.model_config.fingerprint)
         self.loop = EngineLoop(self.engine, name=f"{spec.role}-engine").start()
@@ -93,6 +100,16 @@ class EngineWorker:
 
         return BlockServer(serve, self.layout, tiers.block_bytes, t.make_backend(), host=t.host,
                            secret=t.secret(), timeout=t.timeout_s).start()
+
+    def learn_block_servers(self, block_servers: Mapping[str, str]) -> None:
+        """Where the other workers serve their blocks, as of the Conductor's latest task."""
+        self._block_servers = block_servers
+
+    def _block_server_of(self, holder: HolderId) -> str:
+        address = self._block_servers.get(holder.worker_id)
+        if address is None:
+            raise LookupError(f"no block server known for worker {holder.worker_id}")
+        return address
 
     async def block_address(self) -> str | None:
         """Where other workers fetch this worker's blocks (None: it keeps no tiers)."""

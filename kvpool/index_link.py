@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis
 from redis.backoff import NoBackoff
@@ -97,15 +97,12 @@ class IndexLink:
     decides (heartbeats, reservations, leases) run on the Redis server's clock.
     """
 
-    def __init__(self, url: str, holder: HolderId, *, heartbeat_ttl_s: float = 10.0,
-                 namespace: str = "hm", reservation_ttl_s: float = 30.0,
-                 max_lease_ttl_s: float = 30.0, retry_interval_s: float = 1.0,
-                 socket_timeout_s: float = 2.0, gc_keys_per_step: int = 1000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, url: str, holder: HolderId, *, socket_timeout_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic, **settings: Any) -> None:
+        """`settings`: the fields of `IndexSettings` (its defaults otherwise)."""
         self.url = url
         self.holder = holder
-        self.settings = IndexSettings(namespace, heartbeat_ttl_s, reservation_ttl_s, max_lease_ttl_s,
-                                      retry_interval_s, gc_keys_per_step)
+        self.settings = IndexSettings(**settings)
         self.stats = IndexStats()
         self._clock = clock
         self.healthy = True

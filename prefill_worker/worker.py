@@ -13,29 +13,22 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 from dataclasses import replace
 
 from core.messages import (KVTransferFailedError, PrefillFailedError, PrefillResult, PrefillTask,
                            TokenChunk, WorkerLoad)
 from core.params import FinishReason
 from engine.config import WorkerSpec
-from engine.worker import EngineWorker, TransportBlockReader
-from kvpool.cluster_index import HolderId
+from engine.worker import EngineWorker
 from kvpool.remote import RemoteBlockReader
 from transport.errors import TransportError
 from transport.faults import FaultInjector
 from transport.peers import KVPeers
 
-FETCH_TIMEOUT_S = 5.0  # one remote block fetch; past it the blocks are recomputed
-
 
 class PrefillWorker(EngineWorker):
     def __init__(self, spec: WorkerSpec, remote: RemoteBlockReader | None = None) -> None:
-        """`remote`: how prefixes held by other workers are read (default: over the transport,
-        from the block servers the Conductor names in each task)."""
-        self._block_servers: Mapping[str, str] = {}
-        super().__init__(spec, remote or TransportBlockReader(self._block_server_of, FETCH_TIMEOUT_S))
+        super().__init__(spec, remote)
         self.faults = FaultInjector()  # drills: corrupt_next_push
         self.peers = KVPeers(self.engine.kv_cache, self.layout, spec.transport, faults=self.faults)
         self.pending_tokens = 0  # prompt tokens accepted and not yet prefilled
@@ -44,8 +37,7 @@ class PrefillWorker(EngineWorker):
         """Prefill `task`, pushing its KV into the decode worker's blocks; raises
         KVTransferFailedError when the KV did not arrive intact, PrefillFailedError when the
         prefill did not complete."""
-        if task.block_servers:
-            self._block_servers = task.block_servers
+        self.learn_block_servers(task.block_servers)
         try:
             return await self._prefill(task)
         except TransportError as e:
@@ -85,13 +77,6 @@ class PrefillWorker(EngineWorker):
 
     async def load(self) -> WorkerLoad:
         return replace(self.engine_load(), pending_tokens=self.pending_tokens)
-
-    def _block_server_of(self, holder: HolderId) -> str:
-        """Where `holder` serves its blocks, as the Conductor last said (see PrefillTask)."""
-        address = self._block_servers.get(holder.worker_id)
-        if address is None:
-            raise LookupError(f"no block server known for worker {holder.worker_id}")
-        return address
 
     @staticmethod
     async def _final(queue: asyncio.Queue, timeout_s: float) -> TokenChunk:

@@ -127,7 +127,7 @@ def test_reserving_an_id_twice_fails_and_leaks_nothing(smollm2_weights: LoadedWe
     """A second `reserve` of a live id is refused as the worker's error, and the first
     reservation stays whole: `cancel` gives every block back. (A worker of its own: a leak here
     must not fail the module's other tests.)"""
-    spec = cluster_config().specs()[1]
+    spec = cluster_config().specs(None)[1]
     d = start_worker(dataclasses.replace(spec, cpus=None), smollm2_weights)
 
     async def run() -> tuple[BaseException | KVHandoff, WorkerLoad]:
