@@ -26,6 +26,9 @@ from kvpool.errors import PoolIntegrityError
 # One torch thread (process-wide, set by the first engine): on the shared 2-core machine, two
 # OpenMP threads next to another busy process stall at every barrier, measured 25x slower per
 # token (1.2 s instead of 45 ms); one thread is steady.
+# The worker tests' fixtures (`pair`, `workers`) live with their helpers.
+pytest_plugins = ["tests.workers_support"]
+
 NUM_THREADS = 1
 # Blocks of the shared engine: 256 x 16 = 4096 tokens, enough for every test's batch at once.
 SHARED_NUM_BLOCKS = 256

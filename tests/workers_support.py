@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from unittest import mock
+
+import pytest
 
 import engine.engine as engine_module
 from conductor.cluster_config import ClusterConfig
@@ -144,3 +146,23 @@ async def settled(workers: Sequence[EngineWorker], timeout_s: float = SETTLE_S) 
     if await asyncio.to_thread(poll, idle, timeout_s):
         return []
     return await worker_problems(workers)
+
+
+# Fixtures of the worker tests (tests/conftest.py loads this module as a plugin): one pair per
+# test module, idle around every test.
+
+
+@pytest.fixture(scope="module")
+def pair(smollm2_weights: LoadedWeights) -> Iterator[InProcessWorkers]:
+    group = InProcessWorkers(cluster_config(), smollm2_weights)
+    group.start(None)
+    yield group
+    group.stop()
+
+
+@pytest.fixture
+def workers(pair: InProcessWorkers) -> Iterator[InProcessWorkers]:
+    """The module's pair, idle before the test; the test must leave it idle."""
+    assert asyncio.run(settled([pair.prefill, pair.decode])) == []
+    yield pair
+    assert asyncio.run(settled([pair.prefill, pair.decode])) == [], "the test left a worker busy"

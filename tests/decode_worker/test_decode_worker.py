@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,25 +18,9 @@ from core.params import FinishReason, SamplingParams
 from engine.engine import Engine
 from engine.loader import LoadedWeights
 from tests.workers_support import (TIMEOUT_S, InProcessWorkers, cluster_config, drain, run_pair,
-                                   settled, start_worker, tokens)
+                                   start_worker, tokens)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module")
-def pair(smollm2_weights: LoadedWeights) -> Iterator[InProcessWorkers]:
-    group = InProcessWorkers(cluster_config(), smollm2_weights)
-    group.start(None)
-    yield group
-    group.stop()
-
-
-@pytest.fixture
-def workers(pair: InProcessWorkers) -> Iterator[InProcessWorkers]:
-    """The module's pair, idle before the test; the test must leave it idle."""
-    assert asyncio.run(settled([pair.prefill, pair.decode])) == []
-    yield pair
-    assert asyncio.run(settled([pair.prefill, pair.decode])) == [], "the test left a worker busy"
 
 
 def test_generate_streams_the_prefilled_request_to_its_end(workers: InProcessWorkers,

@@ -9,7 +9,6 @@ consistent.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
@@ -17,30 +16,13 @@ from core.messages import (DecodeTask, KVTransferFailedError, EngineInfo, Prefil
                            PrefillTask, WorkerLoad)
 from core.params import FinishReason, SamplingParams
 from engine.engine import Engine
-from engine.loader import LoadedWeights
 from tests.waiting import wait_until
-from tests.workers_support import (TIMEOUT_S, InProcessWorkers, cluster_config, drain, run_pair,
-                                   settled, tokens)
+from tests.workers_support import (TIMEOUT_S, InProcessWorkers, drain, run_pair,
+                                   tokens)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def pair(smollm2_weights: LoadedWeights) -> Iterator[InProcessWorkers]:
-    group = InProcessWorkers(cluster_config(), smollm2_weights)
-    group.start(None)
-    yield group
-    group.stop()
-
-
-@pytest.fixture
-def workers(pair: InProcessWorkers) -> Iterator[InProcessWorkers]:
-    """The module's pair, idle before the test; the test must leave it idle."""
-    assert asyncio.run(settled([pair.prefill, pair.decode])) == []
-    yield pair
-    assert asyncio.run(settled([pair.prefill, pair.decode])) == [], "the test left a worker busy"
 
 
 def test_a_pair_is_token_identical_to_one_engine(workers: InProcessWorkers, engine: Engine) -> None:
