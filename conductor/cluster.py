@@ -206,7 +206,8 @@ class ClusterBackend(GenerationBackend):
     async def _start(self, inp: GenerationInput, wid: str, p: Worker, d: Worker) -> asyncio.Future:
         """Reserve the decode side's blocks, then start the prefill; its future. A prefill that
         fails (worker died, push failed) stops the decode side's wait at once."""
-        handoff = await self._on(d, d.api.reserve(wid, len(inp.prompt_ids)))  # type: ignore[union-attr]
+        handoff = await self._on(d, d.api.reserve(  # type: ignore[union-attr]
+            wid, len(inp.prompt_ids), inp.params.max_tokens, self.config.request_timeout_s))
         task = PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, handoff,
                            self.config.request_timeout_s, self.manager.block_servers())
         prefill_done = asyncio.ensure_future(self._on(p, p.api.prefill(task)))  # type: ignore[union-attr]

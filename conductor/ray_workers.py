@@ -20,8 +20,8 @@ from typing import Any
 from conductor.cluster_config import ClusterConfig
 from conductor.workers import Worker, WorkerGroup
 from core.errors import HalfmoonError
-from core.messages import (DecodeTask, KVHandoff, EngineInfo, PrefillResult, PrefillTask, Profile,
-                           TokenChunk, WorkerError, WorkerLoad, WorkerLostError)
+from core.messages import (DecodeTask, EngineInfo, IntegrityReport, KVHandoff, PrefillResult,
+                           PrefillTask, Profile, TokenChunk, WorkerError, WorkerLoad, WorkerLostError)
 from engine.config import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ class RayWorker:
     async def block_address(self) -> str | None:
         return await self._call("block_address")
 
+    async def check_integrity(self) -> IntegrityReport:
+        return await self._call("check_integrity")
+
 
 class RayPrefill(RayWorker):
     """`core.messages.PrefillApi` over a prefill worker's actor."""
@@ -85,8 +88,9 @@ class RayPrefill(RayWorker):
 class RayDecode(RayWorker):
     """`core.messages.DecodeApi` over a decode worker's actor (tokens as a Ray streaming call)."""
 
-    async def reserve(self, request_id: str, num_tokens: int) -> KVHandoff:
-        return await self._call("reserve", request_id, num_tokens)
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
+                      timeout_s: float) -> KVHandoff:
+        return await self._call("reserve", request_id, num_prompt_tokens, max_new_tokens, timeout_s)
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenChunk]:
         async for ref in self.handle.generate.options(num_returns="streaming").remote(task):

@@ -2,12 +2,13 @@
 
 ```
 Conductor                         decode worker                   prefill worker
-  DecodeApi.reserve(id, n)  ----> KVHandoff(address, block_ids)
+  DecodeApi.reserve(id, prompt, new, timeout) -> KVHandoff(address, prompt's block_ids)
   PrefillApi.prefill(PrefillTask(..., handoff)) ---------------->  KV units ---> (transport)
                                                  <---- DONE meta: PrefilledKV (transport)
   DecodeApi.generate(DecodeTask) -> TokenChunk ... TokenChunk(end=RequestEnd)
   PrefillResult <-------------------------------------------------  once the decode side verified
-  WorkerApi.load() -> WorkerLoad; engine_info() -> EngineInfo; profile() -> Profile
+  WorkerApi.load() -> WorkerLoad; engine_info() -> EngineInfo; profile() -> Profile;
+  check_integrity() -> IntegrityReport (or IntegrityError)
 ```
 
 `TokenChunk` is the one shape of output tokens from the engine to the front door: the engine
@@ -23,7 +24,7 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from core.errors import HalfmoonError
+from core.errors import HalfmoonError, StructuredError
 from core.params import FinishReason, SamplingParams
 
 # ---------------------------------------------------------------------- output tokens
@@ -81,8 +82,9 @@ class TokenChunk:
 
 @dataclass(frozen=True, slots=True)
 class KVHandoff:
-    """Where a request's prompt KV goes: the decode worker's KV receiver and the blocks it
-    reserved there (in block-table order)."""
+    """Where a request's prompt KV goes: the decode worker's KV receiver and the blocks of the
+    prompt there (in block-table order; the reservation's room for the output tokens follows
+    them on the decode side and never travels)."""
 
     address: str
     block_ids: list[int]
@@ -168,6 +170,7 @@ class WorkerLoad:
     failure: str | None = None
     pending_tokens: int = 0  # prefill: prompt tokens accepted and not yet prefilled
     reserved: int = 0  # decode: requests holding a KV reservation
+    reserved_blocks: int = 0  # decode: the blocks those reservations hold (prompt + output room)
     kv_address: str | None = None  # decode: where its KV receiver listens
 
 
@@ -181,6 +184,18 @@ class EngineInfo:
     block_size: int
     dtype: str
     kv_bytes_per_token: int
+
+
+@dataclass(frozen=True, slots=True)
+class IntegrityReport:
+    """A worker's KV bookkeeping, checked consistent (`WorkerApi.check_integrity`)."""
+
+    worker_id: str
+    reservations: int  # decode: requests holding a KV reservation (0 on a prefill worker)
+    reserved_blocks: int
+    requests: int  # requests in the engine's scheduler (running or waiting)
+    free_blocks: int
+    total_blocks: int
 
 
 class PrefillSample(NamedTuple):
@@ -227,6 +242,27 @@ class ReservationError(WorkerError):
     """A decode worker refused a KV reservation (e.g. the request id holds one already)."""
 
 
+class DecodeCapacityError(StructuredError, WorkerError):
+    """A decode worker has too few free KV blocks for a reservation (prompt + max new tokens);
+    nothing was allocated. The request may succeed later or on another decode worker."""
+
+    requested: int
+    free: int
+    fields = ("requested", "free")
+    template = "the decode worker has {free} free KV blocks; the request needs {requested}"
+
+
+class IntegrityError(StructuredError, WorkerError):
+    """A worker's KV bookkeeping broke an invariant (always a bug): `problems` names each."""
+
+    worker_id: str
+    problems: tuple[str, ...]
+    fields = ("worker_id", "problems")
+
+    def describe(self) -> str:
+        return f"worker {self.worker_id}: KV bookkeeping is inconsistent: " + "; ".join(self.problems)
+
+
 class DecodeFailedError(WorkerError):
     """The request could not be decoded (the engine failed)."""
 
@@ -253,6 +289,10 @@ class WorkerApi(Protocol):
 
     async def block_address(self) -> str | None: ...
 
+    async def check_integrity(self) -> IntegrityReport:
+        """Check the worker's KV bookkeeping; raises IntegrityError naming what is broken."""
+        ...
+
 
 class PrefillApi(WorkerApi, Protocol):
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -268,7 +308,13 @@ class PrefillApi(WorkerApi, Protocol):
 
 
 class DecodeApi(WorkerApi, Protocol):
-    async def reserve(self, request_id: str, num_tokens: int) -> KVHandoff: ...
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
+                      timeout_s: float) -> KVHandoff:
+        """Reserve every KV block the request can use (prompt + `max_new_tokens`) at once; the
+        handoff lists the prompt's. Raises DecodeCapacityError (nothing allocated) when too few
+        are free. Released when the request ends, is cancelled, its transfer fails, or its KV
+        has not joined the running batch `timeout_s` after this call."""
+        ...
 
     def generate(self, task: DecodeTask) -> AsyncIterator[TokenChunk]:
         """Wait for the KV, then stream the request's tokens (the first one included); raises

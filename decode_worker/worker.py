@@ -1,30 +1,61 @@
 """The decode worker (a Ray actor in the cluster; `core.messages.DecodeApi`).
 
-    handoff = await worker.reserve(request_id, num_prompt_tokens)   # KVHandoff(address, blocks)
-    ... the prefill worker pushes the prompt's KV into those blocks layer by layer ...
+    handoff = await worker.reserve(request_id, num_prompt_tokens, max_new_tokens, timeout_s)
+    ... the prefill worker pushes the prompt's KV into handoff.block_ids layer by layer ...
     async for chunk in worker.generate(DecodeTask(...)):   # TokenChunks; the last one has `end`
         ...
 
+`reserve` allocates every block the request can use at once, so once it joins the running
+batch the engine allocates nothing for it (and a batch of such requests never preempts for
+memory); a pool too full for it is `DecodeCapacityError` up front:
+
+    | prompt's blocks (in the handoff) | room for max_new_tokens (stays here) |
+
 `generate` waits until every layer arrived and verified, joins the request to the running batch
-(`add_prefilled`, with the first token and sampler state sampled by the prefill worker) and
-streams its tokens. A transfer that fails (checksum, prefill worker lost, timeout) or a cancel
-returns the reserved blocks; after a normal finish the blocks stay as prefix cache.
+(`add_prefilled` with the whole reservation as its block table, the first token and sampler
+state sampled by the prefill worker) and streams its tokens. A transfer that fails (checksum,
+prefill worker lost, timeout), a cancel, or a reservation that has not joined by its deadline
+(its Conductor is gone) returns the reserved blocks; after a normal finish the prompt's blocks
+stay as prefix cache and the unused room is free.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from dataclasses import replace
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
 
-from core.messages import (DecodeFailedError, DecodeTask, KVHandoff, KVTransferFailedError,
-                           PrefilledKV, ReservationError, TokenChunk, WorkerLoad)
+from core.blocks import cdiv
+from core.errors import InvalidRequestError
+from core.messages import (DecodeCapacityError, DecodeFailedError, DecodeTask, KVHandoff,
+                           KVTransferFailedError, PrefilledKV, ReservationError, TokenChunk,
+                           WorkerLoad)
 from engine.config import WorkerSpec
 from engine.worker import EngineWorker
+from kvpool.errors import OutOfBlocksError
 from kvpool.remote import RemoteBlockReader
 from transport.config import advertised_address
 from transport.errors import TransportError
 from transport.receiver import KVReceiver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """A request's blocks from `reserve` until it joins the running batch (or is released)."""
+
+    blocks: list[int]  # block-table order: the prompt's first, then room for the new tokens
+    prompt_blocks: int
+    deadline: float  # time.monotonic(): released by the next `load` or `reserve` after it
+
+    @property
+    def prompt(self) -> list[int]:
+        """Where the prefill worker pushes the prompt's KV."""
+        return self.blocks[: self.prompt_blocks]
 
 
 class DecodeWorker(EngineWorker):
@@ -35,26 +66,38 @@ class DecodeWorker(EngineWorker):
                                    port=spec.transport.port, secret=spec.transport.secret(),
                                    timeout=spec.transport.timeout_s).start()
         self.address = advertised_address(self.receiver.address, spec.transport.host)
-        self._reserved: dict[str, list[int]] = {}
+        self._reserved: dict[str, Reservation] = {}
+        self._claimed: set[str] = set()  # ids whose blocks are being allocated
+        self._receiving: set[str] = set()  # ids whose `generate` waits for (or just got) the KV
 
-    async def reserve(self, request_id: str, num_tokens: int) -> KVHandoff:
-        """Blocks for a prompt's KV, open to the transport for this request only; an id that
-        holds a reservation already is refused before anything is allocated."""
-        if request_id in self._reserved:
+    async def reserve(self, request_id: str, num_prompt_tokens: int, max_new_tokens: int,
+                      timeout_s: float) -> KVHandoff:
+        """Blocks for the prompt and `max_new_tokens` output tokens, all at once; the handoff
+        lists the prompt's, open to the transport for this request only. Refused before
+        anything is allocated: an id that holds a reservation already (ReservationError), a
+        pool with too few free blocks (DecodeCapacityError). Released unless the request
+        joins (`generate`) within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        _check_reserve(num_prompt_tokens, max_new_tokens, timeout_s)
+        if request_id in self._reserved or request_id in self._claimed:
             raise ReservationError(f"request {request_id!r} already holds a KV reservation here")
-        self._reserved[request_id] = []  # claimed now: a concurrent reserve of the id is refused
+        self._claimed.add(request_id)  # a concurrent reserve of the id is refused
+        num_tokens = num_prompt_tokens + max_new_tokens
         try:
+            self._release_expired()  # their blocks are freed before this allocation runs
             blocks: list[int] = await self.on_engine(lambda: self.engine.reserve_blocks(num_tokens))  # type: ignore[assignment]
-        except BaseException:
-            del self._reserved[request_id]
-            raise
-        self._reserved[request_id] = blocks
+        except OutOfBlocksError as e:
+            raise DecodeCapacityError(e.requested, e.free) from e
+        finally:
+            self._claimed.discard(request_id)
+        reservation = Reservation(blocks, cdiv(num_prompt_tokens, self.engine.config.block_size), deadline)
+        self._reserved[request_id] = reservation
         try:
-            self.receiver.expect(request_id, blocks)
+            self.receiver.expect(request_id, reservation.prompt)
         except TransportError as e:  # the receiver cannot take it (e.g. it is closing)
             await self._release(request_id)
             raise KVTransferFailedError(f"request {request_id!r}: the KV receiver refused it: {e}") from e
-        return KVHandoff(self.address, blocks)
+        return KVHandoff(self.address, reservation.prompt)
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenChunk]:
         """Wait for the KV, then stream the request's tokens (the first one included)."""
@@ -84,6 +127,7 @@ class DecodeWorker(EngineWorker):
         self.loop.wake()
 
     async def _receive(self, task: DecodeTask) -> PrefilledKV:
+        self._receiving.add(task.request_id)
         try:
             result = await asyncio.to_thread(self.receiver.wait, task.request_id, task.timeout_s)
         except TransportError as e:
@@ -93,10 +137,15 @@ class DecodeWorker(EngineWorker):
             self.receiver.cancel(task.request_id)
             await self._release(task.request_id)
             raise
+        finally:
+            self._receiving.discard(task.request_id)
         return PrefilledKV.from_meta(result.meta)
 
     async def _join(self, task: DecodeTask, prefilled: PrefilledKV) -> None:
-        blocks = self._reserved.pop(task.request_id)
+        reservation = self._reserved.pop(task.request_id, None)
+        if reservation is None:  # its KV arrived as its deadline passed: released already
+            raise KVTransferFailedError(f"request {task.request_id!r}: its KV reservation expired")
+        blocks = reservation.blocks
 
         def add() -> None:
             self.engine.add_prefilled(task.prompt_ids, prefilled.first_token, task.params, blocks,
@@ -110,17 +159,69 @@ class DecodeWorker(EngineWorker):
             raise
 
     async def _release(self, request_id: str) -> None:
-        blocks = self._reserved.pop(request_id, None)
-        if blocks:
-            await self._give_back(blocks)
+        reservation = self._reserved.pop(request_id, None)
+        if reservation is not None:
+            await self._give_back(reservation.blocks)
 
     async def _give_back(self, blocks: list[int]) -> None:
         await self.on_engine(lambda: self.engine.release_blocks(blocks))
 
+    def _release_expired(self) -> None:
+        """Give back the reservations past their deadline: their request never joined, so
+        whoever made them is gone (or gave up) and nothing else would free their blocks. The
+        receiver lets go of them first (a `generate` still waiting fails); the blocks are
+        freed on the engine thread without waiting for it (a `load` never waits for a step)."""
+        now = time.monotonic()
+        expired = sorted(rid for rid, r in self._reserved.items() if r.deadline <= now)
+        blocks: list[int] = []
+        for request_id in expired:
+            reservation = self._reserved.pop(request_id)
+            self.receiver.cancel(request_id)
+            blocks += reservation.blocks
+            log.warning("request %r: its KV reservation of %d blocks passed its deadline %.1f s ago "
+                        "without the request joining; released", request_id, len(reservation.blocks),
+                        now - reservation.deadline)
+        if blocks:
+            self.loop.call(lambda: self.engine.release_blocks(blocks)).add_done_callback(_log_failure)
+
+    def held_blocks(self) -> Mapping[str, Sequence[int]]:
+        return {rid: r.blocks for rid, r in self._reserved.items()}
+
+    def hold_problems(self) -> list[str]:
+        """A reservation outlives its request: past its deadline, or its KV neither expected
+        by the receiver nor being received by a `generate`."""
+        now, expected = time.monotonic(), set(self.receiver.pending())
+        problems = []
+        for request_id, reservation in sorted(self._reserved.items()):
+            if reservation.deadline <= now:
+                problems.append(f"the reservation of {request_id!r} is {now - reservation.deadline:.1f} s "
+                                "past its deadline")
+            if request_id not in expected and request_id not in self._receiving:
+                problems.append(f"the reservation of {request_id!r} is for KV the receiver no longer expects")
+        return problems
+
     async def load(self) -> WorkerLoad:
-        return replace(self.engine_load(), reserved=len(self._reserved), kv_address=self.address)
+        """As every worker's, plus the reservations (expired ones are released first)."""
+        self._release_expired()
+        reserved_blocks = sum(len(r.blocks) for r in self._reserved.values())
+        return replace(self.engine_load(), reserved=len(self._reserved) + len(self._claimed),
+                       reserved_blocks=reserved_blocks, kv_address=self.address)
 
     def close(self) -> None:
         self.receiver.close()
         super().close()
 
+
+def _check_reserve(num_prompt_tokens: int, max_new_tokens: int, timeout_s: float) -> None:
+    if num_prompt_tokens < 1:
+        raise InvalidRequestError("num_prompt_tokens", f"must be >= 1, got {num_prompt_tokens}")
+    if max_new_tokens < 0:
+        raise InvalidRequestError("max_new_tokens", f"must be >= 0, got {max_new_tokens}")
+    if not timeout_s > 0:
+        raise InvalidRequestError("timeout_s", f"must be > 0, got {timeout_s}")
+
+
+def _log_failure(future: Future) -> None:
+    """Done-callback of a give-back nobody awaits: its error goes to the log, not lost."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("giving back expired KV reservations failed: %s", future.exception())

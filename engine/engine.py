@@ -156,11 +156,15 @@ class Engine:
                       cache_salt: str | None = None, generator_state: bytes | None = None) -> str:
         """Queue a request whose prompt KV is already in `block_ids` (received from a prefill
         worker, reserved with `reserve_blocks`) and whose first token was sampled there; it
-        joins the running batch at the next step. The blocks become the request's."""
+        joins the running batch at the next step. The blocks become the request's block table:
+
+            | prompt's blocks (KV received) | room for output tokens (optional) |
+
+        With room for every output token (prompt + max_tokens) it never allocates while it
+        decodes; the unused tail goes back to the pool when it ends."""
         prompt_ids = as_token_ids(prompt_ids)
         self.validate(prompt_ids, params)
-        if len(block_ids) != cdiv(len(prompt_ids), self.config.block_size):
-            raise InvalidRequestError("block_ids", f"{len(block_ids)} blocks for a prompt of {len(prompt_ids)} tokens")
+        self._check_prefilled_blocks(len(prompt_ids), params.max_tokens, len(block_ids))
         req = self._new_request(prompt_ids, params, cache_salt)
         if generator_state is not None:
             req.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
@@ -173,9 +177,10 @@ class Engine:
         return request_id
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:
-        """Blocks for `num_tokens` tokens of KV arriving from a prefill worker (decode side).
-        Call from the thread that runs `step()`; hand them to `add_prefilled` or back to
-        `release_blocks`."""
+        """Blocks for `num_tokens` tokens of KV (decode side: the prompt's, arriving from a
+        prefill worker, and room for the output tokens). Call from the thread that runs
+        `step()`; hand them to `add_prefilled` or back to `release_blocks`. Raises
+        OutOfBlocksError (nothing allocated) when too few are free."""
         return self.pool.allocate(cdiv(num_tokens, self.config.block_size))
 
     def release_blocks(self, block_ids: Sequence[int]) -> None:
@@ -187,6 +192,13 @@ class Engine:
         dtype = str(self.config.torch_dtype).removeprefix("torch.")  # "bf16" and "bfloat16" hash alike
         root = root_hash(self.model_config.fingerprint, dtype, self.config.block_size, cache_salt)
         return Request("", prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed), root_hash=root)
+
+    def _check_prefilled_blocks(self, num_prompt_tokens: int, max_tokens: int, num_blocks: int) -> None:
+        least = cdiv(num_prompt_tokens, self.config.block_size)
+        most = cdiv(num_prompt_tokens + max_tokens, self.config.block_size)
+        if not least <= num_blocks <= most:
+            raise InvalidRequestError("block_ids", f"{num_blocks} blocks for a prompt of {num_prompt_tokens} "
+                                      f"tokens and {max_tokens} new ones: {least} to {most}")
 
     def _check_push(self, prompt_ids: list[int], stream: PushStream) -> None:
         need = cdiv(len(prompt_ids), self.config.block_size)

@@ -77,7 +77,8 @@ class Scheduler:
     def add_prefilled(self, request: Request) -> None:
         """A request whose prompt KV already sits in its block table (computed by a prefill
         worker): it runs at once, decoding from its first token; its full prompt blocks join
-        the prefix cache like locally computed ones."""
+        the prefix cache like locally computed ones. A table with room beyond the prompt is
+        filled before anything is allocated for it; `finish` frees the whole table."""
         request.status = RequestStatus.RUNNING
         self.requests[request.request_id] = request
         self.running.append(request)
@@ -183,6 +184,8 @@ class Scheduler:
 
     def _reserve_or_preempt(self, req: Request, n: int, preempted: list[Request]) -> bool:
         need = self._blocks_needed(req, n)
+        if need == 0:  # its table has room (e.g. a decode reservation of prompt + max_tokens)
+            return True
         while not self.pool.can_allocate(need):
             victim = self.running.pop()
             self._preempt(victim)

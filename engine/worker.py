@@ -11,16 +11,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from core.messages import EngineInfo, Profile, WorkerLoad
+from core.messages import EngineInfo, IntegrityError, IntegrityReport, Profile, WorkerLoad
 from engine.config import WorkerSpec
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from engine.profiling import measure_engine
+from engine.request import Request
+from kvpool.block_pool import BlockPool
 from kvpool.cluster_index import HolderId
+from kvpool.errors import KVPoolError
 from kvpool.remote import RemoteBlockReader
 from transport.blocks import BlockClient, BlockServer
 from transport.config import TransportConfig, advertised_address
@@ -133,6 +136,36 @@ class EngineWorker:
                           traffic.fetched_remote if traffic is not None else 0,
                           None if self.loop.failure is None else str(self.loop.failure))
 
+    async def check_integrity(self) -> IntegrityReport:
+        """Check the KV bookkeeping (`block_problems`: the pool's own invariants, the block
+        tables, the blocks the role holds beside them) and the role's own rules
+        (`hold_problems`); raises IntegrityError naming every broken invariant."""
+        held = self.held_blocks()
+        problems = self.hold_problems()
+        # Queued right after the snapshot: a hold given back after it is freed after the check.
+        found, report = await self.on_engine(lambda: self._check_engine(held))  # type: ignore[misc]
+        problems += found
+        if problems:
+            raise IntegrityError(self.spec.worker_id, tuple(problems))
+        return report
+
+    def held_blocks(self) -> Mapping[str, Sequence[int]]:
+        """Blocks the role holds outside the scheduler, by request id (a decode worker's
+        reservations); read on the event loop."""
+        return {}
+
+    def hold_problems(self) -> list[str]:
+        """Broken rules of the role's own holds, seen from the event loop."""
+        return []
+
+    def _check_engine(self, held: Mapping[str, Sequence[int]]) -> tuple[list[str], IntegrityReport]:
+        """On the engine thread: the problems of the pool, the tables and `held`, and the report."""
+        pool, requests = self.engine.pool, self.engine.scheduler.requests
+        problems = block_problems(pool, requests.values(), held)
+        report = IntegrityReport(self.spec.worker_id, len(held), sum(map(len, held.values())),
+                                 len(requests), pool.num_free(), pool.num_blocks)
+        return problems, report
+
     async def pid(self) -> int:
         return os.getpid()
 
@@ -154,6 +187,43 @@ class EngineWorker:
             self.remote.close()
         self.loop.stop()
         self.engine.close()
+
+
+def block_problems(pool: BlockPool, requests: Iterable[Request],
+                   held: Mapping[str, Sequence[int]]) -> list[str]:
+    """Broken invariants of a pool, its requests' block tables and blocks held beside them:
+    the pool's own `check_integrity`; every block of a table or a hold is in use; a held block
+    is in no request's table, in no other hold, and once in its own."""
+    problems = []
+    try:
+        pool.check_integrity()
+    except KVPoolError as e:
+        problems.append(f"pool: {e}")
+    owner: dict[int, str] = {}
+    for req in requests:
+        for block in req.block_table:
+            owner.setdefault(block, req.request_id)  # prefix blocks may be shared by requests
+            if not _in_use(pool, block):
+                problems.append(f"block {block} of request {req.request_id!r}'s table is not in use")
+    holder: dict[int, str] = {}
+    for request_id, blocks in sorted(held.items()):
+        for block in blocks:
+            if block in holder:
+                problems.append(f"block {block} is reserved for both {holder[block]!r} and {request_id!r}")
+            holder[block] = request_id
+            if not _in_use(pool, block):
+                problems.append(f"block {block} reserved for {request_id!r} is not in use")
+            if block in owner:
+                problems.append(f"block {block} reserved for {request_id!r} is in request {owner[block]!r}'s table")
+    return problems
+
+
+def _in_use(pool: BlockPool, block: int) -> bool:
+    """Whether `block` is a block of `pool` held by someone (ref_cnt > 0)."""
+    try:
+        return pool.ref_cnt(block) > 0
+    except KVPoolError:  # not a block of this pool
+        return False
 
 
 def tokenizer_for_model(model: str):  # -> Tokenizer (without loading the weights)

@@ -25,7 +25,8 @@ import pytest
 import engine.engine as engine_module
 from conductor.cluster_config import ClusterConfig
 from conductor.workers import Worker, WorkerGroup
-from core.messages import DecodeTask, PrefillResult, PrefillTask, TokenChunk, WorkerLoad
+from core.messages import (DecodeTask, IntegrityError, PrefillResult, PrefillTask, TokenChunk,
+                           WorkerLoad)
 from core.params import SamplingParams
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
@@ -95,7 +96,7 @@ async def run_pair(prefill: PrefillWorker, decode: DecodeWorker, request_id: str
     and the decode stream at once; the prefill's result and every chunk, within TIMEOUT_S."""
 
     async def both() -> tuple[PrefillResult, list[TokenChunk]]:
-        handoff = await decode.reserve(request_id, len(prompt_ids))
+        handoff = await decode.reserve(request_id, len(prompt_ids), params.max_tokens, TIMEOUT_S)
         task = PrefillTask(request_id, prompt_ids, params, None, handoff, TIMEOUT_S)
         prefilled = asyncio.ensure_future(prefill.prefill(task))
         try:
@@ -120,14 +121,19 @@ async def drain(stream: AsyncIterator[TokenChunk]) -> list[TokenChunk]:
 
 async def worker_problems(workers: Sequence[EngineWorker]) -> list[str]:
     """What keeps `workers` from being idle: requests watched or queued, reservations, pending
-    prompt tokens, blocks held, an inconsistent pool (checked on each engine's thread)."""
+    prompt tokens, blocks held, an inconsistent pool or worker (checked on each engine's
+    thread, and by the worker's own `check_integrity`)."""
     problems = []
     for w in workers:
         load: WorkerLoad = await w.load()
         name = w.spec.worker_id
-        if load.requests or load.reserved or load.pending_tokens:
-            problems.append(f"{name}: {load.requests} watched, {load.reserved} reserved, "
-                            f"{load.pending_tokens} prompt tokens pending")
+        if load.requests or load.reserved or load.reserved_blocks or load.pending_tokens:
+            problems.append(f"{name}: {load.requests} watched, {load.reserved} reserved "
+                            f"({load.reserved_blocks} blocks), {load.pending_tokens} prompt tokens pending")
+        try:
+            await w.check_integrity()
+        except IntegrityError as e:
+            problems.append(str(e))
         found = await w.on_engine(lambda w=w: idle_problems(w.engine))  # type: ignore[misc]
         problems += [f"{name}: {p}" for p in found]  # type: ignore[attr-defined]
     return problems

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from unittest import mock
 
 import pytest
 import torch
@@ -141,6 +142,48 @@ def test_finish_frees_blocks_in_every_state() -> None:
     assert sched.requests == {} and not sched.has_unfinished()
     sched.finish(waiting, FinishReason.ABORT)  # finishing twice is a no-op
     pool.check_integrity()
+    assert pool.num_free() == 6
+
+
+def prefilled(pool: BlockPool, request_id: str, prompt_len: int, max_tokens: int, table_blocks: int) -> Request:
+    """A request as a decode worker joins it: prompt KV in place, its first token sampled
+    elsewhere, `table_blocks` blocks reserved for it."""
+    req = make_request(request_id, prompt_len, max_tokens)
+    req.block_table = pool.allocate(table_blocks)
+    req.token_ids.append(1)
+    req.num_computed_tokens = prompt_len
+    return req
+
+
+def test_a_prefilled_request_with_room_for_every_output_never_allocates() -> None:
+    """Reserved for prompt + max_tokens (6 + 9 tokens: 4 blocks): it decodes to its last token
+    within its table, and finishing frees the tail blocks it never wrote with the rest."""
+    pool = BlockPool(6)
+    sched = Scheduler(pool, BLOCK_SIZE, max_num_batched_tokens=64, max_num_seqs=8)
+    req = prefilled(pool, "roomy", 6, 9, table_blocks=4)
+    sched.add_prefilled(req)
+
+    with mock.patch.object(pool, "allocate", wraps=pool.allocate) as allocate:
+        for _ in range(8):  # tokens 8..15: the last decode writes token 14's KV, in block 3
+            assert entries(step(sched)) == [("roomy", 1, True)]
+
+    assert allocate.call_count == 0
+    assert (req.block_table, req.num_tokens, sched.stats.preemptions) == ([0, 1, 2, 3], 15, 0)
+    assert pool.num_free() == 2
+    sched.finish(req, FinishReason.LENGTH)
+    assert pool.num_free() == 6
+    pool.check_integrity()
+
+
+def test_a_prefilled_request_with_its_prompt_s_blocks_only_allocates_as_it_grows() -> None:
+    pool = BlockPool(6)
+    sched = Scheduler(pool, BLOCK_SIZE, max_num_batched_tokens=64, max_num_seqs=8)
+    req = prefilled(pool, "lean", 6, 9, table_blocks=2)
+    sched.add_prefilled(req)
+    for _ in range(3):  # tokens 8..10; the KV of token 9 needs a third block
+        step(sched)
+    assert req.block_table == [0, 1, 2]
+    sched.finish(req, FinishReason.ABORT)
     assert pool.num_free() == 6
 
 

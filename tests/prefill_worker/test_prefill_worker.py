@@ -64,7 +64,7 @@ def test_an_aborted_prefill_fails_and_frees_its_blocks(workers: InProcessWorkers
     computed = p.engine_load().prompt_tokens_computed
 
     async def run() -> list[BaseException | object]:
-        handoff = await d.reserve("aborted", len(prompt))
+        handoff = await d.reserve("aborted", len(prompt), params.max_tokens, TIMEOUT_S)
         task = PrefillTask("aborted", prompt, params, None, handoff, TIMEOUT_S)
         prefill = asyncio.ensure_future(p.prefill(task))
         stream = asyncio.ensure_future(drain(d.generate(DecodeTask("aborted", prompt, params, None, TIMEOUT_S))))
@@ -90,7 +90,7 @@ def test_a_corrupted_push_fails_both_sides(workers: InProcessWorkers, engine: En
 
     async def run() -> list[BaseException | object]:
         await p.corrupt_next_push("corrupt")
-        handoff = await d.reserve("corrupt", len(prompt))
+        handoff = await d.reserve("corrupt", len(prompt), params.max_tokens, TIMEOUT_S)
         prefill = p.prefill(PrefillTask("corrupt", prompt, params, None, handoff, TIMEOUT_S))
         stream = drain(d.generate(DecodeTask("corrupt", prompt, params, None, TIMEOUT_S)))
         return await asyncio.gather(prefill, stream, return_exceptions=True)
