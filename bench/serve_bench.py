@@ -16,6 +16,8 @@ RESOURCE_EXHAUSTED (an overload or a predicted SLO miss, rejected early) is coun
 rejection, any other status as an error; neither counts as good. `--compare` replays the same
 workload against two configurations started one after the other on this machine — the
 co-located baseline and the disaggregated cluster — and prints cluster / baseline ratios.
+`--admission POLICIES` runs the admission-control benchmark instead (bench/admission_bench.py;
+`halfmoon bench serve --admission none --help` lists its flags).
 """
 
 from __future__ import annotations
@@ -30,15 +32,15 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.report import Figure, Progress, machine_info, render_table, ruled, utc_now
-from bench.serve_metrics import RequestRecord, Slo, request_rows, summarize
+from bench.serve_metrics import RequestRecord, Slo, predicted_ms, request_rows, summarize
 from bench.workload import Caps, Request, Workload, chat_workload, trace_workload
 
 DEFAULT_SERVE_ARGS = "--colocated --threads 2 --no-redis"
@@ -103,6 +105,7 @@ class ReplayOptions:
     request_timeout_s: float = 600.0
     progress: bool = True
     label: str = "replay"
+    deadline_s: float | None = None  # requests still running then (replay clock) are cut off
 
 
 async def replay(target: str, workload: Workload, opts: ReplayOptions) -> tuple[list[RequestRecord], float]:
@@ -124,11 +127,24 @@ async def replay(target: str, workload: Workload, opts: ReplayOptions) -> tuple[
                 delay = request.arrival_s - clock()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(send(client, request, record, clock, opts,
-                                                      lambda _: bar.update(1))))
+                sent = send(client, request, record, clock, opts, lambda _: bar.update(1))
+                tasks.append(asyncio.create_task(bounded(sent, record, clock, opts.deadline_s)))
             await asyncio.gather(*tasks)
             makespan = clock()
     return records, makespan
+
+
+async def bounded(sending: Awaitable[None], record: RequestRecord, clock: Callable[[], float],
+                  deadline_s: float | None) -> None:
+    """`sending`, cancelled (its stream too, so the server drops the request) when the replay's
+    clock passes `deadline_s`; the record's status is then "timeout": a miss, not an error."""
+    if deadline_s is None:
+        await sending
+        return
+    try:
+        await asyncio.wait_for(sending, max(0.0, deadline_s - clock()))
+    except TimeoutError:
+        record.status, record.message = "timeout", f"still running at {deadline_s:g} s: cut off"
 
 
 async def send(client: Any, request: Request, record: RequestRecord, clock: Callable[[], float],
@@ -147,6 +163,7 @@ async def send(client: Any, request: Request, record: RequestRecord, clock: Call
             record.token_times.extend([now] * len(chunk.token_ids))
             if chunk.result is not None:
                 record.cached_tokens = chunk.result.usage.cached_prompt_tokens
+                record.prediction = predicted_ms(chunk.result)
         record.status = "ok"
     except APIError as e:
         record.status = "rejected" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "error"
@@ -157,11 +174,20 @@ async def send(client: Any, request: Request, record: RequestRecord, clock: Call
 
 
 async def warm_up(client: Any, n: int) -> None:
-    """A few short requests whose prompts share nothing with the workload (no cache warming)."""
+    """A few short requests whose prompts share nothing with the workload (no cache warming);
+    one that admission turns away (RESOURCE_EXHAUSTED) is no failure of the replay."""
+    import grpc
+
+    from halfmoon.client import APIError
+
     rng = np.random.default_rng(0xB0B)
     for _ in range(n):
         ids = rng.integers(100, 49152, size=WARMUP_PROMPT_TOKENS).tolist()
-        await client.generate(prompt_token_ids=ids, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True)
+        try:
+            await client.generate(prompt_token_ids=ids, max_tokens=WARMUP_MAX_TOKENS, ignore_eos=True)
+        except APIError as e:
+            if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
 
 
 # ---------------------------------------------------------------------------- systems
@@ -179,17 +205,24 @@ class System:
 @contextlib.contextmanager
 def running(system: System, log_dir: Path, say: Progress) -> Iterator[str]:
     """The system's gRPC target; a server we start is stopped (SIGINT, then kill) on exit."""
+    with serving(system, log_dir, say) as (target, _):
+        yield target
+
+
+@contextlib.contextmanager
+def serving(system: System, log_dir: Path, say: Progress) -> Iterator[tuple[str, str | None]]:
+    """The system's (gRPC target, HTTP URL; None for an existing target's) as in `running`."""
     if system.target is not None:
-        yield system.target
+        yield system.target, None
         return
     from bench.api_load import start_server
 
     log = log_dir / f"serve-{system.name}.log"
     say(f"{system.name}: starting halfmoon serve {system.serve_args} (log {log})")
-    proc, target, _ = start_server(system.serve_args or "", log)
+    proc, target, http_url = start_server(system.serve_args or "", log)
     say(f"{system.name}: listening on {target}")
     try:
-        yield target
+        yield target, http_url
     finally:
         proc.send_signal(signal.SIGINT)
         try:
@@ -225,7 +258,7 @@ def run_system(system: System, plan: list[tuple[float | None, Workload]], opts: 
         for rate, workload in plan:
             label = system.name + _at(rate)
             say(f"{label}: replaying {len(workload.requests)} requests over {workload.duration_s:.1f} s")
-            run_opts = _replace_label(opts, label)
+            run_opts = replace(opts, label=label)
             records, makespan = asyncio.run(replay(target, workload, run_opts))
             metrics = summarize(records, workload.duration_s, makespan, opts.slo)
             runs.append({"system": system.name, "rate": rate, "target": target, "serve_args": system.serve_args,
@@ -233,10 +266,6 @@ def run_system(system: System, plan: list[tuple[float | None, Workload]], opts: 
             say(f"{label}: {metrics['completed']}/{metrics['requests']} completed, "
                 f"goodput {_fmt(metrics['goodput_rps'], 3)} req/s")
     return runs
-
-
-def _replace_label(opts: ReplayOptions, label: str) -> ReplayOptions:
-    return ReplayOptions(opts.slo, opts.send_slo, opts.warmup, opts.request_timeout_s, opts.progress, label)
 
 
 # ---------------------------------------------------------------------------- comparison
@@ -480,6 +509,11 @@ def _threads(serve_args: str | None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = list(sys.argv[1:] if argv is None else argv)
+    if any(w == "--admission" or w.startswith("--admission=") for w in words):
+        from bench import admission_bench
+
+        return admission_bench.main(words)
     args = parse_args(argv)
     say = Progress()
     slo = Slo(args.ttft_slo_ms, args.tbt_slo_ms)

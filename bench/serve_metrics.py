@@ -5,7 +5,7 @@ bench/serve_bench.py's docstring)."""
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +26,10 @@ class RequestRecord:
     token_times: list[float] = field(default_factory=list)  # one entry per token, in order
     done_s: float | None = None
     cached_tokens: int = 0
-    status: str = "pending"  # "ok" | "rejected" (RESOURCE_EXHAUSTED) | "error"
+    status: str = "pending"  # "ok" | "rejected" (RESOURCE_EXHAUSTED) | "error" | "timeout" (cut off)
     code: str | None = None  # the gRPC status name of a rejection or error
     message: str = ""
+    prediction: tuple[float, float] | None = None  # the server's (TTFT, TBT) prediction, ms
 
     @property
     def ttft_s(self) -> float | None:
@@ -66,6 +67,18 @@ def stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     for q in PERCENTILES:
         out[f"p{q}"] = round(float(np.percentile(ms, q)), 3)
     return out
+
+
+def predicted_ms(result: Any) -> tuple[float, float] | None:
+    """The server's (predicted TTFT, predicted TBT) in ms from a result's `prediction` (a message,
+    dataclass or dict); None when the result has none (an SDK or a server without predictions)."""
+    p = getattr(result, "prediction", None)
+    if p is None:
+        return None
+    fields = p if isinstance(p, Mapping) else {k: getattr(p, k, None) for k in ("predicted_ttft_ms",
+                                                                              "predicted_tbt_ms")}
+    ttft, tbt = fields.get("predicted_ttft_ms"), fields.get("predicted_tbt_ms")
+    return None if ttft is None or tbt is None else (float(ttft), float(tbt))
 
 
 def meets_slo(record: RequestRecord, slo: Slo) -> bool:

@@ -8,13 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from bench import serve_bench as sb
 from bench import serve_metrics as sm
 from bench.trace import HASH_BLOCK_TOKENS
 from bench.workload import (MIN_TOKEN_ID, SYSTEM_PROMPT_TOKENS, Caps, chat_workload, trace_workload)
+from tests.bench.records import record, timeline, write_trace
 from tests.conductor import conftest as server_fixtures
 
 api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, server_fixtures.start_api
@@ -23,17 +23,6 @@ RUN_KEYS = {"system", "rate", "target", "serve_args", "workload", "metrics"}
 METRIC_KEYS = {"requests", "completed", "rejected", "errors", "errors_by_status", "short_outputs", "ttft_ms",
                "tbt_ms", "tpot_ms", "slo_met", "goodput_rps", "slo_attainment_pct", "prefix_hit_rate",
                "throughput", "window_s", "makespan_s", "max_send_lag_ms"}
-
-
-def timeline(gaps: list[float], first: float = 0.5) -> list[float]:
-    return list(np.cumsum([first, *gaps]))
-
-
-def record(ttft: float, gaps: list[float], status: str = "ok", code: str | None = None,
-           prompt: int = 100, cached: int = 0) -> sm.RequestRecord:
-    times = timeline(gaps, 1.0 + ttft) if status == "ok" else []
-    return sm.RequestRecord(0, 1.0, prompt, len(times), sent_s=1.0, token_times=times, done_s=9.0,
-                            cached_tokens=cached, status=status, code=code)
 
 
 # ---------------------------------------------------------------------------- metrics
@@ -135,12 +124,6 @@ def test_chat_workload_is_deterministic_with_a_shared_system_prompt() -> None:
 def test_chat_workload_caps_inputs_and_outputs() -> None:
     w = chat_workload(2.0, 10.0, seed=1, caps=Caps(max_input_tokens=100, max_output_tokens=8))
     assert all(len(r.prompt_ids) == 100 and r.max_tokens == 8 for r in w.requests)
-
-
-def write_trace(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> Path:
-    path.write_text("".join(json.dumps({"timestamp": t, "input_length": n, "output_length": o, "hash_ids": h})
-                            + "\n" for t, n, o, h in rows))
-    return path
 
 
 def test_trace_workload_equal_hash_ids_give_equal_token_blocks(tmp_path: Path) -> None:
