@@ -5,7 +5,13 @@
 
 Text streams to stdout as it arrives and a summary goes to stderr (`--json`: one JSON object).
 An API error prints `halfmoon: error: STATUS: message` and exits 2 (3 when UNAVAILABLE: the
-server could not be reached or cannot serve now, so retrying later may help).
+server could not be reached or cannot serve now, so retrying later may help). A request the
+server rejected up front (admission: a predicted SLO miss, a full queue; nothing was spent on it)
+prints one line and exits 4, e.g.
+
+    halfmoon: rejected (429 / RESOURCE_EXHAUSTED, reason ttft): predicted TTFT 3100 ms > SLO 2000 ms; retry after 2 s
+
+`--retry-rejected N` waits the server's hint and sends it again, up to N times.
 """
 
 from __future__ import annotations
@@ -20,10 +26,11 @@ from typing import TYPE_CHECKING, Any
 from core.errors import ConfigError
 
 if TYPE_CHECKING:  # grpc is imported only when a call is made
-    from halfmoon.client import APIError, Client
+    from halfmoon.client import APIError, Client, RetryEvent
 
 EXIT_ERROR = 2
 EXIT_UNAVAILABLE = 3
+EXIT_REJECTED = 4
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -70,6 +77,12 @@ def _generation_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--ttft-slo-ms", type=float, default=None, help="reject up front if TTFT would miss this")
     s.add_argument("--tbt-slo-ms", type=float, default=None, help="reject up front if TBT would miss this")
+    s.add_argument("--priority-class", default=None,
+                   help="interactive, standard or batch: the request's SLOs (unless set above) and queue "
+                        "rank (default: the server's default class)")
+    s.add_argument("--retry-rejected", type=_natural, default=0, metavar="N",
+                   help="when the server rejects the request up front, wait its Retry-After and send it "
+                        "again, up to N times (default 0)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
 
@@ -89,15 +102,24 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         with Client(args.target, token_file=args.token_file, tls=args.tls,
-                    root_certificates=_read_ca(args.ca_cert), timeout=args.timeout) as client:
+                    root_certificates=_read_ca(args.ca_cert), timeout=args.timeout,
+                    retry_rejected=getattr(args, "retry_rejected", 0), on_retry=_announce_retry) as client:
             if args.call == "models":
                 return _models(args, client)
             if args.call == "tokenize":
                 return _tokenize(args, client)
             return _generate(args, client)
     except APIError as e:
+        if e.rejected:
+            print(f"halfmoon: {describe_rejection(e)}", file=sys.stderr)
+            return EXIT_REJECTED
         print(f"halfmoon: error: {describe(e)}", file=sys.stderr)
         return EXIT_UNAVAILABLE if isinstance(e, UnavailableError) else EXIT_ERROR
+
+
+def _announce_retry(event: RetryEvent) -> None:
+    if event.error.rejected:
+        print(f"halfmoon: {describe_rejection(event.error)}; retrying in {event.delay_s:.1f} s", file=sys.stderr)
 
 
 def describe(e: APIError) -> str:
@@ -107,9 +129,21 @@ def describe(e: APIError) -> str:
         extra.append(f"field: {e.field}")
     if e.retry_after_s is not None:
         extra.append(f"retry after {e.retry_after_s:g} s")
-    if e.prediction:
-        extra.append(", ".join(f"{k}={v:g}" for k, v in e.prediction.items()))
+    if e.prediction is not None:
+        extra.append(", ".join(f"{k}={v:g}" for k, v in dataclasses.asdict(e.prediction).items()))
     return f"{e.code.name}: {e.message}" + "".join(f" ({x})" for x in extra)
+
+
+def describe_rejection(e: APIError) -> str:
+    """One line for a rejected request: why (the prediction against its objective where that was
+    the reason, else the server's message) and when to try again."""
+    p, what = e.prediction, e.message
+    if p is not None and e.reason == "ttft" and p.ttft_slo_ms and p.predicted_ttft_ms > p.ttft_slo_ms:
+        what = f"predicted TTFT {p.predicted_ttft_ms:.0f} ms > SLO {p.ttft_slo_ms:.0f} ms"
+    elif p is not None and e.reason == "tbt" and p.tbt_slo_ms and p.predicted_tbt_ms > p.tbt_slo_ms:
+        what = f"predicted TBT {p.predicted_tbt_ms:.1f} ms > SLO {p.tbt_slo_ms:.1f} ms"
+    return (f"rejected (429 / {e.code.name}, reason {e.reason or 'unknown'}): {what}; "
+            f"retry after {e.retry_after_s:g} s")
 
 
 def _read_ca(path: str | None) -> bytes | None:
@@ -124,7 +158,8 @@ def _read_ca(path: str | None) -> bytes | None:
 def _request_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                "top_k": args.top_k, "seed": args.seed, "stop": args.stop, "ignore_eos": args.ignore_eos,
-               "ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms, "model": args.model}
+               "ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms,
+               "priority_class": args.priority_class, "model": args.model}
     if args.call == "chat":
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         return {**options, "messages": [*system, {"role": "user", "content": args.message}]}
@@ -147,8 +182,9 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
             sys.stdout.flush()
         result = chunk.result or result
     sys.stdout.write("\n")
-    t = result.timings
-    print(f"[{result.finish_reason}: {result.usage.completion_tokens} tokens, TTFT {t.ttft_ms:.0f} ms, "
+    t, p = result.timings, result.prediction
+    predicted = f" (predicted {p.predicted_ttft_ms:.0f} ms)" if p is not None else ""
+    print(f"[{result.finish_reason}: {result.usage.completion_tokens} tokens, TTFT {t.ttft_ms:.0f} ms{predicted}, "
           f"TPOT {t.mean_tpot_ms:.1f} ms]", file=sys.stderr)
     return 0
 

@@ -7,6 +7,7 @@ only when their own parser is built.
 
 from __future__ import annotations
 
+from conductor.admission import AdmissionConfig, Policy
 from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
 from conductor.server import ServerConfig
@@ -72,5 +73,19 @@ SERVER = Component(
     },
     nested={"limits": LIMITS})
 
+ADMISSION = Component(
+    AdmissionConfig, "admission and priority classes (conductor/admission.py)",
+    flags={
+        "admission": Flag(choices=tuple(p.value for p in Policy),
+                          help="admission policy: none, queue-threshold, early, predictive (Mooncake's: "
+                               "reject what the load predicts will miss its SLOs)"),
+        "default_class": Flag(choices=tuple(AdmissionConfig().classes()),
+                              help="the priority class of a request that names none"),
+        # A class with neither objective (batch, by default) is shed first under load.
+        **{f"{cls}_{slo}_ms": Flag(help=f"{slo.upper()} objective of the `{cls}` class in ms; a request's own "
+                                        f"{slo}_ms overrides it (0 = none)")
+           for cls in ("interactive", "standard", "batch") for slo in ("ttft", "tbt")},
+    })
+
 # The components whose flags `halfmoon serve` has, and the one the engine commands share.
-SERVE = (SERVER, CLUSTER, ENGINE)
+SERVE = (SERVER, ADMISSION, CLUSTER, ENGINE)

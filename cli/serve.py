@@ -83,29 +83,30 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cli.components import ENGINE, SERVER
+    from cli.components import ADMISSION, ENGINE, SERVER
     from cli.flags import build
 
     limit_malloc_arenas()
     config = build(SERVER, args)  # every flag checked before anything starts
+    admission = build(ADMISSION, args)
     redis_url, redis_server = start_index(args)
     try:
-        return _serve(args, config, build(ENGINE, args, redis_url=redis_url))
+        return _serve(args, config, build(ENGINE, args, redis_url=redis_url), admission)
     finally:
         if redis_server is not None:
             redis_server.stop()
 
 
-def _serve(args: argparse.Namespace, config, engine_cfg) -> int:
+def _serve(args: argparse.Namespace, config, engine_cfg, admission) -> int:
     if not args.colocated:
-        return _serve_cluster(args, config, engine_cfg)
+        return _serve_cluster(args, config, engine_cfg, admission)
     from conductor.colocated import ColocatedBackend
     from engine.engine import Engine
 
     print(f"halfmoon: loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
     engine = Engine(engine_cfg)
     try:
-        backend = ColocatedBackend(engine, model_id(args), max_waiting=args.max_waiting)
+        backend = ColocatedBackend(engine, model_id(args), max_waiting=args.max_waiting, admission=admission)
         asyncio.run(_main(backend, config))
     finally:
         engine.close()
@@ -125,14 +126,14 @@ def cluster_config(args: argparse.Namespace, engine_cfg):  # -> ClusterConfig
                  model_id=model_id(args))
 
 
-def _serve_cluster(args: argparse.Namespace, config, engine_cfg) -> int:
+def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission) -> int:
     from conductor.cluster import ClusterBackend
 
     cluster = cluster_config(args, engine_cfg)
     print(f"halfmoon: starting {cluster.prefill} prefill + {cluster.decode} decode workers "
           f"({args.model}, {args.dtype}, {cluster.worker_threads} thread(s) each) on Ray ...",
           file=sys.stderr, flush=True)
-    backend = ClusterBackend(cluster, engine_cfg.redis_url)
+    backend = ClusterBackend(cluster, engine_cfg.redis_url, admission=admission)
     backend.manager.init_ray()  # on the main thread, before the servers' threads exist
     asyncio.run(_main(backend, config))
     print("halfmoon: stopped", file=sys.stderr, flush=True)

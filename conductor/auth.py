@@ -76,7 +76,7 @@ class StreamLimiter:
             n = self._active.get(client, 0)
             if n >= self.limit:
                 raise TooManyStreamsError(f"this client already has {n} requests in flight "
-                                          f"(limit {self.limit})", retry_after_s=1.0)
+                                          f"(limit {self.limit})", retry_after_s=1.0, reason="too_many_streams")
             self._active[client] = n + 1
         try:
             yield

@@ -8,13 +8,15 @@ client sees. Each class maps to exactly one (gRPC status, HTTP code, OpenAI erro
 | InvalidRequestError (+ChatTemplate)| INVALID_ARGUMENT    | 400  | invalid_request_error  |
 | ModelNotFoundError                 | NOT_FOUND           | 404  | not_found_error        |
 | RequestTooLargeError               | RESOURCE_EXHAUSTED  | 413  | invalid_request_error  |
-| TooManyStreamsError                | RESOURCE_EXHAUSTED  | 429  | rate_limit_error       |
-| OverloadedError (+SloMissError)    | RESOURCE_EXHAUSTED  | 429  | rate_limit_error       |
+| RetryableRejection (every kind)    | RESOURCE_EXHAUSTED  | 429  | rate_limit_error       |
 | ServiceUnavailableError            | UNAVAILABLE         | 503  | service_unavailable    |
 | DeadlineExceededError              | DEADLINE_EXCEEDED   | 504  | timeout_error          |
 | RequestAbortedError                | CANCELLED           | 499  | cancelled              |
 | UnauthenticatedError               | UNAUTHENTICATED     | 401  | authentication_error   |
 | anything else                      | INTERNAL            | 500  | internal_error         |
+
+The rejections (TooManyStreamsError, OverloadedError, SloMissError, ...) are one row: load is
+never a 5xx, whatever kind of rejection a backend raises.
 """
 
 from __future__ import annotations
@@ -109,8 +111,7 @@ _STATUS: list[tuple[type[BaseException], ErrorStatus]] = [
     (ChatTemplateError, ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
     (ModelNotFoundError, ErrorStatus(grpc.StatusCode.NOT_FOUND, 404, "not_found_error")),
     (RequestTooLargeError, ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error")),
-    (TooManyStreamsError, ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")),
-    (OverloadedError, ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")),
+    (RetryableRejection, ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")),
     (ServiceUnavailableError, ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")),
     (WorkerError, ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")),
     (DeadlineExceededError, ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error")),

@@ -35,7 +35,9 @@ class FrontDoor:
         done = False
         try:
             with self.limiter.hold(client):
-                inp = build_input(spec, self.backend.tokenizer, self.backend.model, self.limits)
+                b = self.backend
+                inp = build_input(spec, b.tokenizer, b.model, self.limits, priority_classes=b.priority_classes,
+                                  kv_capacity_tokens=b.kv_capacity_tokens)
                 async with aclosing(self.backend.generate(inp)) as items:
                     async for item in items:
                         if item.end is not None:

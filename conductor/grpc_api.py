@@ -3,12 +3,14 @@
 Requests are decoded by our own deserializer so a malformed message (e.g. a string field that
 is not UTF-8) is INVALID_ARGUMENT with a message, not grpc's generic INTERNAL. Every error
 leaves as one status (see `conductor/errors.py`) with a `google.rpc.Status` in the trailer:
-BadRequest for a bad field, ErrorInfo + RetryInfo (+ SloPrediction) for rejections.
+BadRequest for a bad field; for a rejection, RetryInfo, ErrorInfo (reason: admission's, e.g.
+`ttft`; metadata `error`: the error's class) and SloPrediction when admission predicted anything.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -22,13 +24,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from conductor.errors import (RetryableRejection, SloMissError, client_message, field_of,
-                              status_of)
+from conductor.errors import RetryableRejection, client_message, field_of, status_of
 from conductor.frontdoor import FrontDoor
+from conductor.rejection import reason_of
 from conductor.requests import RequestSpec, check_messages, check_model
 from core.errors import InvalidRequestError
+from core.messages import RequestEnd, SloPrediction
 from halfmoon.v1 import generation_pb2 as pb
-from core.messages import RequestEnd
 
 log = logging.getLogger(__name__)
 
@@ -76,17 +78,25 @@ def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestS
         stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
         ttft_ms=slo.ttft_ms if slo.HasField("ttft_ms") else None,
         tbt_ms=slo.tbt_ms if slo.HasField("tbt_ms") else None, priority=req.priority,
-        cache_salt=req.cache_salt or None, request_id=req.request_id or None, deadline=deadline,
+        priority_class=req.priority_class or None, cache_salt=req.cache_salt or None, request_id=req.request_id or None, deadline=deadline,
         names=NAMES)
 
 
 def final_proto(end: RequestEnd) -> pb.Final:
     u, t = end.usage, end.timings
-    return pb.Final(finish_reason=FINISH[end.finish_reason.value], stop=end.stop or "",
-                    usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
-                                   completion_tokens=u.completion_tokens),
-                    timings=pb.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
-                                       ttft_ms=t.ttft_ms, mean_tpot_ms=t.mean_tpot_ms, e2e_ms=t.e2e_ms))
+    final = pb.Final(finish_reason=FINISH[end.finish_reason.value], stop=end.stop or "",
+                     usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
+                                    completion_tokens=u.completion_tokens),
+                     timings=pb.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
+                                        ttft_ms=t.ttft_ms, mean_tpot_ms=t.mean_tpot_ms, e2e_ms=t.e2e_ms))
+    if end.prediction is not None:
+        final.prediction.CopyFrom(prediction_proto(end.prediction))
+    return final
+
+
+def prediction_proto(p: SloPrediction) -> pb.SloPrediction:
+    return pb.SloPrediction(predicted_ttft_ms=p.predicted_ttft_ms, predicted_tbt_ms=p.predicted_tbt_ms,
+                            ttft_slo_ms=p.ttft_slo_ms, tbt_slo_ms=p.tbt_slo_ms)
 
 
 def rich_status(error: BaseException) -> grpc.Status:
@@ -98,14 +108,7 @@ def rich_status(error: BaseException) -> grpc.Status:
         violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=str(error))
         details.append(error_details_pb2.BadRequest(field_violations=[violation]))
     if isinstance(error, RetryableRejection):
-        delay = duration_pb2.Duration()
-        delay.FromMilliseconds(int(error.retry_after_s * 1e3))
-        details.append(error_details_pb2.ErrorInfo(reason=type(error).__name__, domain="halfmoon"))
-        details.append(error_details_pb2.RetryInfo(retry_delay=delay))
-    if isinstance(error, SloMissError):
-        p = error.prediction
-        details.append(pb.SloPrediction(predicted_ttft_ms=p.predicted_ttft_ms, predicted_tbt_ms=p.predicted_tbt_ms,
-                                        ttft_slo_ms=p.ttft_slo_ms, tbt_slo_ms=p.tbt_slo_ms))
+        details += _rejection_details(error)
     packed = []
     for d in details:
         a = any_pb2.Any()
@@ -113,6 +116,18 @@ def rich_status(error: BaseException) -> grpc.Status:
         packed.append(a)
     return rpc_status.to_status(status_pb2.Status(code=st.grpc.value[0], message=client_message(error),
                                                   details=packed))
+
+
+def _rejection_details(error: RetryableRejection) -> list[Message]:
+    delay = duration_pb2.Duration()
+    delay.FromMilliseconds(math.ceil(error.retry_after_s * 1e3))
+    out: list[Message] = [
+        error_details_pb2.ErrorInfo(reason=reason_of(error), domain="halfmoon",
+                                    metadata={"error": type(error).__name__}),
+        error_details_pb2.RetryInfo(retry_delay=delay)]
+    if error.prediction is not None:
+        out.append(prediction_proto(error.prediction))
+    return out
 
 
 class GenerationService:

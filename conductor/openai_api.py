@@ -7,6 +7,9 @@
 scrapers). A streamed request is validated and admitted before the response starts, so every
 rejection is a plain HTTP error; once streaming, an error arrives as an SSE `error` event.
 A client that disconnects stops its request (its KV is freed at the next engine step).
+A rejection (admission, a client's stream limit) is a 429 with `Retry-After` (whole seconds) and
+an error object that carries `reason`, `retry_after_s` and the predictions (conductor/rejection.py).
+A request names its priority class in the body (`priority_class`) or the `X-Priority-Class` header.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from conductor import openai_schema as oa
 from conductor.errors import RequestTooLargeError, RetryableRejection, status_of
 from conductor.frontdoor import FrontDoor
+from conductor.rejection import retry_after_header
 from core.errors import HalfmoonError, InvalidRequestError
 from core.messages import TokenChunk
 
 log = logging.getLogger(__name__)
 
 Items = AsyncIterator[TokenChunk]
+PRIORITY_CLASS_HEADER = "X-Priority-Class"
 
 
 def error_response(error: BaseException) -> JSONResponse:
@@ -39,7 +44,7 @@ def error_response(error: BaseException) -> JSONResponse:
         log.error("internal error in an HTTP request", exc_info=error)
     headers = {}
     if isinstance(error, RetryableRejection):
-        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+        headers["Retry-After"] = retry_after_header(error)
     return JSONResponse(oa.error_json(error), status_code=st.http, headers=headers)
 
 
@@ -124,6 +129,10 @@ async def _json_body(request: Request) -> Any:
 async def _serve(door: FrontDoor, request: Request, client: str,
                  parse: Callable[[Any], tuple[Any, bool, bool]], chat: bool) -> Response:
     spec, stream, include_usage = parse(await _json_body(request))
+    header = request.headers.get(PRIORITY_CLASS_HEADER)
+    if spec.priority_class is None and header is not None:  # the body's field wins
+        spec.priority_class = header.strip()
+        spec.names = {**spec.names, "priority_class": PRIORITY_CLASS_HEADER}
     items = door.generate(spec, client, "http")
     model = door.backend.model.id
     if not stream:
@@ -195,7 +204,8 @@ def _chunks(item: TokenChunk, model: str, rid: str, created: int, chat: bool,
     if item.text:
         out.append(oa.stream_chunk(model, rid, created, chat, {"content": item.text} if chat else item.text))
     if item.end is not None:
-        out.append(oa.stream_chunk(model, rid, created, chat, {} if chat else "", item.end.finish_reason.value))
+        out.append(oa.stream_chunk(model, rid, created, chat, {} if chat else "", item.end.finish_reason.value,
+                                   prediction=item.end.prediction))
         if include_usage:
             out.append(oa.stream_chunk(model, rid, created, chat, None, usage=oa.usage_json(item.end.usage)))
     return out

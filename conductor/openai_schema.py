@@ -3,23 +3,26 @@
 Strict: a field of the wrong type, an unknown field, or an OpenAI feature Halfmoon does not
 implement (n > 1, logprobs, tools, penalties, echo, ...) is a 400 naming the field — never
 silently ignored. Extensions, as vLLM spells them: top_k, ignore_eos, stop_token_ids, seed,
-cache_salt, priority, request_id, and `slo: {ttft_ms, tbt_ms}`.
+cache_salt, priority, request_id, and `slo: {ttft_ms, tbt_ms}`; Halfmoon's own: `priority_class`
+(also the `X-Priority-Class` header; the body wins). Answers add `prediction` (what admission
+predicted, next to the objectives) to the response and to the stream's finish chunk; a rejection's
+error object adds `reason`, `retry_after_s` and, when there is one, `prediction`.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
-from conductor.errors import SloMissError, client_message, field_of, status_of
+from conductor.errors import RetryableRejection, client_message, field_of, status_of
+from conductor.rejection import prediction_json, rejection_json
 from conductor.requests import RequestSpec
 from core.errors import InvalidRequestError
-from core.messages import RequestEnd, Usage
+from core.messages import RequestEnd, SloPrediction, Usage
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
            "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
-           "ignore_eos", "stop_token_ids", "cache_salt", "priority", "request_id", "slo"}
+           "ignore_eos", "stop_token_ids", "cache_salt", "priority", "priority_class", "request_id", "slo"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -117,6 +120,7 @@ def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
     spec.ignore_eos = body.boolean("ignore_eos")
     spec.cache_salt, spec.request_id = body.string("cache_salt"), body.string("request_id")
     spec.priority = body.integer("priority") or 0
+    spec.priority_class = body.string("priority_class")
     spec.ttft_ms, spec.tbt_ms = _slo(body)
     body.string("user")  # accepted (a string), not used
     stream = body.boolean("stream")
@@ -203,21 +207,30 @@ def response_json(model: str, rid: str, end: RequestEnd, text: str, created: int
     """The whole answer of a non-streaming chat (`chat`) or text completion."""
     content: dict[str, Any] = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
     choice = {"index": 0, **content, "finish_reason": end.finish_reason.value, "logprobs": None}
-    return {"id": _id(rid, chat), "object": "chat.completion" if chat else "text_completion",
-            "created": created, "model": model, "choices": [choice], "usage": usage_json(end.usage)}
+    out = {"id": _id(rid, chat), "object": "chat.completion" if chat else "text_completion",
+           "created": created, "model": model, "choices": [choice], "usage": usage_json(end.usage)}
+    return _with_prediction(out, end.prediction)
 
 
 def stream_chunk(model: str, rid: str, created: int, chat: bool, content: dict[str, str] | str | None,
-                 finish: str | None = None, usage: dict[str, Any] | None = None) -> dict[str, Any]:
+                 finish: str | None = None, usage: dict[str, Any] | None = None,
+                 prediction: SloPrediction | None = None) -> dict[str, Any]:
     """One SSE chunk: `content` is the chat delta or the completion text (None: no choice, as
-    in the usage chunk)."""
+    in the usage chunk); the finish chunk carries the `prediction`."""
     key = "delta" if chat else "text"
     choices = [] if content is None else [{"index": 0, key: content, "finish_reason": finish, "logprobs": None}]
     chunk = {"id": _id(rid, chat), "object": "chat.completion.chunk" if chat else "text_completion",
              "created": created, "model": model, "choices": choices}
     if usage is not None:
         chunk["usage"] = usage
-    return chunk
+    return _with_prediction(chunk, prediction)
+
+
+def _with_prediction(obj: dict[str, Any], prediction: SloPrediction | None) -> dict[str, Any]:
+    """Halfmoon's extension field: what admission predicted for an admitted request."""
+    if prediction is not None:
+        obj["prediction"] = prediction_json(prediction)
+    return obj
 
 
 def _id(rid: str, chat: bool) -> str:
@@ -225,20 +238,13 @@ def _id(rid: str, chat: bool) -> str:
 
 
 def error_json(error: BaseException) -> dict[str, Any]:
-    """OpenAI's error shape; SLO rejections also carry the predictions."""
+    """OpenAI's error shape; a rejection also carries its reason, retry hint and prediction."""
     st = status_of(error)
     body: dict[str, Any] = {"message": client_message(error), "type": st.openai_type,
                             "param": field_of(error), "code": st.http}
-    if isinstance(error, SloMissError):
-        p = error.prediction
-        body["predictions"] = {"predicted_ttft_ms": _finite(p.predicted_ttft_ms),
-                               "predicted_tbt_ms": _finite(p.predicted_tbt_ms),
-                               "ttft_slo_ms": p.ttft_slo_ms, "tbt_slo_ms": p.tbt_slo_ms}
+    if isinstance(error, RetryableRejection):
+        body |= rejection_json(error)
     return {"error": body}
-
-
-def _finite(x: float) -> float | None:
-    return x if math.isfinite(x) else None
 
 
 def now_s() -> int:

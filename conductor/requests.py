@@ -1,6 +1,8 @@
 """One validation path for both APIs: a `RequestSpec` (what the client asked, already typed by
 its API's parser) becomes a `GenerationInput` (token ids + checked parameters), or a precise
-error naming the field as that client spelled it."""
+error naming the field as that client spelled it. What the backend can never serve is refused
+here too: a priority class it does not have, a request whose KV (prompt + max_tokens) is larger
+than a decode worker's whole cache."""
 
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ class RequestSpec:
     ttft_ms: float | None = None
     tbt_ms: float | None = None
     priority: int = 0
+    priority_class: str | None = None  # None or "" = the server's default class
     cache_salt: str | None = None
     request_id: str | None = None
     deadline: float | None = None
@@ -81,15 +84,44 @@ def check_model(model: str, card: ModelInfo) -> None:
         raise ModelNotFoundError(model, [card.id])
 
 
-def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits: Limits) -> GenerationInput:
+def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits: Limits, *,
+                priority_classes: frozenset[str], kv_capacity_tokens: int | None = None) -> GenerationInput:
     """Validate everything, tokenize, return what the backend runs. Raises InvalidRequestError
-    (naming the field), ModelNotFoundError."""
+    (naming the field), ModelNotFoundError.
+
+    priority_classes: the classes the backend has; kv_capacity_tokens: the most tokens (prompt +
+    max_tokens) one request's KV may take where it decodes (None = not known: not checked here).
+    """
     check_model(spec.model, card)
+    cls = priority_class(spec, priority_classes)
     ids = prompt_ids(spec, tokenizer, card, limits)
     params = sampling_params(spec, card, limits, len(ids))
+    check_kv_capacity(spec, len(ids), params.max_tokens, kv_capacity_tokens)
     return GenerationInput(ids, params, _short(spec, "request_id", spec.request_id, limits),
                            _short(spec, "cache_salt", spec.cache_salt, limits), slo(spec),
-                           spec.priority, spec.deadline)
+                           spec.priority, spec.deadline, priority_class=cls)
+
+
+def priority_class(spec: RequestSpec, classes: frozenset[str]) -> str | None:
+    """The class the request named (None: it named none, the backend's default applies)."""
+    if not spec.priority_class:
+        return None
+    if spec.priority_class not in classes:
+        raise InvalidRequestError(spec.name("priority_class"),
+                                  f"{spec.priority_class!r} is not a priority class; one of {sorted(classes)}")
+    return spec.priority_class
+
+
+def check_kv_capacity(spec: RequestSpec, prompt_len: int, max_tokens: int, capacity: int | None) -> None:
+    """A request whose KV could never fit a decode worker is refused now, not queued forever."""
+    if capacity is None or prompt_len + max_tokens <= capacity:
+        return
+    if prompt_len >= capacity:  # not even one output token fits
+        key = next(k for k in ("prompt", "messages", "prompt_token_ids") if getattr(spec, k) is not None)
+        raise InvalidRequestError(spec.name(key), f"{prompt_len} tokens leave no room for output in a decode "
+                                  f"worker's KV cache of {capacity} tokens (prompt + max_tokens must fit)")
+    raise InvalidRequestError(spec.name("max_tokens"), f"{max_tokens} + {prompt_len} prompt tokens is over a "
+                              f"decode worker's KV cache of {capacity} tokens; at most {capacity - prompt_len}")
 
 
 def prompt_ids(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits: Limits) -> list[int]:

@@ -9,9 +9,13 @@
 
 `AsyncClient` has the same API on `grpc.aio` (`async with`, `await`, `async for`). Every failed
 call raises one `APIError` subclass per gRPC status, with the server's details decoded
-(`field`, `retry_after_s`, `prediction`). Calls that fail with UNAVAILABLE are retried with
-exponential backoff and jitter, at most `max_retries` times; a stream only while it has not
-delivered anything (tokens are never asked for twice).
+(`field`, `retry_after_s`, `reason`, `prediction`). Calls that fail with UNAVAILABLE are retried
+with exponential backoff and jitter, at most `max_retries` times; a request the server rejected
+up front (`ResourceExhaustedError` with `rejected` set: a predicted SLO miss, a full queue) is
+retried after the server's Retry-After hint only when `retry_rejected` > 0. A stream is retried
+only while it has not delivered anything (tokens are never asked for twice). A request names its
+priority class with `priority_class=` ("interactive", "standard", "batch"); an admitted one's
+result carries what admission predicted for it (`result.prediction`).
 
 Both clients share everything but the I/O (`_ClientBase`): requests are built and responses read
 in `halfmoon.messages`, the retry policy is `halfmoon.retry`; results and errors are in
@@ -37,7 +41,7 @@ from halfmoon.errors import (ERRORS, APIError, CancelledError, DeadlineExceededE
                              InvalidArgumentError, NotFoundError, ResourceExhaustedError,
                              UnauthenticatedError, UnavailableError, api_error, error_from_rpc)
 from halfmoon.messages import Collector, GenerateOptions, generate_request, model_info, tokenize_request
-from halfmoon.results import GenerationResult, ModelInfo, StreamChunk, Timings, Usage
+from halfmoon.results import GenerationResult, ModelInfo, SloPrediction, StreamChunk, Timings, Usage
 from halfmoon.retry import MAX_BACKOFF_S, Attempts, RetryEvent, RetryHook, RetryPolicy
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc
@@ -49,7 +53,7 @@ __all__ = [
     "DEFAULT_TARGET", "ERRORS", "MAX_BACKOFF_S", "TOKEN_ENV", "APIError", "AsyncClient",
     "CancelledError", "Client", "DeadlineExceededError", "GenerateOptions", "GenerationResult",
     "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "ResourceExhaustedError",
-    "RetryEvent", "RetryHook", "RetryPolicy", "StreamChunk", "Timings", "UnauthenticatedError",
+    "RetryEvent", "RetryHook", "RetryPolicy", "SloPrediction", "StreamChunk", "Timings", "UnauthenticatedError",
     "UnavailableError", "Usage", "api_error", "error_from_rpc", "generate_request", "resolve_token",
     "tokenize_request",
 ]
@@ -116,10 +120,11 @@ class _ClientBase:
     def __init__(self, target: str = DEFAULT_TARGET, *, token: str | None = None,
                  token_file: str | os.PathLike[str] | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, timeout: float | None = None,
-                 max_retries: int = 3, backoff_s: float = 0.2, on_retry: RetryHook | None = None) -> None:
+                 max_retries: int = 3, backoff_s: float = 0.2, retry_rejected: int = 0,
+                 on_retry: RetryHook | None = None) -> None:
         self.target = target
         self.timeout = timeout
-        self.policy = RetryPolicy(max_retries, backoff_s)
+        self.policy = RetryPolicy(max_retries, backoff_s, retry_rejected=retry_rejected)
         self.on_retry = on_retry
         self._rng = random.Random()
         c = self._conn = _connection(target, token, token_file, tls, root_certificates, self.policy)
@@ -153,8 +158,9 @@ class Client(_ClientBase):
     target: "host:port". token / token_file / $HALFMOON_API_TOKEN: the bearer token (first found).
     tls: connect with TLS; root_certificates: PEM CA bundle (None = the system's; implies TLS).
     timeout: default deadline of every call in seconds (None = none); a call's `timeout` wins.
-    max_retries / backoff_s: retries on UNAVAILABLE (see `RetryPolicy`); on_retry(RetryEvent)
-    is called before each retry.
+    max_retries / backoff_s: retries on UNAVAILABLE (see `RetryPolicy`); retry_rejected: retries
+    of a rejected request, each after the server's Retry-After (default 0: a rejection raises at
+    once); on_retry(RetryEvent) is called before each retry.
     """
 
     _channels = grpc

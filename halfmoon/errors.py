@@ -1,5 +1,5 @@
 """The SDK's errors: one `APIError` subclass per gRPC status, with the server's google.rpc
-details decoded (`field`, `retry_after_s`, `prediction`, `reason`)."""
+details decoded (`field`, `retry_after_s`, `reason`, `prediction`)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from halfmoon.results import SloPrediction
 from halfmoon.v1 import generation_pb2 as pb
 
 
@@ -19,12 +20,13 @@ class APIError(Exception):
 
     field: the request field at fault (google.rpc.BadRequest), e.g. "sampling.top_p".
     retry_after_s: how long the server asks to wait before retrying (google.rpc.RetryInfo).
-    prediction: for a predicted SLO miss, the server's `SloPrediction` as a dict.
-    reason: the machine-readable cause of a rejection (google.rpc.ErrorInfo), e.g. "OverloadedError".
+    reason: why a request was rejected (google.rpc.ErrorInfo): admission's reason (ttft, tbt,
+        deadline, shed, queue_threshold, queue_full, kv_capacity), too_many_streams, overloaded.
+    prediction: what admission predicted for a rejected request (`SloPrediction`), if anything.
     """
 
     def __init__(self, code: grpc.StatusCode, message: str, *, field: str | None = None,
-                 retry_after_s: float | None = None, prediction: dict[str, float] | None = None,
+                 retry_after_s: float | None = None, prediction: SloPrediction | None = None,
                  reason: str | None = None) -> None:
         super().__init__(f"{code.name}: {message}")
         self.code = code
@@ -33,6 +35,13 @@ class APIError(Exception):
         self.retry_after_s = retry_after_s
         self.prediction = prediction
         self.reason = reason
+
+    @property
+    def rejected(self) -> bool:
+        """A rejection: nothing was spent on the request and it may be sent again after
+        `retry_after_s` (RESOURCE_EXHAUSTED with a retry hint; a request over a size limit has
+        none: sending it again cannot help)."""
+        return self.code is grpc.StatusCode.RESOURCE_EXHAUSTED and self.retry_after_s is not None
 
 
 class InvalidArgumentError(APIError):
@@ -44,7 +53,8 @@ class NotFoundError(APIError):
 
 
 class ResourceExhaustedError(APIError):
-    """Overload, a limit, or a predicted SLO miss; retry after `retry_after_s` if given."""
+    """A rejection (admission: a predicted SLO miss, a full queue, no KV room; or this client's
+    stream limit) with `reason` and `retry_after_s`, or a request over a size limit."""
 
 
 class UnavailableError(APIError):
@@ -113,5 +123,9 @@ def _decode_detail(any_detail: Any) -> dict[str, Any]:
     if any_detail.Is(pb.SloPrediction.DESCRIPTOR):
         p = pb.SloPrediction()
         any_detail.Unpack(p)
-        return {"prediction": {f.name: getattr(p, f.name) for f in p.DESCRIPTOR.fields}}
+        return {"prediction": slo_prediction(p)}
     return {}  # a detail this client does not know: ignored
+
+
+def slo_prediction(p: pb.SloPrediction) -> SloPrediction:
+    return SloPrediction(p.predicted_ttft_ms, p.predicted_tbt_ms, p.ttft_slo_ms, p.tbt_slo_ms)

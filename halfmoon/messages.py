@@ -9,7 +9,7 @@ from typing import Any, TypedDict
 
 import grpc
 
-from halfmoon.errors import InternalError
+from halfmoon.errors import InternalError, slo_prediction
 from halfmoon.results import GenerationResult, ModelInfo, StreamChunk, Timings, Usage
 from halfmoon.v1 import generation_pb2 as pb
 
@@ -33,6 +33,7 @@ class GenerateOptions(TypedDict, total=False):
     ttft_slo_ms: float | None
     tbt_slo_ms: float | None
     priority: int
+    priority_class: str | None
     cache_salt: str | None
     request_id: str | None
     model: str
@@ -44,17 +45,19 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
                      top_k: int | None = None, seed: int | None = None, stop: Sequence[str] = (),
                      stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                      ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
-                     priority: int = 0, cache_salt: str | None = None, request_id: str | None = None,
-                     model: str = "") -> pb.GenerateRequest:
+                     priority: int = 0, priority_class: str | None = None, cache_salt: str | None = None,
+                     request_id: str | None = None, model: str = "") -> pb.GenerateRequest:
     """The `GenerateRequest` for these arguments; None = the server's default. Give exactly one
     of `prompt`, `messages` (`{"role", "content"}` dicts) and `prompt_token_ids` (the server
-    checks, naming the field)."""
+    checks, naming the field). `priority_class`: interactive, standard or batch (the server's
+    classes; None = its default class), whose SLOs `ttft_slo_ms` / `tbt_slo_ms` override."""
     sampling = pb.SamplingParams(**_present(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
     return pb.GenerateRequest(
         model=model, messages=_chat(messages), prompt_token_ids=list(prompt_token_ids or ()),
         sampling=sampling, slo=pb.Slo(**_present(ttft_ms=ttft_slo_ms, tbt_ms=tbt_slo_ms)),
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
-        priority=priority, cache_salt=cache_salt or "", request_id=request_id or "",
+        priority=priority, priority_class=priority_class or "", cache_salt=cache_salt or "",
+        request_id=request_id or "",
         **_present(prompt=prompt, max_tokens=max_tokens))
 
 
@@ -107,7 +110,8 @@ class Collector:
         return GenerationResult(
             self.request_id, "".join(self.texts), list(self.token_ids), _FINISH[final.finish_reason],
             final.stop or None, Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens),
-            Timings(t.queue_ms, t.prefill_ms, t.transfer_ms, t.ttft_ms, t.mean_tpot_ms, t.e2e_ms))
+            Timings(t.queue_ms, t.prefill_ms, t.transfer_ms, t.ttft_ms, t.mean_tpot_ms, t.e2e_ms),
+            slo_prediction(final.prediction) if final.HasField("prediction") else None)
 
 
 def model_info(m: pb.ModelInfo) -> ModelInfo:

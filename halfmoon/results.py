@@ -4,17 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# A generation's usage and server-side timings have one shape on both sides of the API: the
-# server's own (core.messages), re-exported here.
-from core.messages import Timings, Usage
+# A generation's usage, server-side timings and admission's prediction have one shape on both
+# sides of the API: the server's own (core.messages), re-exported here.
+from core.messages import SloPrediction, Timings, Usage
 
-__all__ = ["GenerationResult", "ModelInfo", "StreamChunk", "Timings", "Usage"]
+__all__ = ["GenerationResult", "ModelInfo", "SloPrediction", "StreamChunk", "Timings", "Usage"]
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationResult:
     """A finished generation. `finish_reason` is "stop", "length" or "abort"; `stop` is the
-    stop string that ended it, if one did."""
+    stop string that ended it, if one did; `prediction`: the TTFT / TBT admission predicted for
+    it, next to its objectives (ms; 0 = no objective), or None where the server predicted none."""
 
     request_id: str
     text: str
@@ -23,6 +24,7 @@ class GenerationResult:
     stop: str | None
     usage: Usage
     timings: Timings
+    prediction: SloPrediction | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cli.components import CLUSTER, ENGINE, LIMITS, SERVE, SERVER, TRANSPORT
+from cli.components import ADMISSION, CLUSTER, ENGINE, LIMITS, SERVE, SERVER, TRANSPORT
 from cli.flags import Component, Flag, add_flags, build, env_var, field_docs
 from cli.main import build_parser, parse_args, subparser
+from conductor.admission import AdmissionConfig
 from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
 from conductor.server import ServerConfig
@@ -20,7 +21,7 @@ from core.errors import ConfigError
 from engine.config import EngineConfig
 from transport.config import TransportConfig
 
-COMPONENTS = (ENGINE, TRANSPORT, CLUSTER, LIMITS, SERVER)
+COMPONENTS = (ENGINE, TRANSPORT, CLUSTER, LIMITS, SERVER, ADMISSION)
 
 
 def options(command: str) -> dict[str, argparse.Action]:
@@ -47,7 +48,7 @@ def test_every_field_is_a_flag_or_excluded_with_a_reason(component: Component) -
 
 def test_the_serve_components_cover_every_config_class() -> None:
     covered = {c.cls for c in SERVE} | {c.cls for top in SERVE for c in top.nested.values()}
-    assert covered == {EngineConfig, TransportConfig, ClusterConfig, Limits, ServerConfig}
+    assert covered == {EngineConfig, TransportConfig, ClusterConfig, Limits, ServerConfig, AdmissionConfig}
 
 
 def test_existing_flag_names_keep_working() -> None:
@@ -61,6 +62,7 @@ def test_defaults_build_the_default_configs() -> None:
     args = parse_args(["serve"])
     assert build(ENGINE, args) == EngineConfig()
     assert build(SERVER, args) == ServerConfig()
+    assert build(ADMISSION, args) == AdmissionConfig()
     assert build(TRANSPORT, args, host="127.0.0.1") == TransportConfig()
     assert build(CLUSTER, args, transport=TransportConfig(), engine=EngineConfig(),
                  model_id="smollm2") == ClusterConfig()
@@ -73,6 +75,27 @@ def test_flags_become_fields() -> None:
     assert build(SERVER, args).limits.max_tokens == 99
     transport = build(TRANSPORT, args, host="0.0.0.0")
     assert (transport.backend, transport.timeout_s, transport.host) == ("tcp", 5.0, "0.0.0.0")
+
+
+def test_admission_flags_env_and_choices(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setenv("HALFMOON_SHED_HEADROOM", "0.5")
+    args = parse_args(["serve", "--admission", "early", "--default-class", "interactive",
+                       "--interactive-ttft-ms", "500", "--batch-tbt-ms", "0", "--queue-threshold", "2"])
+    cfg = build(ADMISSION, args)
+    assert (cfg.admission, cfg.default_class, cfg.interactive_ttft_ms) == ("early", "interactive", 500.0)
+    assert (cfg.batch_tbt_ms, cfg.queue_threshold, cfg.shed_headroom) == (0.0, 2, 0.5)
+    flags = options("serve")
+    assert flags["--admission"].choices == ("none", "queue-threshold", "early", "predictive")
+    assert flags["--default-class"].choices == ("interactive", "standard", "batch")
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--admission", "lottery"])
+    assert "invalid choice: 'lottery'" in capsys.readouterr().err
+    monkeypatch.setenv("HALFMOON_ADMISSION", "lottery")
+    with pytest.raises(ConfigError, match="HALFMOON_ADMISSION"):
+        parse_args(["serve"])
+    monkeypatch.delenv("HALFMOON_ADMISSION")
+    with pytest.raises(ConfigError, match="interactive_tbt_ms must be a finite number >= 0"):
+        build(ADMISSION, parse_args(["serve", "--interactive-tbt-ms", "-1"]))
 
 
 def test_precedence_flag_env_yaml_default(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

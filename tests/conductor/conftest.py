@@ -3,25 +3,37 @@
 `api` is one session-wide server on free ports; `start_api(**config)` starts others (auth, TLS,
 small limits) for a test. The server runs its event loop on its own thread, like `halfmoon
 serve` does on its main thread; the engine steps on the backend's thread.
+
+`scripted` is a real front door over a `ScriptedBackend`: no engine, the test says what the
+backend answers (a rejection, a prediction) and reads what the front door handed it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from conductor.admission import AdmissionConfig
+from conductor.backend import BackendStats, GenerationBackend, GenerationInput
 from conductor.colocated import ColocatedBackend
 from conductor.server import Endpoints, ServerConfig, serve
+from core.messages import RequestEnd, SloPrediction, Timings, TokenChunk, Usage
+from core.params import FinishReason
 from engine.engine import Engine
+from halfmoon.results import ModelInfo
 from tests.conftest import EngineFactory, idle_problems
 from tests.waiting import poll
 
 MODEL = "smollm2"
+# Predictive admission on the objectives a request sends, none from the server's classes.
+CLIENT_SLOS_ONLY = AdmissionConfig(interactive_ttft_ms=0, interactive_tbt_ms=0, standard_ttft_ms=0,
+                                   standard_tbt_ms=0)
 
 
 @dataclass
@@ -54,7 +66,7 @@ class RunningApi:
         return [] if poll(lambda: not problems(), timeout) else problems()
 
 
-def run_api(backend: ColocatedBackend, config: ServerConfig) -> RunningApi:
+def run_api(backend: GenerationBackend, config: ServerConfig) -> RunningApi:
     ready: list[Endpoints] = []
     failure: list[BaseException] = []
     started = threading.Event()
@@ -94,12 +106,14 @@ def run_api(backend: ColocatedBackend, config: ServerConfig) -> RunningApi:
 
 @pytest.fixture(scope="session")
 def start_api(make_engine: EngineFactory) -> Iterator[Callable[..., RunningApi]]:
-    """`start_api(num_blocks=..., max_waiting=..., **ServerConfig fields)` -> a running server."""
+    """`start_api(num_blocks=..., max_waiting=..., admission=..., **ServerConfig fields)` -> a
+    running server. Admission: only the SLOs a request sends (the API tests are not about load)."""
     running: list[RunningApi] = []
 
-    def start(num_blocks: int = 256, max_waiting: int = 256, **config: Any) -> RunningApi:
+    def start(num_blocks: int = 256, max_waiting: int = 256, admission: AdmissionConfig = CLIENT_SLOS_ONLY,
+              **config: Any) -> RunningApi:
         engine = make_engine(num_blocks=num_blocks)
-        backend = ColocatedBackend(engine, MODEL, max_waiting=max_waiting)
+        backend = ColocatedBackend(engine, MODEL, max_waiting=max_waiting, admission=admission)
         api = run_api(backend, ServerConfig(**{"grpc_port": 0, "http_port": 0, **config}))
         running.append(api)
         return api
@@ -122,3 +136,65 @@ def api(shared_api: RunningApi) -> Iterator[RunningApi]:
     yield shared_api
     problems = shared_api.wait_idle()
     assert not problems, "the test left the server busy: " + "; ".join(problems)
+
+
+class ScriptedBackend(GenerationBackend):
+    """A backend without an engine whose answers a test sets. Each request pops the next of
+    `rejections` and raises it; with none left it answers one token, then the last chunk with
+    `prediction`. `inputs` holds what the front door handed it (validated requests)."""
+
+    TOKEN = 42
+
+    def __init__(self, model: ModelInfo, tokenizer: Any, kv_capacity_tokens: int) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.rejections: deque[BaseException] = deque()
+        self.prediction: SloPrediction | None = None
+        self.inputs: list[GenerationInput] = []
+
+    def reset(self) -> None:
+        self.rejections.clear()
+        self.prediction = None
+        self.inputs.clear()
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def ready(self) -> bool:
+        return True
+
+    def stats(self) -> BackendStats:
+        return BackendStats(0, 0, 0, 0, 0)
+
+    async def generate(self, inp: GenerationInput) -> AsyncIterator[TokenChunk]:
+        self.inputs.append(inp)
+        if self.rejections:
+            raise self.rejections.popleft()
+        rid = inp.request_id or "scripted"
+        yield TokenChunk(rid, [self.TOKEN], "x")
+        end = RequestEnd(FinishReason.LENGTH, None, Usage(len(inp.prompt_ids), 0, 1),
+                         Timings(0.0, 1.0, 0.0, 1.0, 0.0, 1.0), prediction=self.prediction)
+        yield TokenChunk(rid, [], "", end)
+
+
+SCRIPTED_KV_TOKENS = 64  # the scripted backend's decode KV: prompt + max_tokens must fit
+
+
+@pytest.fixture(scope="session")
+def scripted_api(shared_engine: Engine) -> Iterator[RunningApi]:
+    model = ModelInfo(MODEL, shared_engine.max_model_len, shared_engine.model_config.vocab_size)
+    backend = ScriptedBackend(model, shared_engine.tokenizer, SCRIPTED_KV_TOKENS)
+    running = run_api(backend, ServerConfig(grpc_port=0, http_port=0))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def scripted(scripted_api: RunningApi) -> Iterator[RunningApi]:
+    """The scripted server, its backend's script cleared (`scripted.backend`)."""
+    scripted_api.backend.reset()
+    yield scripted_api
+    scripted_api.backend.reset()

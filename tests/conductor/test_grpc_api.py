@@ -230,7 +230,7 @@ def test_slo_miss_is_rejected_with_predictions(api: RunningApi) -> None:
     assert p.predicted_ttft_ms > p.ttft_slo_ms == pytest.approx(1e-3)
     assert p.predicted_tbt_ms > 0
     assert d["RetryInfo"].retry_delay.ToMilliseconds() >= 0
-    assert d["ErrorInfo"].reason == "SloMissError"
+    assert (d["ErrorInfo"].reason, d["ErrorInfo"].metadata["error"]) == ("ttft", "SloMissError")
     assert ok[2].usage.completion_tokens == 2
 
 
@@ -255,7 +255,7 @@ def test_overload_is_rejected_and_the_rest_complete(start_api) -> None:
     assert len(results) == 6 and errors and len(errors) < 6
     assert all(e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for e in errors)
     assert all("waiting for their first token" in e.details() for e in errors)
-    assert details(errors[0])["ErrorInfo"].reason == "OverloadedError"
+    assert details(errors[0])["ErrorInfo"].metadata["error"] == "OverloadedError"
     assert small.wait_idle() == []
 
 

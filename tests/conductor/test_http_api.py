@@ -123,7 +123,8 @@ def test_slo_rejection_is_429_with_predictions(api: RunningApi) -> None:
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1
     err = r.json()["error"]
     assert err["type"] == "rate_limit_error" and "predicted TTFT" in err["message"]
-    assert err["predictions"]["predicted_ttft_ms"] > err["predictions"]["ttft_slo_ms"] == 0.001
+    assert err["reason"] == "ttft" and err["retry_after_s"] > 0
+    assert err["prediction"]["predicted_ttft_ms"] > err["prediction"]["ttft_slo_ms"] == 0.001
 
 
 def test_per_client_stream_limit(start_api) -> None:

@@ -678,6 +678,9 @@ BAD_VALUES = {
     "pvc model without a claim": ({"model": {"source": "pvc", "path": "m"}}, "/model/pvc/claimName"),
     "UCX_TLS for the tcp backend": ({"kvTransport": {"backend": "tcp", "ucxTls": "rc"}}, "/kvTransport/ucxTls"),
     "negative UCX polling": ({"kvTransport": {"ucxPollUs": -1}}, "/kvTransport/ucxPollUs"),
+    "unknown admission policy": ({"admission": {"policy": "lottery"}}, "/admission/policy"),
+    "negative class objective": ({"admission": {"classes": {"batch": {"tbtMs": -1}}}},
+                                 "/admission/classes/batch/tbtMs"),
 }
 
 
@@ -744,6 +747,17 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--max-stop-chars": HelmValue("conductor.limits.maxStopChars", 1005, "1005"),
     "--max-messages": HelmValue("conductor.limits.maxMessages", 1006, "1006"),
     "--max-id-chars": HelmValue("conductor.limits.maxIdChars", 1007, "1007"),
+    "--admission": HelmValue("admission.policy", "early", "early"),
+    "--default-class": HelmValue("admission.defaultClass", "interactive", "interactive"),
+    "--interactive-ttft-ms": HelmValue("admission.classes.interactive.ttftMs", 1500, "1500"),
+    "--interactive-tbt-ms": HelmValue("admission.classes.interactive.tbtMs", 120, "120"),
+    "--standard-ttft-ms": HelmValue("admission.classes.standard.ttftMs", 2500, "2500"),
+    "--standard-tbt-ms": HelmValue("admission.classes.standard.tbtMs", 200.5, "200.5"),
+    "--batch-ttft-ms": HelmValue("admission.classes.batch.ttftMs", 0, "0"),
+    "--batch-tbt-ms": HelmValue("admission.classes.batch.tbtMs", 50, "50"),
+    "--queue-threshold": HelmValue("admission.queueThreshold", 6, "6"),
+    "--max-queue-per-worker": HelmValue("admission.maxQueuePerWorker", 64, "64"),
+    "--shed-headroom": HelmValue("admission.shedHeadroom", 0.5, "0.5"),
     "--kv-transport": HelmValue("kvTransport.backend", "ucxx", "ucxx"),
     "--kv-port": HelmValue("kvTransport.port", 5601, "5601"),
     "--ucx-tls": HelmValue("kvTransport.ucxTls", "sm,self", "sm,self"),

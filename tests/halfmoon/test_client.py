@@ -254,9 +254,9 @@ def test_predicted_slo_miss_is_resource_exhausted_with_the_prediction(api: Runni
         with pytest.raises(ResourceExhaustedError) as e:
             client.generate(PROMPT, max_tokens=2, ttft_slo_ms=0.001)
     err = e.value
-    assert err.reason == "SloMissError" and err.retry_after_s is not None and err.retry_after_s > 0
-    assert err.prediction is not None and err.prediction["ttft_slo_ms"] == pytest.approx(0.001)
-    assert err.prediction["predicted_ttft_ms"] > 0.001 and err.prediction["tbt_slo_ms"] == 0
+    assert err.reason == "ttft" and err.rejected and err.retry_after_s is not None and err.retry_after_s > 0
+    assert err.prediction is not None and err.prediction.ttft_slo_ms == pytest.approx(0.001)
+    assert err.prediction.predicted_ttft_ms > 0.001
     assert "SLO" in err.message
 
 
@@ -312,7 +312,7 @@ def test_too_many_streams_is_resource_exhausted_with_retry_after(start_api: Call
         again = eventually(lambda: client.generate(PROMPT, max_tokens=1))
     err = e.value
     assert err.code is grpc.StatusCode.RESOURCE_EXHAUSTED and err.retry_after_s == pytest.approx(1.0)
-    assert err.reason == "TooManyStreamsError" and "limit 1" in err.message and err.prediction is None
+    assert err.reason == "too_many_streams" and "limit 1" in err.message and err.prediction is None
     assert retries == []  # only UNAVAILABLE is retried
     assert isinstance(again, GenerationResult) and len(again.token_ids) == 1
 
