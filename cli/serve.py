@@ -101,12 +101,15 @@ def _serve(args: argparse.Namespace, config, engine_cfg, admission) -> int:
     if not args.colocated:
         return _serve_cluster(args, config, engine_cfg, admission)
     from conductor.colocated import ColocatedBackend
+    from conductor.cost_model import CostModel
     from engine.engine import Engine
 
+    cost = CostModel.load(args.cost_model) if args.cost_model else None  # read before loading the model
     print(f"halfmoon: loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
     engine = Engine(engine_cfg)
     try:
-        backend = ColocatedBackend(engine, model_id(args), max_waiting=args.max_waiting, admission=admission)
+        backend = ColocatedBackend(engine, model_id(args), max_waiting=args.max_waiting, admission=admission,
+                                   cost_model=cost)
         asyncio.run(_main(backend, config))
     finally:
         engine.close()

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from conductor.admission_stats import AdmissionStats
 from core.messages import TokenChunk
 from halfmoon.results import ModelInfo
 from core.params import SamplingParams
@@ -30,7 +31,9 @@ class Slo:
 
 @dataclass(frozen=True, slots=True)
 class GenerationInput:
-    """A validated request, API-neutral. `deadline` is on the `time.monotonic()` clock."""
+    """A validated request, API-neutral. `deadline` is on the `time.monotonic()` clock.
+    `priority_class`: the class it named (None = the server's default class); `slo`: objectives
+    it set itself, which override its class's."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -39,6 +42,7 @@ class GenerationInput:
     slo: Slo = Slo()
     priority: int = 0
     deadline: float | None = None
+    priority_class: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,10 @@ class BackendStats:
     engine_steps: int
     # Requests re-run before their first token, by reason ("worker_lost", "kv_transfer").
     requests_rerun: Mapping[str, int] = field(default_factory=dict)
+    queue_depth: Mapping[str, int] = field(default_factory=dict)  # per worker: requests it has pending
+    admission: AdmissionStats | None = None  # decisions and prediction errors (conductor/admission.py)
+    # Per cluster-index holder: (longest gap between heartbeats in s, re-registrations).
+    index_health: Mapping[str, tuple[float, int]] = field(default_factory=dict)
 
 
 class GenerationBackend(abc.ABC):
@@ -59,6 +67,10 @@ class GenerationBackend(abc.ABC):
 
     model: ModelInfo  # the served model, as the public API describes it
     tokenizer: Tokenizer
+    # The priority classes a request may name (conductor/admission.py), and the most tokens
+    # (prompt + max_tokens) one request's KV may take where it decodes (None = not known yet).
+    priority_classes: frozenset[str] = frozenset({"interactive", "standard", "batch"})
+    kv_capacity_tokens: int | None = None
 
     @abc.abstractmethod
     async def start(self) -> None:

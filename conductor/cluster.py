@@ -4,8 +4,10 @@
 ClusterBackend.generate(input)
   1. block hashes -> one index lookup -> per prefill worker: prefix match (own device, node's host/disk)
   2. route (Mooncake Algorithm 1): prefill = min(queue + prefill(new, cached) + fetch), decode =
-     min predicted TBT with room -> SLO check (RESOURCE_EXHAUSTED with the predictions)
-  3. decode.reserve(id, n) -> KVHandoff(address, blocks)
+     min predicted TBT with room -> admission (conductor/admission.py) on the Conductor's ledgers
+     of both workers: rejected = 429 / RESOURCE_EXHAUSTED with the predictions; admitted =
+     booked in both ledgers (the decode worker's KV blocks for prompt + max_tokens included)
+  3. decode.reserve(id, prompt, max_tokens) -> KVHandoff(address, prompt blocks)
   4. prefill.prefill(PrefillTask)   ||   decode.generate(DecodeTask): waits for every layer,
      then streams TokenChunks
   5. cancel / deadline / disconnect: decode.cancel + prefill.abort (reservation freed either way)
@@ -28,14 +30,19 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
+from conductor.admission import Admission, AdmissionConfig, Decision, Objective, resolve
+from conductor.admission_stats import AdmissionStats, TopGaps
 from conductor.backend import BackendStats, GenerationBackend, GenerationInput
 from conductor.cluster_config import ClusterConfig
 from conductor.cost_model import CostModel, fit_profile
-from conductor.errors import ServiceUnavailableError, SloMissError, SloPrediction
+from conductor.errors import OverloadedError, ServiceUnavailableError
+from conductor.ledger import BoundRequest, PendingPrefill
+from conductor.profile_cache import cached_cost_model, profile_key
 from conductor.router import DecodeView, PrefillView, RouteRequest, Router
 from conductor.workers import PING_TIMEOUT_S, Worker, WorkerGroup
-from core.messages import (DecodeApi, DecodeTask, EngineInfo, KVTransferFailedError, PrefillApi,
-                           PrefillResult, PrefillTask, TokenChunk, WorkerLostError)
+from core.messages import (DecodeApi, DecodeCapacityError, DecodeTask, EngineInfo, KVTransferFailedError,
+                           PrefillApi, PrefillResult, PrefillTask, SloPrediction, TokenChunk,
+                           WorkerLostError)
 from engine.worker import tokenizer_for_model
 from halfmoon.results import ModelInfo
 from kvpool.block_hash import block_hashes, root_hash
@@ -48,12 +55,15 @@ HEALTH_INTERVAL_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Route:
+    """An admitted request's workers, objectives, predictions and bookings."""
+
     prefill: Worker
     decode: Worker
-    predicted_ttft_ms: float
-    predicted_tbt_ms: float
+    objective: Objective
+    decision: Decision
+    bound: BoundRequest  # its booking in the decode worker's ledger
     prefix_tokens: int
-    prefill_cost_ms: float  # what this request adds to the prefill worker's queue (prefill + fetch)
+    deadline: float  # monotonic s when its first token is due (inf = none): its queue order
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,10 +79,15 @@ class PrefixMatch:
 class ClusterBackend(GenerationBackend):
     """The Conductor's backend over the prefill and decode workers (see the module docstring)."""
 
-    def __init__(self, config: ClusterConfig, redis_url: str | None, workers: WorkerGroup | None = None) -> None:
+    def __init__(self, config: ClusterConfig, redis_url: str | None, workers: WorkerGroup | None = None,
+                 admission: AdmissionConfig | None = None) -> None:
         from conductor.ray_workers import RayWorkers
 
         self.config = config
+        self.admission_config = admission or AdmissionConfig()
+        self.priority_classes = frozenset(self.admission_config.classes())
+        self.admission: Admission | None = None
+        self.admission_stats = AdmissionStats()
         self.redis_url = redis_url
         self.manager: WorkerGroup = workers if workers is not None else RayWorkers(config)
         self.tokenizer = tokenizer_for_model(config.engine.model)
@@ -93,16 +108,32 @@ class ClusterBackend(GenerationBackend):
         self.info = await first.engine_info()
         self.model = ModelInfo(self.config.model_id, self.info.max_model_len, self.info.vocab_size)
         self.cost = await self._cost_model(first)
+        self.admission = Admission(self.admission_config, self.cost)
         if self.redis_url is not None:
-            self.index = ClusterIndex(self.redis_url, HolderId("conductor", "conductor"))
+            # Started: a holder that never beats expires and re-registers on its next lookup.
+            self.index = ClusterIndex(self.redis_url, HolderId("conductor", "conductor")).start()
         await self.manager.check_health()
+        self._learn_capacity()
         self._health = asyncio.create_task(self._health_loop())
 
+    def _learn_capacity(self) -> None:
+        """The largest request (prompt + max_tokens) a decode worker's KV holds: more is a 400."""
+        assert self.info is not None
+        blocks = max((w.total_blocks for w in self.manager.role("decode")), default=0)
+        if blocks:
+            self.kv_capacity_tokens = blocks * self.info.block_size
+
     async def _cost_model(self, first: PrefillApi | DecodeApi) -> CostModel:
+        """The given cost model, else the cached profile of this worker shape, else the first
+        prefill worker's quick profile (then cached: conductor/profile_cache.py)."""
         if self.config.cost_model is not None:
             return CostModel.load(self.config.cost_model)
-        log.warning("no cost model given: profiling the first prefill worker (quick)")
-        return fit_profile(await first.profile(True))
+        assert self.info is not None
+
+        async def measure() -> CostModel:
+            return fit_profile(await first.profile(True))
+
+        return await cached_cost_model(profile_key(self.info, self.config.worker_threads), measure)
 
     async def _health_loop(self) -> None:
         while True:
@@ -125,8 +156,13 @@ class ClusterBackend(GenerationBackend):
         decode = self.manager.role("decode")
         free = sum(w.free_blocks for w in decode)
         total = sum(w.total_blocks for w in decode)
+        depth = {w.worker_id: w.pending.depth if w.spec.role == "prefill" else len(w.bound.jobs)
+                 for w in self.manager.workers.values()}
+        health = {w.worker_id: w.index_health for w in self.manager.workers.values()}
+        if self.index is not None:
+            health["conductor"] = (self.index.stats.max_heartbeat_gap_s, self.index.stats.resyncs)
         return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0,
-                            dict(self._reruns))
+                            dict(self._reruns), depth, self.admission_stats, health)
 
     # ------------------------------------------------------------------ requests
 
@@ -160,63 +196,66 @@ class ClusterBackend(GenerationBackend):
         # Hashing the prompt and the index round trip run off the event loop: a slow or hung
         # Redis (up to the index's socket timeout) must not stall every other stream.
         prefix = await asyncio.to_thread(self.prefix_match, inp.prompt_ids, inp.cache_salt)
-        route = self._route(inp, excluded, prefix)  # on the loop: decision + accounting at once
-        n = len(inp.prompt_ids)
-        p, d = route.prefill, route.decode
+        route = self._admit(inp, wid, excluded, prefix)  # on the loop: decision + booking at once
+        p, d, bound = route.prefill, route.decode, route.bound
         self._requests += 1
-        p.queued_ms += route.prefill_cost_ms  # until its prefill ends (see `dequeue`)
-        d.running += 1
-        d.context_tokens += n
-        queued = [True]
-
-        def dequeue(_: object = None) -> None:
-            if queued[0]:
-                queued[0] = False
-                p.queued_ms -= route.prefill_cost_ms
-
         finished = False
         first_at: float | None = None
+        gaps = TopGaps(inp.params.max_tokens)
         try:
-            prefill_done = await self._start(inp, wid, p, d)
-            prefill_done.add_done_callback(dequeue)
+            prefill_done = await self._start(inp, wid, route)
             task = DecodeTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, self.config.request_timeout_s,
                               self.manager.block_servers())
             async with aclosing(self._decoded(d, d.api.generate(task), prefill_done)) as chunks:  # type: ignore[union-attr]
                 async for chunk in chunks:
+                    now = time.perf_counter()
                     if first_at is None:
-                        first_at = time.perf_counter()
+                        first_at = now
                         self._streaming += 1
+                    gaps.tick(now, len(chunk.token_ids))
+                    bound.generated += len(chunk.token_ids)
                     if chunk.end is None:
                         yield chunk if chunk.request_id == rid else replace(chunk, request_id=rid)
                         continue
                     finished = True
-                    yield self._last(rid, chunk, await prefill_done, n, arrival, first_at)
+                    last = self._last(rid, chunk, await prefill_done, len(inp.prompt_ids), arrival, first_at,
+                                      route.decision.prediction)
+                    self._measured(route, inp, last, gaps)
+                    yield last
                     return
             raise ServiceUnavailableError(f"request {rid}: the decode stream ended without a result")
         finally:
             self._requests -= 1
             self._streaming -= first_at is not None
-            dequeue()
-            d.running -= 1
-            d.context_tokens -= n
+            p.pending.finish(wid, time.monotonic())
+            d.bound.release(wid)
             if not finished:
                 self._spawn(d.api.cancel(wid))  # type: ignore[union-attr]
                 self._spawn(p.api.abort(wid))  # type: ignore[union-attr]
 
-    async def _start(self, inp: GenerationInput, wid: str, p: Worker, d: Worker) -> asyncio.Future:
-        """Reserve the decode side's blocks, then start the prefill; its future. A prefill that
-        fails (worker died, push failed) stops the decode side's wait at once."""
-        handoff = await self._on(d, d.api.reserve(  # type: ignore[union-attr]
-            wid, len(inp.prompt_ids), inp.params.max_tokens, self.config.request_timeout_s))
-        task = PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, handoff,
-                           self.config.request_timeout_s, self.manager.block_servers())
+    async def _start(self, inp: GenerationInput, wid: str, route: Route) -> asyncio.Future:
+        """Reserve the decode side's blocks (prompt + max_tokens), then start the prefill; its
+        future. A prefill that fails (worker died, push failed) stops the decode side's wait at
+        once; one that ends lets the decode ledger know the request joined."""
+        p, d = route.prefill, route.decode
+        n, timeout = len(inp.prompt_ids), self.config.request_timeout_s
+        try:
+            handoff = await self._on(d, d.api.reserve(wid, n, inp.params.max_tokens, timeout))  # type: ignore[union-attr]
+        except DecodeCapacityError as e:  # the ledger and the worker disagree for a moment: load, not failure
+            self.admission_stats.rejected(route.objective.slo_class.name, "kv_capacity")
+            raise OverloadedError(f"decode worker {d.worker_id}: {e}", 1.0, "kv_capacity",
+                                  route.decision.prediction) from e
+        task = PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, handoff, timeout,
+                           self.manager.block_servers(), route.objective.rank, route.deadline)
         prefill_done = asyncio.ensure_future(self._on(p, p.api.prefill(task)))  # type: ignore[union-attr]
 
-        def cancel_decode(f: asyncio.Future) -> None:
+        def on_prefill_end(f: asyncio.Future) -> None:
+            p.pending.finish(wid, time.monotonic())
+            route.bound.joins_at = time.monotonic()
             if not f.cancelled() and f.exception() is not None:
                 self._spawn(d.api.cancel(wid))  # type: ignore[union-attr]
 
-        prefill_done.add_done_callback(cancel_decode)
+        prefill_done.add_done_callback(on_prefill_end)
         return prefill_done
 
     async def _decoded(self, d: Worker, stream: AsyncIterator[TokenChunk],
@@ -272,45 +311,71 @@ class ClusterBackend(GenerationBackend):
 
     @staticmethod
     def _last(rid: str, chunk: TokenChunk, pre: PrefillResult, n_prompt: int, arrival: float,
-              first_at: float) -> TokenChunk:
+              first_at: float, prediction: SloPrediction) -> TokenChunk:
         """The last chunk, its end as the client sees it: prefill figures from the prefill
-        worker, TTFT and e2e measured here, TPOT from the decode worker."""
+        worker, TTFT and e2e measured here, TPOT from the decode worker, admission's prediction."""
         end = chunk.end
         assert end is not None
         now = time.perf_counter()
         usage = replace(end.usage, prompt_tokens=n_prompt, cached_prompt_tokens=pre.num_cached_tokens)
         timings = replace(end.timings, queue_ms=pre.queue_ms, prefill_ms=pre.prefill_ms, transfer_ms=pre.push_ms,
                           ttft_ms=(first_at - arrival) * 1e3, e2e_ms=(now - arrival) * 1e3)
-        return replace(chunk, request_id=rid, end=replace(end, usage=usage, timings=timings))
+        return replace(chunk, request_id=rid, end=replace(end, usage=usage, timings=timings, prediction=prediction))
+
+    def _measured(self, route: Route, inp: GenerationInput, last: TokenChunk, gaps: TopGaps) -> None:
+        """An admitted request finished: what it generated and how far off the predictions were."""
+        assert last.end is not None and self.admission is not None
+        self.admission.outputs.observe(route.objective.slo_class.name, last.end.usage.completion_tokens,
+                                       inp.params.max_tokens)
+        p = route.decision.prediction
+        self.admission_stats.measured(p.predicted_ttft_ms, last.end.timings.ttft_ms / 1e3, p.predicted_tbt_ms,
+                                      gaps.mean_s())
 
     # ------------------------------------------------------------------ routing
 
-    def _route(self, inp: GenerationInput, excluded: set[str], prefix: PrefixMatch) -> Route:
-        """Mooncake Algorithm 1 over the live workers, given the index's `prefix_match`, then
-        the SLO check on its predictions."""
+    def _admit(self, inp: GenerationInput, wid: str, excluded: set[str], prefix: PrefixMatch) -> Route:
+        """Route (Mooncake Algorithm 1 over the live workers, given the index's `prefix_match`),
+        decide admission on the chosen workers' ledgers, and book the request in both (all on
+        the event loop, so no other request sees the ledgers in between)."""
+        assert self.cost is not None and self.info is not None and self.admission is not None
+        objective = resolve(self.admission_config, inp.priority_class, inp.slo)
+        name = objective.slo_class.name
+        now = time.monotonic()
+        try:
+            plan = self._route(inp, excluded, prefix, objective, now)
+        except OverloadedError as e:  # no decode worker has the KV free
+            self.admission_stats.rejected(name, e.reason or "kv_capacity")
+            raise
+        p, d = self.manager.workers[plan.prefill_id], self.manager.workers[plan.decode_id]
+        chosen = next(e for e in plan.per_worker if e.worker_id == plan.prefill_id)
+        cost_ms = chosen.prefill_ms + chosen.transfer_ms
+        candidate = self.admission.candidate(objective, len(inp.prompt_ids), inp.params.max_tokens, cost_ms,
+                                             self.info.block_size, now)
+        decision = self.admission.decide(candidate, p.pending, d.bound, now)
+        if not decision.admitted:
+            self.admission_stats.rejected(name, decision.reason or "")
+            raise decision.error()
+        self.admission_stats.admitted(name)
+        p.pending.add(PendingPrefill(wid, objective.rank, candidate.deadline, cost_ms, now))
+        bound = BoundRequest(wid, len(inp.prompt_ids), candidate.expected_output, objective.tbt_ms,
+                             now + decision.joins_in_ms / 1e3, candidate.blocks)
+        d.bound.book(bound)
+        return Route(p, d, objective, decision, bound, plan.prefix_len, candidate.deadline)
+
+    def _route(self, inp: GenerationInput, excluded: set[str], prefix: PrefixMatch, objective: Objective,
+               now: float):  # -> RoutePlan
+        """Mooncake Algorithm 1 over the live workers' ledgers."""
         assert self.cost is not None and self.info is not None
         request = RouteRequest(len(inp.prompt_ids), inp.params.max_tokens, prefix.best_tokens,
                                prefix.best_holder if prefix.best_tokens else None)
         up = {wid for wid, w in self.manager.workers.items() if w.alive and wid not in excluded}
-        prefill = [PrefillView(w.worker_id, prefix.per_worker.get(w.worker_id, 0), max(0.0, w.queued_ms),
-                               w.worker_id in up) for w in self.manager.role("prefill")]
-        decode = [DecodeView(w.worker_id, w.running, w.context_tokens, w.free_blocks, w.worker_id in up)
+        prefill = [PrefillView(w.worker_id, prefix.per_worker.get(w.worker_id, 0),
+                               w.pending.wait_ms(objective.rank, now), w.worker_id in up)
+                   for w in self.manager.role("prefill")]
+        decode = [DecodeView(w.worker_id, len(w.bound.jobs), sum(b.prompt_len + b.generated for b in w.bound.jobs.values()),
+                             w.bound.free_blocks, w.worker_id in up)
                   for w in self.manager.role("decode")]
-        plan = Router(self.cost, self.info.block_size).route(request, prefill, decode)
-        self._check_slo(inp, plan.predicted_ttft_ms, plan.predicted_tbt_ms)
-        workers = self.manager.workers
-        chosen = next(e for e in plan.per_worker if e.worker_id == plan.prefill_id)
-        return Route(workers[plan.prefill_id], workers[plan.decode_id], plan.predicted_ttft_ms,
-                     plan.predicted_tbt_ms, plan.prefix_len, chosen.prefill_ms + chosen.transfer_ms)
-
-    @staticmethod
-    def _check_slo(inp: GenerationInput, ttft_ms: float, tbt_ms: float) -> None:
-        slo = inp.slo
-        miss = (slo.ttft_ms is not None and ttft_ms > slo.ttft_ms) or \
-            (slo.tbt_ms is not None and tbt_ms > slo.tbt_ms)
-        if miss:
-            prediction = SloPrediction(ttft_ms, tbt_ms, slo.ttft_ms or 0.0, slo.tbt_ms or 0.0)
-            raise SloMissError(prediction, ttft_ms / 1e3)
+        return Router(self.cost, self.info.block_size).route(request, prefill, decode)
 
     def prefix_match(self, prompt_ids: list[int], cache_salt: str | None) -> PrefixMatch:
         """What the cluster index knows of this prompt's blocks (nothing without an index)."""

@@ -21,7 +21,8 @@ class ClusterConfig:
     worker_threads: CPU threads (and pinned cores, locally) per worker.
     ray_address: join this Ray cluster (None = start an embedded one).
     object_store_mb: the embedded Ray's object store (Ray takes 30% of RAM otherwise).
-    cost_model: a `halfmoon profile` JSON; None = the first prefill worker profiles itself.
+    cost_model: a `halfmoon profile` JSON (co-located too); None = the cached profile of this
+        machine and worker shape, else a quick profile at start (then cached).
     request_timeout_s: bound on a request's KV transfer and prefill.
     model_id: the model's name in the API.
     prefill_gpus: GPUs per prefill worker actor (default: 1 if this machine sees CUDA, else 0;

@@ -7,25 +7,30 @@ event loop (gRPC + HTTP handlers)            engine thread (engine/loop.py)
   closed early -> engine.abort(id)  -------->  freed at the start of the next step
 ```
 
-Admission is simple here (the cluster's Mooncake-style predictor comes with the Conductor): a
-bounded number of requests waiting for their first token, and a per-request SLO check against
-predictions from what this engine measured (prefill tokens/s, time per output token).
+Admission is the cluster's (conductor/admission.py) over this engine: requests waiting for their
+first token are its prefill queue, requests decoding its decode batch, and a prefill's chunk
+stretches the steps of everything decoding meanwhile (`Admission(colocated_chunk=...)`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from conductor.admission import Admission, AdmissionConfig, Candidate, Decision, Objective, resolve
+from conductor.admission_stats import AdmissionStats, TopGaps
 from conductor.backend import BackendStats, GenerationBackend, GenerationInput
-from conductor.errors import (DeadlineExceededError, OverloadedError, ServiceUnavailableError,
-                              SloMissError, SloPrediction)
-from core.messages import RequestEnd, TokenChunk
+from conductor.cost_model import CostModel, profile_engine
+from conductor.errors import DeadlineExceededError, ServiceUnavailableError
+from conductor.ledger import BoundRequest, DecodeLedger, PendingPrefill, PrefillLedger
+from conductor.profile_cache import cached_cost_model, profile_key
+from core.errors import InvalidRequestError
+from core.messages import EngineInfo, TokenChunk
 from engine.engine import Engine
 from engine.loop import EngineLoop
-from core.errors import InvalidRequestError
 from halfmoon.results import ModelInfo
 
 _Item = TokenChunk | BaseException
@@ -34,44 +39,31 @@ _Item = TokenChunk | BaseException
 @dataclass(slots=True)
 class _Stream:
     queue: asyncio.Queue[_Item]
-    prompt_tokens: int
+    objective: Objective
+    decision: Decision
+    bound: BoundRequest
+    gaps: TopGaps
     started: bool = False  # first token seen
 
 
-class LoadPredictor:
-    """Exponentially weighted averages of what the engine delivered: prefill tokens per ms and
-    time per output token. Unknown (None) until the first request finished."""
-
-    ALPHA = 0.2
-
-    def __init__(self) -> None:
-        self.prefill_tokens_per_ms: float | None = None
-        self.tpot_ms: float | None = None
-
-    def observe(self, end: RequestEnd) -> None:
-        u, t = end.usage, end.timings
-        computed = u.prompt_tokens - u.cached_prompt_tokens
-        if computed > 0 and t.prefill_ms > 0:
-            self.prefill_tokens_per_ms = self._ewma(self.prefill_tokens_per_ms, computed / t.prefill_ms)
-        if u.completion_tokens > 1 and t.mean_tpot_ms > 0:
-            self.tpot_ms = self._ewma(self.tpot_ms, t.mean_tpot_ms)
-
-    def ttft_ms(self, queued_tokens: int, own_tokens: int) -> float | None:
-        if self.prefill_tokens_per_ms is None:
-            return None
-        return (queued_tokens + own_tokens) / self.prefill_tokens_per_ms
-
-    def _ewma(self, old: float | None, new: float) -> float:
-        return new if old is None else (1 - self.ALPHA) * old + self.ALPHA * new
-
-
 class ColocatedBackend(GenerationBackend):
-    def __init__(self, engine: Engine, model_id: str, max_waiting: int = 256) -> None:
+    def __init__(self, engine: Engine, model_id: str, max_waiting: int = 256,
+                 admission: AdmissionConfig | None = None, cost_model: CostModel | None = None) -> None:
+        """`cost_model`: None = the cached profile of this engine shape, else a quick profile at
+        start (conductor/profile_cache.py)."""
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.model = ModelInfo(model_id, engine.max_model_len, engine.model_config.vocab_size)
-        self.max_waiting = max_waiting
-        self.predictor = LoadPredictor()
+        # One bound on the queue: --max-waiting is this mode's name for max_queue_per_worker.
+        cfg = admission or AdmissionConfig()
+        self.admission_config = replace(cfg, max_queue_per_worker=min(cfg.max_queue_per_worker, max_waiting))
+        self.priority_classes = frozenset(self.admission_config.classes())
+        self.kv_capacity_tokens = engine.pool.num_blocks * engine.config.block_size
+        self.cost = cost_model
+        self.admission: Admission | None = None
+        self.admission_stats = AdmissionStats()
+        self.pending = PrefillLedger()  # waiting for their first token
+        self.bound = DecodeLedger(engine.pool.num_blocks)  # every request in the engine
         self.loop = EngineLoop(engine)
         self._streams: dict[str, _Stream] = {}  # only touched on the event loop
         self._started = False
@@ -84,8 +76,21 @@ class ColocatedBackend(GenerationBackend):
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        if self.cost is None:  # measured before the loop starts: profiling needs the engine idle
+            self.cost = await self._profiled()
+        self.admission = Admission(self.admission_config, self.cost, self.engine.config.max_num_batched_tokens)
         self.loop.start()
         self._started = True
+
+    async def _profiled(self) -> CostModel:
+        engine = self.engine
+
+        async def measure() -> CostModel:
+            return await asyncio.to_thread(profile_engine, engine, quick=True)
+
+        info = EngineInfo(engine.max_model_len, engine.model_config.vocab_size, engine.model_config.fingerprint,
+                          engine.config.block_size, str(engine.config.torch_dtype).removeprefix("torch."), 1)
+        return await cached_cost_model(profile_key(info, engine.config.num_threads), measure)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.loop.stop)
@@ -96,10 +101,10 @@ class ColocatedBackend(GenerationBackend):
         return self._started and self.loop.alive
 
     def stats(self) -> BackendStats:
-        waiting = sum(1 for s in list(self._streams.values()) if not s.started)
-        total = len(self._streams)
+        waiting = self.pending.depth
         pool = self.engine.pool
-        return BackendStats(total - waiting, waiting, pool.num_free(), pool.num_blocks, self.steps)
+        return BackendStats(len(self._streams) - waiting, waiting, pool.num_free(), pool.num_blocks, self.steps,
+                            {}, {"engine": waiting}, self.admission_stats)
 
     # ------------------------------------------------------------------ requests
 
@@ -109,10 +114,10 @@ class ColocatedBackend(GenerationBackend):
         try:
             while not finished:
                 chunk = await self._next(stream, inp.deadline)
-                stream.started = True
+                self._progress(request_id, stream, chunk)
                 if chunk.end is not None:
                     finished = True
-                    self.predictor.observe(chunk.end)
+                    chunk = self._finish(stream, chunk, inp)
                 yield chunk
         finally:
             if not finished:  # cancelled, deadline, disconnect or error: free its KV now
@@ -120,43 +125,74 @@ class ColocatedBackend(GenerationBackend):
                 self.engine.abort(request_id)
                 self.loop.wake()
             self._streams.pop(request_id, None)
+            self.pending.finish(request_id, time.monotonic())
+            self.bound.release(request_id)
+
+    def _progress(self, request_id: str, stream: _Stream, chunk: TokenChunk) -> None:
+        if not stream.started:
+            stream.started = True
+            self.pending.finish(request_id, time.monotonic())
+            stream.bound.joins_at = time.monotonic()
+        stream.gaps.tick(time.perf_counter(), len(chunk.token_ids))
+        stream.bound.generated += len(chunk.token_ids)
+
+    def _finish(self, stream: _Stream, chunk: TokenChunk, inp: GenerationInput) -> TokenChunk:
+        """The last chunk, with admission's prediction; the prediction's error is recorded."""
+        end = chunk.end
+        assert end is not None and self.admission is not None
+        self.admission.outputs.observe(stream.objective.slo_class.name, end.usage.completion_tokens,
+                                       inp.params.max_tokens)
+        p = stream.decision.prediction
+        self.admission_stats.measured(p.predicted_ttft_ms, end.timings.ttft_ms / 1e3, p.predicted_tbt_ms,
+                                      stream.gaps.mean_s())
+        return replace(chunk, end=replace(end, prediction=p))
 
     def _open(self, inp: GenerationInput) -> tuple[str, _Stream]:
-        """Admission checks, then the request enters the engine's inbox."""
+        """Admission, then the request enters the engine's inbox (booked in both ledgers)."""
         if not self.ready():
             failure = self.loop.failure
             raise ServiceUnavailableError("the engine is not running" if failure is None
                                           else f"the engine failed: {failure}")
-        self._admit(inp)
         request_id = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use by a running request")
-        stream = _Stream(self.loop.watch_async(request_id), len(inp.prompt_ids))
+        objective, decision, candidate = self._admit(inp)
+        now = time.monotonic()
+        bound = BoundRequest(request_id, len(inp.prompt_ids), candidate.expected_output, objective.tbt_ms,
+                             now + decision.joins_in_ms / 1e3, candidate.blocks)
+        stream = _Stream(self.loop.watch_async(request_id), objective, decision, bound, TopGaps(inp.params.max_tokens))
         self._streams[request_id] = stream
+        self.pending.add(PendingPrefill(request_id, objective.rank, candidate.deadline, candidate.prefill_ms, now))
+        self.bound.book(bound)
         try:
-            self.engine.add_request(inp.prompt_ids, inp.params, request_id=request_id,
-                                    cache_salt=inp.cache_salt, priority=inp.priority)
+            self.engine.add_request(inp.prompt_ids, inp.params, request_id=request_id, cache_salt=inp.cache_salt,
+                                    priority=objective.rank, deadline=candidate.deadline)
         except BaseException:
             self.loop.unwatch(request_id)
             self._streams.pop(request_id, None)
+            self.pending.finish(request_id, now)
+            self.bound.release(request_id)
             raise
         self.loop.wake()
         return request_id, stream
 
-    def _admit(self, inp: GenerationInput) -> None:
-        pending = [s.prompt_tokens for s in self._streams.values() if not s.started]
-        ttft = self.predictor.ttft_ms(sum(pending), len(inp.prompt_ids))
-        drain_s = (ttft or 1000.0) / 1e3
-        if len(pending) >= self.max_waiting:
-            raise OverloadedError(f"{len(pending)} requests are waiting for their first token "
-                                  f"(limit {self.max_waiting}); retry later", drain_s)
-        slo = inp.slo
-        tbt = self.predictor.tpot_ms
-        ttft_miss = slo.ttft_ms is not None and ttft is not None and ttft > slo.ttft_ms
-        tbt_miss = slo.tbt_ms is not None and tbt is not None and tbt > slo.tbt_ms
-        if ttft_miss or tbt_miss:
-            prediction = SloPrediction(ttft or 0.0, tbt or 0.0, slo.ttft_ms or 0.0, slo.tbt_ms or 0.0)
-            raise SloMissError(prediction, drain_s)
+    def _admit(self, inp: GenerationInput) -> tuple[Objective, Decision, Candidate]:
+        """The request's objectives and admission's decision on this engine (raises the rejection)."""
+        assert self.admission is not None and self.cost is not None
+        objective = resolve(self.admission_config, inp.priority_class, inp.slo)
+        name = objective.slo_class.name
+        n = len(inp.prompt_ids)
+        cached = min(self.engine.cached_prefix_tokens(inp.prompt_ids, inp.cache_salt), n - 1)
+        now = time.monotonic()
+        candidate = self.admission.candidate(objective, n, inp.params.max_tokens,
+                                             self.cost.est_prefill_ms(n - cached, cached),
+                                             self.engine.config.block_size, now)
+        decision = self.admission.decide(candidate, self.pending, self.bound, now)
+        if not decision.admitted:
+            self.admission_stats.rejected(name, decision.reason or "")
+            raise decision.error()
+        self.admission_stats.admitted(name)
+        return objective, decision, candidate
 
     async def _next(self, stream: _Stream, deadline: float | None) -> TokenChunk:
         try:

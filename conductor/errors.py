@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import grpc
 
 from core.errors import HalfmoonError, InvalidRequestError
-from core.messages import WorkerError
+from core.messages import SloPrediction, WorkerError
 from engine.errors import ChatTemplateError, RequestAbortedError
 
 
@@ -48,11 +48,15 @@ class RequestTooLargeError(HalfmoonError):
 
 
 class RetryableRejection(HalfmoonError):
-    """A rejection the client may retry after `retry_after_s` seconds."""
+    """A rejection the client may retry after `retry_after_s` seconds. `reason` names why
+    (admission's reasons, e.g. `ttft`, `queue_full`); `prediction` is what admission predicted."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, reason: str = "",
+                 prediction: SloPrediction | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = max(0.0, retry_after_s) if math.isfinite(retry_after_s) else 1.0
+        self.reason = reason
+        self.prediction = prediction
 
 
 class TooManyStreamsError(RetryableRejection):
@@ -63,28 +67,18 @@ class OverloadedError(RetryableRejection):
     """The backend's queue is full; nothing was spent on the request."""
 
 
-@dataclass(frozen=True, slots=True)
-class SloPrediction:
-    """What the backend predicted for a request, next to the SLOs it asked for (0 = not given)."""
-
-    predicted_ttft_ms: float
-    predicted_tbt_ms: float
-    ttft_slo_ms: float
-    tbt_slo_ms: float
-
-
 class SloMissError(OverloadedError):
     """The request would miss its TTFT or TBT objective: rejected before any work is spent."""
 
-    def __init__(self, prediction: SloPrediction, retry_after_s: float) -> None:
+    def __init__(self, prediction: SloPrediction, retry_after_s: float, reason: str = "slo",
+                 detail: str = "") -> None:
         p = prediction
-        misses = []
-        if p.ttft_slo_ms and p.predicted_ttft_ms > p.ttft_slo_ms:
+        misses = [detail] if detail else []
+        if not misses and p.ttft_slo_ms and p.predicted_ttft_ms > p.ttft_slo_ms:
             misses.append(f"predicted TTFT {p.predicted_ttft_ms:.0f} ms > SLO {p.ttft_slo_ms:.0f} ms")
-        if p.tbt_slo_ms and p.predicted_tbt_ms > p.tbt_slo_ms:
+        if not detail and p.tbt_slo_ms and p.predicted_tbt_ms > p.tbt_slo_ms:
             misses.append(f"predicted TBT {p.predicted_tbt_ms:.1f} ms > SLO {p.tbt_slo_ms:.1f} ms")
-        super().__init__("request would miss its SLO: " + "; ".join(misses), retry_after_s)
-        self.prediction = prediction
+        super().__init__("request would miss its SLO: " + "; ".join(misses), retry_after_s, reason, prediction)
 
 
 class ServiceUnavailableError(HalfmoonError):

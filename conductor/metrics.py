@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
                                generate_latest)
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from conductor.admission_stats import AdmissionStats
 from conductor.backend import BackendStats
 from core.messages import RequestEnd
 
@@ -38,6 +39,46 @@ class _BackendCollector(Collector):
         for reason in RERUN_REASONS:
             rerun.add_metric([reason], s.requests_rerun.get(reason, 0))
         yield rerun
+        depth = GaugeMetricFamily("halfmoon_queue_depth", "Requests pending on each worker (prefill: sent "
+                                  "and not prefilled; decode: bound to it).", labels=["worker"])
+        for worker, n in sorted(s.queue_depth.items()):
+            depth.add_metric([worker], n)
+        yield depth
+        if s.admission is not None:
+            yield from _admission_metrics(s.admission)
+        if s.index_health:
+            yield from _index_metrics(s.index_health)
+
+
+def _index_metrics(health: Mapping[str, tuple[float, int]]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    gap = GaugeMetricFamily("halfmoon_index_heartbeat_max_gap_seconds", "Longest gap between two cluster-index "
+                            "heartbeats of each holder (it expires after the heartbeat TTL).", labels=["holder"])
+    resyncs = CounterMetricFamily("halfmoon_index_resyncs", "Times the index had lost a holder (expired "
+                                  "heartbeat or Redis restart) and it re-registered.", labels=["holder"])
+    for holder, (max_gap, n) in sorted(health.items()):
+        gap.add_metric([holder], max_gap)
+        resyncs.add_metric([holder], n)
+    yield gap
+    yield resyncs
+
+
+def _admission_metrics(a: AdmissionStats) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
+    decisions = CounterMetricFamily("halfmoon_admission_decisions", "Admission decisions by priority class, "
+                                    "outcome (admitted, rejected) and reason of a rejection.",
+                                    labels=["class", "outcome", "reason"])
+    for (cls, outcome, reason), n in sorted(a.decisions.items()):
+        decisions.add_metric([cls, outcome, reason], n)
+    yield decisions
+    for name, hist in (("ttft", a.ttft_error), ("tbt", a.tbt_error)):
+        family = HistogramMetricFamily(f"halfmoon_prediction_error_{name}_seconds",
+                                       f"Predicted minus measured {name.upper()} of admitted requests.")
+        buckets = [(_bound(b), n) for b, n in hist.cumulative()] + [("+Inf", hist.count)]
+        family.add_metric([], buckets, hist.total)
+        yield family
+
+
+def _bound(value: float) -> str:
+    return repr(float(value))
 
 
 class Metrics:

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 from conductor.cost_model import CostModel
 from conductor.errors import OverloadedError, ServiceUnavailableError
+from core.blocks import cdiv
 
 DEFAULT_BALANCING_THRESHOLD = 2.0
 
@@ -215,62 +216,4 @@ class Router:
 
     def blocks_needed(self, request: RouteRequest) -> int:
         """KV blocks the decode worker must have free for the whole request."""
-        return -(-(request.prompt_len + request.max_tokens) // self.block_size)
-
-
-# ---------------------------------------------------------------------- prediction-based admission
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeJob:
-    """A request bound to a decode worker, as the load predictor sees it (times: ms from now).
-
-    joins_at_ms: 0 for a request decoding now; its predicted end of prefill for one still in
-        prefill.
-    context_tokens: its context when it joins (prompt + tokens generated so far).
-    remaining_tokens: tokens it still decodes (max_tokens - generated: an upper bound).
-    """
-
-    joins_at_ms: float
-    context_tokens: int
-    remaining_tokens: int
-
-    def __post_init__(self) -> None:
-        _check_non_negative(self)
-
-
-class DecodeLoad(NamedTuple):
-    """The predicted decode batch of a worker when a request reaches it, the request included."""
-
-    batch: int
-    context_tokens: int
-    tbt_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class DecodeLoadPredictor:
-    """Mooncake's prediction-based early rejection (arXiv version, section 7): the decode load a
-    request will meet is the load at its arrival there, not the load now.
-
-    Every job decodes for `remaining_tokens` steps of today's step time (the batch decoding now):
-    it is in the batch over [joins_at, joins_at + remaining * step) and grows one token per step.
-    """
-
-    cost: CostModel
-
-    def step_ms_now(self, jobs: Sequence[DecodeJob]) -> float:
-        """Step time of the batch decoding now (at least one request, so never zero)."""
-        now = [j for j in jobs if j.joins_at_ms <= 0]
-        return self.cost.est_decode_step_ms(max(1, len(now)), sum(j.context_tokens for j in now))
-
-    def predict(self, jobs: Sequence[DecodeJob], arrival_ms: float, prompt_len: int) -> DecodeLoad:
-        """The batch at `arrival_ms` (the request's predicted TTFT) with the request in it, and
-        the step time (TBT) the cost model gives that batch."""
-        step = self.step_ms_now(jobs)
-        batch, context = 1, prompt_len
-        for job in jobs:
-            if job.joins_at_ms <= arrival_ms < job.joins_at_ms + job.remaining_tokens * step:
-                done = int((arrival_ms - job.joins_at_ms) / step) if step > 0 else 0
-                batch += 1
-                context += job.context_tokens + min(done, job.remaining_tokens)
-        return DecodeLoad(batch, context, self.cost.est_decode_step_ms(batch, context))
+        return cdiv(request.prompt_len + request.max_tokens, self.block_size)

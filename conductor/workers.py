@@ -11,8 +11,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from conductor.ledger import DecodeLedger, PrefillLedger
 from core.messages import DecodeApi, PrefillApi
 from engine.config import WorkerSpec
 
@@ -33,9 +34,9 @@ class Worker:
     free_blocks: int = 0
     total_blocks: int = 0
     block_address: str | None = None  # where it serves its blocks to other workers
-    queued_ms: float = 0.0  # prefill: predicted work dispatched and not finished
-    running: int = 0  # decode: requests streaming
-    context_tokens: int = 0  # decode: their prompt tokens
+    pending: PrefillLedger = field(default_factory=PrefillLedger)  # prefill: sent, not prefilled yet
+    bound: DecodeLedger = field(default_factory=DecodeLedger)  # decode: requests and KV booked here
+    index_health: tuple[float, int] = (0.0, 0)  # its index holder: longest beat gap (s), resyncs
 
     @property
     def worker_id(self) -> str:
@@ -85,3 +86,5 @@ async def _check(w: Worker) -> None:
         w.restarts += 1
         log.warning("worker %s was restarted (pid %d -> %d)", w.worker_id, w.pid, pid)
     w.pid, w.alive, w.free_blocks, w.total_blocks = pid, load.alive, load.free_blocks, load.total_blocks
+    w.bound.total_blocks = load.total_blocks
+    w.index_health = (load.index_heartbeat_max_gap_s, load.index_resyncs)

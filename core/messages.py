@@ -20,6 +20,7 @@ in tests. The protocols are what the Conductor calls: a Ray actor handle is adap
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -52,14 +53,26 @@ class Timings:
 
 
 @dataclass(frozen=True, slots=True)
+class SloPrediction:
+    """What admission predicted for a request, next to its objectives (ms; 0 = no objective)."""
+
+    predicted_ttft_ms: float
+    predicted_tbt_ms: float
+    ttft_slo_ms: float
+    tbt_slo_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class RequestEnd:
-    """How a request ended; carried by its last chunk. `stop`: the stop string that ended it."""
+    """How a request ended; carried by its last chunk. `stop`: the stop string that ended it.
+    `prediction`: what admission predicted for it (None where nothing was predicted)."""
 
     finish_reason: FinishReason
     stop: str | None
     usage: Usage
     timings: Timings
     num_preemptions: int = 0
+    prediction: SloPrediction | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +115,8 @@ class PrefillTask:
     handoff: KVHandoff
     timeout_s: float = 60.0
     block_servers: Mapping[str, str] = field(default_factory=dict)
+    priority: int = 0  # its class's rank: the prefill queue serves higher first
+    deadline: float = math.inf  # then earlier deadline first (the Conductor's clock: an order, not a time)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +187,8 @@ class WorkerLoad:
     reserved: int = 0  # decode: requests holding a KV reservation
     reserved_blocks: int = 0  # decode: the blocks those reservations hold (prompt + output room)
     kv_address: str | None = None  # decode: where its KV receiver listens
+    index_heartbeat_max_gap_s: float = 0.0  # its cluster-index holder: longest gap between beats
+    index_resyncs: int = 0  # times the index had lost it (expired or Redis restarted) and it re-registered
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,7 @@ thread (so errors reach the caller at once) and hand over through a lock-guarded
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import os
 import socket
@@ -34,7 +35,7 @@ from core.params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.attention import get_backend
-from kvpool.block_hash import root_hash
+from kvpool.block_hash import block_hashes, root_hash
 from kvpool.block_pool import BlockPool
 from kvpool.cluster_index import ClusterIndex, HolderId
 from kvpool.disk_tier import DiskTier
@@ -129,11 +130,13 @@ class Engine:
 
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    kv_push: PushStream | None = None, priority: int = 0) -> str:
+                    kv_push: PushStream | None = None, priority: int = 0,
+                    deadline: float = math.inf) -> str:
         """Validate and queue a request; returns its id. Thread-safe.
 
         `cache_salt` isolates tenants: requests with different salts never share KV blocks.
-        `priority`: higher is admitted first when requests wait (FCFS within a priority).
+        `priority`: higher is admitted first when requests wait; then the earlier `deadline` (an
+        ordering key on the caller's clock); FCFS among equals.
         `kv_push` makes it a prefill-only request (disaggregation): its KV goes layer by layer
         into the stream's destination blocks, it ends after the first token, and the stream's
         DONE carries that token (see `kv_push.py`; the decode side calls `add_prefilled`).
@@ -143,7 +146,7 @@ class Engine:
         if kv_push is not None:
             self._check_push(prompt_ids, kv_push)
         req = self._new_request(prompt_ids, params, cache_salt)
-        req.priority = priority
+        req.priority, req.deadline = priority, deadline
         with self._lock:
             req.request_id = request_id = self._claim_id(request_id)
             if kv_push is not None:
@@ -186,6 +189,15 @@ class Engine:
     def release_blocks(self, block_ids: Sequence[int]) -> None:
         """Return reserved blocks whose transfer failed or was cancelled (never used)."""
         self.pool.free(block_ids)
+
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens this device's prefix cache holds now (an estimate for admission: the
+        blocks may be evicted before the request runs; host/disk tiers are not counted)."""
+        bs = self.config.block_size
+        dtype = str(self.config.torch_dtype).removeprefix("torch.")
+        root = root_hash(self.model_config.fingerprint, dtype, bs, cache_salt)
+        usable = list(prompt_ids[: (len(prompt_ids) - 1) // bs * bs])
+        return len(self.pool.get_computed_blocks(block_hashes(usable, bs, root))) * bs
 
     def _new_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> Request:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1

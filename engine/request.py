@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +39,8 @@ class Request:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
-    priority: int = 0  # higher is admitted first; FCFS within a priority
+    priority: int = 0  # higher is admitted first; then earlier deadline; FCFS within both
+    deadline: float = math.inf  # an ordering key (the caller's clock), inf = none
     scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -63,14 +63,14 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     def add(self, request: Request) -> None:
-        """Queue a request: behind every waiting request of equal or higher priority (FCFS
-        within a priority), ahead of the lower ones."""
+        """Queue a request in (higher priority, earlier deadline) order; FCFS among equals."""
         self.requests[request.request_id] = request
-        if not self.waiting or self.waiting[-1].priority >= request.priority:
+        key = _order(request)
+        if not self.waiting or _order(self.waiting[-1]) <= key:
             self.waiting.append(request)
             return
         for i, other in enumerate(self.waiting):
-            if other.priority < request.priority:
+            if _order(other) > key:
                 self.waiting.insert(i, request)
                 return
 
@@ -250,3 +250,8 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
+
+
+def _order(request: Request) -> tuple[int, float]:
+    """Where a waiting request stands: higher priority first, then earlier deadline."""
+    return (-request.priority, request.deadline)

@@ -9,6 +9,7 @@ Conductor runs them as Ray actors (conductor/ray_workers.py) and tests drive the
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 import logging
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -131,10 +132,15 @@ class EngineWorker:
     def engine_load(self) -> WorkerLoad:
         pool, stats = self.engine.pool, self.engine.scheduler.stats
         traffic = self.engine.tiers.traffic if self.engine.tiers is not None else None
-        return WorkerLoad(self.loop.alive, self.loop.steps, pool.num_free(), pool.num_blocks,
+        index = self.engine.tiers.index if self.engine.tiers is not None else None
+        load = WorkerLoad(self.loop.alive, self.loop.steps, pool.num_free(), pool.num_blocks,
                           self.loop.watching(), stats.prompt_tokens_computed, stats.prompt_tokens_cached,
                           traffic.fetched_remote if traffic is not None else 0,
                           None if self.loop.failure is None else str(self.loop.failure))
+        if index is None:
+            return load
+        return replace(load, index_heartbeat_max_gap_s=index.stats.max_heartbeat_gap_s,
+                       index_resyncs=index.stats.resyncs)
 
     async def check_integrity(self) -> IntegrityReport:
         """Check the KV bookkeeping (`block_problems`: the pool's own invariants, the block

@@ -42,6 +42,7 @@ from __future__ import annotations
 import secrets
 import struct
 import threading
+import time
 from collections.abc import Iterable, Sequence
 
 from redis.exceptions import RedisError
@@ -82,6 +83,8 @@ __all__ = [
 
 BLOCK_HASH_BYTES = HASH_BYTES
 ALL_TIERS_MASK = sum(tier.bit for tier in Tier)
+# Beats per heartbeat TTL: a holder expires only after this many beats in a row are missed.
+HEARTBEATS_PER_TTL = 4
 # Local reservations are purged of expired ones once the dict grows past this.
 _RESERVATION_PURGE_AT = 4096
 # Lookup reply records (see kvpool/lua/lookup.lua).
@@ -352,7 +355,9 @@ class ClusterIndex(IndexLink):
         return self._call("heartbeat", remote, lambda: False)
 
     def start(self) -> ClusterIndex:
-        """Start the background thread: heartbeat every `heartbeat_ttl_s / 3`, plus a GC step."""
+        """Start the background thread: heartbeat every `heartbeat_ttl_s / HEARTBEATS_PER_TTL`
+        (a beat may be late by several intervals under CPU load before the holder expires),
+        plus a GC step. Its own thread: a busy engine or event loop never delays it."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                             name=f"cluster-index-heartbeat[{self.holder.key}]")
@@ -360,9 +365,14 @@ class ClusterIndex(IndexLink):
         return self
 
     def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self.settings.heartbeat_ttl_s / 3):
+        last = time.monotonic()
+        while not self._stop.wait(self.settings.heartbeat_ttl_s / HEARTBEATS_PER_TTL):
             try:
                 if self.heartbeat():
+                    now = time.monotonic()
+                    self.stats.heartbeats += 1
+                    self.stats.max_heartbeat_gap_s = max(self.stats.max_heartbeat_gap_s, now - last)
+                    last = now
                     self.gc_step()
             except (RedisError, ClusterIndexError):
                 # Outages are handled inside the verbs; this is a bug or a Redis refusal (OOM,

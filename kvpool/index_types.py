@@ -101,3 +101,5 @@ class IndexStats:
     resyncs: int = 0  # re-registrations that re-published this holder's blocks
     republished_blocks: int = 0
     gc_pruned: int = 0  # dead holders' entries removed by this holder's sweep
+    heartbeats: int = 0  # beats the background thread sent that found this holder live
+    max_heartbeat_gap_s: float = 0.0  # longest time between two such beats (vs heartbeat_ttl_s)

@@ -51,7 +51,8 @@ class PrefillWorker(EngineWorker):
         done = False
         try:
             self.engine.add_request(task.prompt_ids, task.params, request_id=task.request_id,
-                                    cache_salt=task.cache_salt, kv_push=stream)
+                                    cache_salt=task.cache_salt, kv_push=stream, priority=task.priority,
+                                    deadline=task.deadline)
             self.loop.wake()
             final = await self._final(queue, task.timeout_s)
             done = True

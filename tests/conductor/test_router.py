@@ -6,7 +6,8 @@ import pytest
 
 from conductor.cost_model import CostModel
 from conductor.errors import ServiceUnavailableError, status_of
-from conductor.router import (DecodeJob, DecodeLoadPredictor, DecodeView, NoDecodeCapacityError,
+from conductor.prediction import DecodeJob, DecodeLoadPredictor
+from conductor.router import (DecodeView, NoDecodeCapacityError,
                               NoWorkerAvailableError,
                               PrefillView, RouteRequest, Router)
 

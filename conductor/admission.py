@@ -1,0 +1,374 @@
+"""Admission: whether a request goes in, decided before any work is spent on it.
+
+Every request has objectives: its priority class's TTFT/TBT SLOs (server-side defaults, so
+overload is handled even when clients send none), which its own `ttft_ms`/`tbt_ms` override.
+After routing picks the prefill and decode workers, the policy decides:
+
+| policy            | rejects when                                                              |
+|-------------------|---------------------------------------------------------------------------|
+| `none`            | never for load (only a full queue or no KV: nothing can take it)          |
+| `queue-threshold` | the prefill worker has `queue_threshold` requests pending                 |
+| `early`           | the load *now* predicts a miss: queue + prefill > TTFT, step now > TBT    |
+| `predictive`      | Mooncake §7 (default): TTFT on the prefill worker (queue served before it,|
+|                   | prefill, fetch, the decode side's first step) > TTFT, or the decode batch |
+|                   | at any moment of its stay (conductor/prediction.py) > the tightest TBT    |
+|                   | objective in it; or it would push a queued request past its deadline      |
+
+Every policy also rejects when the worker's queue holds `max_queue_per_worker` requests
+(`queue_full`) or no decode worker has the request's KV free (`kv_capacity`). A class without
+objectives (`batch`) is shed first: it is admitted only while a request of the lowest class that
+has objectives would be, with `shed_headroom` of its SLOs to spare. A rejection is a clean 429 /
+RESOURCE_EXHAUSTED carrying the predictions, the objectives and a Retry-After hint.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass, replace
+from typing import NamedTuple
+
+from conductor.backend import Slo
+from conductor.cost_model import CostModel
+from conductor.errors import OverloadedError, SloMissError
+from conductor.ledger import DecodeLedger, PrefillLedger
+from conductor.prediction import DecodeJob, DecodeLoadPredictor
+from core.blocks import cdiv
+from core.errors import ConfigError, InvalidRequestError, check_positive
+from core.messages import SloPrediction
+
+log = logging.getLogger(__name__)
+
+RETRY_MIN_S, RETRY_MAX_S = 0.5, 30.0
+
+
+class Policy(enum.StrEnum):
+    NONE = "none"
+    QUEUE_THRESHOLD = "queue-threshold"
+    EARLY = "early"
+    PREDICTIVE = "predictive"
+
+
+class Reason(enum.StrEnum):
+    """Why a request was rejected (the `reason` label of the admission metrics)."""
+
+    TTFT = "ttft"  # predicted TTFT over its objective
+    TBT = "tbt"  # predicted TBT over the tightest objective of a batch it joins
+    DEADLINE = "deadline"  # it would push a queued request past its deadline
+    SHED = "shed"  # a class without objectives, shed while others are near theirs
+    QUEUE_THRESHOLD = "queue_threshold"
+    QUEUE_FULL = "queue_full"
+    KV_CAPACITY = "kv_capacity"
+
+
+@dataclass(frozen=True, slots=True)
+class SloClass:
+    """A priority class: `rank` orders queues (higher first); None = no objective."""
+
+    name: str
+    rank: int
+    ttft_ms: float | None
+    tbt_ms: float | None
+
+    @property
+    def has_slo(self) -> bool:
+        return self.ttft_ms is not None or self.tbt_ms is not None
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionConfig:
+    """Admission and priority classes (`halfmoon serve --admission ...`, HALFMOON_ADMISSION, Helm
+    `admission.*`).
+
+    admission: the policy (none, queue-threshold, early, predictive).
+    default_class: the class of a request that names none.
+    interactive_ttft_ms / interactive_tbt_ms: the `interactive` class's SLOs (0 = none).
+    standard_ttft_ms / standard_tbt_ms: the `standard` class's SLOs (0 = none).
+    batch_ttft_ms / batch_tbt_ms: the `batch` class's SLOs (0 = none: shed first).
+    queue_threshold: `queue-threshold` policy: pending prefills per worker before rejecting.
+    max_queue_per_worker: every policy: requests pending on one prefill worker at most.
+    shed_headroom: a class without SLOs is admitted while predictions stay within this fraction
+        of the lowest SLO class's objectives.
+    """
+
+    admission: str = Policy.PREDICTIVE.value
+    default_class: str = "standard"
+    interactive_ttft_ms: float = 1000.0
+    interactive_tbt_ms: float = 100.0
+    standard_ttft_ms: float = 2000.0
+    standard_tbt_ms: float = 150.0
+    batch_ttft_ms: float = 0.0
+    batch_tbt_ms: float = 0.0
+    queue_threshold: int = 4
+    max_queue_per_worker: int = 128
+    shed_headroom: float = 0.8
+
+    def __post_init__(self) -> None:
+        if self.admission not in {p.value for p in Policy}:
+            raise ConfigError(f"admission must be one of {[p.value for p in Policy]}, got {self.admission!r}")
+        if self.default_class not in self.classes():
+            raise ConfigError(f"default_class must be one of {sorted(self.classes())}, got {self.default_class!r}")
+        for name in ("interactive_ttft_ms", "interactive_tbt_ms", "standard_ttft_ms", "standard_tbt_ms",
+                     "batch_ttft_ms", "batch_tbt_ms"):
+            if not 0 <= getattr(self, name) < math.inf:
+                raise ConfigError(f"{name} must be a finite number >= 0 (0 = no objective), got {getattr(self, name)}")
+        check_positive(self, "queue_threshold", "max_queue_per_worker", "shed_headroom")
+
+    @property
+    def policy(self) -> Policy:
+        return Policy(self.admission)
+
+    def classes(self) -> dict[str, SloClass]:
+        """The priority classes by name (highest rank first)."""
+        def objective(ms: float) -> float | None:
+            return ms or None
+
+        return {"interactive": SloClass("interactive", 2, objective(self.interactive_ttft_ms),
+                                        objective(self.interactive_tbt_ms)),
+                "standard": SloClass("standard", 1, objective(self.standard_ttft_ms), objective(self.standard_tbt_ms)),
+                "batch": SloClass("batch", 0, objective(self.batch_ttft_ms), objective(self.batch_tbt_ms))}
+
+
+@dataclass(frozen=True, slots=True)
+class Objective:
+    """A request's resolved class and objectives (ms; inf = none)."""
+
+    slo_class: SloClass
+    ttft_ms: float
+    tbt_ms: float
+    own_ttft: bool = False  # set by the request itself (else its class's)
+    own_tbt: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.slo_class.rank
+
+    @property
+    def has_slo(self) -> bool:
+        return math.isfinite(self.ttft_ms) or math.isfinite(self.tbt_ms)
+
+
+def resolve(config: AdmissionConfig, class_name: str | None, override: Slo, field: str = "priority_class") -> Objective:
+    """The request's class (its own, else the default) and objectives (its own, else the class's).
+    An unknown class is InvalidRequestError naming `field`."""
+    classes = config.classes()
+    name = class_name or config.default_class
+    if name not in classes:
+        raise InvalidRequestError(field, f"{name!r} is not a priority class; one of {sorted(classes)}")
+    cls = classes[name]
+    ttft = override.ttft_ms if override.ttft_ms is not None else cls.ttft_ms
+    tbt = override.tbt_ms if override.tbt_ms is not None else cls.tbt_ms
+    return Objective(cls, math.inf if ttft is None else ttft, math.inf if tbt is None else tbt,
+                     override.ttft_ms is not None, override.tbt_ms is not None)
+
+
+class OutputEstimator:
+    """A running estimate of output length per class, as a fraction of max_tokens (requests stop
+    early at EOS): an exponentially weighted mean, 1.0 (= max_tokens) until the first finish."""
+
+    ALPHA = 0.1
+
+    def __init__(self) -> None:
+        self._ratio: dict[str, float] = {}
+
+    def expected(self, class_name: str, max_tokens: int) -> int:
+        return max(1, min(max_tokens, math.ceil(max_tokens * self._ratio.get(class_name, 1.0))))
+
+    def observe(self, class_name: str, generated: int, max_tokens: int) -> None:
+        ratio = min(1.0, generated / max_tokens) if max_tokens > 0 else 1.0
+        old = self._ratio.get(class_name)
+        self._ratio[class_name] = ratio if old is None else (1 - self.ALPHA) * old + self.ALPHA * ratio
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A routed request as admission sees it.
+
+    prefill_ms: predicted prefill + fetch on the chosen prefill worker.
+    blocks: KV blocks it needs on the decode worker (prompt + max_tokens).
+    deadline: monotonic s when its first token is due (inf = no TTFT objective).
+    """
+
+    objective: Objective
+    prompt_len: int
+    max_tokens: int
+    expected_output: int
+    prefill_ms: float
+    blocks: int
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Admitted (reason None) or rejected, with the predictions it was decided on."""
+
+    reason: Reason | None
+    prediction: SloPrediction
+    retry_after_s: float = 0.0
+    detail: str = ""
+    joins_in_ms: float = 0.0  # predicted end of its prefill (it joins the decode batch), ms from now
+
+    @property
+    def admitted(self) -> bool:
+        return self.reason is None
+
+    def error(self) -> OverloadedError:
+        """The rejection as the front door reports it (429 / RESOURCE_EXHAUSTED)."""
+        assert self.reason is not None
+        if self.reason in (Reason.TTFT, Reason.TBT, Reason.DEADLINE, Reason.SHED):
+            return SloMissError(self.prediction, self.retry_after_s, self.reason.value, self.detail)
+        return OverloadedError(self.detail, self.retry_after_s, self.reason.value, self.prediction)
+
+
+class Predicted(NamedTuple):
+    ttft_ms: float
+    tbt_ms: float
+    tbt_limit_ms: float  # the tightest objective of the batch where tbt_ms was predicted
+    retry_tbt_s: float  # when the decode batch it meets first loses a member
+    first_step_ms: float = 0.0  # end of prefill -> first token (the decode step it rides)
+    stretched_ms: float = 0.0  # co-located: the running batch's step while this prefill runs
+    stretched_limit_ms: float = math.inf  # the tightest objective of that batch
+
+
+class Admission:
+    """Decides with one policy over the Conductor's ledgers (see the module docstring)."""
+
+    def __init__(self, config: AdmissionConfig, cost: CostModel, colocated_chunk: int | None = None) -> None:
+        """`colocated_chunk`: prefill and decode share one engine whose steps carry up to this
+        many prefill tokens: a prefill stretches the steps of every request decoding meanwhile."""
+        self.config = config
+        self.colocated_chunk = colocated_chunk
+        self.policy = config.policy
+        self.predictor = DecodeLoadPredictor(cost)
+        self.cost = cost
+        self.outputs = OutputEstimator()
+        self._warned: set[str] = set()
+        with_slo = [c for c in config.classes().values() if c.has_slo]
+        self._shed_class = min(with_slo, key=lambda c: c.rank) if with_slo else None
+
+    def candidate(self, objective: Objective, prompt_len: int, max_tokens: int, prefill_ms: float,
+                  block_size: int, arrival: float) -> Candidate:
+        deadline = arrival + objective.ttft_ms / 1e3 if math.isfinite(objective.ttft_ms) else math.inf
+        return Candidate(objective, prompt_len, max_tokens, self.outputs.expected(objective.slo_class.name, max_tokens),
+                         prefill_ms, cdiv(prompt_len + max_tokens, block_size), deadline)
+
+    def decide(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float) -> Decision:
+        """Admit or reject `c` on the chosen workers' ledgers."""
+        p = self.predict(c, prefill, decode, now)
+        return replace(self._decide(c, p, prefill, decode, now), joins_in_ms=p.ttft_ms - p.first_step_ms)
+
+    def _decide(self, c: Candidate, p: Predicted, prefill: PrefillLedger, decode: DecodeLedger,
+                now: float) -> Decision:
+        prediction = self._prediction(c.objective, p)
+        if prefill.depth >= self.config.max_queue_per_worker:
+            return self._queue_reject(Reason.QUEUE_FULL, prefill, now, prediction,
+                                      f"{prefill.depth} requests are waiting for their first token on this "
+                                      f"worker (limit {self.config.max_queue_per_worker}); retry later")
+        if decode.free_blocks < c.blocks:
+            return Decision(Reason.KV_CAPACITY, prediction, _clamp(p.retry_tbt_s),
+                            f"no decode worker has {c.blocks} KV blocks free for {c.prompt_len} prompt + "
+                            f"{c.max_tokens} output tokens (most free: {decode.free_blocks})")
+        if self.policy is Policy.QUEUE_THRESHOLD and prefill.depth >= self.config.queue_threshold:
+            return self._queue_reject(Reason.QUEUE_THRESHOLD, prefill, now, prediction,
+                                      f"{prefill.depth} requests are queued on the prefill worker "
+                                      f"(threshold {self.config.queue_threshold})")
+        if self.policy in (Policy.EARLY, Policy.PREDICTIVE):
+            return self._check_objectives(c, p, prediction, prefill, now)
+        return Decision(None, prediction)
+
+    def predict(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float) -> Predicted:
+        """TTFT and TBT as the policy sees them: the load at arrival and over the request's stay
+        (predictive), or the load now (every other policy: reported, and checked by `early`)."""
+        jobs = decode.decode_jobs(now)
+        step_now = self.predictor.step_ms_now(jobs)
+        retry = min((j.leaves_at_ms(step_now) for j in jobs), default=0.0) / 1e3
+        if self.policy is not Policy.PREDICTIVE:
+            ttft = prefill.wait_ms(-1, now) + c.prefill_ms
+            running = [j for j in jobs if j.joins_at_ms <= 0]
+            tbt = self.cost.est_decode_step_ms(len(running) + 1, sum(j.context_tokens for j in running) + c.prompt_len)
+            return Predicted(ttft, tbt, c.objective.tbt_ms, retry)
+        arrive = prefill.wait_ms(c.objective.rank, now, c.deadline) + c.prefill_ms
+        first_step = self.predictor.predict(jobs, arrive, c.prompt_len).tbt_ms  # the first token rides a step
+        peak = self.predictor.peak(jobs, arrive, c.prompt_len, c.expected_output, c.objective.tbt_ms)
+        stretched, limit = self._stretched(c, jobs)
+        return Predicted(arrive + first_step, peak.tbt_ms, peak.limit_ms, retry, first_step, stretched, limit)
+
+    def _stretched(self, c: Candidate, jobs: list[DecodeJob]) -> tuple[float, float]:
+        """Co-located: the step of the requests decoding now while a chunk of this prompt runs
+        in it, and their tightest objective (0, inf when nothing decodes)."""
+        running = [j for j in jobs if j.joins_at_ms <= 0]
+        if self.colocated_chunk is None or not running:
+            return 0.0, math.inf
+        step = self.cost.est_decode_step_ms(len(running), sum(j.context_tokens for j in running))
+        chunk = self.cost.est_prefill_ms(min(self.colocated_chunk, c.prompt_len))
+        return step + chunk, min(j.tbt_slo_ms for j in running)
+
+    def _check_objectives(self, c: Candidate, p: Predicted, prediction: SloPrediction,
+                          prefill: PrefillLedger, now: float) -> Decision:
+        """Every objective the request would miss (the first one names the reason)."""
+        o = c.objective
+        ttft_limit, tbt_limit, stretch_limit = o.ttft_ms, min(o.tbt_ms, p.tbt_limit_ms), p.stretched_limit_ms
+        shed = not o.has_slo and self._shed_class is not None
+        if shed:
+            h, cls = self.config.shed_headroom, self._shed_class
+            ttft_limit = h * (cls.ttft_ms or math.inf)
+            tbt_limit = h * min(cls.tbt_ms or math.inf, p.tbt_limit_ms)
+            stretch_limit *= h
+        # What the hardware gives a request alone is not load: a class objective below it admits
+        # requests one at a time instead of rejecting them on idle workers. An objective the
+        # request set itself stays strict (it asked to fail fast).
+        idle_ttft, idle_tbt = self._idle(c)
+        if not o.own_ttft:
+            ttft_limit = max(ttft_limit, idle_ttft)
+        if not o.own_tbt:
+            tbt_limit = max(tbt_limit, idle_tbt)
+        misses: list[tuple[Reason, float, str]] = []
+        if p.ttft_ms > ttft_limit:
+            misses.append((Reason.TTFT, (p.ttft_ms - ttft_limit) / 1e3,
+                           f"predicted TTFT {p.ttft_ms:.0f} ms > {ttft_limit:.4g} ms"))
+        if p.tbt_ms > tbt_limit:
+            misses.append((Reason.TBT, p.retry_tbt_s, f"predicted TBT {p.tbt_ms:.1f} ms > {tbt_limit:.4g} ms "
+                           "(the tightest objective of its batch)"))
+        if p.stretched_ms > stretch_limit:
+            misses.append((Reason.TBT, p.retry_tbt_s, "its prefill would stretch the running requests' steps to "
+                           f"{p.stretched_ms:.1f} ms > {stretch_limit:.4g} ms (the tightest objective among them)"))
+        if not misses and self.policy is Policy.PREDICTIVE:
+            late = prefill.pushed_past_deadline(o.rank, c.deadline, c.prefill_ms, now, p.first_step_ms)
+            if late is not None:
+                misses.append((Reason.DEADLINE, c.prefill_ms / 1e3,
+                               f"it would push queued request {late.request_id} past its TTFT deadline"))
+        if not misses:
+            return Decision(None, prediction)
+        reason = Reason.SHED if shed else misses[0][0]
+        return Decision(reason, prediction, _clamp(max(m[1] for m in misses)), "; ".join(m[2] for m in misses))
+
+    def _idle(self, c: Candidate) -> tuple[float, float]:
+        """TTFT and TBT of `c` on idle workers (warned about once per class when over its SLOs)."""
+        step = self.cost.est_decode_step_ms(1, c.prompt_len + c.expected_output)
+        ttft, tbt = c.prefill_ms + step, step
+        o = c.objective
+        over = (ttft > o.ttft_ms and not o.own_ttft) or (tbt > o.tbt_ms and not o.own_tbt)
+        if over and o.slo_class.name not in self._warned:
+            self._warned.add(o.slo_class.name)
+            log.warning("admission: a %s request alone is predicted at TTFT %.0f ms / TBT %.1f ms, over its "
+                        "objectives (%.4g / %.4g ms): this hardware cannot meet them even idle; such "
+                        "requests are admitted when nothing competes with them", o.slo_class.name, ttft, tbt,
+                        o.ttft_ms, o.tbt_ms)
+        return ttft, tbt
+
+    def _queue_reject(self, reason: Reason, prefill: PrefillLedger, now: float, prediction: SloPrediction,
+                      detail: str) -> Decision:
+        plan = prefill.plan(now)
+        return Decision(reason, prediction, _clamp(plan[0].end_ms / 1e3 if plan else 0.0), detail)
+
+    @staticmethod
+    def _prediction(o: Objective, p: Predicted) -> SloPrediction:
+        def slo(ms: float) -> float:
+            return ms if math.isfinite(ms) else 0.0
+
+        return SloPrediction(p.ttft_ms, p.tbt_ms, slo(o.ttft_ms), slo(o.tbt_ms))
+
+
+def _clamp(seconds: float) -> float:
+    return min(RETRY_MAX_S, max(RETRY_MIN_S, seconds))

@@ -1,0 +1,178 @@
+"""What the Conductor has sent each worker and not yet seen finish: the state admission predicts
+from, kept on the event loop with no worker round trip (a worker's own counts arrive once a second
+and are stale by then: booking decode from them over-committed its KV).
+
+A prefill worker serves its queue in the order its scheduler admits (engine/scheduler.py): higher
+rank first, then earlier deadline, then arrival. `PrefillLedger.plan` lays the queue out on a time
+line: the job in progress (the head: it started when the one before it finished, or when it was
+sent to an idle worker), then the rest in that order:
+
+    now
+     |--[ head: cost - elapsed ]--[ job 2 ]--[ job 3 ]--  ...   ms from now
+                 ^ a new job of rank r starts after the head and every job of rank >= r
+
+A decode worker's `DecodeLedger` holds the requests bound to it — still in prefill (joining at
+their predicted end of prefill) or decoding (tokens so far) — and the KV blocks reserved for them,
+exactly: a reservation is booked here before the worker is asked, so two requests never count
+the same free blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from conductor.prediction import DecodeJob
+
+
+@dataclass(slots=True)
+class PendingPrefill:
+    """A request sent to a prefill worker whose prefill has not finished.
+
+    deadline: when its first token is due (monotonic s; inf = no TTFT objective): its place in
+        the worker's queue, as the engine's scheduler orders it.
+    cost_ms: predicted prefill + fetch time.
+    """
+
+    request_id: str
+    rank: int
+    deadline: float
+    cost_ms: float
+    sent_at: float
+    seq: int = 0
+
+    def order(self) -> tuple[int, float, int]:
+        return (-self.rank, self.deadline, self.seq)
+
+
+class Slot(NamedTuple):
+    """A pending prefill on the predicted time line (ms from now)."""
+
+    job: PendingPrefill
+    start_ms: float
+    end_ms: float
+
+
+@dataclass(slots=True)
+class PrefillLedger:
+    """The pending prefills of one worker (see the module docstring). The worker is modelled as
+    serving one prefill at a time, never preempted: the head started when it was sent to an idle
+    worker or when the head before it finished; then the next in order starts."""
+
+    jobs: dict[str, PendingPrefill] = field(default_factory=dict)
+    head: str | None = None
+    head_started: float = 0.0  # monotonic s
+    _seq: Iterator[int] = field(default_factory=itertools.count)
+
+    @property
+    def depth(self) -> int:
+        return len(self.jobs)
+
+    def add(self, job: PendingPrefill) -> None:
+        job.seq = next(self._seq)
+        self.jobs[job.request_id] = job
+        if self.head is None:
+            self.head, self.head_started = job.request_id, job.sent_at
+
+    def finish(self, request_id: str, now: float) -> None:
+        """The prefill ended (or failed, or was aborted); idempotent."""
+        if self.jobs.pop(request_id, None) is None or request_id != self.head:
+            return
+        nxt = min(self.jobs.values(), key=PendingPrefill.order, default=None)
+        self.head, self.head_started = (nxt.request_id, now) if nxt is not None else (None, 0.0)
+
+    def plan(self, now: float) -> list[Slot]:
+        """The queue in service order with predicted start and end (ms from now)."""
+        if self.head is None:
+            return []
+        head = self.jobs[self.head]
+        t = max(0.0, head.cost_ms - (now - self.head_started) * 1e3)
+        slots = [Slot(head, 0.0, t)]
+        for job in sorted(self.jobs.values(), key=PendingPrefill.order):
+            if job is not head:
+                slots.append(Slot(job, t, t + job.cost_ms))
+                t += job.cost_ms
+        return slots
+
+    def wait_ms(self, rank: int, now: float, deadline: float = math.inf) -> float:
+        """Predicted wait before a new job of `rank` (and `deadline`) starts: the head (never
+        preempted) and every other job served before it."""
+        plan = self.plan(now)
+        ahead = [s for i, s in enumerate(plan) if i == 0 or s.job.order() < (-rank, deadline, math.inf)]
+        return sum(s.end_ms - s.start_ms for s in ahead)
+
+    def pushed_past_deadline(self, rank: int, deadline: float, cost_ms: float, now: float,
+                             first_token_ms: float) -> PendingPrefill | None:
+        """A queued job that a new job (served before it) would push past its deadline, if any:
+        its predicted first token is its end of prefill + `first_token_ms`."""
+        key = (-rank, deadline, math.inf)
+        for i, slot in enumerate(self.plan(now)):
+            if i == 0 or slot.job.order() < key or math.isinf(slot.job.deadline):
+                continue
+            if now + (slot.end_ms + cost_ms + first_token_ms) / 1e3 > slot.job.deadline:
+                return slot.job
+        return None
+
+
+@dataclass(slots=True)
+class BoundRequest:
+    """A request bound to a decode worker, as admission sees it.
+
+    joins_at: monotonic s when it joins the batch (predicted end of prefill; the real one once
+        its first token arrived).
+    expected_output: tokens it is expected to generate in all (an estimate; <= max_tokens).
+    tbt_slo_ms: its TBT objective (inf = none).
+    blocks: KV blocks reserved for it on the worker.
+    """
+
+    request_id: str
+    prompt_len: int
+    expected_output: int
+    tbt_slo_ms: float
+    joins_at: float
+    blocks: int
+    generated: int = 0
+
+    def job(self, now: float) -> DecodeJob:
+        remaining = max(1, self.expected_output - self.generated)
+        return DecodeJob(max(0.0, (self.joins_at - now) * 1e3), self.prompt_len + self.generated, remaining,
+                         self.tbt_slo_ms)
+
+
+@dataclass(slots=True)
+class DecodeLedger:
+    """The requests bound to one decode worker and the KV blocks booked for them."""
+
+    total_blocks: int = 0
+    jobs: dict[str, BoundRequest] = field(default_factory=dict)
+    reserved_blocks: int = 0
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks no request of ours holds (prefix-cache blocks are evictable, so free)."""
+        return max(0, self.total_blocks - self.reserved_blocks)
+
+    def book(self, bound: BoundRequest) -> None:
+        if bound.request_id in self.jobs:
+            raise KeyError(f"request {bound.request_id!r} is already booked here")
+        self.jobs[bound.request_id] = bound
+        self.reserved_blocks += bound.blocks
+
+    def release(self, request_id: str) -> None:
+        """The request ended (finished, failed, cancelled): its blocks are free again; idempotent."""
+        bound = self.jobs.pop(request_id, None)
+        if bound is not None:
+            self.reserved_blocks -= bound.blocks
+
+    def decode_jobs(self, now: float) -> list[DecodeJob]:
+        return [b.job(now) for b in self.jobs.values()]
+
+    def check_integrity(self) -> None:
+        """Booked blocks = the sum of the bookings, within the worker's pool."""
+        booked = sum(b.blocks for b in self.jobs.values())
+        if booked != self.reserved_blocks or (self.total_blocks and booked > self.total_blocks):
+            raise AssertionError(f"decode ledger: {self.reserved_blocks} blocks booked, bookings sum to "
+                                 f"{booked}, pool has {self.total_blocks}")

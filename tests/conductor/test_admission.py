@@ -1,0 +1,265 @@
+"""Admission on a synthetic cost model (pure: no engine, no workers): what fits is admitted, what
+would miss TTFT or TBT is rejected with that reason, and the decode load is predicted for when the
+request arrives, not for now."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from conductor.admission import (Admission, AdmissionConfig, Objective, OutputEstimator, Policy, Reason,
+                                 resolve)
+from conductor.admission_stats import AdmissionStats, Histogram, TopGaps
+from conductor.backend import Slo
+from conductor.cost_model import CostModel
+from conductor.errors import OverloadedError, SloMissError, status_of
+from conductor.ledger import BoundRequest, DecodeLedger, PendingPrefill, PrefillLedger
+from conductor.prediction import DecodeJob, DecodeLoadPredictor
+from core.errors import ConfigError, InvalidRequestError
+
+BS = 16
+NOW = 1000.0  # monotonic seconds
+# prefill: 1 ms per new token; decode step: 50 ms + 10 ms per request in the batch.
+COST = CostModel(prefill_coef=(0.0, 1.0, 0.0, 0.0), decode_coef=(50.0, 10.0, 0.0),
+                 transfer_bytes_per_s=1e9, kv_bytes_per_token=1)
+
+
+def admission(policy: str = "predictive", **overrides: object) -> Admission:
+    return Admission(AdmissionConfig(admission=policy, **overrides), COST)  # type: ignore[arg-type]
+
+
+def objective(ttft_ms: float = 2000.0, tbt_ms: float = 150.0, cls: str = "standard") -> Objective:
+    """The class's objectives (as a server's defaults, not the request's own)."""
+    cfg = AdmissionConfig(**{f"{cls}_ttft_ms": ttft_ms, f"{cls}_tbt_ms": tbt_ms})  # type: ignore[arg-type]
+    return resolve(cfg, cls, Slo())
+
+
+def decide(adm: Admission, prompt: int = 500, max_tokens: int = 20, obj: Objective | None = None,
+           prefill: PrefillLedger | None = None, decode: DecodeLedger | None = None):
+    c = adm.candidate(obj or objective(), prompt, max_tokens, COST.est_prefill_ms(prompt), BS, NOW)
+    return adm.decide(c, prefill or PrefillLedger(), decode or DecodeLedger(total_blocks=1000), NOW)
+
+
+def queued(*costs_ms: float, rank: int = 1) -> PrefillLedger:
+    ledger = PrefillLedger()
+    for i, cost in enumerate(costs_ms):
+        ledger.add(PendingPrefill(f"q{i}", rank, NOW + 1.0, cost, NOW))  # due before a new one
+    return ledger
+
+
+def decoding(n: int, remaining: int = 100, joins_in_s: float = 0.0, tbt_slo_ms: float = math.inf) -> DecodeLedger:
+    ledger = DecodeLedger(total_blocks=1000)
+    for i in range(n):
+        ledger.book(BoundRequest(f"d{i}", 100, remaining, tbt_slo_ms, NOW + joins_in_s, 10))
+    return ledger
+
+
+# ---------------------------------------------------------------------- the decisions
+
+
+def test_a_request_that_fits_is_admitted_with_its_predictions() -> None:
+    d = decide(admission())
+    assert d.admitted and d.reason is None
+    # TTFT: 500 ms prefill + the first decode step (batch of 1: 60 ms); TBT: 60 ms.
+    assert d.prediction.predicted_ttft_ms == pytest.approx(560.0)
+    assert d.prediction.predicted_tbt_ms == pytest.approx(60.0)
+    assert (d.prediction.ttft_slo_ms, d.prediction.tbt_slo_ms) == (2000.0, 150.0)
+    assert d.joins_in_ms == pytest.approx(500.0)
+
+
+def test_a_request_behind_a_long_queue_is_rejected_for_ttft() -> None:
+    d = decide(admission(), prefill=queued(800.0, 900.0))
+    assert d.reason is Reason.TTFT
+    assert d.prediction.predicted_ttft_ms == pytest.approx(800 + 900 + 500 + 60)
+    err = d.error()
+    assert isinstance(err, SloMissError) and status_of(err).http == 429
+    assert err.reason == "ttft" and err.prediction == d.prediction
+    assert err.retry_after_s == pytest.approx((2260 - 2000) / 1e3, abs=0.5)
+
+
+def test_a_request_joining_a_full_batch_is_rejected_for_tbt() -> None:
+    # 10 running: 50 + 10 * 11 = 160 ms > 150 ms.
+    d = decide(admission(), decode=decoding(10))
+    assert d.reason is Reason.TBT
+    assert d.prediction.predicted_tbt_ms == pytest.approx(160.0)
+
+
+def test_the_tightest_objective_of_the_batch_binds() -> None:
+    """Alone it would meet its own 150 ms, but a running request asked for 80 ms."""
+    d = decide(admission(), decode=decoding(2, tbt_slo_ms=80.0))  # 50 + 10 * 3 = 80: fits exactly
+    assert d.admitted
+    d = decide(admission(), decode=decoding(3, tbt_slo_ms=80.0))  # 90 > 80
+    assert d.reason is Reason.TBT
+
+
+def test_requests_that_finish_before_arrival_do_not_count() -> None:
+    """10 requests decode now but finish within 5 steps; the new one arrives after a 2 s prefill."""
+    d = decide(admission(), prompt=2000, obj=objective(ttft_ms=5000), decode=decoding(10, remaining=5))
+    assert d.admitted
+    assert d.prediction.predicted_tbt_ms == pytest.approx(60.0)
+    # `early` looks at the load now and rejects it.
+    assert decide(admission("early"), prompt=2000, obj=objective(ttft_ms=5000),
+                  decode=decoding(10, remaining=5)).reason is Reason.TBT
+
+
+def test_requests_that_finish_prefill_before_arrival_count() -> None:
+    """Nothing decodes now, but 10 requests join in 1 s, before this one's 2 s prefill ends."""
+    d = decide(admission(), prompt=2000, obj=objective(ttft_ms=5000), decode=decoding(10, joins_in_s=1.0))
+    assert d.reason is Reason.TBT
+    assert decide(admission("early"), prompt=2000, obj=objective(ttft_ms=5000),
+                  decode=decoding(10, joins_in_s=1.0)).admitted
+
+
+def test_requests_joining_later_in_its_stay_count_too() -> None:
+    """They join 0.1 s after it arrives, while it still decodes (100 tokens x 60 ms)."""
+    d = decide(admission(), prompt=500, max_tokens=100, decode=decoding(10, joins_in_s=0.6))
+    assert d.reason is Reason.TBT
+    assert d.prediction.predicted_tbt_ms == pytest.approx(160.0)
+
+
+def test_none_admits_what_predictive_rejects() -> None:
+    assert decide(admission("none"), prefill=queued(800.0, 900.0), decode=decoding(10)).admitted
+
+
+def test_queue_threshold_counts_requests() -> None:
+    assert decide(admission("queue-threshold", queue_threshold=2), prefill=queued(1, 1)).reason is Reason.QUEUE_THRESHOLD
+    assert decide(admission("queue-threshold", queue_threshold=3), prefill=queued(1, 1)).admitted
+
+
+@pytest.mark.parametrize("policy", [p.value for p in Policy])
+def test_every_policy_bounds_the_queue_and_the_kv(policy: str) -> None:
+    d = decide(admission(policy, max_queue_per_worker=2), prefill=queued(1, 1))
+    assert d.reason is Reason.QUEUE_FULL
+    assert isinstance(d.error(), OverloadedError) and status_of(d.error()).http == 429
+    full = DecodeLedger(total_blocks=40)
+    assert decide(admission(policy), prompt=500, max_tokens=200, decode=full).reason is Reason.KV_CAPACITY
+
+
+def test_a_class_without_objectives_is_shed_first() -> None:
+    batch = resolve(AdmissionConfig(), "batch", Slo())
+    assert not batch.has_slo
+    assert decide(admission(), obj=batch).admitted
+    # 7 running: 50 + 80 = 130 ms: a standard request (150 ms) still fits; batch needs 0.8 * 150 = 120.
+    assert decide(admission(), decode=decoding(6)).admitted
+    assert decide(admission(), obj=batch, decode=decoding(7)).reason is Reason.SHED
+    assert decide(admission(), decode=decoding(7)).admitted
+
+
+def test_a_higher_class_may_not_push_a_queued_request_past_its_deadline() -> None:
+    ledger = PrefillLedger()
+    ledger.add(PendingPrefill("head", 1, math.inf, 100.0, NOW))
+    ledger.add(PendingPrefill("due", 1, NOW + 0.9, 500.0, NOW))  # ends at 600 ms, first token ~660
+    urgent = resolve(AdmissionConfig(), "interactive", Slo())
+    d = decide(admission(), prompt=300, obj=urgent, prefill=ledger)  # served before "due": +300 ms
+    assert d.reason is Reason.DEADLINE
+
+
+def test_colocated_prefill_stretches_the_running_steps() -> None:
+    adm = Admission(AdmissionConfig(), COST, colocated_chunk=512)
+    c = adm.candidate(objective(), 500, 20, 500.0, BS, NOW)
+    d = adm.decide(c, PrefillLedger(), decoding(2, tbt_slo_ms=150.0), NOW)
+    assert d.reason is Reason.TBT  # 70 ms step + a 500-token chunk (500 ms)
+    assert "stretch" in d.detail
+
+
+# ---------------------------------------------------------------------- classes and config
+
+
+def test_classes_resolve_with_overrides() -> None:
+    cfg = AdmissionConfig(standard_ttft_ms=3000, standard_tbt_ms=200)
+    assert resolve(cfg, None, Slo()) == Objective(cfg.classes()["standard"], 3000, 200)
+    assert resolve(cfg, None, Slo(tbt_ms=50)) == Objective(cfg.classes()["standard"], 3000, 50, False, True)
+    assert resolve(cfg, "standard", Slo(ttft_ms=500)).ttft_ms == 500
+    assert resolve(cfg, "interactive", Slo()).rank > resolve(cfg, "batch", Slo()).rank
+    with pytest.raises(InvalidRequestError) as e:
+        resolve(cfg, "gold", Slo())
+    assert e.value.field == "priority_class"
+
+
+@pytest.mark.parametrize("bad", [{"admission": "maybe"}, {"default_class": "gold"}, {"standard_ttft_ms": -1},
+                                 {"queue_threshold": 0}, {"batch_tbt_ms": math.inf}])
+def test_bad_config_is_a_clear_error(bad: dict) -> None:
+    with pytest.raises(ConfigError):
+        AdmissionConfig(**bad)
+
+
+def test_output_estimate_follows_what_the_class_generates() -> None:
+    est = OutputEstimator()
+    assert est.expected("standard", 100) == 100  # nothing seen: max_tokens
+    for _ in range(50):
+        est.observe("standard", 20, 100)
+    assert 20 <= est.expected("standard", 100) <= 25
+    assert est.expected("batch", 100) == 100
+
+
+# ---------------------------------------------------------------------- ledgers and measuring
+
+
+def test_the_prefill_queue_is_served_by_rank_then_deadline() -> None:
+    ledger = PrefillLedger()
+    ledger.add(PendingPrefill("a", 1, math.inf, 100.0, NOW - 0.04))  # head: 40 ms done
+    ledger.add(PendingPrefill("b", 0, math.inf, 200.0, NOW))
+    ledger.add(PendingPrefill("c", 1, NOW + 5, 300.0, NOW))
+    plan = ledger.plan(NOW)
+    assert [s.job.request_id for s in plan] == ["a", "c", "b"]
+    assert plan[0].end_ms == pytest.approx(60.0)
+    assert ledger.wait_ms(1, NOW) == pytest.approx(60 + 300)  # "b" is served after it
+    assert ledger.wait_ms(0, NOW) == pytest.approx(60 + 300 + 200)
+    ledger.finish("a", NOW)
+    assert ledger.depth == 2 and ledger.plan(NOW)[0].job.request_id == "c"
+
+
+def test_the_decode_ledger_books_exactly() -> None:
+    ledger = DecodeLedger(total_blocks=100)
+    ledger.book(BoundRequest("x", 100, 10, math.inf, NOW, 30))
+    with pytest.raises(KeyError):
+        ledger.book(BoundRequest("x", 100, 10, math.inf, NOW, 30))
+    assert ledger.free_blocks == 70
+    ledger.check_integrity()
+    ledger.release("x")
+    ledger.release("x")  # idempotent
+    assert ledger.free_blocks == 100 and ledger.reserved_blocks == 0
+    ledger.check_integrity()
+
+
+def test_peak_reports_the_tightest_moment() -> None:
+    pred = DecodeLoadPredictor(COST)
+    jobs = [DecodeJob(300.0, 100, 50, tbt_slo_ms=90.0)]
+    load = pred.peak(jobs, arrival_ms=100.0, prompt_len=10, output_tokens=10)
+    assert (load.batch, load.limit_ms, load.at_ms) == (2, 90.0, 300.0)
+
+
+def test_top_gaps_is_the_bench_tbt() -> None:
+    gaps = TopGaps(max_tokens=21)  # 20 gaps: the longest 2
+    t = 0.0
+    for gap in [0.1] * 17 + [0.5, 0.3, 0.2]:
+        gaps.tick(t)
+        t += gap
+    gaps.tick(t)
+    assert gaps.mean_s() == pytest.approx((0.5 + 0.3) / 2)
+    assert TopGaps(5).mean_s() is None
+
+
+def test_error_histogram_is_cumulative() -> None:
+    stats = AdmissionStats()
+    stats.measured(1000.0, 0.9, 100.0, 0.2)  # +0.1 s, -0.1 s
+    stats.measured(1000.0, 1.0, 100.0, None)
+    assert stats.ttft_error.count == 2 and stats.tbt_error.count == 1
+    h = Histogram()
+    for v in (-20.0, 0.0, 0.05, 20.0):
+        h.observe(v)
+    cumulative = dict(h.cumulative())
+    assert cumulative[-10.0] == 1 and cumulative[0.0] == 2 and cumulative[0.05] == 3 and h.count == 4
+
+
+def test_objectives_the_hardware_cannot_meet_idle_admit_one_at_a_time() -> None:
+    """A 40 ms TBT objective on hardware whose lone step is 60 ms: an idle worker admits the
+    request (the miss is not load's), a busy one rejects it."""
+    tight = objective(tbt_ms=40.0)
+    assert decide(admission(), obj=tight).admitted
+    assert decide(admission(), obj=tight, decode=decoding(1)).reason is Reason.TBT
+    assert decide(admission(), obj=objective(ttft_ms=100.0)).admitted  # 500 ms prefill alone
+    assert decide(admission(), obj=objective(ttft_ms=100.0), prefill=queued(50.0)).reason is Reason.TTFT
+    own = resolve(AdmissionConfig(), None, Slo(tbt_ms=40.0))  # the request's own: fail fast
+    assert own.own_tbt and decide(admission(), obj=own).reason is Reason.TBT
