@@ -55,6 +55,11 @@ def run(args: argparse.Namespace) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
                             stop=tuple(args.stop))
+    # Bad flags fail before the model loads (seconds): every rule but the vocabulary's, which
+    # needs the model and is checked by the engine.
+    params.validate(vocab_size=sys.maxsize)
+    if args.prompt_ids is not None:
+        prompt_ids(args, None)
     engine = Engine(build(ENGINE, args))
     try:
         return _generate(args, engine, params)

@@ -181,6 +181,44 @@ class OutputEstimator:
         self._ratio[class_name] = ratio if old is None else (1 - self.ALPHA) * old + self.ALPHA * ratio
 
 
+class Calibration:
+    """What the cost model leaves out, learned from admitted requests: the profile times the
+    engine alone, while a request also pays its RPCs, the KV handoff, streaming and, for TBT,
+    the slowest tenth of its gaps (Mooncake's TBT). Predictions are multiplied by an
+    exponentially weighted mean of measured / predicted (clamped to [0.5, 4]); 1.0 until the
+    first request finished. Overload that was admitted shows up as a higher ratio, so the
+    correction errs toward rejecting."""
+
+    ALPHA = 0.2
+    LOW, HIGH = 0.5, 4.0
+
+    def __init__(self) -> None:
+        self.ttft_ratio = 1.0
+        self.tbt_ratio = 1.0
+        self._seen = [False, False]
+
+    def tbt(self, raw_ms: float) -> float:
+        return raw_ms * self.tbt_ratio
+
+    def apply(self, p: Predicted) -> Predicted:
+        t, b = self.ttft_ratio, self.tbt_ratio
+        return p._replace(ttft_ms=p.ttft_ms * t, tbt_ms=p.tbt_ms * b, first_step_ms=p.first_step_ms * t,
+                          stretched_ms=p.stretched_ms * b)
+
+    def observe(self, raw_ttft_ms: float, ttft_ms: float, raw_tbt_ms: float, tbt_ms: float | None) -> None:
+        if raw_ttft_ms > 0 and ttft_ms > 0:
+            self.ttft_ratio = self._update(0, self.ttft_ratio, ttft_ms / raw_ttft_ms)
+        if tbt_ms is not None and raw_tbt_ms > 0 and tbt_ms > 0:
+            self.tbt_ratio = self._update(1, self.tbt_ratio, tbt_ms / raw_tbt_ms)
+
+    def _update(self, i: int, old: float, ratio: float) -> float:
+        ratio = min(self.HIGH, max(self.LOW, ratio))
+        if not self._seen[i]:
+            self._seen[i] = True
+            return ratio
+        return (1 - self.ALPHA) * old + self.ALPHA * ratio
+
+
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A routed request as admission sees it.
@@ -208,6 +246,8 @@ class Decision:
     retry_after_s: float = 0.0
     detail: str = ""
     joins_in_ms: float = 0.0  # predicted end of its prefill (it joins the decode batch), ms from now
+    raw_ttft_ms: float = 0.0  # the cost model's predictions before calibration
+    raw_tbt_ms: float = 0.0
 
     @property
     def admitted(self) -> bool:
@@ -243,6 +283,7 @@ class Admission:
         self.predictor = DecodeLoadPredictor(cost)
         self.cost = cost
         self.outputs = OutputEstimator()
+        self.calibration = Calibration()
         self._warned: set[str] = set()
         with_slo = [c for c in config.classes().values() if c.has_slo]
         self._shed_class = min(with_slo, key=lambda c: c.rank) if with_slo else None
@@ -254,9 +295,16 @@ class Admission:
                          prefill_ms, cdiv(prompt_len + max_tokens, block_size), deadline)
 
     def decide(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float) -> Decision:
-        """Admit or reject `c` on the chosen workers' ledgers."""
-        p = self.predict(c, prefill, decode, now)
-        return replace(self._decide(c, p, prefill, decode, now), joins_in_ms=p.ttft_ms - p.first_step_ms)
+        """Admit or reject `c` on the chosen workers' ledgers (predictions as calibrated)."""
+        raw = self.predict(c, prefill, decode, now)
+        p = self.calibration.apply(raw)
+        return replace(self._decide(c, p, prefill, decode, now), joins_in_ms=p.ttft_ms - p.first_step_ms,
+                       raw_ttft_ms=raw.ttft_ms, raw_tbt_ms=raw.tbt_ms)
+
+    def observe(self, decision: Decision, ttft_s: float, tbt_s: float | None) -> None:
+        """An admitted request finished: what it measured corrects later predictions."""
+        self.calibration.observe(decision.raw_ttft_ms, ttft_s * 1e3, decision.raw_tbt_ms,
+                                 None if tbt_s is None else tbt_s * 1e3)
 
     def _decide(self, c: Candidate, p: Predicted, prefill: PrefillLedger, decode: DecodeLedger,
                 now: float) -> Decision:
@@ -315,14 +363,12 @@ class Admission:
             ttft_limit = h * (cls.ttft_ms or math.inf)
             tbt_limit = h * min(cls.tbt_ms or math.inf, p.tbt_limit_ms)
             stretch_limit *= h
-        # What the hardware gives a request alone is not load: a class objective below it admits
-        # requests one at a time instead of rejecting them on idle workers. An objective the
-        # request set itself stays strict (it asked to fail fast).
-        idle_ttft, idle_tbt = self._idle(c)
-        if not o.own_ttft:
-            ttft_limit = max(ttft_limit, idle_ttft)
+        # The step time the hardware gives a request alone is not load: a class TBT objective
+        # below it admits requests one at a time instead of rejecting every one. (TTFT has no
+        # such floor: a prompt too long for its objective is rejected, saying so.) An objective
+        # the request set itself stays strict (it asked to fail fast).
         if not o.own_tbt:
-            tbt_limit = max(tbt_limit, idle_tbt)
+            tbt_limit = max(tbt_limit, self._idle_tbt(c))
         misses: list[tuple[Reason, float, str]] = []
         if p.ttft_ms > ttft_limit:
             misses.append((Reason.TTFT, (p.ttft_ms - ttft_limit) / 1e3,
@@ -343,19 +389,16 @@ class Admission:
         reason = Reason.SHED if shed else misses[0][0]
         return Decision(reason, prediction, _clamp(max(m[1] for m in misses)), "; ".join(m[2] for m in misses))
 
-    def _idle(self, c: Candidate) -> tuple[float, float]:
-        """TTFT and TBT of `c` on idle workers (warned about once per class when over its SLOs)."""
-        step = self.cost.est_decode_step_ms(1, c.prompt_len + c.expected_output)
-        ttft, tbt = c.prefill_ms + step, step
+    def _idle_tbt(self, c: Candidate) -> float:
+        """TBT of `c` alone on its decode worker (warned about once per class when over its SLO)."""
+        tbt = self.calibration.tbt(self.cost.est_decode_step_ms(1, c.prompt_len + c.expected_output))
         o = c.objective
-        over = (ttft > o.ttft_ms and not o.own_ttft) or (tbt > o.tbt_ms and not o.own_tbt)
-        if over and o.slo_class.name not in self._warned:
+        if tbt > o.tbt_ms and o.slo_class.name not in self._warned:
             self._warned.add(o.slo_class.name)
-            log.warning("admission: a %s request alone is predicted at TTFT %.0f ms / TBT %.1f ms, over its "
-                        "objectives (%.4g / %.4g ms): this hardware cannot meet them even idle; such "
-                        "requests are admitted when nothing competes with them", o.slo_class.name, ttft, tbt,
-                        o.ttft_ms, o.tbt_ms)
-        return ttft, tbt
+            log.warning("admission: a %s request alone is predicted at TBT %.1f ms, over its objective (%.4g ms): "
+                        "this hardware cannot meet it even idle; such requests are admitted one at a time",
+                        o.slo_class.name, tbt, o.tbt_ms)
+        return tbt
 
     def _queue_reject(self, reason: Reason, prefill: PrefillLedger, now: float, prediction: SloPrediction,
                       detail: str) -> Decision:

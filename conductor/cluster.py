@@ -327,9 +327,9 @@ class ClusterBackend(GenerationBackend):
         assert last.end is not None and self.admission is not None
         self.admission.outputs.observe(route.objective.slo_class.name, last.end.usage.completion_tokens,
                                        inp.params.max_tokens)
-        p = route.decision.prediction
-        self.admission_stats.measured(p.predicted_ttft_ms, last.end.timings.ttft_ms / 1e3, p.predicted_tbt_ms,
-                                      gaps.mean_s())
+        p, tbt_s = route.decision.prediction, gaps.mean_s()
+        self.admission_stats.measured(p.predicted_ttft_ms, last.end.timings.ttft_ms / 1e3, p.predicted_tbt_ms, tbt_s)
+        self.admission.observe(route.decision, last.end.timings.ttft_ms / 1e3, tbt_s)
 
     # ------------------------------------------------------------------ routing
 

@@ -142,9 +142,9 @@ class ColocatedBackend(GenerationBackend):
         assert end is not None and self.admission is not None
         self.admission.outputs.observe(stream.objective.slo_class.name, end.usage.completion_tokens,
                                        inp.params.max_tokens)
-        p = stream.decision.prediction
-        self.admission_stats.measured(p.predicted_ttft_ms, end.timings.ttft_ms / 1e3, p.predicted_tbt_ms,
-                                      stream.gaps.mean_s())
+        p, tbt_s = stream.decision.prediction, stream.gaps.mean_s()
+        self.admission_stats.measured(p.predicted_ttft_ms, end.timings.ttft_ms / 1e3, p.predicted_tbt_ms, tbt_s)
+        self.admission.observe(stream.decision, end.timings.ttft_ms / 1e3, tbt_s)
         return replace(chunk, end=replace(end, prediction=p))
 
     def _open(self, inp: GenerationInput) -> tuple[str, _Stream]:

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 BURST = 24  # requests sent at once; the cluster serves a few within the SLOs
 # Tight enough that a burst this size cannot all fit, loose enough that the first ones do.
-ADMISSION = AdmissionConfig(standard_ttft_ms=3000.0, standard_tbt_ms=400.0)
+ADMISSION = AdmissionConfig(standard_ttft_ms=1500.0, standard_tbt_ms=400.0)
 
 
 @pytest.fixture(scope="module")
