@@ -52,8 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--grpc-target", default=None, help="an existing server's gRPC address")
     p.add_argument("--http-url", default=None, help="an existing server's HTTP URL")
     p.add_argument("--server-pid", type=int, default=None, help="RSS of this pid (an existing server)")
-    p.add_argument("--server-args", default="--colocated --threads 1 --no-redis",
-                   help="flags of the `halfmoon serve` we start (default: the co-located engine)")
+    p.add_argument("--server-args", default="--colocated --threads 1 --no-redis --admission none",
+                   help="flags of the `halfmoon serve` we start (default: the co-located engine without "
+                        "admission: this soaks the front door; `bench serve --admission` measures admission)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write RSS and completions over time to this PNG")
     p.add_argument("--json", action="store_true", help="print one JSON object")

@@ -26,6 +26,10 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -184,21 +188,30 @@ class OutputEstimator:
 class Calibration:
     """What the cost model leaves out, learned from admitted requests: the profile times the
     engine alone, while a request also pays its RPCs, the KV handoff, streaming and, for TBT,
-    the slowest tenth of its gaps (Mooncake's TBT). Predictions are multiplied by an
-    exponentially weighted mean of measured / predicted (clamped to [0.5, 4]); 1.0 until the
-    first request finished. Overload that was admitted shows up as a higher ratio, so the
-    correction errs toward rejecting."""
+    the slowest tenth of its gaps (Mooncake's TBT). Predictions are multiplied by the median of
+    measured / predicted over the last `WINDOW_S` (at least `MIN_SAMPLES` of them, else 1.0),
+    clamped to [0.5, 2]. The median ignores outliers (a fresh server's first requests); the
+    window lets a factor learned under a bad minute expire even if it then rejects everything."""
 
-    ALPHA = 0.2
-    LOW, HIGH = 0.5, 4.0
+    WINDOW_S, MIN_SAMPLES, LOW, HIGH = 120.0, 3, 0.5, 2.0
 
-    def __init__(self) -> None:
-        self.ttft_ratio = 1.0
-        self.tbt_ratio = 1.0
-        self._seen = [False, False]
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._samples: tuple[deque[tuple[float, float]], ...] = (deque(maxlen=64), deque(maxlen=64))
+
+    @property
+    def ttft_ratio(self) -> float:
+        return self._ratio(0)
+
+    @property
+    def tbt_ratio(self) -> float:
+        return self._ratio(1)
 
     def tbt(self, raw_ms: float) -> float:
         return raw_ms * self.tbt_ratio
+
+    def ttft(self, raw_ms: float) -> float:
+        return raw_ms * self.ttft_ratio
 
     def apply(self, p: Predicted) -> Predicted:
         t, b = self.ttft_ratio, self.tbt_ratio
@@ -206,17 +219,18 @@ class Calibration:
                           stretched_ms=p.stretched_ms * b)
 
     def observe(self, raw_ttft_ms: float, ttft_ms: float, raw_tbt_ms: float, tbt_ms: float | None) -> None:
+        now = self._clock()
         if raw_ttft_ms > 0 and ttft_ms > 0:
-            self.ttft_ratio = self._update(0, self.ttft_ratio, ttft_ms / raw_ttft_ms)
+            self._samples[0].append((now, ttft_ms / raw_ttft_ms))
         if tbt_ms is not None and raw_tbt_ms > 0 and tbt_ms > 0:
-            self.tbt_ratio = self._update(1, self.tbt_ratio, tbt_ms / raw_tbt_ms)
+            self._samples[1].append((now, tbt_ms / raw_tbt_ms))
 
-    def _update(self, i: int, old: float, ratio: float) -> float:
-        ratio = min(self.HIGH, max(self.LOW, ratio))
-        if not self._seen[i]:
-            self._seen[i] = True
-            return ratio
-        return (1 - self.ALPHA) * old + self.ALPHA * ratio
+    def _ratio(self, i: int) -> float:
+        since = self._clock() - self.WINDOW_S
+        recent = [r for t, r in self._samples[i] if t >= since]
+        if len(recent) < self.MIN_SAMPLES:
+            return 1.0
+        return min(self.HIGH, max(self.LOW, statistics.median(recent)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,12 +377,15 @@ class Admission:
             ttft_limit = h * (cls.ttft_ms or math.inf)
             tbt_limit = h * min(cls.tbt_ms or math.inf, p.tbt_limit_ms)
             stretch_limit *= h
-        # The step time the hardware gives a request alone is not load: a class TBT objective
-        # below it admits requests one at a time instead of rejecting every one. (TTFT has no
-        # such floor: a prompt too long for its objective is rejected, saying so.) An objective
-        # the request set itself stays strict (it asked to fail fast).
+        # What the hardware gives a request alone is not load: a class objective below it admits
+        # requests when nothing competes with them instead of rejecting every one (a long
+        # prompt admitted so also warms the prefix cache for the requests that share it). An
+        # objective the request set itself stays strict (it asked to fail fast).
+        idle_ttft, idle_tbt = self._idle(c)
+        if not o.own_ttft:
+            ttft_limit = max(ttft_limit, idle_ttft)
         if not o.own_tbt:
-            tbt_limit = max(tbt_limit, self._idle_tbt(c))
+            tbt_limit = max(tbt_limit, idle_tbt)
         misses: list[tuple[Reason, float, str]] = []
         if p.ttft_ms > ttft_limit:
             misses.append((Reason.TTFT, (p.ttft_ms - ttft_limit) / 1e3,
@@ -389,16 +406,19 @@ class Admission:
         reason = Reason.SHED if shed else misses[0][0]
         return Decision(reason, prediction, _clamp(max(m[1] for m in misses)), "; ".join(m[2] for m in misses))
 
-    def _idle_tbt(self, c: Candidate) -> float:
-        """TBT of `c` alone on its decode worker (warned about once per class when over its SLO)."""
-        tbt = self.calibration.tbt(self.cost.est_decode_step_ms(1, c.prompt_len + c.expected_output))
+    def _idle(self, c: Candidate) -> tuple[float, float]:
+        """TTFT and TBT of `c` on idle workers, calibrated (warned once per class over its SLOs)."""
+        step = self.cost.est_decode_step_ms(1, c.prompt_len + c.expected_output)
+        ttft, tbt = self.calibration.ttft(c.prefill_ms + step), self.calibration.tbt(step)
         o = c.objective
-        if tbt > o.tbt_ms and o.slo_class.name not in self._warned:
+        over = (ttft > o.ttft_ms and not o.own_ttft) or (tbt > o.tbt_ms and not o.own_tbt)
+        if over and o.slo_class.name not in self._warned:
             self._warned.add(o.slo_class.name)
-            log.warning("admission: a %s request alone is predicted at TBT %.1f ms, over its objective (%.4g ms): "
-                        "this hardware cannot meet it even idle; such requests are admitted one at a time",
-                        o.slo_class.name, tbt, o.tbt_ms)
-        return tbt
+            log.warning("admission: a %s request alone is predicted at TTFT %.0f ms / TBT %.1f ms, over its "
+                        "objectives (%.4g / %.4g ms): this hardware cannot meet them even idle; such "
+                        "requests are admitted when nothing competes with them", o.slo_class.name, ttft, tbt,
+                        o.ttft_ms, o.tbt_ms)
+        return ttft, tbt
 
     def _queue_reject(self, reason: Reason, prefill: PrefillLedger, now: float, prediction: SloPrediction,
                       detail: str) -> Decision:

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from conductor.admission import (Admission, AdmissionConfig, Objective, OutputEstimator, Policy, Reason,
+from conductor.admission import (Admission, AdmissionConfig, Calibration, Objective, OutputEstimator, Policy, Reason,
                                  resolve)
 from conductor.admission_stats import AdmissionStats, Histogram, TopGaps
 from conductor.backend import Slo
@@ -253,28 +253,33 @@ def test_error_histogram_is_cumulative() -> None:
     assert cumulative[-10.0] == 1 and cumulative[0.0] == 2 and cumulative[0.05] == 3 and h.count == 4
 
 
-def test_a_tbt_objective_the_hardware_cannot_meet_idle_admits_one_at_a_time() -> None:
-    """A 40 ms TBT objective on hardware whose lone step is 60 ms: an idle worker admits the
-    request (the miss is not load's), a busy one rejects it. TTFT has no such floor: a prompt
-    too long for its objective is rejected even idle."""
+def test_objectives_the_hardware_cannot_meet_idle_admit_one_at_a_time() -> None:
+    """A 40 ms TBT objective on hardware whose lone step is 60 ms, or a 100 ms TTFT for a 500 ms
+    prefill: an idle worker admits the request (the miss is not load's), a busy one rejects it."""
     tight = objective(tbt_ms=40.0)
     assert decide(admission(), obj=tight).admitted
     assert decide(admission(), obj=tight, decode=decoding(1)).reason is Reason.TBT
-    assert decide(admission(), obj=objective(ttft_ms=100.0)).reason is Reason.TTFT  # 500 ms prefill alone
+    assert decide(admission(), obj=objective(ttft_ms=100.0)).admitted
+    assert decide(admission(), obj=objective(ttft_ms=100.0), prefill=queued(50.0)).reason is Reason.TTFT
     own = resolve(AdmissionConfig(), None, Slo(tbt_ms=40.0))  # the request's own: fail fast
     assert own.own_tbt and decide(admission(), obj=own).reason is Reason.TBT
 
 
 def test_predictions_are_calibrated_by_what_requests_measured() -> None:
     adm = admission()
+    clock = [0.0]
+    adm.calibration = Calibration(clock=lambda: clock[0])
     first = decide(adm)
     assert first.prediction.predicted_ttft_ms == pytest.approx(560.0)  # nothing measured: the model's
-    adm.observe(first, ttft_s=0.84, tbt_s=0.09)  # 1.5x both
+    adm.observe(first, ttft_s=5.6, tbt_s=0.6)  # a fresh server's outlier: 10x
+    for _ in range(2):
+        adm.observe(first, ttft_s=0.84, tbt_s=0.09)  # 1.5x
     d = decide(adm)
-    assert d.prediction.predicted_ttft_ms == pytest.approx(840.0)
+    assert d.prediction.predicted_ttft_ms == pytest.approx(840.0)  # the median, not the outlier
     assert d.prediction.predicted_tbt_ms == pytest.approx(90.0)
     assert (d.raw_ttft_ms, d.raw_tbt_ms) == (pytest.approx(560.0), pytest.approx(60.0))
-    adm.observe(d, ttft_s=0.56, tbt_s=0.06)  # 1.0x: moves a fifth of the way back
-    assert adm.calibration.ttft_ratio == pytest.approx(0.8 * 1.5 + 0.2 * 1.0)
-    adm.observe(d, ttft_s=100.0, tbt_s=None)  # clamped
-    assert adm.calibration.ttft_ratio <= 0.8 * 1.4 + 0.2 * 4.0 + 1e-9
+    for _ in range(3):
+        adm.observe(d, ttft_s=5.6, tbt_s=None)
+    assert adm.calibration.ttft_ratio == Calibration.HIGH  # clamped
+    clock[0] += Calibration.WINDOW_S + 1  # nothing measured for a while: the factor expires
+    assert adm.calibration.ttft_ratio == 1.0 and adm.calibration.tbt_ratio == 1.0

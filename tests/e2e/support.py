@@ -22,7 +22,7 @@ from core.params import SamplingParams
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
 from kvpool.redis_server import EmbeddedRedis
-from tests.conductor.conftest import RunningApi, run_api
+from tests.conductor.conftest import CLIENT_SLOS_ONLY, RunningApi, run_api
 from tests.waiting import poll
 from transport.config import TransportConfig
 
@@ -46,7 +46,8 @@ def start_cluster(tmp: Path, prefill: int, decode: int, redis: EmbeddedRedis,
                            transport=TransportConfig(backend=kv_transport, timeout_s=20.0), worker_threads=1,
                            object_store_mb=128, cost_model=cost_model_file(tmp / "cost.json"),
                            request_timeout_s=30.0)
-    return run_api(ClusterBackend(config, redis.url), ServerConfig(grpc_port=0, http_port=0))
+    # Admission on the objectives a request sends only: these tests are about the request path.
+    return run_api(ClusterBackend(config, redis.url, admission=CLIENT_SLOS_ONLY), ServerConfig(grpc_port=0, http_port=0))
 
 
 def prompts(engine: Engine) -> list[list[int]]:

@@ -8,6 +8,7 @@ One 2P2D cluster serves the module; a 1P1D cluster is started for its own test. 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from conductor.ledger import PendingPrefill
 from engine.engine import Engine
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
@@ -69,12 +71,13 @@ def test_a_prefix_computed_on_a_busy_worker_is_reused_by_the_other(cluster: Runn
     after_first = {w: worker_load(cluster, w) for w in ("prefill-0", "prefill-1")}
     a = max(after_first, key=lambda w: after_first[w].prompt_tokens_computed - before[w].prompt_tokens_computed)
     b = ({"prefill-0", "prefill-1"} - {a}).pop()
-    cluster.backend.manager.workers[b].queued_ms += 1e6  # keep the long prompt off B ...
+    hold = PendingPrefill("hold", 0, math.inf, 1e6, time.monotonic())  # a fake 1000 s job ...
+    cluster.backend.manager.workers[b].pending.add(hold)  # ... keeps the long prompt off B
     results: list = []
     long_request = threading.Thread(target=lambda: results.append(generate_all(cluster.grpc_target, [busy], [1])))
     long_request.start()
-    wait_until(lambda: cluster.backend.manager.workers[a].queued_ms > 500, what="the long prompt queued on A")
-    cluster.backend.manager.workers[b].queued_ms -= 1e6  # ... then B is the idle one again
+    wait_until(lambda: cluster.backend.manager.workers[a].pending.depth > 0, what="the long prompt queued on A")
+    cluster.backend.manager.workers[b].pending.finish("hold", time.monotonic())  # ... then B is idle again
     got = generate_all(cluster.grpc_target, [second], [8])
     long_request.join(300)
     end = {w: worker_load(cluster, w) for w in ("prefill-0", "prefill-1")}
@@ -91,9 +94,10 @@ def _stream(target: str, prompt_ids: list[int], max_tokens: int):
     return channel, pb_grpc.GenerationStub(channel).Generate(req, timeout=120)
 
 
-def _busiest(api: RunningApi, role: str, attr: str) -> str:
+def _busiest(api: RunningApi, role: str) -> str:
+    """The worker of `role` with the most requests the Conductor has on it."""
     workers = api.backend.manager.role(role)
-    return max(workers, key=lambda w: getattr(w, attr)).spec.worker_id
+    return max(workers, key=lambda w: w.pending.depth if role == "prefill" else len(w.bound.jobs)).spec.worker_id
 
 
 def _kill(api: RunningApi, worker_id: str) -> None:
@@ -135,7 +139,7 @@ def test_killing_the_decode_worker_mid_stream(cluster: RunningApi, engine: Engin
         responses = iter(call)
         for _ in range(3):
             next(responses)
-        victim = _busiest(cluster, "decode", "running")
+        victim = _busiest(cluster, "decode")
         restarts = cluster.backend.manager.workers[victim].restarts
         t0 = time.monotonic()
         _kill(cluster, victim)
@@ -164,11 +168,11 @@ def test_killing_a_prefill_worker_mid_transfer_frees_the_reservation(cluster: Ru
     channel, call = _stream(cluster.grpc_target, long_prompt, 4)
     with channel:
         responses = iter(call)
-        wait_until(lambda: any(w.queued_ms > 0 for w in cluster.backend.manager.role("prefill")),
+        wait_until(lambda: any(w.pending.depth > 0 for w in cluster.backend.manager.role("prefill")),
                    what="the prefill dispatched")
         # Inside the chunked prefill: a chunk computed (its layers pushed), the rest not yet.
         wait_until(chunks_done, what="the first prefill chunk computed")
-        victim = _busiest(cluster, "prefill", "queued_ms")
+        victim = _busiest(cluster, "prefill")
         restarts = cluster.backend.manager.workers[victim].restarts
         reruns = sum(cluster.backend.stats().requests_rerun.values())
         _kill(cluster, victim)
