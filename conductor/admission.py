@@ -94,6 +94,9 @@ class AdmissionConfig:
     max_queue_per_worker: every policy: requests pending on one prefill worker at most.
     shed_headroom: a class without SLOs is admitted while predictions stay within this fraction
         of the lowest SLO class's objectives.
+    admit_quantile: predictions are reported at the median of what admitted requests measured
+        against them, but tested against the objectives at this quantile (0.5 = the median):
+        half of the requests predicted right at their SLO would otherwise miss it.
     """
 
     admission: str = Policy.PREDICTIVE.value
@@ -107,6 +110,7 @@ class AdmissionConfig:
     queue_threshold: int = 4
     max_queue_per_worker: int = 128
     shed_headroom: float = 0.8
+    admit_quantile: float = 0.9
 
     def __post_init__(self) -> None:
         if self.admission not in {p.value for p in Policy}:
@@ -118,6 +122,8 @@ class AdmissionConfig:
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be a finite number >= 0 (0 = no objective), got {getattr(self, name)}")
         check_positive(self, "queue_threshold", "max_queue_per_worker", "shed_headroom")
+        if not 0.5 <= self.admit_quantile < 1:
+            raise ConfigError(f"admit_quantile must be in [0.5, 1), got {self.admit_quantile}")
 
     @property
     def policy(self) -> Policy:
@@ -191,12 +197,17 @@ class Calibration:
     the slowest tenth of its gaps (Mooncake's TBT). Predictions are multiplied by the median of
     measured / predicted over the last `WINDOW_S` (at least `MIN_SAMPLES` of them, else 1.0),
     clamped to [0.5, 2]. The median ignores outliers (a fresh server's first requests); the
-    window lets a factor learned under a bad minute expire even if it then rejects everything."""
+    window lets a factor learned under a bad minute expire even if it then rejects everything.
 
-    WINDOW_S, MIN_SAMPLES, LOW, HIGH = 120.0, 3, 0.5, 2.0
+    `guard_*`: the `quantile` of the same ratios over their median (>= 1, at most 2): how much
+    worse than its calibrated prediction a request measures `1 - quantile` of the time. The
+    admission test scales the predictions by it; the reported predictions stay at the median."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    WINDOW_S, MIN_SAMPLES, LOW, HIGH, GUARD_MAX = 120.0, 3, 0.5, 2.0, 2.0
+
+    def __init__(self, quantile: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
+        self.quantile = quantile
         self._samples: tuple[deque[tuple[float, float]], ...] = (deque(maxlen=64), deque(maxlen=64))
 
     @property
@@ -206,6 +217,14 @@ class Calibration:
     @property
     def tbt_ratio(self) -> float:
         return self._ratio(1)
+
+    @property
+    def guard_ttft(self) -> float:
+        return self._guard(0)
+
+    @property
+    def guard_tbt(self) -> float:
+        return self._guard(1)
 
     def tbt(self, raw_ms: float) -> float:
         return raw_ms * self.tbt_ratio
@@ -225,12 +244,22 @@ class Calibration:
         if tbt_ms is not None and raw_tbt_ms > 0 and tbt_ms > 0:
             self._samples[1].append((now, tbt_ms / raw_tbt_ms))
 
-    def _ratio(self, i: int) -> float:
+    def _recent(self, i: int) -> list[float]:
         since = self._clock() - self.WINDOW_S
-        recent = [r for t, r in self._samples[i] if t >= since]
+        return sorted(r for t, r in self._samples[i] if t >= since)
+
+    def _ratio(self, i: int) -> float:
+        recent = self._recent(i)
         if len(recent) < self.MIN_SAMPLES:
             return 1.0
         return min(self.HIGH, max(self.LOW, statistics.median(recent)))
+
+    def _guard(self, i: int) -> float:
+        recent = self._recent(i)
+        if len(recent) < self.MIN_SAMPLES:
+            return 1.0
+        upper = recent[min(len(recent) - 1, math.ceil(self.quantile * len(recent)) - 1)]
+        return min(self.GUARD_MAX, max(1.0, upper / statistics.median(recent)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,7 +326,7 @@ class Admission:
         self.predictor = DecodeLoadPredictor(cost)
         self.cost = cost
         self.outputs = OutputEstimator()
-        self.calibration = Calibration()
+        self.calibration = Calibration(config.admit_quantile)
         self._warned: set[str] = set()
         with_slo = [c for c in config.classes().values() if c.has_slo]
         self._shed_class = min(with_slo, key=lambda c: c.rank) if with_slo else None
@@ -382,18 +411,22 @@ class Admission:
         # prompt admitted so also warms the prefix cache for the requests that share it). An
         # objective the request set itself stays strict (it asked to fail fast).
         idle_ttft, idle_tbt = self._idle(c)
+        # Tested at the admit quantile of past errors (the floor too), reported at the median.
+        gt, gb = self.calibration.guard_ttft, self.calibration.guard_tbt
         if not o.own_ttft:
-            ttft_limit = max(ttft_limit, idle_ttft)
+            ttft_limit = max(ttft_limit, idle_ttft * gt)
         if not o.own_tbt:
-            tbt_limit = max(tbt_limit, idle_tbt)
+            tbt_limit = max(tbt_limit, idle_tbt * gb)
         misses: list[tuple[Reason, float, str]] = []
-        if p.ttft_ms > ttft_limit:
-            misses.append((Reason.TTFT, (p.ttft_ms - ttft_limit) / 1e3,
-                           f"predicted TTFT {p.ttft_ms:.0f} ms > {ttft_limit:.4g} ms"))
-        if p.tbt_ms > tbt_limit:
-            misses.append((Reason.TBT, p.retry_tbt_s, f"predicted TBT {p.tbt_ms:.1f} ms > {tbt_limit:.4g} ms "
-                           "(the tightest objective of its batch)"))
-        if p.stretched_ms > stretch_limit:
+        if p.ttft_ms * gt > ttft_limit:
+            misses.append((Reason.TTFT, (p.ttft_ms * gt - ttft_limit) / 1e3,
+                           f"predicted TTFT {p.ttft_ms:.0f} ms{_guarded(gt, self.calibration.quantile)} "
+                           f"> {ttft_limit:.4g} ms"))
+        if p.tbt_ms * gb > tbt_limit:
+            misses.append((Reason.TBT, p.retry_tbt_s,
+                           f"predicted TBT {p.tbt_ms:.1f} ms{_guarded(gb, self.calibration.quantile)} > "
+                           f"{tbt_limit:.4g} ms (the tightest objective of its batch)"))
+        if p.stretched_ms * gb > stretch_limit:
             misses.append((Reason.TBT, p.retry_tbt_s, "its prefill would stretch the running requests' steps to "
                            f"{p.stretched_ms:.1f} ms > {stretch_limit:.4g} ms (the tightest objective among them)"))
         if not misses and self.policy is Policy.PREDICTIVE:
@@ -431,6 +464,10 @@ class Admission:
             return ms if math.isfinite(ms) else 0.0
 
         return SloPrediction(p.ttft_ms, p.tbt_ms, slo(o.ttft_ms), slo(o.tbt_ms))
+
+
+def _guarded(guard: float, quantile: float) -> str:
+    return f" (x{guard:.2f} at the p{quantile * 100:.0f} of past errors)" if guard > 1.0 else ""
 
 
 def _clamp(seconds: float) -> float:

@@ -283,3 +283,23 @@ def test_predictions_are_calibrated_by_what_requests_measured() -> None:
     assert adm.calibration.ttft_ratio == Calibration.HIGH  # clamped
     clock[0] += Calibration.WINDOW_S + 1  # nothing measured for a while: the factor expires
     assert adm.calibration.ttft_ratio == 1.0 and adm.calibration.tbt_ratio == 1.0
+
+
+def test_the_admission_test_uses_a_high_quantile_of_past_errors_and_reports_the_median() -> None:
+    """Half of the requests predicted right at their SLO measure over it: the test scales the
+    (median-calibrated) prediction by the admit quantile's ratio to the median."""
+    adm = admission(admit_quantile=0.9)
+    base = decide(adm)
+    for ratio in (1.0,) * 8 + (1.5, 1.5):  # the slowest tenth measured 1.5x the median
+        adm.observe(base, ttft_s=0.56 * ratio, tbt_s=0.06 * ratio)
+    assert adm.calibration.guard_ttft == pytest.approx(1.5) and adm.calibration.guard_tbt == pytest.approx(1.5)
+    # TTFT 560 ms x 1.5 = 840 ms: within 1 s, not within 800 ms; reported at the median, 560 ms.
+    assert decide(adm, obj=objective(ttft_ms=1000.0)).admitted
+    d = decide(adm, obj=objective(ttft_ms=800.0), prefill=queued(1.0))
+    assert d.reason is Reason.TTFT and d.prediction.predicted_ttft_ms == pytest.approx(561.0)
+    assert "p90" in d.detail
+    # TBT: a batch of 4 steps at 90 ms (x 1.5 = 135 ms), of 5 at 100 ms (150 ms).
+    assert decide(adm, obj=objective(tbt_ms=140.0), decode=decoding(3)).admitted
+    assert decide(adm, obj=objective(tbt_ms=140.0), decode=decoding(4)).reason is Reason.TBT
+    with pytest.raises(ConfigError, match="admit_quantile"):
+        AdmissionConfig(admit_quantile=1.0)

@@ -758,6 +758,7 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--queue-threshold": HelmValue("admission.queueThreshold", 6, "6"),
     "--max-queue-per-worker": HelmValue("admission.maxQueuePerWorker", 64, "64"),
     "--shed-headroom": HelmValue("admission.shedHeadroom", 0.5, "0.5"),
+    "--admit-quantile": HelmValue("admission.admitQuantile", 0.95, "0.95"),
     "--kv-transport": HelmValue("kvTransport.backend", "ucxx", "ucxx"),
     "--kv-port": HelmValue("kvTransport.port", 5601, "5601"),
     "--ucx-tls": HelmValue("kvTransport.ucxTls", "sm,self", "sm,self"),
