@@ -17,16 +17,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from conductor.cost_model import CostModel
+from core.cache_dir import cache_root
 from core.errors import ConfigError
 from core.messages import EngineInfo
 
 log = logging.getLogger(__name__)
 
-CACHE_ENV = "HALFMOON_CACHE_DIR"
-
-
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "halfmoon") / "profiles"
+    return cache_root() / "profiles"
 
 
 def profile_key(info: EngineInfo, threads: int | None) -> str:

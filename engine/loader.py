@@ -167,8 +167,18 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
+    """The header is parsed every time (config, tokenizer); the tensors come dequantized from the
+    weights cache when it has them (engine/weights_cache.py)."""
+    from engine.weights_cache import cached_weights
+
     reader = open_gguf(path)
     config = _gguf_config(reader, path)
+    weights = cached_weights(path, dtype, lambda: _dequantize_all(reader, config, path, dtype))
+    _check_complete(weights, config, path)
+    return LoadedWeights(config, weights, path, "gguf", reader)
+
+
+def _dequantize_all(reader: Any, config: ModelConfig, path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     weights: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         array = _dequantize(tensor, path)
@@ -177,8 +187,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
         elif tensor.name.endswith("attn_k.weight"):
             array = _unpermute(array, config.num_kv_heads)
         weights[_gguf_tensor_name(tensor.name)] = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
-    _check_complete(weights, config, path)
-    return LoadedWeights(config, weights, path, "gguf", reader)
+    return weights
 
 
 # ---------------------------------------------------------------- HF folder
