@@ -100,13 +100,14 @@ class Renderer:
 
     def release(self, variant: str) -> Release:
         if variant not in self.cache:
-            values = user_values(variant)
-            files = self.render(values)
-            docs = [doc for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
-                    for doc in yaml.safe_load_all(text) if doc]
-            notes = files.get("halfmoon/templates/NOTES.txt", "")
-            self.cache[variant] = Release(self.chart.merge_values(values), docs, notes)
+            self.cache[variant] = self.release_with(user_values(variant))
         return self.cache[variant]
+
+    def release_with(self, values: dict) -> Release:
+        files = self.render(values)
+        docs = [doc for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
+                for doc in yaml.safe_load_all(text) if doc]
+        return Release(self.chart.merge_values(values), docs, files.get("halfmoon/templates/NOTES.txt", ""))
 
 
 @pytest.fixture(scope="module")
@@ -422,6 +423,22 @@ def test_worker_group_volumes_ports_and_placement(renderer: Renderer, variant: s
     model = v["model"]
     if model["source"] != "builtin":
         assert mounts["model"]["mountPath"] == model["mountPath"] and mounts["model"]["readOnly"]
+    # The dequantized weights survive a container restart in the pod's own emptyDir.
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    if model["weightsCache"]["enabled"]:
+        assert env["HALFMOON_CACHE_DIR"] == mounts["weights-cache"]["mountPath"]
+        assert volumes["weights-cache"]["emptyDir"]["sizeLimit"] == model["weightsCache"]["sizeLimit"]
+    else:
+        assert env["HALFMOON_WEIGHTS_CACHE"] == "0" and "weights-cache" not in mounts
+
+
+def test_the_weights_cache_can_be_turned_off(renderer: Renderer) -> None:
+    rel = renderer.release_with({"model": {"weightsCache": {"enabled": False}}})
+    for role in ROLES:
+        ctr = worker_container(rel, role)
+        env = {e["name"]: e.get("value") for e in ctr["env"]}
+        assert env["HALFMOON_WEIGHTS_CACHE"] == "0" and "HALFMOON_CACHE_DIR" not in env
+        assert "weights-cache" not in {vol["name"] for vol in worker_template(rel, role)["spec"]["volumes"]}
 
 
 # ---------------------------------------------------------------------------- secrets

@@ -591,6 +591,13 @@ containers:
           fieldRef:
             fieldPath: metadata.name
       {{- end }}
+      {{- if $v.model.weightsCache.enabled }}
+      - name: HALFMOON_CACHE_DIR
+        value: /var/cache/halfmoon
+      {{- else }}
+      - name: HALFMOON_WEIGHTS_CACHE
+        value: "0"
+      {{- end }}
       {{- with $g.extraEnv }}
       {{- toYaml . | nindent 6 }}
       {{- end }}
@@ -614,6 +621,10 @@ containers:
       - name: shm
         mountPath: /dev/shm
       {{- with (include "halfmoon.modelMount" $root | trim) }}{{ . | nindent 6 }}{{- end }}
+      {{- if $v.model.weightsCache.enabled }}
+      - name: weights-cache
+        mountPath: /var/cache/halfmoon
+      {{- end }}
       {{- if $disk }}
       - name: kv-disk
         mountPath: {{ $v.kvTiers.disk.mountPath }}
@@ -627,6 +638,11 @@ volumes:
       medium: Memory
       sizeLimit: {{ printf "%sMi" (include "halfmoon.workerShmMi" $root) }}
   {{- with (include "halfmoon.modelVolume" $root | trim) }}{{ . | nindent 2 }}{{- end }}
+  {{- if $v.model.weightsCache.enabled }}
+  - name: weights-cache
+    emptyDir:
+      sizeLimit: {{ $v.model.weightsCache.sizeLimit }}
+  {{- end }}
   {{- if $disk }}
   {{- if eq $vol.type "hostPath" }}
   - name: kv-disk
