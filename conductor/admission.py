@@ -26,14 +26,11 @@ from __future__ import annotations
 import enum
 import logging
 import math
-import statistics
-import time
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from conductor.backend import Slo
+from conductor.calibration import Calibration
 from conductor.cost_model import CostModel
 from conductor.errors import OverloadedError, SloMissError
 from conductor.ledger import DecodeLedger, PrefillLedger
@@ -191,77 +188,6 @@ class OutputEstimator:
         self._ratio[class_name] = ratio if old is None else (1 - self.ALPHA) * old + self.ALPHA * ratio
 
 
-class Calibration:
-    """What the cost model leaves out, learned from admitted requests: the profile times the
-    engine alone, while a request also pays its RPCs, the KV handoff, streaming and, for TBT,
-    the slowest tenth of its gaps (Mooncake's TBT). Predictions are multiplied by the median of
-    measured / predicted over the last `WINDOW_S` (at least `MIN_SAMPLES` of them, else 1.0),
-    clamped to [0.5, 2]. The median ignores outliers (a fresh server's first requests); the
-    window lets a factor learned under a bad minute expire even if it then rejects everything.
-
-    `guard_*`: the `quantile` of the same ratios over their median (>= 1, at most 2): how much
-    worse than its calibrated prediction a request measures `1 - quantile` of the time. The
-    admission test scales the predictions by it; the reported predictions stay at the median."""
-
-    WINDOW_S, MIN_SAMPLES, LOW, HIGH, GUARD_MAX = 120.0, 3, 0.5, 2.0, 2.0
-
-    def __init__(self, quantile: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self.quantile = quantile
-        self._samples: tuple[deque[tuple[float, float]], ...] = (deque(maxlen=64), deque(maxlen=64))
-
-    @property
-    def ttft_ratio(self) -> float:
-        return self._ratio(0)
-
-    @property
-    def tbt_ratio(self) -> float:
-        return self._ratio(1)
-
-    @property
-    def guard_ttft(self) -> float:
-        return self._guard(0)
-
-    @property
-    def guard_tbt(self) -> float:
-        return self._guard(1)
-
-    def tbt(self, raw_ms: float) -> float:
-        return raw_ms * self.tbt_ratio
-
-    def ttft(self, raw_ms: float) -> float:
-        return raw_ms * self.ttft_ratio
-
-    def apply(self, p: Predicted) -> Predicted:
-        t, b = self.ttft_ratio, self.tbt_ratio
-        return p._replace(ttft_ms=p.ttft_ms * t, tbt_ms=p.tbt_ms * b, first_step_ms=p.first_step_ms * t,
-                          stretched_ms=p.stretched_ms * b)
-
-    def observe(self, raw_ttft_ms: float, ttft_ms: float, raw_tbt_ms: float, tbt_ms: float | None) -> None:
-        now = self._clock()
-        if raw_ttft_ms > 0 and ttft_ms > 0:
-            self._samples[0].append((now, ttft_ms / raw_ttft_ms))
-        if tbt_ms is not None and raw_tbt_ms > 0 and tbt_ms > 0:
-            self._samples[1].append((now, tbt_ms / raw_tbt_ms))
-
-    def _recent(self, i: int) -> list[float]:
-        since = self._clock() - self.WINDOW_S
-        return sorted(r for t, r in self._samples[i] if t >= since)
-
-    def _ratio(self, i: int) -> float:
-        recent = self._recent(i)
-        if len(recent) < self.MIN_SAMPLES:
-            return 1.0
-        return min(self.HIGH, max(self.LOW, statistics.median(recent)))
-
-    def _guard(self, i: int) -> float:
-        recent = self._recent(i)
-        if len(recent) < self.MIN_SAMPLES:
-            return 1.0
-        upper = recent[min(len(recent) - 1, math.ceil(self.quantile * len(recent)) - 1)]
-        return min(self.GUARD_MAX, max(1.0, upper / statistics.median(recent)))
-
-
 @dataclass(frozen=True, slots=True)
 class Candidate:
     """A routed request as admission sees it.
@@ -269,6 +195,7 @@ class Candidate:
     prefill_ms: predicted prefill + fetch on the chosen prefill worker.
     blocks: KV blocks it needs on the decode worker (prompt + max_tokens).
     deadline: monotonic s when its first token is due (inf = no TTFT objective).
+    new_tokens: prompt tokens it computes (the rest are a cached prefix).
     """
 
     objective: Objective
@@ -278,6 +205,7 @@ class Candidate:
     prefill_ms: float
     blocks: int
     deadline: float
+    new_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -332,17 +260,24 @@ class Admission:
         self._shed_class = min(with_slo, key=lambda c: c.rank) if with_slo else None
 
     def candidate(self, objective: Objective, prompt_len: int, max_tokens: int, prefill_ms: float,
-                  block_size: int, arrival: float) -> Candidate:
+                  block_size: int, arrival: float, new_tokens: int | None = None) -> Candidate:
+        """`new_tokens`: the prompt tokens not in a cached prefix (default: all)."""
         deadline = arrival + objective.ttft_ms / 1e3 if math.isfinite(objective.ttft_ms) else math.inf
         return Candidate(objective, prompt_len, max_tokens, self.outputs.expected(objective.slo_class.name, max_tokens),
-                         prefill_ms, cdiv(prompt_len + max_tokens, block_size), deadline)
+                         prefill_ms, cdiv(prompt_len + max_tokens, block_size), deadline,
+                         prompt_len if new_tokens is None else new_tokens)
 
     def decide(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float) -> Decision:
         """Admit or reject `c` on the chosen workers' ledgers (predictions as calibrated)."""
         raw = self.predict(c, prefill, decode, now)
-        p = self.calibration.apply(raw)
+        p = self._calibrated(raw)
         return replace(self._decide(c, p, prefill, decode, now), joins_in_ms=p.ttft_ms - p.first_step_ms,
                        raw_ttft_ms=raw.ttft_ms, raw_tbt_ms=raw.tbt_ms)
+
+    def _calibrated(self, p: Predicted) -> Predicted:
+        t, b = self.calibration.ttft, self.calibration.tbt
+        return p._replace(ttft_ms=t(p.ttft_ms), tbt_ms=b(p.tbt_ms), first_step_ms=p.first_step_ms * t.scale,
+                          stretched_ms=b(p.stretched_ms) if p.stretched_ms > 0 else 0.0)
 
     def observe(self, decision: Decision, ttft_s: float, tbt_s: float | None) -> None:
         """An admitted request finished: what it measured corrects later predictions."""
@@ -386,14 +321,23 @@ class Admission:
         return Predicted(arrive + first_step, peak.tbt_ms, peak.limit_ms, retry, first_step, stretched, limit)
 
     def _stretched(self, c: Candidate, jobs: list[DecodeJob]) -> tuple[float, float]:
-        """Co-located: the step of the requests decoding now while a chunk of this prompt runs
-        in it, and their tightest objective (0, inf when nothing decodes)."""
+        """Co-located: the TBT its prefill gives the requests decoding now, and their objective
+        (the one nearest to being missed; 0, inf when nothing decodes). Its prefill runs as
+        ceil(new / chunk) steps each stretched by a chunk; a request's TBT (the mean of its
+        longest tenth of gaps) takes as many of them as fit in that tenth."""
         running = [j for j in jobs if j.joins_at_ms <= 0]
-        if self.colocated_chunk is None or not running:
+        if self.colocated_chunk is None or not running or c.new_tokens <= 0:
             return 0.0, math.inf
         step = self.cost.est_decode_step_ms(len(running), sum(j.context_tokens for j in running))
-        chunk = self.cost.est_prefill_ms(min(self.colocated_chunk, c.prompt_len))
-        return step + chunk, min(j.tbt_slo_ms for j in running)
+        stretched = step + self.cost.est_prefill_ms(min(self.colocated_chunk, c.new_tokens))
+        chunks = cdiv(c.new_tokens, self.colocated_chunk)
+        worst = (0.0, math.inf)
+        for j in running:
+            top = j.top_gaps
+            tbt = (min(chunks, top) * stretched + max(0, top - chunks) * step) / top
+            if tbt / j.tbt_slo_ms > worst[0] / worst[1]:
+                worst = (tbt, j.tbt_slo_ms)
+        return worst if worst[0] > 0 else (stretched, math.inf)
 
     def _check_objectives(self, c: Candidate, p: Predicted, prediction: SloPrediction,
                           prefill: PrefillLedger, now: float) -> Decision:
@@ -412,7 +356,7 @@ class Admission:
         # objective the request set itself stays strict (it asked to fail fast).
         idle_ttft, idle_tbt = self._idle(c)
         # Tested at the admit quantile of past errors (the floor too), reported at the median.
-        gt, gb = self.calibration.guard_ttft, self.calibration.guard_tbt
+        gt, gb = self.calibration.ttft.guard, self.calibration.tbt.guard
         if not o.own_ttft:
             ttft_limit = max(ttft_limit, idle_ttft * gt)
         if not o.own_tbt:

@@ -186,7 +186,7 @@ class ColocatedBackend(GenerationBackend):
         now = time.monotonic()
         candidate = self.admission.candidate(objective, n, inp.params.max_tokens,
                                              self.cost.est_prefill_ms(n - cached, cached),
-                                             self.engine.config.block_size, now)
+                                             self.engine.config.block_size, now, new_tokens=n - cached)
         decision = self.admission.decide(candidate, self.pending, self.bound, now)
         if not decision.admitted:
             self.admission_stats.rejected(name, decision.reason or "")

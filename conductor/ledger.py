@@ -139,7 +139,7 @@ class BoundRequest:
     def job(self, now: float) -> DecodeJob:
         remaining = max(1, self.expected_output - self.generated)
         return DecodeJob(max(0.0, (self.joins_at - now) * 1e3), self.prompt_len + self.generated, remaining,
-                         self.tbt_slo_ms)
+                         self.tbt_slo_ms, max(0, self.expected_output - 1))
 
 
 @dataclass(slots=True)

@@ -32,18 +32,26 @@ class DecodeJob:
     context_tokens: its context when it joins (prompt + tokens generated so far).
     remaining_tokens: tokens it still decodes (an estimate, at most max_tokens - generated).
     tbt_slo_ms: its TBT objective (inf = none).
+    gaps: its token gaps in all (expected output - 1; 0 = unknown): Mooncake's TBT is the mean
+        of the longest tenth of them.
     """
 
     joins_at_ms: float
     context_tokens: int
     remaining_tokens: int
     tbt_slo_ms: float = math.inf
+    gaps: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("joins_at_ms", "context_tokens", "remaining_tokens", "tbt_slo_ms"):
+        for name in ("joins_at_ms", "context_tokens", "remaining_tokens", "tbt_slo_ms", "gaps"):
             value = getattr(self, name)
             if not value >= 0:  # NaN too
                 raise ValueError(f"DecodeJob.{name} must be >= 0, got {value}")
+
+    @property
+    def top_gaps(self) -> int:
+        """How many gaps its TBT averages (at least one)."""
+        return max(1, self.gaps // 10)
 
     def leaves_at_ms(self, step_ms: float) -> float:
         return self.joins_at_ms + self.remaining_tokens * step_ms

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from conductor.admission import (Admission, AdmissionConfig, Calibration, Objective, OutputEstimator, Policy, Reason,
-                                 resolve)
+from conductor.admission import Admission, AdmissionConfig, Objective, OutputEstimator, Policy, Reason, resolve
 from conductor.admission_stats import AdmissionStats, Histogram, TopGaps
 from conductor.backend import Slo
+from conductor.calibration import IDENTITY, Calibration, Fit, fit_samples
 from conductor.cost_model import CostModel
 from conductor.errors import OverloadedError, SloMissError, status_of
 from conductor.ledger import BoundRequest, DecodeLedger, PendingPrefill, PrefillLedger
@@ -156,11 +156,26 @@ def test_a_higher_class_may_not_push_a_queued_request_past_its_deadline() -> Non
 
 
 def test_colocated_prefill_stretches_the_running_steps() -> None:
+    """Co-located, each chunk of a prefill (up to 512 tokens here, 1 ms a token) rides a step of
+    the requests decoding (70 ms for two): their TBT is the mean of their longest tenth of gaps,
+    so what counts is how many stretched steps fall in it."""
     adm = Admission(AdmissionConfig(), COST, colocated_chunk=512)
-    c = adm.candidate(objective(), 500, 20, 500.0, BS, NOW)
-    d = adm.decide(c, PrefillLedger(), decoding(2, tbt_slo_ms=150.0), NOW)
-    assert d.reason is Reason.TBT  # 70 ms step + a 500-token chunk (500 ms)
-    assert "stretch" in d.detail
+    long_outputs, short_outputs = decoding(2, remaining=100, tbt_slo_ms=150.0), decoding(2, remaining=5, tbt_slo_ms=150.0)
+    patient = objective(ttft_ms=10_000.0)
+
+    def decide_colocated(prompt: int, new: int, decode: DecodeLedger):
+        c = adm.candidate(patient, prompt, 20, COST.est_prefill_ms(new), BS, NOW, new_tokens=new)
+        return adm.decide(c, PrefillLedger(), decode, NOW)
+
+    # 99 gaps: the longest 9 hold one 570 ms step and eight of 70 ms: 126 ms.
+    assert decide_colocated(500, 500, long_outputs).admitted
+    # Four chunks of 512 (582 ms steps): (4 x 582 + 5 x 70) / 9 = 297 ms.
+    d = decide_colocated(2000, 2000, long_outputs)
+    assert d.reason is Reason.TBT and "stretch" in d.detail
+    # Four gaps: the TBT is the longest gap, the stretched step itself.
+    assert decide_colocated(500, 500, short_outputs).reason is Reason.TBT
+    # A cached prompt computes 16 tokens: 86 ms.
+    assert decide_colocated(500, 16, short_outputs).admitted
 
 
 # ---------------------------------------------------------------------- classes and config
@@ -280,9 +295,9 @@ def test_predictions_are_calibrated_by_what_requests_measured() -> None:
     assert (d.raw_ttft_ms, d.raw_tbt_ms) == (pytest.approx(560.0), pytest.approx(60.0))
     for _ in range(3):
         adm.observe(d, ttft_s=5.6, tbt_s=None)
-    assert adm.calibration.ttft_ratio == Calibration.HIGH  # clamped
+    assert adm.calibration.ttft.scale == Calibration.HIGH  # clamped
     clock[0] += Calibration.WINDOW_S + 1  # nothing measured for a while: the factor expires
-    assert adm.calibration.ttft_ratio == 1.0 and adm.calibration.tbt_ratio == 1.0
+    assert adm.calibration.ttft == IDENTITY and adm.calibration.tbt == IDENTITY
 
 
 def test_the_admission_test_uses_a_high_quantile_of_past_errors_and_reports_the_median() -> None:
@@ -292,7 +307,7 @@ def test_the_admission_test_uses_a_high_quantile_of_past_errors_and_reports_the_
     base = decide(adm)
     for ratio in (1.0,) * 8 + (1.5, 1.5):  # the slowest tenth measured 1.5x the median
         adm.observe(base, ttft_s=0.56 * ratio, tbt_s=0.06 * ratio)
-    assert adm.calibration.guard_ttft == pytest.approx(1.5) and adm.calibration.guard_tbt == pytest.approx(1.5)
+    assert adm.calibration.ttft.guard == pytest.approx(1.5) and adm.calibration.tbt.guard == pytest.approx(1.5)
     # TTFT 560 ms x 1.5 = 840 ms: within 1 s, not within 800 ms; reported at the median, 560 ms.
     assert decide(adm, obj=objective(ttft_ms=1000.0)).admitted
     d = decide(adm, obj=objective(ttft_ms=800.0), prefill=queued(1.0))
@@ -303,3 +318,37 @@ def test_the_admission_test_uses_a_high_quantile_of_past_errors_and_reports_the_
     assert decide(adm, obj=objective(tbt_ms=140.0), decode=decoding(4)).reason is Reason.TBT
     with pytest.raises(ConfigError, match="admit_quantile"):
         AdmissionConfig(admit_quantile=1.0)
+
+
+def test_a_constant_overhead_is_fitted_as_an_offset_not_a_ratio() -> None:
+    """Requests pay ~200 ms beyond the engine's time whatever their length (RPCs, handoff,
+    streaming): a ratio would over-scale a cold 3 s prefill and under-scale a warm 400 ms one."""
+    samples = [(raw, raw + 200.0) for raw in (400.0, 500.0, 800.0, 1200.0, 2000.0, 2500.0, 3000.0, 3500.0)]
+    samples.append((600.0, 5000.0))  # one outlier changes nothing
+    fit = fit_samples(samples, 0.5)
+    assert (fit.offset_ms, fit.scale) == (pytest.approx(200.0), pytest.approx(1.0))
+    assert fit(400.0) == pytest.approx(600.0) and fit(3000.0) == pytest.approx(3200.0)
+    # Fewer than MIN_FIT_SAMPLES, or predictions all alike: the median ratio, no offset.
+    assert fit_samples(samples[:3], 0.5) == Fit(0.0, pytest.approx(1.4), pytest.approx(1.0))
+    alike = fit_samples([(500.0, 600.0)] * 9 + [(520.0, 650.0)], 0.5)
+    assert alike.offset_ms == 0.0 and alike.scale == pytest.approx(1.2)
+    # A line through the origin's wrong side (measured under predicted by a constant) is no
+    # overhead: a ratio instead.
+    under = fit_samples([(raw, raw - 100.0) for raw in (400.0, 800.0, 1600.0, 2400.0, 3200.0, 3600.0, 4000.0, 4400.0)],
+                        0.5)
+    assert under.offset_ms == 0.0 and under.scale < 1.0
+
+
+def test_admission_uses_the_fitted_line_and_refits_only_on_new_samples() -> None:
+    adm = admission()
+    raws = (400.0, 500.0, 800.0, 1200.0, 2000.0, 2500.0, 3000.0, 3500.0)
+    for raw in raws:
+        adm.calibration.observe(raw, raw + 200.0, raw / 10, raw / 10 + 20.0)
+    d = decide(adm)  # raw: TTFT 560 ms (500 prefill + a 60 ms step), TBT 60 ms
+    assert d.prediction.predicted_ttft_ms == pytest.approx(760.0)
+    assert d.prediction.predicted_tbt_ms == pytest.approx(80.0)
+    assert d.joins_in_ms == pytest.approx(760.0 - 60.0)  # the first step scaled, not offset
+    fit = adm.calibration.ttft
+    assert adm.calibration.ttft is fit  # cached while the window is unchanged
+    adm.calibration.observe(560.0, 900.0, 60.0, 80.0)
+    assert adm.calibration.ttft is not fit
