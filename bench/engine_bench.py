@@ -233,11 +233,9 @@ def process_settings(threads: int) -> Iterator[None]:
 
 
 def load_transformers(dtype: torch.dtype) -> TransformersSystem:
-    from transformers import AutoModelForCausalLM
+    from bench.hf_reference import hf_model
 
-    path = resolve_model_path(MODEL)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-    model.eval()
+    model = hf_model(resolve_model_path(MODEL), dtype)
     pad = model.generation_config.pad_token_id
     eos = model.generation_config.eos_token_id
     pad_id = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)

@@ -49,7 +49,7 @@ def test_ucxx_run_prints_both_perftest_baselines() -> None:
     """One small real ucxx point: the like-for-like baseline (perftest -e), the plain one and
     the checksummed channel's ceiling."""
     proc = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transport", "--backends", "ucxx",
-                           "--ucx-tls", "tcp", "--sizes-mb", "8", "--rounds", "2", "--budget-mb", "32",
+                           "--ucx-tls", "tcp", "--sizes-mb", "8", "--rounds", "1", "--budget-mb", "16",
                            "--skip", "pipelining", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     (row,) = json.loads(proc.stdout)["throughput"]
@@ -58,7 +58,7 @@ def test_ucxx_run_prints_both_perftest_baselines() -> None:
     assert row["bare_channel_gbps"] > 0
     assert row["ratio"] == pytest.approx(row["gbps"] / row["raw_gbps"])
     # Each round's own ratio (backend and perftest back to back): one per round.
-    assert len(row["round_ratios"]) == 2 and all(x > 0 for x in row["round_ratios"])
+    assert len(row["round_ratios"]) == 1 and row["round_ratios"][0] == pytest.approx(row["ratio"], rel=1e-3)
 
 
 def test_the_channel_references_run_to_the_end() -> None:

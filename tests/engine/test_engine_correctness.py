@@ -96,14 +96,15 @@ class OracleRun:
 
 @pytest.fixture(scope="module")
 def hf_model(gguf_path: Path, shared_engine: Engine) -> Any:
-    """transformers' Llama on the same GGUF, fp32 (~15 s to load: once, here only).
+    """transformers' Llama on the same GGUF, fp32 (its own conversion, ~15 s, cached per machine by
+    bench/hf_reference.py).
 
     Requested after `shared_engine` so the oracle also runs with the tests' single torch thread.
     """
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    return model.eval()
+    pytest.importorskip("transformers")
+    from bench.hf_reference import hf_model
+
+    return hf_model(gguf_path, torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -28,9 +28,10 @@ def tok() -> Tokenizer:
 
 @pytest.fixture(scope="module")
 def oracle() -> Any:
-    transformers = pytest.importorskip("transformers")
-    path = _gguf_path()
-    return transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    pytest.importorskip("transformers")
+    from bench.hf_reference import hf_tokenizer
+
+    return hf_tokenizer(_gguf_path())
 
 
 TEXTS = [
