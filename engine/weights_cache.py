@@ -37,6 +37,7 @@ LAYOUT_VERSION = 1
 # Entries kept (the least recently used beyond it are removed when one is stored): a model in a
 # dtype or two, and room for another file.
 MAX_ENTRIES = 4
+PAGE_BYTES = 4096
 
 Weights = dict[str, torch.Tensor]
 
@@ -82,10 +83,20 @@ def _read(path: Path) -> Weights | None:
         log.warning("weights cache: unreadable entry %s (%s): removing it and dequantizing again", path, e)
         path.unlink(missing_ok=True)
         return None
+    _prefault(weights)
     log.info("weights cache: %d tensors memory-mapped from %s in %.2f s", len(weights), path,
              time.perf_counter() - t0)
     _touch(path)
     return weights
+
+
+def _prefault(weights: Weights) -> None:
+    """Read one element of every page now: a mapped tensor otherwise pages in as it is first
+    used (an embedding row per new token id), which reads as memory growth under load."""
+    for t in weights.values():
+        if t.numel():
+            stride = max(1, PAGE_BYTES // t.element_size())
+            t.reshape(-1)[::stride].sum()
 
 
 def _touch(path: Path) -> None:
