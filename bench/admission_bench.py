@@ -60,6 +60,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     w = p.add_argument_group("workload")
     w.add_argument("--trace", required=True, help="a Mooncake trace (JSON lines) to replay")
     w.add_argument("--window-s", type=float, default=60.0, help="replay the arrivals of the first W s only")
+    w.add_argument("--same-requests", action="store_true",
+                   help="every load replays the requests of the 1x window, in window / load seconds "
+                        "(default: each load the first --window-s of the trace at its rate)")
     w.add_argument("--drain-s", type=float, default=60.0, help="cut off requests still running this "
                    "long after the window")
     w.add_argument("--max-requests", type=int, default=None, help="use only the trace's first N requests")
@@ -168,12 +171,22 @@ class Plan:
     log_dir: Path
     say: Progress
 
-    def workload(self, speed: float) -> Workload:
-        w = windowed(scaled(self.trace, speed), self.window_s)
+    same_requests: bool = False  # every load replays the 1x window's requests (see `at_load`)
+
+    def workload(self, speed: float, window_s: float | None = None) -> Workload:
+        window = self.window_s if window_s is None else window_s
+        w = windowed(scaled(self.trace, speed), window)
         if not w.requests:
-            raise ValueError(f"no request arrives in the first {self.window_s:g} s at speed x{speed:.3g}: "
+            raise ValueError(f"no request arrives in the first {window:g} s at speed x{speed:.3g}: "
                              "raise --window-s")
         return w
+
+    def at_load(self, speed: float, load: float) -> Workload:
+        """The replay at `load` x the 1x `speed`: the first `window_s` of it (what a longer
+        trace offers at that rate), or with `same_requests` the 1x window's requests in
+        `window_s / load` (a trace's later turns hit the prefix cache more than its first ones:
+        windows over different spans make loads incomparable)."""
+        return self.workload(speed * load, self.window_s / load if self.same_requests else None)
 
     def replay(self, target: str, workload: Workload, label: str) -> tuple[list[RequestRecord], float]:
         opts = replace(self.opts, label=label, deadline_s=workload.duration_s + self.drain_s)
@@ -225,7 +238,7 @@ def run_loads(server: Server, speed: float, loads: Sequence[float], plan: Plan) 
     """One replay per load (speed x load) against the server, each followed by a /metrics scrape."""
     runs = []
     for load in loads:
-        w = plan.workload(speed * load)
+        w = plan.at_load(speed, load)
         label = f"{server.mode} {server.policy} {load:g}x"
         records, makespan = plan.replay(server.target, w, label)
         metrics = run_metrics(records, w.duration_s, makespan, plan.opts.slo)
@@ -271,7 +284,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     trace = trace_workload(args.trace, 1.0, Caps(args.max_input_tokens, args.max_output_tokens), args.max_requests)
     opts = ReplayOptions(slo, send_slo=False, warmup=args.warmup, request_timeout_s=args.request_timeout,
                          progress=not args.no_progress)
-    plan = Plan(trace, args.window_s, args.drain_s, opts, log_dir, Progress())
+    plan = Plan(trace, args.window_s, args.drain_s, opts, log_dir, Progress(), args.same_requests)
     mode_args = {"cluster": args.cluster_args, "colocated": args.colocated_args}
     modes = {mode: run_mode(mode, mode_args[mode], plan, args) for mode in args.mode_list}
     result = summary(args, argv, trace, modes)

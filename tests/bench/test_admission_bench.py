@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -100,6 +101,20 @@ def test_scaled_and_windowed_workloads() -> None:
     assert am.trace_rate(w) == 0.5 and am.offered_rps(cut) == 1.5
     with pytest.raises(ValueError):
         am.scaled(w, 0.0)
+
+
+def test_same_requests_replays_the_1x_window_at_every_load(tmp_path: Path) -> None:
+    arrivals = [(t * 100, 50, 2, [t]) for t in range(40)]  # one request every 0.1 s for 4 s
+    plan = replace(small_plan(tmp_path), trace=trace_workload(write_trace(tmp_path / "u.jsonl", arrivals), 1.0),
+                   window_s=2.0)
+    spans = {load: plan.at_load(0.5, load) for load in (1.0, 2.0, 4.0)}  # 1x: the trace's first second
+    assert [len(w.requests) for w in spans.values()] == [11, 21, 40]  # each load: its own first 2 s
+    same = replace(plan, same_requests=True)
+    fixed = {load: same.at_load(0.5, load) for load in (1.0, 2.0, 4.0)}
+    assert {tuple(r.prompt_ids for r in w.requests) for w in fixed.values()} == {
+        tuple(r.prompt_ids for r in fixed[1.0].requests)}  # the same 11 requests
+    assert [w.duration_s for w in fixed.values()] == [2.0, 1.0, 0.5]
+    assert am.offered_rps(fixed[4.0]) == pytest.approx(4 * am.offered_rps(fixed[1.0]))
 
 
 # ---------------------------------------------------------------------------- one replay
