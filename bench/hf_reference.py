@@ -10,7 +10,6 @@ code, done once. A broken entry is logged, removed and converted again.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from core.cache_dir import cache_root
+from core.cache_dir import cache_key, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +30,7 @@ def _entry(gguf: Path, kind: str) -> Path:
     st = gguf.stat()
     shape = {"path": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
              "transformers": transformers.__version__, "kind": kind}
-    return cache_root() / "hf" / hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_root() / "hf" / cache_key(shape)
 
 
 def hf_model(gguf: Path, dtype: torch.dtype) -> Any:

@@ -8,8 +8,6 @@ those. `halfmoon profile` (a full grid) or `--cost-model FILE` is still the way 
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import platform
@@ -17,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from conductor.cost_model import CostModel
-from core.cache_dir import cache_root
+from core.cache_dir import cache_key, cache_root
 from core.errors import ConfigError
 from core.messages import EngineInfo
 
@@ -34,7 +32,7 @@ def profile_key(info: EngineInfo, threads: int | None) -> str:
     shape = {"fingerprint": info.fingerprint, "dtype": info.dtype, "block_size": info.block_size,
              "threads": threads or os.cpu_count(), "cpu": _cpu_model(), "cores": os.cpu_count(),
              "torch": torch.__version__, "cuda": torch.cuda.is_available()}
-    return hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:24]
+    return cache_key(shape)
 
 
 async def cached_cost_model(key: str, measure: Callable[[], Awaitable[CostModel]]) -> CostModel:

@@ -16,8 +16,6 @@ that cannot be written is logged and the weights are served from memory.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
 import logging
 import os
 import time
@@ -27,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from core.cache_dir import cache_root
+from core.cache_dir import cache_key, cache_root
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +53,7 @@ def entry_path(source: Path, dtype: torch.dtype) -> Path:
         gguf_version = "?"
     shape = {"path": str(source.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "dtype": str(dtype),
              "gguf": gguf_version, "layout": LAYOUT_VERSION}
-    key = hashlib.sha256(json.dumps(shape, sort_keys=True).encode()).hexdigest()[:24]
-    return cache_root() / "weights" / f"{key}.pt"
+    return cache_root() / "weights" / f"{cache_key(shape)}.pt"
 
 
 def cached_weights(source: Path, dtype: torch.dtype, build: Callable[[], Weights]) -> Weights:
