@@ -25,11 +25,18 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "List three prime numbers:",
            "Explain what a KV cache is in one sentence.", "Once upon a time", "def fibonacci(n):",
            "The quick brown fox", "Translate 'good morning' to French:"]
+
+
+class MemorySample(NamedTuple):
+    seconds: float
+    rss: float  # MB, VmRSS
+    anon: float  # MB, RssAnon
+    completed: int  # streams completed by then
 
 
 @dataclass
@@ -39,7 +46,7 @@ class Tally:
     rejected: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
     incomplete: int = 0
-    rss_mb: list[tuple[float, float]] = field(default_factory=list)  # (seconds, MB)
+    memory: list[MemorySample] = field(default_factory=list)
     elapsed_s: float = 0.0  # until the last stream ended
 
 
@@ -80,12 +87,18 @@ def start_server(extra: str, log: Path) -> tuple[subprocess.Popen[str], str, str
     raise RuntimeError(f"halfmoon serve did not come up: {log.read_text()[-2000:]}")
 
 
-def rss_mb(pid: int) -> float:
+def memory_mb(pid: int) -> tuple[float, float]:
+    """(VmRSS, RssAnon) of `pid` in MB. RssAnon is what a leak grows; VmRSS also counts file pages
+    (the memory-mapped weights cache), which the kernel drops and faults back in under pressure."""
+    fields: dict[str, float] = {}
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "RssAnon"):
+                fields[key] = int(rest.split()[0]) / 1024
+    if len(fields) != 2:
+        raise RuntimeError(f"no VmRSS / RssAnon for pid {pid}")
+    return fields["VmRSS"], fields["RssAnon"]
 
 
 # ---------------------------------------------------------------------- clients
@@ -185,7 +198,7 @@ def _finished(t: Tally, complete: bool, tokens: int) -> None:
 
 async def sample_rss(pid: int | None, end: float, start: float, t: Tally) -> None:
     while pid is not None and time.monotonic() < end:
-        t.rss_mb.append((time.monotonic() - start, rss_mb(pid)))
+        t.memory.append(MemorySample(time.monotonic() - start, *memory_mb(pid), t.completed))
         await asyncio.sleep(2.0)
 
 
@@ -214,16 +227,30 @@ async def run_load(args: argparse.Namespace, grpc_target: str, http_url: str, pi
 
 
 def summary(args: argparse.Namespace, t: Tally, elapsed: float) -> dict[str, Any]:
-    rss = [mb for _, mb in t.rss_mb]
-    warm = [mb for s, mb in t.rss_mb if s >= 0.25 * args.duration] or rss
+    warm = [m for m in t.memory if m.seconds >= 0.25 * args.duration] or t.memory
     return {"clients": args.clients, "duration_s": round(elapsed, 1), "completed": t.completed,
             "tokens": t.tokens, "tokens_per_s": round(t.tokens / elapsed, 1),
             "rejected": dict(t.rejected), "errors": len(t.errors), "first_errors": t.errors[:5],
             "incomplete": t.incomplete,
-            "rss_mb": {"start": _r(rss[0]) if rss else None, "after_warmup": _r(warm[0]) if warm else None,
-                       "end": _r(rss[-1]) if rss else None, "max": _r(max(rss)) if rss else None,
-                       "growth_after_warmup": _r(warm[-1] - warm[0]) if warm else None},
+            "rss_mb": _memory_summary([m.rss for m in t.memory], [m.rss for m in warm]),
+            "anon_mb": _memory_summary([m.anon for m in t.memory], [m.anon for m in warm]),
+            "memory_samples": [[_r(m.seconds), _r(m.rss), _r(m.anon), m.completed]
+                               for m in t.memory],
             "ok": not t.errors and not t.incomplete and t.completed > 0}
+
+
+def _memory_summary(all_mb: list[float], warm: list[float]) -> dict[str, float | None]:
+    """Start / end / max, and two growths after warm-up: last minus first sample (noisy: a sample
+    can land on a step's transient activations, +60 MB here) and the floor's growth, the lowest
+    sample of the warm run's last third minus that of its first third: what stays allocated
+    between steps, which is what a leak raises."""
+    if not all_mb:
+        return dict.fromkeys(("start", "after_warmup", "end", "max", "growth_after_warmup",
+                              "floor_growth_after_warmup"))
+    third = max(1, len(warm) // 3)
+    return {"start": _r(all_mb[0]), "after_warmup": _r(warm[0]), "end": _r(all_mb[-1]),
+            "max": _r(max(all_mb)), "growth_after_warmup": _r(warm[-1] - warm[0]),
+            "floor_growth_after_warmup": _r(min(warm[-third:]) - min(warm[:third]))}
 
 
 def _r(x: float) -> float:
@@ -231,14 +258,18 @@ def _r(x: float) -> float:
 
 
 def render(s: dict[str, Any], t: Tally) -> str:
-    rss = s["rss_mb"]
+    rss, anon = s["rss_mb"], s["anon_mb"]
     lines = [f"{s['clients']} streaming clients for {s['duration_s']} s: {s['completed']} streams complete, "
              f"{s['tokens']} tokens ({s['tokens_per_s']} tok/s)",
              f"rejected (documented): {s['rejected'] or 'none'}; errors: {s['errors']}; "
              f"incomplete streams: {s['incomplete']}",
              f"server RSS MB: start {rss['start']}, after warm-up {rss['after_warmup']}, end {rss['end']}, "
-             f"max {rss['max']} (growth after warm-up {rss['growth_after_warmup']})"]
-    lines += [f"  t={sec:5.0f}s  RSS {mb:7.1f} MB" for sec, mb in t.rss_mb[:: max(1, len(t.rss_mb) // 10)]]
+             f"max {rss['max']} (growth after warm-up {rss['growth_after_warmup']})",
+             f"server anonymous MB (what a leak grows): start {anon['start']}, after warm-up "
+             f"{anon['after_warmup']}, end {anon['end']} (growth after warm-up {anon['growth_after_warmup']}, "
+             f"of its floor {anon['floor_growth_after_warmup']})"]
+    lines += [f"  t={m.seconds:5.0f}s  RSS {m.rss:7.1f} MB  anonymous {m.anon:7.1f} MB"
+              for m in t.memory[:: max(1, len(t.memory) // 10)]]
     lines += [f"  error: {e}" for e in s["first_errors"]]
     lines.append("OK" if s["ok"] else "FAILED")
     return "\n".join(lines)
@@ -251,9 +282,12 @@ def plot(path: str, t: Tally) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot([s for s, _ in t.rss_mb], [mb for _, mb in t.rss_mb], marker=".")
+    seconds = [m.seconds for m in t.memory]
+    ax.plot(seconds, [m.rss for m in t.memory], marker=".", label="RSS")
+    ax.plot(seconds, [m.anon for m in t.memory], marker=".", label="anonymous (heap)")
+    ax.legend()
     ax.set_xlabel("seconds")
-    ax.set_ylabel("server RSS (MB)")
+    ax.set_ylabel("server memory (MB)")
     ax.set_title("halfmoon bench load: server memory under load")
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -1,6 +1,10 @@
 """Load: 64 concurrent streaming clients (half gRPC, half OpenAI SSE) for 60 s against a real
 `halfmoon serve` over the co-located engine. Zero errors besides documented rejections, every
-stream complete, the server's RSS stable after warm-up (printed)."""
+stream complete, and the server's anonymous memory (heap: what a leak grows) stable after warm-up,
+judged by its floor: the lowest sample of the warm run's last third against its first third. The
+last-minus-first growth this test used to bound read 124 MB once in CI: a sample that lands on a
+step's transient activations reads ~60 MB high, and VmRSS also counts the memory-mapped weights'
+file pages, which come and go with the page cache (docs/BENCHMARKS.md, "Front door under load")."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import pytest
 
 from bench import api_load
 
-RSS_GROWTH_LIMIT_MB = 100  # after warm-up; measured ~30 MB of a ~2.2 GB process (docs/BENCHMARKS.md)
+ANON_GROWTH_LIMIT_MB = 100  # after warm-up (docs/BENCHMARKS.md)
 
 
 @pytest.mark.timeout(400)
@@ -20,10 +24,10 @@ def test_64_streaming_clients_for_60_seconds(capsys: pytest.CaptureFixture[str])
     summary = json.loads(out.strip().splitlines()[-1])
     with capsys.disabled():
         print(f"\nload: {summary['completed']} streams, {summary['tokens_per_s']} tok/s, "
-              f"rejected {summary['rejected']}, errors {summary['errors']}, RSS MB {summary['rss_mb']}")
+              f"rejected {summary['rejected']}, errors {summary['errors']}, RSS MB {summary['rss_mb']}, anonymous MB {summary['anon_mb']}")
     assert summary["errors"] == 0, summary["first_errors"]
     assert summary["incomplete"] == 0
     assert summary["completed"] >= 64  # every client finished at least one stream
     assert set(summary["rejected"]) <= {"RESOURCE_EXHAUSTED", "429"}
-    assert summary["rss_mb"]["growth_after_warmup"] < RSS_GROWTH_LIMIT_MB
+    assert summary["anon_mb"]["floor_growth_after_warmup"] < ANON_GROWTH_LIMIT_MB
     assert code == 0
