@@ -106,6 +106,7 @@ class ReplayOptions:
     progress: bool = True
     label: str = "replay"
     deadline_s: float | None = None  # requests still running then (replay clock) are cut off
+    cache_salt: str | None = None  # every request of the replay carries it: no prefix computed by another replay hits
 
 
 async def replay(target: str, workload: Workload, opts: ReplayOptions) -> tuple[list[RequestRecord], float]:
@@ -158,7 +159,7 @@ async def send(client: Any, request: Request, record: RequestRecord, clock: Call
     record.sent_s = clock()
     try:
         async for chunk in client.stream(prompt_token_ids=request.prompt_ids, max_tokens=request.max_tokens,
-                                         temperature=0.0, ignore_eos=True, **slo):
+                                         temperature=0.0, ignore_eos=True, cache_salt=opts.cache_salt, **slo):
             now = clock()
             record.token_times.extend([now] * len(chunk.token_ids))
             if chunk.result is not None:

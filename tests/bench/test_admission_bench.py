@@ -365,6 +365,19 @@ def test_loads_replayed_against_the_in_process_server(api: server_fixtures.Runni
 
 
 @pytest.mark.slow
+def test_same_requests_start_every_load_with_a_cold_prefix_cache(api: server_fixtures.RunningApi,
+                                                                 tmp_path: Path) -> None:
+    # The window's first request (200 tokens, 12 full blocks) at 1x and again at 2x: without a
+    # salt per replay the 2x one would find its whole prompt cached by the 1x replay.
+    plan = replace(small_plan(tmp_path), same_requests=True)
+    server = ab.Server("colocated", "cold", None, api.grpc_target, api.http_url)
+    runs = ab.run_loads(server, speed=1.0, loads=[1.0, 2.0], plan=plan)
+    firsts = [run["requests"][0] for run in runs]
+    assert [(row["status"], row["cached_tokens"]) for row in firsts] == [("ok", 0), ("ok", 0)]
+    assert runs[0]["requests"][1]["cached_tokens"] > 0  # within a replay the prefix is shared
+
+
+@pytest.mark.slow
 def test_the_command_runs_a_tiny_colocated_window(tmp_path: Path) -> None:
     missing = ab.missing_serve_flags()
     if missing:
