@@ -102,10 +102,15 @@ class FlashInferAttentionBackend(AttentionBackend):
     """
 
     name = "flashinfer"
+    # What FlashInfer's paged prefill kernels are built for (0.7.2 on an H200: head_dim 16 fails
+    # at run time with "Invalid configuration"; decode would build). Checked before planning.
+    SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
     def __init__(self, module: ModuleType | None = None) -> None:
-        """`module` stands in for the flashinfer package (tests); by default it is imported."""
+        """`module` stands in for the flashinfer package (tests: no kernel-size limits); by
+        default it is imported."""
         self._fi = module if module is not None else _require_flashinfer()
+        self._head_dims = self.SUPPORTED_HEAD_DIMS if module is None else None
         self._workspace: torch.Tensor | None = None  # allocated once, on the cache's device
         self._decode: Any = None
         self._prefill: Any = None
@@ -133,6 +138,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         """Once per step: page tables from the metadata, then plan() on each wrapper used."""
         _, _, block_size, kv_heads, head_dim = layer_cache.shape
         heads = q.shape[1]
+        if self._head_dims is not None and head_dim not in self._head_dims:
+            raise ValueError(f"the flashinfer backend runs head_dim {list(self._head_dims)}, this model has "
+                             f"{head_dim}: use --attention-backend torch")
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
         self._ensure_wrappers(layer_cache.device, heads // kv_heads)

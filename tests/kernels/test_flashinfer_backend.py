@@ -258,6 +258,13 @@ class TestOnCuda:
         TorchAttentionBackend().write_kv(b, scene.k, scene.v, scene.meta.slot_mapping)
         assert torch.equal(a, b)
 
+    def test_a_head_dim_the_kernels_lack_is_a_clear_error(self) -> None:
+        # FlashInfer 0.7.2's paged prefill fails at run time on head_dim 16 ("Invalid
+        # configuration", seen on an H200): the backend refuses it before planning.
+        scene = make_scene(**MIXED, head_dim=16, dtype=torch.bfloat16, device="cuda", seed=9)
+        with pytest.raises(ValueError, match=r"head_dim \[64, 128, 256\].*has 16: use --attention-backend torch"):
+            run_backend(FlashInferAttentionBackend(), scene, scene.cache.clone())
+
     def test_plans_once_per_step(self, monkeypatch: pytest.MonkeyPatch) -> None:
         import flashinfer  # noqa: PLC0415
 
@@ -273,7 +280,7 @@ class TestOnCuda:
 
             monkeypatch.setattr(cls, "plan", counted)
         backend = FlashInferAttentionBackend()
-        scene = make_scene(**MIXED, dtype=torch.float16, device="cuda", seed=9)
+        scene = make_scene(**MIXED, head_dim=64, dtype=torch.bfloat16, device="cuda", seed=9)
         for _ in range(4):
             run_backend(backend, scene, scene.cache.clone())
         assert sorted(calls) == ["BatchDecodeWithPagedKVCacheWrapper",
