@@ -10,7 +10,7 @@ hashes of a 512-token block are computed once per (parent hash, hash id) and cac
     host    HashLRU, capacity host_blocks; its evictions demote to
     disk    HashLRU, capacity disk_blocks; its evictions are dropped.
 
-`HashLRU` is a bookkeeping-only LRU of block hashes with the semantics of HostArena and DiskTier
+`HashLRU` (sim/tiers.py) is a bookkeeping-only LRU of block hashes with the semantics of HostArena and DiskTier
 (put of a held hash touches it, reads touch what they read, pinned entries are never evicted).
 The real tiers were measured with 8-byte slots (their minimum): ~21 us (host) + ~17 us (disk)
 per demoted block, i.e. minutes per capacity for a 100M-token trace; HashLRU takes well under
@@ -37,8 +37,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
 
@@ -46,95 +45,14 @@ from bench.report import Progress
 from bench.trace import DEFAULT_VOCAB_SIZE, HASH_BLOCK_TOKENS, TraceRequest, block_tokens
 from core.blocks import cdiv
 from kvpool.block_hash import HASH_BYTES, block_hashes, root_hash
-from kvpool.block_pool import BlockPool
 from kvpool.errors import PoolIntegrityError
+from sim.tiers import Capacity, Hits, TieredCache
 
 BLOCK_SIZE = 16
 
 
 class BenchInputError(ValueError):
     """The benchmark cannot run on what it was given (missing trace, capacities too small)."""
-
-
-# ---------------------------------------------------------------- bookkeeping-only tiers
-
-
-class HashLRU:
-    """Bookkeeping-only LRU of block hashes: a host or disk tier without the bytes.
-
-    Same verbs and eviction rule as HostArena/DiskTier: `put` of a held hash only touches it; a
-    new hash evicts the least recently used unpinned one; when nothing can be evicted (capacity
-    0, or all pinned) the new hash is not stored. A pinned hash met at the LRU head moves to the
-    most recent end (O(1) amortized instead of a scan past it): pins are only held while the
-    reader is about to touch those hashes anyway, which puts them there. Invariant: len <=
-    capacity, pins only on held hashes.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 0:
-            raise ValueError(f"capacity must be >= 0, got {capacity}")
-        self.capacity = capacity
-        self._lru: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
-        self._pins: dict[bytes, int] = {}
-        self.evictions = 0
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._lru
-
-    def put(self, key: bytes) -> bytes | None:
-        """Store (or touch) `key`; return the hash that leaves the tier: the evicted one, or
-        `key` itself when it cannot be stored, or None."""
-        if key in self._lru:
-            self._lru.move_to_end(key)
-            return None
-        victim = None
-        if len(self._lru) >= self.capacity:
-            victim = self._evict()
-            if victim is None:
-                return key
-        self._lru[key] = None
-        return victim
-
-    def _evict(self) -> bytes | None:
-        """Drop and return the least recently used unpinned hash (None if there is none)."""
-        for _ in range(len(self._pins) + 1):
-            if not self._lru:
-                return None
-            victim, _ = self._lru.popitem(last=False)
-            if victim not in self._pins:
-                self.evictions += 1
-                return victim
-            self._lru[victim] = None  # pinned: to the most recent end, see the class doc
-        return None
-
-    def touch(self, keys: Sequence[bytes]) -> None:
-        """Mark held `keys` used, tail first (so a prompt's head is evicted last), like a get."""
-        for key in reversed(keys):
-            if key in self._lru:
-                self._lru.move_to_end(key)
-
-    def pin(self, keys: Iterable[bytes]) -> list[bytes]:
-        """Pin the held `keys` against eviction; returns what to `unpin`."""
-        pinned = [key for key in keys if key in self._lru]
-        for key in pinned:
-            self._pins[key] = self._pins.get(key, 0) + 1
-        return pinned
-
-    def unpin(self, keys: Iterable[bytes]) -> None:
-        """Drop one pin per key (each must be pinned: KeyError otherwise)."""
-        for key in keys:
-            left = self._pins.pop(key) - 1
-            if left:
-                self._pins[key] = left
-
-    def check_integrity(self) -> None:
-        """Raise PoolIntegrityError unless len <= capacity and every pin is on a held hash."""
-        if len(self._lru) > self.capacity or any(k not in self._lru for k in self._pins):
-            raise PoolIntegrityError(f"HashLRU holds {len(self._lru)} of {self.capacity} "
-                                     f"with {len(self._pins)} pins")
 
 
 # ---------------------------------------------------------------- block hashes of a trace
@@ -231,88 +149,36 @@ def _leading_ids_seen(request: TraceRequest, seen: set[int]) -> int:
 # ---------------------------------------------------------------- replay through the pool
 
 
-@dataclass(frozen=True, slots=True)
-class Capacity:
-    """Tier sizes in blocks of BLOCK_SIZE tokens."""
-
-    device: int
-    host: int
-    disk: int
-
-
-class Hits(NamedTuple):
-    """Blocks of one request served by each tier."""
-
-    device: int
-    host: int
-    disk: int
-
-
 class TieredReplay:
-    """A device BlockPool whose evictions demote to a host then a disk HashLRU."""
+    """A worker's `TieredCache` (sim/tiers.py) fed one request at a time, each holding its
+    blocks as the module docstring says."""
 
     def __init__(self, capacity: Capacity, block_size: int = BLOCK_SIZE, running: int = 0,
                  tpot_ms: float = 50.0) -> None:
         self.block_size, self.max_running, self.tpot_ms = block_size, running, tpot_ms
-        self.pool = BlockPool(capacity.device)
-        self.host, self.disk = HashLRU(capacity.host), HashLRU(capacity.disk)
-        self.pool.on_evict = self._demote
+        self.cache = TieredCache(capacity, block_size)
+        self.pool, self.host, self.disk = self.cache.pool, self.cache.host, self.cache.disk
         self._running: list[tuple[float, int, list[int]]] = []  # heap: (finish ms, seq, table)
         self._seq = 0
-
-    def _demote(self, block_id: int, block_hash: bytes) -> None:
-        """BlockPool.on_evict: device -> host; what the host evicts goes to disk."""
-        leaving = self.host.put(block_hash)
-        if leaving is not None:
-            self.disk.put(leaving)  # what the disk evicts is gone
 
     def serve(self, request: TraceRequest, hashes: list[bytes]) -> Hits:
         """Admit one request (longest prefix on device, then host/disk), register its full
         blocks, hold or free its block table."""
         self._release_finished(request.timestamp)
-        usable = hashes[:usable_blocks(request, self.block_size)]
-        hit = self.pool.get_computed_blocks(usable)
-        from_host, from_disk = self._match_lower(usable[len(hit):])
-        need = cdiv(request.input_length, self.block_size) - len(hit)
-        self._make_room(need, hit)
-        table = self._admit(hit, from_host, from_disk, need, hashes)
+        self._make_room(request, hashes)
+        table, hits = self.cache.acquire(hashes, request.input_length)
         self._hold(table, request)
-        return Hits(len(hit), len(from_host), len(from_disk))
+        return hits
 
-    def _match_lower(self, rest: list[bytes]) -> tuple[list[bytes], list[bytes]]:
-        """Leading blocks of `rest` in host or disk (KVTiers.match), split by where they are
-        read from (host first, as KVTiers.load)."""
-        from_host, from_disk = [], []
-        for key in rest:
-            if key in self.host:
-                from_host.append(key)
-            elif key in self.disk:
-                from_disk.append(key)
-            else:
-                break
-        return from_host, from_disk
-
-    def _admit(self, hit: list[int], from_host: list[bytes], from_disk: list[bytes],
-               need: int, hashes: list[bytes]) -> list[int]:
-        self.pool.touch(hit)
-        pinned = self.host.pin(from_host), self.disk.pin(from_disk)
-        new = self.pool.allocate(need)  # may demote others; our host/disk blocks are pinned
-        self.host.unpin(pinned[0])
-        self.disk.unpin(pinned[1])
-        self.host.touch(from_host)
-        self.disk.touch(from_disk)
-        self.pool.cache_blocks(new[:len(hashes) - len(hit)], hashes[len(hit):])
-        return hit + new
-
-    def _make_room(self, need: int, hit: list[int]) -> None:
-        """Release running requests (finishing first) until `need` blocks and a slot are free."""
+    def _make_room(self, request: TraceRequest, hashes: list[bytes]) -> None:
+        """Release running requests (finishing first) until the prompt's blocks and a slot are free."""
         while self._running and (len(self._running) >= self.max_running or
-                                 self.pool.num_free() - self.pool.num_free_among(hit) < need):
+                                 not self.cache.can_acquire(hashes, request.input_length)):
             self._release_next()
 
     def _hold(self, table: list[int], request: TraceRequest) -> None:
         if self.max_running == 0:
-            self.pool.free(table)
+            self.cache.release(table)
             return
         finish = request.timestamp + request.output_length * self.tpot_ms
         heapq.heappush(self._running, (finish, self._seq, table))
@@ -323,17 +189,15 @@ class TieredReplay:
             self._release_next()
 
     def _release_next(self) -> None:
-        self.pool.free(heapq.heappop(self._running)[2])
+        self.cache.release(heapq.heappop(self._running)[2])
 
     def finish(self) -> None:
         """Release every running request and check every tier's bookkeeping."""
         while self._running:
             self._release_next()
-        self.pool.check_integrity()
+        self.cache.check_integrity()
         if self.pool.num_free() != self.pool.num_blocks:
             raise PoolIntegrityError(f"{self.pool.num_used()} blocks leaked by the replay")
-        self.host.check_integrity()
-        self.disk.check_integrity()
 
 
 @dataclass(frozen=True, slots=True)

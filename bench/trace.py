@@ -12,100 +12,26 @@ that equal hash ids give equal 512-token blocks, deterministically on every mach
     hash_ids     [   7   |   8   |  21 ]
     tokens       | 512 t | 512 t | 99 t |    the last block truncated to input_length
 
-A bad line raises `TraceError` naming the file and line number.
+The line reader (`read_trace`, `TraceError` naming file and line) is the simulator's,
+`sim/trace.py`, re-exported here.
 """
 
 from __future__ import annotations
 
-import json
-import math
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
 import numpy as np
 
-from core.blocks import cdiv
+from sim.trace import HASH_BLOCK_TOKENS, REQUIRED_KEYS, TraceError, TraceRequest, parse_line, read_trace
 
-HASH_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces
+__all__ = ["DEFAULT_VOCAB_SIZE", "HASH_BLOCK_TOKENS", "REQUIRED_KEYS", "TraceError", "TraceRequest",
+           "block_tokens", "parse_line", "read_trace", "synthesize_tokens"]
+
 DEFAULT_VOCAB_SIZE = 49152  # SmolLM2's vocabulary
-REQUIRED_KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 _MASK64 = (1 << 64) - 1
 # splitmix64 constants (Steele et al.): a counter-based generator, so a block's tokens depend
 # only on its hash id and position, never on the order blocks are synthesized in.
 _GAMMA, _MIX1, _MIX2 = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9),
                         np.uint64(0x94D049BB133111EB))
-
-
-class TraceError(ValueError):
-    """A trace line that is not a valid Mooncake request (the message names file and line)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TraceRequest:
-    """One request of a trace. `line` is its 1-based line number in the file."""
-
-    line: int
-    timestamp: float
-    input_length: int
-    output_length: int
-    hash_ids: tuple[int, ...]
-
-
-def read_trace(path: str | Path) -> Iterator[TraceRequest]:
-    """Yield the requests of a Mooncake trace in file order; raises TraceError on a bad line
-    and FileNotFoundError when the file is missing."""
-    with open(path, encoding="utf-8") as f:
-        for number, text in enumerate(f, start=1):
-            if text.strip():
-                yield parse_line(text, number, str(path))
-
-
-def parse_line(text: str, line: int, source: str = "<trace>") -> TraceRequest:
-    """Validate one JSON line into a TraceRequest."""
-    where = f"{source}:{line}"
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise TraceError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
-    if not isinstance(obj, dict):
-        raise TraceError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-    missing = [k for k in REQUIRED_KEYS if k not in obj]
-    if missing:
-        raise TraceError(f"{where}: missing key(s) {', '.join(missing)}")
-    timestamp = obj["timestamp"]
-    if not _is_number(timestamp) or timestamp < 0:
-        raise TraceError(f"{where}: timestamp must be a number of ms >= 0, got {timestamp!r}")
-    input_length = _int_field(obj, "input_length", 1, where)
-    output_length = _int_field(obj, "output_length", 0, where)
-    hash_ids = _hash_ids(obj["hash_ids"], input_length, where)
-    return TraceRequest(line, float(timestamp), input_length, output_length, hash_ids)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _int_field(obj: dict[str, Any], key: str, minimum: int, where: str) -> int:
-    value = obj[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise TraceError(f"{where}: {key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _hash_ids(value: Any, input_length: int, where: str) -> tuple[int, ...]:
-    if not isinstance(value, list):
-        raise TraceError(f"{where}: hash_ids must be a list of integers, got {value!r}")
-    for item in value:
-        if isinstance(item, bool) or not isinstance(item, int) or item < 0:
-            raise TraceError(f"{where}: hash_ids must be integers >= 0, got {item!r}")
-    expected = cdiv(input_length, HASH_BLOCK_TOKENS)
-    if len(value) != expected:
-        raise TraceError(f"{where}: input_length {input_length} needs {expected} hash ids "
-                         f"(one per {HASH_BLOCK_TOKENS} tokens), got {len(value)}")
-    return tuple(value)
 
 
 def block_tokens(hash_id: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> np.ndarray:

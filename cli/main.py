@@ -1,4 +1,4 @@
-"""`halfmoon` command line: generate, serve, client, profile, bench."""
+"""`halfmoon` command line: generate, serve, client, profile, bench, sim."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "client": ("cli.client", "call a running server over gRPC (generate, chat, models, tokenize)"),
     "profile": ("cli.profile", "profile the engine and write its cost model (JSON)"),
     "bench": ("cli.bench", "benchmarks (each measures its baseline in the same run)"),
+    "sim": ("cli.sim", "replay a trace through a simulated cluster (sim sweep: size the pools)"),
 }
 
 

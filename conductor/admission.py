@@ -26,6 +26,8 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -245,16 +247,18 @@ class Predicted(NamedTuple):
 class Admission:
     """Decides with one policy over the Conductor's ledgers (see the module docstring)."""
 
-    def __init__(self, config: AdmissionConfig, cost: CostModel, colocated_chunk: int | None = None) -> None:
+    def __init__(self, config: AdmissionConfig, cost: CostModel, colocated_chunk: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """`colocated_chunk`: prefill and decode share one engine whose steps carry up to this
-        many prefill tokens: a prefill stretches the steps of every request decoding meanwhile."""
+        many prefill tokens: a prefill stretches the steps of every request decoding meanwhile.
+        `clock`: the calibration window's time (the simulator's own clock in `sim/`)."""
         self.config = config
         self.colocated_chunk = colocated_chunk
         self.policy = config.policy
         self.predictor = DecodeLoadPredictor(cost)
         self.cost = cost
         self.outputs = OutputEstimator()
-        self.calibration = Calibration(config.admit_quantile)
+        self.calibration = Calibration(config.admit_quantile, clock)
         self._warned: set[str] = set()
         with_slo = [c for c in config.classes().values() if c.has_slo]
         self._shed_class = min(with_slo, key=lambda c: c.rank) if with_slo else None

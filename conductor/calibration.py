@@ -21,12 +21,14 @@ reports is the calibrated prediction.
 
 from __future__ import annotations
 
+import functools
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple
+
+import numpy as np
 
 
 class Fit(NamedTuple):
@@ -47,6 +49,7 @@ class Calibration:
     """Two fits, TTFT and TBT (see the module docstring)."""
 
     WINDOW_S, MAX_SAMPLES, MIN_SAMPLES, MIN_FIT_SAMPLES = 120.0, 64, 3, 8
+    REFIT_S = 1.0  # a fit over a full window is redone at most this often (new samples or not)
     MIN_SPREAD = 1.5  # a slope needs predictions at least this far apart (max / min)
     LOW, HIGH, GUARD_MAX, OFFSET_MAX_MS = 0.5, 2.0, 2.0, 5000.0
 
@@ -56,6 +59,8 @@ class Calibration:
         self._samples = (deque[tuple[float, float, float]](maxlen=self.MAX_SAMPLES),
                          deque[tuple[float, float, float]](maxlen=self.MAX_SAMPLES))
         self._fits: list[tuple[object, Fit]] = [((), IDENTITY), ((), IDENTITY)]
+        self._fitted_at = [-math.inf, -math.inf]
+        self._added = [0, 0]  # samples ever observed, per fit: a new one means a new window
 
     @property
     def ttft(self) -> Fit:
@@ -70,40 +75,55 @@ class Calibration:
         now = self._clock()
         if raw_ttft_ms > 0 and ttft_ms > 0:
             self._samples[0].append((now, raw_ttft_ms, ttft_ms))
+            self._added[0] += 1
         if tbt_ms is not None and raw_tbt_ms > 0 and tbt_ms > 0:
             self._samples[1].append((now, raw_tbt_ms, tbt_ms))
+            self._added[1] += 1
 
     def _fit(self, i: int) -> Fit:
-        since = self._clock() - self.WINDOW_S
-        window = [s for s in self._samples[i] if s[0] >= since]
-        key = (len(window), window[0][0], window[-1][0]) if window else ()
-        recent = [(raw, measured) for _, raw, measured in window]
+        """Refitted when the window's samples changed; once a fit was made of MIN_FIT_SAMPLES, at
+        most every REFIT_S (one more sample moves a robust fit little; at hundreds of requests a
+        second, refitting on each would cost more than the prediction)."""
+        now = self._clock()
+        samples = self._samples[i]
+        while samples and samples[0][0] < now - self.WINDOW_S:  # time only moves on: expired for good
+            samples.popleft()
+        key = (self._added[i], len(samples))
         cached_key, fit = self._fits[i]
-        if cached_key != key:  # refitted only when the window's samples changed
+        settled = bool(cached_key) and cached_key[1] >= self.MIN_FIT_SAMPLES and now - self._fitted_at[i] < self.REFIT_S
+        if cached_key != key and not settled:
+            recent = [(raw, measured) for _, raw, measured in samples]
             fit = fit_samples(recent, self.quantile) if len(recent) >= self.MIN_SAMPLES else IDENTITY
-            self._fits[i] = (key, fit)
+            self._fits[i], self._fitted_at[i] = (key, fit), now
         return fit
 
 
 def fit_samples(samples: list[tuple[float, float]], quantile: float) -> Fit:
     """The fit of (predicted, measured) pairs (see the module docstring)."""
     c = Calibration
-    raws = [raw for raw, _ in samples]
-    offset, scale = 0.0, statistics.median(m / r for r, m in samples)
-    if len(samples) >= c.MIN_FIT_SAMPLES and max(raws) >= c.MIN_SPREAD * min(raws):
-        scale = _theil_sen_slope(samples)
-        offset = statistics.median(m - scale * r for r, m in samples)
+    raw, measured = np.asarray(samples, dtype=np.float64).reshape(-1, 2).T
+    ratio = float(np.median(measured / raw))
+    offset, scale = 0.0, ratio
+    if len(samples) >= c.MIN_FIT_SAMPLES and raw.max() >= c.MIN_SPREAD * raw.min():
+        scale = _theil_sen_slope(raw, measured)
+        offset = float(np.median(measured - scale * raw))
         if not 0.0 <= offset <= c.OFFSET_MAX_MS or not c.LOW <= scale <= c.HIGH:
-            offset, scale = 0.0, statistics.median(m / r for r, m in samples)  # no sane line: a ratio
+            offset, scale = 0.0, ratio  # no sane line: a ratio
     scale = min(c.HIGH, max(c.LOW, scale))
-    fitted = Fit(offset, scale)
-    ratios = sorted(m / max(fitted(r), 1e-9) for r, m in samples)
+    ratios = np.sort(measured / np.maximum(offset + scale * raw, 1e-9))
     upper = ratios[min(len(ratios) - 1, math.ceil(quantile * len(ratios)) - 1)]
-    guard = min(c.GUARD_MAX, max(1.0, upper / statistics.median(ratios)))
+    guard = min(c.GUARD_MAX, max(1.0, float(upper / np.median(ratios))))
     return Fit(offset, scale, guard)
 
 
-def _theil_sen_slope(samples: list[tuple[float, float]]) -> float:
-    slopes = [(m2 - m1) / (r2 - r1) for k, (r1, m1) in enumerate(samples) for r2, m2 in samples[k + 1:]
-              if r2 != r1]
-    return statistics.median(slopes)
+def _theil_sen_slope(raw: np.ndarray, measured: np.ndarray) -> float:
+    """The median slope over every pair of samples with distinct predictions."""
+    i, j = _pairs(len(raw))
+    dr = raw[j] - raw[i]
+    keep = dr != 0
+    return float(np.median((measured[j] - measured[i])[keep] / dr[keep]))
+
+
+@functools.lru_cache(maxsize=Calibration.MAX_SAMPLES + 1)
+def _pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.triu_indices(n, k=1)

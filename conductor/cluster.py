@@ -30,19 +30,29 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conductor.admission import Admission, AdmissionConfig, Decision, Objective, resolve
+from conductor.admission import AdmissionConfig, Decision, Objective
 from conductor.admission_stats import AdmissionStats, TopGaps
 from conductor.backend import BackendStats, GenerationBackend, GenerationInput
 from conductor.cluster_config import ClusterConfig
 from conductor.cost_model import CostModel, fit_profile
+from conductor.dispatch import Ask, Booking, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
 from conductor.errors import OverloadedError, ServiceUnavailableError
-from conductor.ledger import BoundRequest, PendingPrefill
+from conductor.ledger import BoundRequest
 from conductor.profile_cache import cached_cost_model, profile_key
-from conductor.router import DecodeView, PrefillView, RouteRequest, Router
 from conductor.workers import PING_TIMEOUT_S, Worker, WorkerGroup
-from core.messages import (DecodeApi, DecodeCapacityError, DecodeTask, EngineInfo, KVTransferFailedError,
-                           PrefillApi, PrefillResult, PrefillTask, SloPrediction, TokenChunk,
-                           WorkerLostError)
+from core.messages import (
+    DecodeApi,
+    DecodeCapacityError,
+    DecodeTask,
+    EngineInfo,
+    KVTransferFailedError,
+    PrefillApi,
+    PrefillResult,
+    PrefillTask,
+    SloPrediction,
+    TokenChunk,
+    WorkerLostError,
+)
 from engine.worker import tokenizer_for_model
 from halfmoon.results import ModelInfo
 from kvpool.block_hash import block_hashes, root_hash
@@ -55,25 +65,29 @@ HEALTH_INTERVAL_S = 1.0
 
 @dataclass(frozen=True, slots=True)
 class Route:
-    """An admitted request's workers, objectives, predictions and bookings."""
+    """An admitted request's workers and its booking (objectives, predictions, ledgers)."""
 
     prefill: Worker
     decode: Worker
-    objective: Objective
-    decision: Decision
-    bound: BoundRequest  # its booking in the decode worker's ledger
-    prefix_tokens: int
-    deadline: float  # monotonic s when its first token is due (inf = none): its queue order
+    booking: Booking
 
+    @property
+    def objective(self) -> Objective:
+        return self.booking.objective
 
-@dataclass(frozen=True, slots=True)
-class PrefixMatch:
-    """What the index knows of a prompt: per prefill worker the tokens it can reuse (own device,
-    or the node's shared host/disk), and the longest match anywhere with its holder."""
+    @property
+    def decision(self) -> Decision:
+        return self.booking.decision
 
-    per_worker: dict[str, int]
-    best_tokens: int = 0
-    best_holder: str = ""
+    @property
+    def bound(self) -> BoundRequest:
+        """Its booking in the decode worker's ledger."""
+        return self.booking.bound
+
+    @property
+    def deadline(self) -> float:
+        """Monotonic s when its first token is due (inf = none): its queue order."""
+        return self.booking.deadline
 
 
 class ClusterBackend(GenerationBackend):
@@ -86,7 +100,7 @@ class ClusterBackend(GenerationBackend):
         self.config = config
         self.admission_config = admission or AdmissionConfig()
         self.priority_classes = frozenset(self.admission_config.classes())
-        self.admission: Admission | None = None
+        self.dispatcher: Dispatcher | None = None  # route + admission + booking, once the cost model is known
         self.admission_stats = AdmissionStats()
         self.redis_url = redis_url
         self.manager: WorkerGroup = workers if workers is not None else RayWorkers(config)
@@ -108,7 +122,8 @@ class ClusterBackend(GenerationBackend):
         self.info = await first.engine_info()
         self.model = ModelInfo(self.config.model_id, self.info.max_model_len, self.info.vocab_size)
         self.cost = await self._cost_model(first)
-        self.admission = Admission(self.admission_config, self.cost)
+        self.dispatcher = Dispatcher(self.admission_config, self.cost, self.info.block_size,
+                                     stats=self.admission_stats)
         if self.redis_url is not None:
             # Started: a holder that never beats expires and re-registers on its next lookup.
             self.index = ClusterIndex(self.redis_url, HolderId("conductor", "conductor")).start()
@@ -324,58 +339,25 @@ class ClusterBackend(GenerationBackend):
 
     def _measured(self, route: Route, inp: GenerationInput, last: TokenChunk, gaps: TopGaps) -> None:
         """An admitted request finished: what it generated and how far off the predictions were."""
-        assert last.end is not None and self.admission is not None
-        self.admission.outputs.observe(route.objective.slo_class.name, last.end.usage.completion_tokens,
-                                       inp.params.max_tokens)
-        p, tbt_s = route.decision.prediction, gaps.mean_s()
-        self.admission_stats.measured(p.predicted_ttft_ms, last.end.timings.ttft_ms / 1e3, p.predicted_tbt_ms, tbt_s)
-        self.admission.observe(route.decision, last.end.timings.ttft_ms / 1e3, tbt_s)
+        assert last.end is not None and self.dispatcher is not None
+        self.dispatcher.finished(route.booking, last.end.usage.completion_tokens, inp.params.max_tokens,
+                                 last.end.timings.ttft_ms / 1e3, gaps.mean_s())
 
     # ------------------------------------------------------------------ routing
 
     def _admit(self, inp: GenerationInput, wid: str, excluded: set[str], prefix: PrefixMatch) -> Route:
         """Route (Mooncake Algorithm 1 over the live workers, given the index's `prefix_match`),
-        decide admission on the chosen workers' ledgers, and book the request in both (all on
-        the event loop, so no other request sees the ledgers in between)."""
-        assert self.cost is not None and self.info is not None and self.admission is not None
-        objective = resolve(self.admission_config, inp.priority_class, inp.slo)
-        name = objective.slo_class.name
-        now = time.monotonic()
-        try:
-            plan = self._route(inp, excluded, prefix, objective, now)
-        except OverloadedError as e:  # no decode worker has the KV free
-            self.admission_stats.rejected(name, e.reason or "kv_capacity")
-            raise
-        p, d = self.manager.workers[plan.prefill_id], self.manager.workers[plan.decode_id]
-        chosen = next(e for e in plan.per_worker if e.worker_id == plan.prefill_id)
-        cost_ms = chosen.prefill_ms + chosen.transfer_ms
-        candidate = self.admission.candidate(objective, len(inp.prompt_ids), inp.params.max_tokens, cost_ms,
-                                             self.info.block_size, now)
-        decision = self.admission.decide(candidate, p.pending, d.bound, now)
-        if not decision.admitted:
-            self.admission_stats.rejected(name, decision.reason or "")
-            raise decision.error()
-        self.admission_stats.admitted(name)
-        p.pending.add(PendingPrefill(wid, objective.rank, candidate.deadline, cost_ms, now))
-        bound = BoundRequest(wid, len(inp.prompt_ids), candidate.expected_output, objective.tbt_ms,
-                             now + decision.joins_in_ms / 1e3, candidate.blocks)
-        d.bound.book(bound)
-        return Route(p, d, objective, decision, bound, plan.prefix_len, candidate.deadline)
-
-    def _route(self, inp: GenerationInput, excluded: set[str], prefix: PrefixMatch, objective: Objective,
-               now: float):  # -> RoutePlan
-        """Mooncake Algorithm 1 over the live workers' ledgers."""
-        assert self.cost is not None and self.info is not None
-        request = RouteRequest(len(inp.prompt_ids), inp.params.max_tokens, prefix.best_tokens,
-                               prefix.best_holder if prefix.best_tokens else None)
+        decide admission on the chosen workers' ledgers, and book the request in both
+        (conductor/dispatch.py; all on the event loop, so no other request sees the ledgers in
+        between)."""
+        assert self.dispatcher is not None
         up = {wid for wid, w in self.manager.workers.items() if w.alive and wid not in excluded}
-        prefill = [PrefillView(w.worker_id, prefix.per_worker.get(w.worker_id, 0),
-                               w.pending.wait_ms(objective.rank, now), w.worker_id in up)
-                   for w in self.manager.role("prefill")]
-        decode = [DecodeView(w.worker_id, len(w.bound.jobs), sum(b.prompt_len + b.generated for b in w.bound.jobs.values()),
-                             w.bound.free_blocks, w.worker_id in up)
-                  for w in self.manager.role("decode")]
-        return Router(self.cost, self.info.block_size).route(request, prefill, decode)
+        prefill = [PrefillSide(w.worker_id, w.pending, w.worker_id in up) for w in self.manager.role("prefill")]
+        decode = [DecodeSide(w.worker_id, w.bound, w.worker_id in up) for w in self.manager.role("decode")]
+        ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo)
+        booking = self.dispatcher.dispatch(ask, prefix, prefill, decode, time.monotonic())
+        p, d = self.manager.workers[booking.prefill_id], self.manager.workers[booking.decode_id]
+        return Route(p, d, booking)
 
     def prefix_match(self, prompt_ids: list[int], cache_salt: str | None) -> PrefixMatch:
         """What the cluster index knows of this prompt's blocks (nothing without an index)."""

@@ -20,12 +20,13 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
-from conductor.admission import Admission, AdmissionConfig, Candidate, Decision, Objective, resolve
+from conductor.admission import AdmissionConfig
 from conductor.admission_stats import AdmissionStats, TopGaps
 from conductor.backend import BackendStats, GenerationBackend, GenerationInput
 from conductor.cost_model import CostModel, profile_engine
+from conductor.dispatch import Ask, Booking, Dispatcher
 from conductor.errors import DeadlineExceededError, ServiceUnavailableError
-from conductor.ledger import BoundRequest, DecodeLedger, PendingPrefill, PrefillLedger
+from conductor.ledger import DecodeLedger, PrefillLedger
 from conductor.profile_cache import cached_cost_model, profile_key
 from core.errors import InvalidRequestError
 from core.messages import EngineInfo, TokenChunk
@@ -39,9 +40,7 @@ _Item = TokenChunk | BaseException
 @dataclass(slots=True)
 class _Stream:
     queue: asyncio.Queue[_Item]
-    objective: Objective
-    decision: Decision
-    bound: BoundRequest
+    booking: Booking
     gaps: TopGaps
     started: bool = False  # first token seen
 
@@ -60,7 +59,7 @@ class ColocatedBackend(GenerationBackend):
         self.priority_classes = frozenset(self.admission_config.classes())
         self.kv_capacity_tokens = engine.pool.num_blocks * engine.config.block_size
         self.cost = cost_model
-        self.admission: Admission | None = None
+        self.dispatcher: Dispatcher | None = None  # admission + booking, once the cost model is known
         self.admission_stats = AdmissionStats()
         self.pending = PrefillLedger()  # waiting for their first token
         self.bound = DecodeLedger(engine.pool.num_blocks)  # every request in the engine
@@ -78,7 +77,8 @@ class ColocatedBackend(GenerationBackend):
     async def start(self) -> None:
         if self.cost is None:  # measured before the loop starts: profiling needs the engine idle
             self.cost = await self._profiled()
-        self.admission = Admission(self.admission_config, self.cost, self.engine.config.max_num_batched_tokens)
+        self.dispatcher = Dispatcher(self.admission_config, self.cost, self.engine.config.block_size,
+                                     self.engine.config.max_num_batched_tokens, self.admission_stats)
         self.loop.start()
         self._started = True
 
@@ -132,20 +132,17 @@ class ColocatedBackend(GenerationBackend):
         if not stream.started:
             stream.started = True
             self.pending.finish(request_id, time.monotonic())
-            stream.bound.joins_at = time.monotonic()
+            stream.booking.bound.joins_at = time.monotonic()
         stream.gaps.tick(time.perf_counter(), len(chunk.token_ids))
-        stream.bound.generated += len(chunk.token_ids)
+        stream.booking.bound.generated += len(chunk.token_ids)
 
     def _finish(self, stream: _Stream, chunk: TokenChunk, inp: GenerationInput) -> TokenChunk:
         """The last chunk, with admission's prediction; the prediction's error is recorded."""
         end = chunk.end
-        assert end is not None and self.admission is not None
-        self.admission.outputs.observe(stream.objective.slo_class.name, end.usage.completion_tokens,
-                                       inp.params.max_tokens)
-        p, tbt_s = stream.decision.prediction, stream.gaps.mean_s()
-        self.admission_stats.measured(p.predicted_ttft_ms, end.timings.ttft_ms / 1e3, p.predicted_tbt_ms, tbt_s)
-        self.admission.observe(stream.decision, end.timings.ttft_ms / 1e3, tbt_s)
-        return replace(chunk, end=replace(end, prediction=p))
+        assert end is not None and self.dispatcher is not None
+        self.dispatcher.finished(stream.booking, end.usage.completion_tokens, inp.params.max_tokens,
+                                 end.timings.ttft_ms / 1e3, stream.gaps.mean_s())
+        return replace(chunk, end=replace(end, prediction=stream.booking.decision.prediction))
 
     def _open(self, inp: GenerationInput) -> tuple[str, _Stream]:
         """Admission, then the request enters the engine's inbox (booked in both ledgers)."""
@@ -156,17 +153,13 @@ class ColocatedBackend(GenerationBackend):
         request_id = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use by a running request")
-        objective, decision, candidate = self._admit(inp)
-        now = time.monotonic()
-        bound = BoundRequest(request_id, len(inp.prompt_ids), candidate.expected_output, objective.tbt_ms,
-                             now + decision.joins_in_ms / 1e3, candidate.blocks)
-        stream = _Stream(self.loop.watch_async(request_id), objective, decision, bound, TopGaps(inp.params.max_tokens))
+        booking = self._admit(inp, request_id)  # booked in both ledgers
+        stream = _Stream(self.loop.watch_async(request_id), booking, TopGaps(inp.params.max_tokens))
         self._streams[request_id] = stream
-        self.pending.add(PendingPrefill(request_id, objective.rank, candidate.deadline, candidate.prefill_ms, now))
-        self.bound.book(bound)
+        now = time.monotonic()
         try:
             self.engine.add_request(inp.prompt_ids, inp.params, request_id=request_id, cache_salt=inp.cache_salt,
-                                    priority=objective.rank, deadline=candidate.deadline)
+                                    priority=booking.objective.rank, deadline=booking.deadline)
         except BaseException:
             self.loop.unwatch(request_id)
             self._streams.pop(request_id, None)
@@ -176,23 +169,13 @@ class ColocatedBackend(GenerationBackend):
         self.loop.wake()
         return request_id, stream
 
-    def _admit(self, inp: GenerationInput) -> tuple[Objective, Decision, Candidate]:
-        """The request's objectives and admission's decision on this engine (raises the rejection)."""
-        assert self.admission is not None and self.cost is not None
-        objective = resolve(self.admission_config, inp.priority_class, inp.slo)
-        name = objective.slo_class.name
+    def _admit(self, inp: GenerationInput, request_id: str) -> Booking:
+        """Admission on this engine's ledgers (conductor/dispatch.py); raises the rejection."""
+        assert self.dispatcher is not None
         n = len(inp.prompt_ids)
-        cached = min(self.engine.cached_prefix_tokens(inp.prompt_ids, inp.cache_salt), n - 1)
-        now = time.monotonic()
-        candidate = self.admission.candidate(objective, n, inp.params.max_tokens,
-                                             self.cost.est_prefill_ms(n - cached, cached),
-                                             self.engine.config.block_size, now, new_tokens=n - cached)
-        decision = self.admission.decide(candidate, self.pending, self.bound, now)
-        if not decision.admitted:
-            self.admission_stats.rejected(name, decision.reason or "")
-            raise decision.error()
-        self.admission_stats.admitted(name)
-        return objective, decision, candidate
+        cached = self.engine.cached_prefix_tokens(inp.prompt_ids, inp.cache_salt)
+        ask = Ask(request_id, n, inp.params.max_tokens, inp.priority_class, inp.slo)
+        return self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, time.monotonic())
 
     async def _next(self, stream: _Stream, deadline: float | None) -> TokenChunk:
         try:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -63,10 +63,6 @@ def prefill_features(n_new: float, n_cached: float) -> tuple[float, ...]:
 def decode_features(batch: float, context_tokens: float) -> tuple[float, ...]:
     """The decode polynomial's terms, in `DECODE_TERMS` order."""
     return (1.0, batch, context_tokens)
-
-
-def _poly(coef: Sequence[float], features: Sequence[float]) -> float:
-    return max(0.0, math.fsum(a * x for a, x in zip(coef, features, strict=True)))
 
 
 def _nnls(rows: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -155,13 +151,19 @@ class CostModel:
         """Predicted time to compute `n_new` prompt tokens after `n_cached` cached ones."""
         if n_new < 0 or n_cached < 0:
             raise ValueError(f"token counts must be >= 0, got n_new={n_new} n_cached={n_cached}")
-        return _poly(self.prefill_coef, prefill_features(n_new, n_cached)) if n_new else 0.0
+        if not n_new:
+            return 0.0
+        p0, p1, p2, p3 = self.prefill_coef  # PREFILL_TERMS, written out: the simulator calls this per step
+        return max(0.0, p0 + n_new * (p1 + p2 * n_cached + p3 * n_new))
 
     def est_decode_step_ms(self, batch: int, context_tokens: int) -> float:
         """Predicted time of one decode step of `batch` requests holding `context_tokens` in all."""
         if batch < 0 or context_tokens < 0:
             raise ValueError(f"batch and context must be >= 0, got {batch}, {context_tokens}")
-        return _poly(self.decode_coef, decode_features(batch, context_tokens)) if batch else 0.0
+        if not batch:
+            return 0.0
+        d0, d1, d2 = self.decode_coef  # DECODE_TERMS, written out
+        return max(0.0, d0 + d1 * batch + d2 * context_tokens)
 
     def est_transfer_ms(self, n_tokens: int) -> float:
         """Predicted time to fetch the KV of `n_tokens` tokens from another holder."""

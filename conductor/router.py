@@ -201,7 +201,8 @@ class Router:
             most = max((d.free_blocks for d in live), default=0)
             raise NoDecodeCapacityError(
                 f"no live decode worker has {need} free KV blocks for {request.prompt_len} prompt "
-                f"+ {request.max_tokens} output tokens ({len(live)} live, most free: {most})", retry_after_s=1.0)
+                f"+ {request.max_tokens} output tokens ({len(live)} live, most free: {most})", retry_after_s=1.0,
+                reason="kv_capacity")
         choices = [DecodeChoice(d.worker_id, self.predict_tbt_ms(request, d), d.free_blocks)
                    for d in fits]
         return min(choices, key=lambda c: (c.tbt_ms, -c.free_blocks, c.worker_id))

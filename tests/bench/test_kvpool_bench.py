@@ -13,7 +13,8 @@ import pytest
 from PIL import Image
 
 from bench.kvpool_bench import DEFAULT_TRACE, load_requests, main
-from bench.kvpool_replay import HashLRU, PrefixHasher, ReplayConfig, replay, upper_bound, usable_blocks
+from bench.kvpool_replay import PrefixHasher, ReplayConfig, replay, upper_bound, usable_blocks
+from sim.tiers import HashLRU
 from bench.trace import (
     HASH_BLOCK_TOKENS,
     TraceError,

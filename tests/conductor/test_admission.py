@@ -340,7 +340,8 @@ def test_a_constant_overhead_is_fitted_as_an_offset_not_a_ratio() -> None:
 
 
 def test_admission_uses_the_fitted_line_and_refits_only_on_new_samples() -> None:
-    adm = admission()
+    now = [100.0]
+    adm = Admission(AdmissionConfig(), COST, clock=lambda: now[0])
     raws = (400.0, 500.0, 800.0, 1200.0, 2000.0, 2500.0, 3000.0, 3500.0)
     for raw in raws:
         adm.calibration.observe(raw, raw + 200.0, raw / 10, raw / 10 + 20.0)
@@ -351,4 +352,6 @@ def test_admission_uses_the_fitted_line_and_refits_only_on_new_samples() -> None
     fit = adm.calibration.ttft
     assert adm.calibration.ttft is fit  # cached while the window is unchanged
     adm.calibration.observe(560.0, 900.0, 60.0, 80.0)
+    assert adm.calibration.ttft is fit  # a settled fit is redone at most every REFIT_S
+    now[0] += Calibration.REFIT_S
     assert adm.calibration.ttft is not fit

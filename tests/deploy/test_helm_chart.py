@@ -30,6 +30,7 @@ from yamllint import config as yamllint_config
 from yamllint import linter as yamllint_linter
 
 from cli.main import build_parser
+from tests.deploy.values import drop_nulls, merge
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "halfmoon"
@@ -52,17 +53,6 @@ VARIANTS: dict[str, list[str]] = {
 }
 GPU_VARIANTS = {"gpu-1p1d", "gpu-4p4d-external-redis", "gpu-1p1d+kuberay"}
 ROLES = ("prefill", "decode")
-
-
-def merge(base: dict, override: dict) -> dict:
-    """Helm's merge of values files: maps merge key by key, anything else is replaced."""
-    out = dict(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge(out[key], value)
-        else:
-            out[key] = value
-    return out
 
 
 def user_values(variant: str) -> dict:
@@ -508,12 +498,8 @@ def test_schema_is_valid_draft7_and_accepts_every_profile() -> None:
     jsonschema.Draft7Validator.check_schema(schema)
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     for variant in VARIANTS:
-        values = _drop_nulls(merge(defaults, user_values(variant)))  # Helm drops null values too
+        values = drop_nulls(merge(defaults, user_values(variant)))  # Helm drops null values too
         jsonschema.Draft7Validator(schema).validate(values)
-
-
-def _drop_nulls(values: dict) -> dict:
-    return {k: _drop_nulls(v) if isinstance(v, dict) else v for k, v in values.items() if v is not None}
 
 
 def test_the_operations_guide_values_render_and_validate(renderer: Renderer) -> None:

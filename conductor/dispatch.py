@@ -1,0 +1,181 @@
+"""Dispatch: route, admit and book one request, synchronously, on the Conductor's ledgers.
+
+The one decision path of the cluster backend, the co-located backend and the simulator (`sim/`).
+Each hands over its workers' ledgers, what the prefix cache holds and the time; nothing here
+awaits, calls a worker or reads a clock of its own, so the simulator runs the production decision
+on simulated time:
+
+    cluster     objective -> Router (Mooncake Alg. 1) -> Admission.decide -> book both ledgers
+    co-located  objective -> Admission.decide on the engine's two ledgers  -> book both
+
+A rejection raises the admission's error (429 / RESOURCE_EXHAUSTED) and books nothing. An admitted
+request is a `Booking`; when it ends, `finished` feeds what it measured back (output-length
+estimate, calibration, error histograms) and the caller releases its bookings
+(`PrefillLedger.finish`, `DecodeLedger.release`: each idempotent).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from conductor.admission import Admission, AdmissionConfig, Candidate, Decision, Objective, resolve
+from conductor.admission_stats import AdmissionStats
+from conductor.backend import Slo
+from conductor.cost_model import CostModel
+from conductor.errors import OverloadedError
+from conductor.ledger import BoundRequest, DecodeLedger, PendingPrefill, PrefillLedger
+from conductor.router import DecodeView, PrefillView, RoutePlan, Router, RouteRequest
+
+COLOCATED = "engine"  # the worker id of both sides in co-located mode
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """What the index knows of a prompt: per prefill worker the tokens it can reuse (own device,
+    or the node's shared host/disk), and the longest match anywhere with its holder."""
+
+    per_worker: dict[str, int] = field(default_factory=dict)
+    best_tokens: int = 0
+    best_holder: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSide:
+    """A prefill worker as dispatch sees it: its id, the Conductor's ledger of it, whether it
+    may take requests (alive and not excluded for this request)."""
+
+    worker_id: str
+    ledger: PrefillLedger
+    alive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSide:
+    worker_id: str
+    ledger: DecodeLedger
+    alive: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What dispatch needs of a request (the rest stays with the caller)."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    priority_class: str | None = None
+    slo: Slo = field(default_factory=Slo)
+
+
+@dataclass(frozen=True, slots=True)
+class Booking:
+    """An admitted request: where it runs, what admission decided, what it booked."""
+
+    request_id: str
+    objective: Objective
+    candidate: Candidate
+    decision: Decision
+    bound: BoundRequest  # its booking in the decode side's ledger
+    prefill_id: str
+    decode_id: str
+    prefix_tokens: int  # prompt tokens the prefill side does not compute (cached or fetched)
+
+    @property
+    def deadline(self) -> float:
+        """When its first token is due (inf = no TTFT objective): its place in a queue."""
+        return self.candidate.deadline
+
+
+class Dispatcher:
+    """Router + admission over one cost model (see the module docstring).
+
+    colocated_chunk: prefill and decode share one engine whose steps carry up to this many
+        prefill tokens (co-located mode; None in a cluster).
+    clock: what the calibration's window is measured on (the simulator passes its own).
+    """
+
+    def __init__(self, config: AdmissionConfig, cost: CostModel, block_size: int,
+                 colocated_chunk: int | None = None, stats: AdmissionStats | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.cost = cost
+        self.block_size = block_size
+        self.admission = Admission(config, cost, colocated_chunk, clock)
+        self.router = Router(cost, block_size)
+        self.stats = stats if stats is not None else AdmissionStats()
+
+    def objective(self, ask: Ask) -> Objective:
+        return resolve(self.config, ask.priority_class, ask.slo)
+
+    # ------------------------------------------------------------------ cluster
+
+    def dispatch(self, ask: Ask, prefix: PrefixMatch, prefill: Sequence[PrefillSide],
+                 decode: Sequence[DecodeSide], now: float) -> Booking:
+        """Route over the live workers, decide on the chosen pair's ledgers, book both; raises
+        `NoWorkerAvailableError` (none alive) or the rejection (`OverloadedError`)."""
+        objective = self.objective(ask)
+        try:
+            plan = self.route(ask, prefix, objective, prefill, decode, now)
+        except OverloadedError as e:  # no decode worker has the KV free
+            self.stats.rejected(objective.slo_class.name, e.reason or "kv_capacity")
+            raise
+        chosen = next(e for e in plan.per_worker if e.worker_id == plan.prefill_id)
+        cost_ms = chosen.prefill_ms + chosen.transfer_ms
+        candidate = self.admission.candidate(objective, ask.prompt_len, ask.max_tokens, cost_ms,
+                                             self.block_size, now)
+        p = next(s for s in prefill if s.worker_id == plan.prefill_id)
+        d = next(s for s in decode if s.worker_id == plan.decode_id)
+        return self._book(ask, objective, candidate, p, d, plan.prefix_len, now)
+
+    def route(self, ask: Ask, prefix: PrefixMatch, objective: Objective, prefill: Sequence[PrefillSide],
+              decode: Sequence[DecodeSide], now: float) -> RoutePlan:
+        """Mooncake Algorithm 1 over the ledgers (queues in the request's priority order)."""
+        request = RouteRequest(ask.prompt_len, ask.max_tokens, prefix.best_tokens,
+                               prefix.best_holder if prefix.best_tokens else None)
+        prefill_views = [PrefillView(s.worker_id, prefix.per_worker.get(s.worker_id, 0),
+                                     s.ledger.wait_ms(objective.rank, now), s.alive) for s in prefill]
+        decode_views = [DecodeView(s.worker_id, len(s.ledger.jobs),
+                                   sum(b.prompt_len + b.generated for b in s.ledger.jobs.values()),
+                                   s.ledger.free_blocks, s.alive) for s in decode]
+        return self.router.route(request, prefill_views, decode_views)
+
+    # ------------------------------------------------------------------ co-located
+
+    def dispatch_colocated(self, ask: Ask, cached_tokens: int, pending: PrefillLedger,
+                           bound: DecodeLedger, now: float) -> Booking:
+        """One engine: its waiting requests are the prefill ledger, every request in it the
+        decode ledger; `cached_tokens` of the prompt are in its prefix cache."""
+        objective = self.objective(ask)
+        n = ask.prompt_len
+        cached = max(0, min(cached_tokens, n - 1))
+        candidate = self.admission.candidate(objective, n, ask.max_tokens, self.cost.est_prefill_ms(n - cached, cached),
+                                             self.block_size, now, new_tokens=n - cached)
+        return self._book(ask, objective, candidate, PrefillSide(COLOCATED, pending),
+                          DecodeSide(COLOCATED, bound), cached, now)
+
+    # ------------------------------------------------------------------ both
+
+    def _book(self, ask: Ask, objective: Objective, candidate: Candidate, p: PrefillSide, d: DecodeSide,
+              prefix_tokens: int, now: float) -> Booking:
+        name = objective.slo_class.name
+        decision = self.admission.decide(candidate, p.ledger, d.ledger, now)
+        if not decision.admitted:
+            self.stats.rejected(name, decision.reason or "")
+            raise decision.error()
+        self.stats.admitted(name)
+        p.ledger.add(PendingPrefill(ask.request_id, objective.rank, candidate.deadline, candidate.prefill_ms, now))
+        bound = BoundRequest(ask.request_id, ask.prompt_len, candidate.expected_output, objective.tbt_ms,
+                             now + decision.joins_in_ms / 1e3, candidate.blocks)
+        d.ledger.book(bound)
+        return Booking(ask.request_id, objective, candidate, decision, bound, p.worker_id, d.worker_id,
+                       prefix_tokens)
+
+    def finished(self, booking: Booking, completion_tokens: int, max_tokens: int, ttft_s: float,
+                 tbt_s: float | None) -> None:
+        """An admitted request ended with its result: what it measured corrects later predictions."""
+        self.admission.outputs.observe(booking.objective.slo_class.name, completion_tokens, max_tokens)
+        p = booking.decision.prediction
+        self.stats.measured(p.predicted_ttft_ms, ttft_s, p.predicted_tbt_ms, tbt_s)
+        self.admission.observe(booking.decision, ttft_s, tbt_s)

@@ -1,0 +1,272 @@
+"""The simulated cluster: the production decision path over simulated workers.
+
+    arrival --> Dispatcher.dispatch (conductor/dispatch.py: Router + Admission + ledgers, the
+                objects `halfmoon serve` runs) --> rejected: recorded with admission's reason
+                                               --> admitted: prefill worker --> decode worker
+    first token: PrefillLedger.finish, the booking's joins_at   (as conductor/cluster.py does)
+    last token:  DecodeLedger.release, Dispatcher.finished      (calibration, output estimate)
+
+The prefix match each prefill worker reports is read from its own `TieredCache` (the real
+BlockPool above host/disk `HashLRU`s): what a fresh cluster index would say. Co-located mode has
+one engine and `Dispatcher.dispatch_colocated` over its two ledgers, as conductor/colocated.py.
+Before each decision the ledgers learn how many tokens each running request has made, as the
+Conductor learns it from the token stream.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from conductor.admission import AdmissionConfig
+from conductor.backend import Slo
+from conductor.cost_model import CostModel
+from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
+from conductor.errors import OverloadedError, ServiceUnavailableError
+from conductor.ledger import DecodeLedger, PrefillLedger
+from core.errors import ConfigError
+from sim.engines import KV_TAIL, Clock, ColocatedWorker, DecodeBatch, DecodeWorker, Flight, PrefillWorker
+from sim.tiers import Capacity, TieredCache
+from sim.trace import HASH_BLOCK_TOKENS
+from sim.workload import Workload
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """A cluster shape and how it serves.
+
+    prefill, decode: workers per role (ignored when `colocated`: one engine).
+    device_tokens: KV tokens of each worker's device pool (decode: what its ledger books;
+        prefill and co-located: its prefix cache too). host_tokens, disk_tokens: each prefill
+        (or co-located) worker's host DRAM and disk tiers.
+    block_size: the engine's KV block (the decode booking's unit); the prefix caches work in
+        the trace's 512-token blocks (sim/workload.py).
+    chunk: co-located: prefill tokens per step (the engine's max_num_batched_tokens).
+    max_seqs: requests decoding at once per worker.
+    kv_tail: the share of a prompt's KV transfer not hidden behind its prefill.
+    drain_s: requests still running this long after the window are cut (None: run to the end).
+    """
+
+    prefill: int = 1
+    decode: int = 1
+    colocated: bool = False
+    device_tokens: int = 65536
+    host_tokens: int = 0
+    disk_tokens: int = 0
+    block_size: int = 16
+    chunk: int = 512
+    max_seqs: int = 64
+    kv_tail: float = KV_TAIL
+    drain_s: float | None = None
+    admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+
+    def __post_init__(self) -> None:
+        if not self.colocated and (self.prefill < 1 or self.decode < 1):
+            raise ConfigError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {self.prefill}P{self.decode}D")
+        for name in ("device_tokens", "block_size", "chunk", "max_seqs"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("host_tokens", "disk_tokens"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @property
+    def shape(self) -> str:
+        return "co-located" if self.colocated else f"{self.prefill}P{self.decode}D"
+
+    @property
+    def workers(self) -> int:
+        return 1 if self.colocated else self.prefill + self.decode
+
+    def capacity(self) -> Capacity:
+        """A prefix cache's tiers in 512-token blocks."""
+        return Capacity(self.device_tokens // HASH_BLOCK_TOKENS, self.host_tokens // HASH_BLOCK_TOKENS,
+                        self.disk_tokens // HASH_BLOCK_TOKENS)
+
+
+@dataclass(slots=True)
+class Record:
+    """What happened to one request (times in s from its arrival)."""
+
+    index: int
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    status: str = "pending"  # ok / rejected / error / timeout
+    reason: str | None = None
+    ttft_s: float | None = None
+    tbt_s: float | None = None
+    cached_tokens: tuple[int, int, int] = (0, 0, 0)  # served by device / host / disk
+    predicted_ttft_ms: float | None = None
+    predicted_tbt_ms: float | None = None
+    end_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    config: SimConfig
+    workload: Workload
+    records: tuple[Record, ...]
+    busy_s: dict[str, float]  # per worker
+    makespan_s: float
+    wall_s: float
+
+
+class Simulator:
+    """One replay of a workload through one cluster shape (module docstring)."""
+
+    def __init__(self, config: SimConfig, cost: CostModel) -> None:
+        self.config = config
+        self.cost = cost
+        self.clock = Clock()
+        chunk = config.chunk if config.colocated else None
+        self.dispatcher = Dispatcher(config.admission, cost, config.block_size, chunk, clock=lambda: self.clock.now)
+        self.records: list[Record] = []
+        blocks = config.device_tokens // config.block_size
+        if config.colocated:
+            self.engine = ColocatedWorker("engine", cost, self.clock, self._cache(), config.chunk,
+                                          config.max_seqs, self._first, self._finished)
+            self.pending, self.bound = PrefillLedger(), DecodeLedger(blocks)
+            self.prefill: dict[str, PrefillWorker] = {}
+            self.decode: dict[str, DecodeWorker] = {}
+        else:
+            self.prefill = {f"prefill-{i}": PrefillWorker(f"prefill-{i}", cost, self.clock, self._cache(),
+                                                          config.kv_tail, self._pushed)
+                            for i in range(config.prefill)}
+            self.decode = {f"decode-{i}": DecodeWorker(f"decode-{i}", cost, self.clock, config.max_seqs,
+                                                       self._first, self._finished)
+                           for i in range(config.decode)}
+            self.prefill_ledgers = {wid: PrefillLedger() for wid in self.prefill}
+            self.decode_ledgers = {wid: DecodeLedger(blocks) for wid in self.decode}
+        self._flights: dict[int, tuple[Flight, str]] = {}  # running: request index -> (flight, decode id)
+
+    def _cache(self) -> TieredCache:
+        return TieredCache(self.config.capacity(), HASH_BLOCK_TOKENS)
+
+    # ------------------------------------------------------------------ run
+
+    def run(self, workload: Workload) -> SimResult:
+        start = time.perf_counter()
+        for request in workload.requests:
+            record = Record(request.index, request.arrival_s, request.prompt_len, request.output_len)
+            self.records.append(record)
+            self.clock.at(request.arrival_s, lambda r=request: self._arrive(r))
+        self.clock.run()
+        self._cut(workload)
+        self.check_integrity()
+        workers = [*self.prefill.values(), *self.decode.values()] or [self.engine]
+        makespan = max((r.end_s for r in self.records if r.end_s is not None), default=0.0)
+        return SimResult(self.config, workload, tuple(self.records), {w.worker_id: w.busy_s for w in workers},
+                         makespan, time.perf_counter() - start)
+
+    def _cut(self, workload: Workload) -> None:
+        """Requests finishing after window + drain count as cut off, as the live replay's deadline."""
+        if self.config.drain_s is None:
+            return
+        deadline = workload.duration_s + self.config.drain_s
+        for r in self.records:
+            if r.status == "ok" and r.end_s is not None and r.end_s > deadline:
+                r.status, r.reason = "timeout", "replay deadline"
+
+    # ------------------------------------------------------------------ requests
+
+    def _arrive(self, request) -> None:  # type: ignore[no-untyped-def]
+        record = self.records[request.index]
+        ask = Ask(f"r{request.index}", request.prompt_len, request.output_len, None, Slo())
+        now = self.clock.now
+        self._sync_generated()
+        try:
+            if self.config.colocated:
+                cached = self.engine.cache.match(request.blocks, request.prompt_len).blocks * HASH_BLOCK_TOKENS
+                booking = self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, now)
+            else:
+                booking = self.dispatcher.dispatch(ask, self._prefix(request), self._prefill_sides(),
+                                                   self._decode_sides(), now)
+        except OverloadedError as e:
+            record.status, record.reason = "rejected", e.reason or "overloaded"
+            record.end_s = now
+            return
+        except ServiceUnavailableError as e:
+            record.status, record.reason, record.end_s = "error", str(e), now
+            return
+        prediction = booking.decision.prediction
+        record.predicted_ttft_ms, record.predicted_tbt_ms = prediction.predicted_ttft_ms, prediction.predicted_tbt_ms
+        flight = Flight(request, booking, (-booking.objective.rank, booking.deadline, request.index),
+                        prefix_tokens=booking.prefix_tokens)
+        if self.config.colocated:
+            self._flights[request.index] = (flight, "engine")
+            self.engine.submit(flight)
+        else:
+            self._flights[request.index] = (flight, booking.decode_id)
+            self.prefill[booking.prefill_id].submit(flight)
+
+    def _prefix(self, request) -> PrefixMatch:  # type: ignore[no-untyped-def]
+        per_worker = {wid: w.cache.match(request.blocks, request.prompt_len).blocks * HASH_BLOCK_TOKENS
+                      for wid, w in self.prefill.items()}
+        best = max(per_worker.items(), key=lambda kv: kv[1], default=("", 0))
+        return PrefixMatch(per_worker, best[1], best[0] if best[1] else "")
+
+    def _prefill_sides(self) -> list[PrefillSide]:
+        return [PrefillSide(wid, ledger) for wid, ledger in self.prefill_ledgers.items()]
+
+    def _decode_sides(self) -> list[DecodeSide]:
+        return [DecodeSide(wid, ledger) for wid, ledger in self.decode_ledgers.items()]
+
+    def _sync_generated(self) -> None:
+        """The tokens each running request has made so far, into its booking (the Conductor
+        counts them off the stream)."""
+        for flight, wid in self._flights.values():
+            if flight.join_step >= 0:
+                batch = self.engine.batch if self.config.colocated else self.decode[wid].batch
+                flight.booking.bound.generated = batch.generated(flight)
+
+    def _pushed(self, flight: Flight) -> None:
+        """Its prefill ended and its KV reached the decode worker."""
+        self.prefill_ledgers[flight.booking.prefill_id].finish(flight.booking.request_id, self.clock.now)
+        flight.booking.bound.joins_at = self.clock.now
+        self.decode[flight.booking.decode_id].join(flight)
+
+    def _first(self, flight: Flight) -> None:
+        record = self.records[flight.request.index]
+        record.ttft_s = self.clock.now - flight.request.arrival_s
+        record.cached_tokens = (flight.hits.device * HASH_BLOCK_TOKENS, flight.hits.host * HASH_BLOCK_TOKENS,
+                                flight.hits.disk * HASH_BLOCK_TOKENS)
+        if self.config.colocated:
+            self.pending.finish(flight.booking.request_id, self.clock.now)
+            flight.booking.bound.joins_at = self.clock.now
+
+    def _finished(self, flight: Flight, batch: DecodeBatch) -> None:
+        record = self.records[flight.request.index]
+        record.status, record.end_s = "ok", self.clock.now
+        record.tbt_s = batch.tbt_s(flight)
+        self._flights.pop(flight.request.index, None)
+        booking = flight.booking
+        ledger = self.bound if self.config.colocated else self.decode_ledgers[booking.decode_id]
+        ledger.release(booking.request_id)
+        assert record.ttft_s is not None
+        self.dispatcher.finished(booking, flight.request.output_len, flight.request.output_len,
+                                 record.ttft_s, record.tbt_s)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_integrity(self) -> None:
+        """After a run: every ledger empty and within its pool, every cache consistent."""
+        ledgers = [self.bound] if self.config.colocated else list(self.decode_ledgers.values())
+        pendings = [self.pending] if self.config.colocated else list(self.prefill_ledgers.values())
+        for ledger in ledgers:
+            ledger.check_integrity()
+            if ledger.jobs:
+                raise AssertionError(f"{len(ledger.jobs)} bookings outlived their requests")
+        if any(p.depth for p in pendings):
+            raise AssertionError("a prefill ledger still holds requests after the run")
+        caches = [self.engine.cache] if self.config.colocated else [w.cache for w in self.prefill.values()]
+        for cache in caches:
+            cache.check_integrity()
+            if cache.pool.num_free() != cache.pool.num_blocks:
+                raise AssertionError(f"{cache.pool.num_used()} cache blocks still held after the run")
+
+
+def simulate(workload: Workload, config: SimConfig, cost: CostModel) -> SimResult:
+    """Replay `workload` through a fresh cluster of `config`'s shape."""
+    return Simulator(config, cost).run(workload)
+

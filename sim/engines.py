@@ -1,0 +1,292 @@
+"""Simulated workers on a simulated clock: each serves its queue step by step as the real engine's
+scheduler does (engine/scheduler.py), each step timed by the cost model.
+
+    prefill worker   one prefill at a time, in the ledger's order (rank, deadline, arrival):
+                     prefill(new, cached) + fetch of the planned remote prefix; its KV reaches
+                     the decode worker `kv_tail` of a full transfer later (the rest overlapped
+                     the prefill layer by layer)
+    decode worker    continuous batching: who has KV joins at the next step (up to max_seqs);
+                     a step of b requests holding k tokens takes decode_step(b, k); a request's
+                     first token ends its first step
+    co-located       one engine: decodes first (one token each), then prefill chunks in queue
+                     order with what is left of the step's token budget; a step takes
+                     decode_step(b, k) + prefill(chunk, done) per chunk; a prefill's last chunk
+                     samples its first token, and it decodes from the next step on
+
+Per-request progress is kept as step numbers, not counted per token: a request that joined at
+step s has s' - s + 1 tokens after step s', and its token gaps are the durations of steps s+1..
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from conductor.cost_model import CostModel
+from conductor.dispatch import Booking
+from sim.tiers import Hits, TieredCache
+from sim.workload import SimRequest
+
+KV_TAIL = 0.05  # of a prompt's full KV transfer time not hidden behind its prefill
+
+
+class Clock:
+    """A discrete-event clock: callbacks run in time order (ties: in the order scheduled)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (max(t, self.now), next(self._seq), fn))
+
+    def run(self) -> None:
+        while self._events:
+            t, _, fn = heapq.heappop(self._events)
+            self.now = t
+            fn()
+
+
+@dataclass(slots=True)
+class Flight:
+    """An admitted request on its way through the simulated workers."""
+
+    request: SimRequest
+    booking: Booking
+    order: tuple[int, float, int]  # its queue place: (-rank, deadline, arrival seq)
+    hits: Hits = Hits(0, 0, 0)
+    prefix_tokens: int = 0  # prompt tokens not computed (own cache or fetched)
+    done_tokens: int = 0  # co-located: prompt tokens computed so far
+    table: list[int] = field(default_factory=list)  # co-located: its blocks in the engine's cache
+    join_step: int = -1  # the step that produced its first token
+    added_step: int = 0  # the batch's step count when it joined (its context grows from then)
+    first_at: float = 0.0
+    prefill_s: float = 0.0  # time its prefill computed (utilisation)
+
+    @property
+    def new_tokens(self) -> int:
+        return self.request.prompt_len - self.prefix_tokens
+
+
+class DecodeBatch:
+    """The step-number bookkeeping of a continuous batch (module docstring)."""
+
+    def __init__(self, max_seqs: int) -> None:
+        self.max_seqs = max_seqs
+        self.running: dict[int, Flight] = {}
+        self.context = 0  # tokens the running requests hold
+        self.steps = 0  # steps ended
+        self.durations: list[float] = []  # of each ended step
+        self._finishing: list[tuple[int, int]] = []  # heap: (last step, request index)
+
+    def add(self, flight: Flight, step: int) -> None:
+        """`flight`'s first token ends `step`: the next step (a decode worker's joiner) or the
+        one that just ended (a co-located prefill's last chunk). It decodes in every step after."""
+        flight.join_step, flight.added_step = step, self.steps
+        self.running[flight.request.index] = flight
+        self.context += flight.request.prompt_len + 1
+        heapq.heappush(self._finishing, (step + flight.request.output_len - 1, flight.request.index))
+
+    def generated(self, flight: Flight) -> int:
+        return max(0, self.steps - flight.join_step)
+
+    def end_step(self, duration: float) -> list[Flight]:
+        """A step of the running batch ended: every request got a token; those done leave."""
+        self.durations.append(duration)
+        step = self.steps
+        self.steps += 1
+        done = []
+        while self._finishing and self._finishing[0][0] <= step:
+            _, index = heapq.heappop(self._finishing)
+            flight = self.running.pop(index)
+            self.context -= flight.request.prompt_len + 1 + (step - flight.added_step)
+            done.append(flight)
+        self.context += len(self.running)  # each kept the token it made
+        return done
+
+    def tbt_s(self, flight: Flight) -> float | None:
+        """Mooncake's TBT of a finished request: the mean of its longest tenth of token gaps."""
+        n = flight.request.output_len - 1
+        if n <= 0:
+            return None
+        gaps = sorted(self.durations[flight.join_step + 1: flight.join_step + 1 + n])
+        top = gaps[-max(1, n // 10):]
+        return sum(top) / len(top)
+
+
+class Worker:
+    """What every simulated worker shares: the clock, the cost model, busy time."""
+
+    def __init__(self, worker_id: str, cost: CostModel, clock: Clock) -> None:
+        self.worker_id = worker_id
+        self.cost = cost
+        self.clock = clock
+        self.busy_s = 0.0
+
+
+class PrefillWorker(Worker):
+    def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cache: TieredCache,
+                 kv_tail: float, on_done: Callable[[Flight], None]) -> None:
+        super().__init__(worker_id, cost, clock)
+        self.cache = cache
+        self.kv_tail = kv_tail
+        self.on_done = on_done
+        self._queue: list[tuple[tuple[int, float, int], Flight]] = []
+        self._busy = False
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue) + self._busy
+
+    def submit(self, flight: Flight) -> None:
+        heapq.heappush(self._queue, (flight.order, flight))
+        if not self._busy:
+            self._start()
+
+    def _start(self) -> None:
+        if not self._queue:
+            self._busy = False
+            return
+        self._busy = True
+        _, flight = heapq.heappop(self._queue)
+        r = flight.request
+        flight.hits = self.cache.match(r.blocks, r.prompt_len)
+        own = flight.hits.blocks * self.cache.block_size
+        flight.prefix_tokens = max(own, flight.booking.prefix_tokens)
+        fetch = flight.prefix_tokens - own
+        if self.cache.can_acquire(r.blocks, r.prompt_len):
+            table, _ = self.cache.acquire(r.blocks, r.prompt_len)
+            self.cache.release(table)  # its blocks stay cached (evictable) once pushed
+        seconds = (self.cost.est_prefill_ms(flight.new_tokens, flight.prefix_tokens)
+                   + self.cost.est_transfer_ms(fetch)) / 1e3
+        flight.prefill_s = seconds
+        self.busy_s += seconds
+        self.clock.at(self.clock.now + seconds, lambda: self._end(flight))
+
+    def _end(self, flight: Flight) -> None:
+        tail = self.kv_tail * self.cost.est_transfer_ms(flight.request.prompt_len) / 1e3
+        self.clock.at(self.clock.now + tail, lambda: self.on_done(flight))
+        self._start()
+
+
+class DecodeWorker(Worker):
+    def __init__(self, worker_id: str, cost: CostModel, clock: Clock, max_seqs: int,
+                 on_first: Callable[[Flight], None], on_finish: Callable[[Flight, DecodeBatch], None]) -> None:
+        super().__init__(worker_id, cost, clock)
+        self.batch = DecodeBatch(max_seqs)
+        self.on_first = on_first
+        self.on_finish = on_finish
+        self._joining: list[Flight] = []
+        self._stepping = False
+
+    def join(self, flight: Flight) -> None:
+        """Its KV arrived: it joins the batch at the next step."""
+        self._joining.append(flight)
+        if not self._stepping:
+            self._step()
+
+    def _step(self) -> None:
+        b = self.batch
+        room = b.max_seqs - len(b.running)
+        joining, self._joining = self._joining[:room], self._joining[room:]
+        for flight in joining:
+            b.add(flight, b.steps)
+        if not b.running:
+            self._stepping = False
+            return
+        self._stepping = True
+        seconds = self.cost.est_decode_step_ms(len(b.running), b.context) / 1e3
+        self.busy_s += seconds
+        self.clock.at(self.clock.now + seconds, lambda: self._end(seconds, joining))
+
+    def _end(self, seconds: float, joined: list[Flight]) -> None:
+        for flight in joined:
+            flight.first_at = self.clock.now
+            self.on_first(flight)
+        for flight in self.batch.end_step(seconds):
+            self.on_finish(flight, self.batch)
+        self._step()
+
+
+class ColocatedWorker(Worker):
+    """One engine: prefill chunks and decodes in the same steps (module docstring)."""
+
+    def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cache: TieredCache, chunk: int,
+                 max_seqs: int, on_first: Callable[[Flight], None],
+                 on_finish: Callable[[Flight, DecodeBatch], None]) -> None:
+        super().__init__(worker_id, cost, clock)
+        self.cache = cache
+        self.chunk = chunk
+        self.batch = DecodeBatch(max_seqs)
+        self.on_first = on_first
+        self.on_finish = on_finish
+        self._queue: list[tuple[tuple[int, float, int], Flight]] = []
+        self._prefilling: list[Flight] = []  # started, in queue order
+        self._stepping = False
+
+    def submit(self, flight: Flight) -> None:
+        heapq.heappush(self._queue, (flight.order, flight))
+        if not self._stepping:
+            self._step()
+
+    def _admit_prefills(self) -> None:
+        """Waiting requests start while sequence slots and KV blocks last (queue order)."""
+        while self._queue and len(self.batch.running) + len(self._prefilling) < self.batch.max_seqs:
+            flight = self._queue[0][1]
+            r = flight.request
+            if not self.cache.can_acquire(r.blocks, r.prompt_len):
+                return
+            heapq.heappop(self._queue)
+            flight.table, flight.hits = self.cache.acquire(r.blocks, r.prompt_len)
+            flight.prefix_tokens = min(flight.hits.blocks * self.cache.block_size, r.prompt_len - 1)
+            flight.done_tokens = flight.prefix_tokens
+            self._prefilling.append(flight)
+
+    def _step(self) -> None:
+        self._admit_prefills()
+        b = self.batch
+        budget = self.chunk - len(b.running)
+        pieces: list[tuple[Flight, int]] = []
+        for flight in self._prefilling:
+            if budget <= 0:
+                break
+            take = min(flight.request.prompt_len - flight.done_tokens, budget)
+            pieces.append((flight, take))
+            budget -= take
+        if not b.running and not pieces:
+            self._stepping = False
+            return
+        self._stepping = True
+        seconds = self.cost.est_decode_step_ms(len(b.running), b.context) / 1e3
+        for flight, take in pieces:
+            part = self.cost.est_prefill_ms(take, flight.done_tokens) / 1e3
+            flight.prefill_s += part
+            seconds += part
+        self.busy_s += seconds
+        self.clock.at(self.clock.now + seconds, lambda: self._end(seconds, pieces))
+
+    def _end(self, seconds: float, pieces: list[tuple[Flight, int]]) -> None:
+        first = []
+        for flight, take in pieces:
+            flight.done_tokens += take
+            if flight.done_tokens >= flight.request.prompt_len:
+                first.append(flight)
+        for flight in self.batch.end_step(seconds):  # every step is numbered, prefill-only too
+            self._finish(flight)
+        for flight in first:
+            self._prefilling.remove(flight)
+            flight.first_at = self.clock.now
+            self.on_first(flight)
+            if flight.request.output_len <= 1:
+                self._finish(flight)
+            else:
+                self.batch.add(flight, self.batch.steps - 1)
+        self._step()
+
+    def _finish(self, flight: Flight) -> None:
+        self.cache.release(flight.table)
+        flight.table = []
+        self.on_finish(flight, self.batch)

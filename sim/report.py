@@ -1,0 +1,92 @@
+"""What a simulated replay measured, in the live benchmark's terms (bench/serve_metrics.py):
+goodput = requests that met both SLOs per second of the replayed window; TTFT from arrival to
+the first token; TBT = the mean of a request's longest tenth of token gaps (Mooncake's). Hit
+rates are prompt tokens served by each tier over the prompt tokens of the admitted requests;
+utilisation is a worker's busy time over the makespan."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from sim.cluster import Record, SimResult
+
+
+def objectives(result: SimResult) -> tuple[float, float]:
+    """The default class's TTFT / TBT objectives in ms (inf = none)."""
+    cfg = result.config.admission
+    cls = cfg.classes()[cfg.default_class]
+    return (cls.ttft_ms or math.inf, cls.tbt_ms or math.inf)
+
+
+def met(r: Record, ttft_ms: float, tbt_ms: float) -> bool:
+    return (r.status == "ok" and r.ttft_s is not None and r.ttft_s * 1e3 <= ttft_ms
+            and (r.tbt_s is None or r.tbt_s * 1e3 <= tbt_ms))
+
+
+def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
+    """Nearest-rank percentiles in ms of values in s (None when there are none)."""
+    ordered = sorted(values)
+    out: dict[str, float | None] = {}
+    for q in qs:
+        out[f"p{q}"] = round(ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)] * 1e3, 1) \
+            if ordered else None
+    return out
+
+
+def summarize(result: SimResult) -> dict[str, Any]:
+    ttft_slo, tbt_slo = objectives(result)
+    records = result.records
+    ok = [r for r in records if r.status == "ok"]
+    good = sum(met(r, ttft_slo, tbt_slo) for r in records)
+    admitted = [r for r in records if r.status != "rejected"]
+    window = result.workload.duration_s or result.makespan_s
+    prompt = sum(r.prompt_len for r in admitted)
+    tiers = [sum(r.cached_tokens[i] for r in admitted) for i in range(3)]
+    span = result.makespan_s or 1.0
+    busy = {wid: round(s / span, 3) for wid, s in result.busy_s.items()}
+    return {
+        "shape": result.config.shape, "workers": result.config.workers,
+        "requests": len(records), "admitted": len(admitted), "completed": len(ok),
+        "rejected": dict(Counter(r.reason or "" for r in records if r.status == "rejected")),
+        "errors": sum(r.status == "error" for r in records), "timed_out": sum(r.status == "timeout" for r in records),
+        "slo": {"ttft_ms": ttft_slo, "tbt_ms": tbt_slo}, "slo_met": good,
+        "goodput_rps": round(good / window, 4) if window > 0 else None,
+        "goodput_per_worker": round(good / window / result.config.workers, 4) if window > 0 else None,
+        "admitted_ok_pct": round(100 * good / len(admitted), 1) if admitted else None,
+        "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tbt_ms": percentiles([r.tbt_s for r in ok if r.tbt_s is not None]),
+        "hit_rate": {name: round(tokens / prompt, 4) if prompt else 0.0
+                     for name, tokens in zip(("device", "host", "disk"), tiers, strict=True)},
+        "utilisation": busy,
+        "utilisation_by_pool": _by_pool(busy),
+        "window_s": round(window, 3), "makespan_s": round(result.makespan_s, 3), "wall_s": round(result.wall_s, 3),
+    }
+
+
+def _by_pool(busy: dict[str, float]) -> dict[str, float]:
+    pools: dict[str, list[float]] = {}
+    for wid, share in busy.items():
+        pools.setdefault(wid.split("-")[0], []).append(share)
+    return {pool: round(sum(v) / len(v), 3) for pool, v in pools.items()}
+
+
+def render(s: dict[str, Any]) -> str:
+    rejected = ", ".join(f"{k} {v}" for k, v in sorted(s["rejected"].items())) or "none"
+    return "\n".join([
+        f"halfmoon sim: {s['shape']}, {s['requests']} requests over {s['window_s']:g} s "
+        f"(simulated in {s['wall_s']:.2f} s)",
+        f"  goodput {s['goodput_rps']} req/s ({s['goodput_per_worker']} per worker); {s['slo_met']} met "
+        f"TTFT <= {s['slo']['ttft_ms']:g} ms and TBT <= {s['slo']['tbt_ms']:g} ms; admitted-ok "
+        f"{s['admitted_ok_pct']}%",
+        f"  rejected: {rejected}; errors {s['errors']}; cut off {s['timed_out']}",
+        f"  TTFT ms p50/p90/p99 {_ps(s['ttft_ms'])}; TBT ms {_ps(s['tbt_ms'])}",
+        "  prefix hits: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["hit_rate"].items()),
+        "  utilisation: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["utilisation_by_pool"].items()),
+    ])
+
+
+def _ps(p: dict[str, float | None]) -> str:
+    return "/".join("-" if v is None else f"{v:g}" for v in p.values())

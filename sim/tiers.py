@@ -1,0 +1,198 @@
+"""Bookkeeping-only KV tiers: the host and disk tiers' eviction rules without the bytes.
+
+The simulator (and `halfmoon bench kvpool`'s replay) put the real device `BlockPool`
+(kvpool/block_pool.py: prefix cache, refcounts, lazy LRU eviction) above two `HashLRU`s. The real
+host and disk tiers cost ~20 us per demoted block for their bytes and checksums (minutes per
+capacity for a 100M-token trace); a `HashLRU` takes well under 1 us with the same verbs and
+eviction order.
+
+`TieredCache` is one worker's prefix cache as the engine's scheduler uses it
+(engine/scheduler.py): a request's usable prefix (whole blocks, never the last prompt token) is
+served from the device pool, then host, then disk (promoted: pinned while the device allocates
+the rest, which may demote other blocks); every full block of the prompt is registered; the
+block table is held until the caller releases it.
+
+    | device hit (get_computed_blocks) | host/disk hit (promoted) | computed | partial |
+    '---------------- usable = (prompt_len - 1) // block_size blocks ---'
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+from typing import NamedTuple
+
+from core.blocks import cdiv
+from kvpool.block_pool import BlockPool
+from kvpool.errors import PoolIntegrityError
+
+
+class HashLRU:
+    """Bookkeeping-only LRU of block hashes: a host or disk tier without the bytes.
+
+    Same verbs and eviction rule as HostArena/DiskTier: `put` of a held hash only touches it; a
+    new hash evicts the least recently used unpinned one; when nothing can be evicted (capacity
+    0, or all pinned) the new hash is not stored. A pinned hash met at the LRU head moves to the
+    most recent end (O(1) amortized instead of a scan past it): pins are only held while the
+    reader is about to touch those hashes anyway, which puts them there. Invariant: len <=
+    capacity, pins only on held hashes.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._lru: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._pins: dict[bytes, int] = {}
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._lru
+
+    def put(self, key: bytes) -> bytes | None:
+        """Store (or touch) `key`; return the hash that leaves the tier: the evicted one, or
+        `key` itself when it cannot be stored, or None."""
+        if key in self._lru:
+            self._lru.move_to_end(key)
+            return None
+        victim = None
+        if len(self._lru) >= self.capacity:
+            victim = self._evict()
+            if victim is None:
+                return key
+        self._lru[key] = None
+        return victim
+
+    def _evict(self) -> bytes | None:
+        """Drop and return the least recently used unpinned hash (None if there is none)."""
+        for _ in range(len(self._pins) + 1):
+            if not self._lru:
+                return None
+            victim, _ = self._lru.popitem(last=False)
+            if victim not in self._pins:
+                self.evictions += 1
+                return victim
+            self._lru[victim] = None  # pinned: to the most recent end, see the class doc
+        return None
+
+    def touch(self, keys: Sequence[bytes]) -> None:
+        """Mark held `keys` used, tail first (so a prompt's head is evicted last), like a get."""
+        for key in reversed(keys):
+            if key in self._lru:
+                self._lru.move_to_end(key)
+
+    def pin(self, keys: Iterable[bytes]) -> list[bytes]:
+        """Pin the held `keys` against eviction; returns what to `unpin`."""
+        pinned = [key for key in keys if key in self._lru]
+        for key in pinned:
+            self._pins[key] = self._pins.get(key, 0) + 1
+        return pinned
+
+    def unpin(self, keys: Iterable[bytes]) -> None:
+        """Drop one pin per key (each must be pinned: KeyError otherwise)."""
+        for key in keys:
+            left = self._pins.pop(key) - 1
+            if left:
+                self._pins[key] = left
+
+    def check_integrity(self) -> None:
+        """Raise PoolIntegrityError unless len <= capacity and every pin is on a held hash."""
+        if len(self._lru) > self.capacity or any(k not in self._lru for k in self._pins):
+            raise PoolIntegrityError(f"HashLRU holds {len(self._lru)} of {self.capacity} "
+                                     f"with {len(self._pins)} pins")
+
+
+class Capacity(NamedTuple):
+    """Tier sizes in blocks."""
+
+    device: int
+    host: int
+    disk: int
+
+
+class Hits(NamedTuple):
+    """Blocks of one request served by each tier."""
+
+    device: int
+    host: int
+    disk: int
+
+    @property
+    def blocks(self) -> int:
+        return self.device + self.host + self.disk
+
+
+class TieredCache:
+    """A device `BlockPool` whose evictions demote to a host then a disk `HashLRU` (module doc)."""
+
+    def __init__(self, capacity: Capacity, block_size: int) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(capacity.device)
+        self.host, self.disk = HashLRU(capacity.host), HashLRU(capacity.disk)
+        self.pool.on_evict = self._demote
+
+    def _demote(self, block_id: int, block_hash: bytes) -> None:
+        """BlockPool.on_evict: device -> host; what the host evicts goes to disk."""
+        leaving = self.host.put(block_hash)
+        if leaving is not None:
+            self.disk.put(leaving)  # what the disk evicts is gone
+
+    def usable(self, prompt_len: int) -> int:
+        """Blocks that can hit: the last prompt token is always recomputed."""
+        return (prompt_len - 1) // self.block_size
+
+    def match(self, hashes: Sequence[bytes], prompt_len: int) -> Hits:
+        """Leading blocks of the prompt held here, by tier (no side effect)."""
+        usable = hashes[:self.usable(prompt_len)]
+        device = len(self.pool.get_computed_blocks(usable))
+        host, disk = self._match_lower(usable[device:])
+        return Hits(device, len(host), len(disk))
+
+    def can_acquire(self, hashes: Sequence[bytes], prompt_len: int) -> bool:
+        """Whether `acquire` finds room for the prompt's blocks now (host/disk hits need device
+        blocks too: they are promoted into them)."""
+        hit = self.pool.get_computed_blocks(hashes[:self.usable(prompt_len)])
+        need = cdiv(prompt_len, self.block_size) - len(hit)
+        return self.pool.num_free() - self.pool.num_free_among(hit) >= need
+
+    def acquire(self, hashes: Sequence[bytes], prompt_len: int) -> tuple[list[int], Hits]:
+        """Admit the prompt: its block table (held until `release`) and what each tier served."""
+        usable = hashes[:self.usable(prompt_len)]
+        hit = self.pool.get_computed_blocks(usable)
+        from_host, from_disk = self._match_lower(usable[len(hit):])
+        need = cdiv(prompt_len, self.block_size) - len(hit)
+        self.pool.touch(hit)
+        pinned = self.host.pin(from_host), self.disk.pin(from_disk)
+        new = self.pool.allocate(need)  # may demote others; our host/disk blocks are pinned
+        self.host.unpin(pinned[0])
+        self.disk.unpin(pinned[1])
+        self.host.touch(from_host)
+        self.disk.touch(from_disk)
+        self.pool.cache_blocks(new[:len(hashes) - len(hit)], hashes[len(hit):])
+        return hit + new, Hits(len(hit), len(from_host), len(from_disk))
+
+    def release(self, table: Sequence[int]) -> None:
+        self.pool.free(table)
+
+    def _match_lower(self, rest: Sequence[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """Leading blocks of `rest` in host or disk (KVTiers.match), split by where they are
+        read from (host first, as KVTiers.load)."""
+        from_host: list[bytes] = []
+        from_disk: list[bytes] = []
+        for key in rest:
+            if key in self.host:
+                from_host.append(key)
+            elif key in self.disk:
+                from_disk.append(key)
+            else:
+                break
+        return from_host, from_disk
+
+    def check_integrity(self) -> None:
+        self.pool.check_integrity()
+        self.host.check_integrity()
+        self.disk.check_integrity()
