@@ -13,6 +13,8 @@ BENCHMARKS = {
     "transport": "bench.transport_bench",
     "load": "bench.api_load",
     "serve": "bench.serve_bench",
+    "sim": "bench.sim_bench",
+    "sim-vs-live": "bench.sim_vs_live",
 }
 
 

@@ -102,13 +102,19 @@ def _grid(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _run_one(args: argparse.Namespace, workload: Any, base: Any, cost: Any, out: Path | None) -> int:
-    from sim.cluster import Simulator
-    from sim.report import render, summarize
+    from tqdm import tqdm
 
-    result = Simulator(base, cost).run(workload)
+    from sim.cluster import Simulator
+    from sim.report import plot, render, summarize
+
+    with tqdm(total=len(workload.requests), desc=f"sim {base.shape}", unit="req", file=sys.stderr,
+              disable=args.no_progress) as bar:
+        result = Simulator(base, cost).run(workload, tick=bar.update)
+        bar.update(bar.total - bar.n)
     summary = summarize(result)
     if out is not None:
         (out / "sim.json").write_text(json.dumps(summary, indent=1) + "\n")
+        summary["files"] = [str(out / "sim.json"), plot(result, out / "sim.png")]
     print(json.dumps(summary) if args.json else render(summary))
     return 0
 

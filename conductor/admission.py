@@ -319,7 +319,10 @@ class Admission:
             tbt = self.cost.est_decode_step_ms(len(running) + 1, sum(j.context_tokens for j in running) + c.prompt_len)
             return Predicted(ttft, tbt, c.objective.tbt_ms, retry)
         arrive = prefill.wait_ms(c.objective.rank, now, c.deadline) + c.prefill_ms
-        first_step = self.predictor.predict(jobs, arrive, c.prompt_len).tbt_ms  # the first token rides a step
+        # The first token rides a decode step; co-located, the prefill's last chunk samples it
+        # (c.prefill_ms already holds the running batch's steps its chunks share).
+        first_step = 0.0 if self.colocated_chunk is not None else \
+            self.predictor.predict(jobs, arrive, c.prompt_len).tbt_ms
         peak = self.predictor.peak(jobs, arrive, c.prompt_len, c.expected_output, c.objective.tbt_ms)
         stretched, limit = self._stretched(c, jobs)
         return Predicted(arrive + first_step, peak.tbt_ms, peak.limit_ms, retry, first_step, stretched, limit)

@@ -27,6 +27,7 @@ from conductor.cost_model import CostModel
 from conductor.errors import OverloadedError
 from conductor.ledger import BoundRequest, DecodeLedger, PendingPrefill, PrefillLedger
 from conductor.router import DecodeView, PrefillView, RoutePlan, Router, RouteRequest
+from core.blocks import cdiv
 
 COLOCATED = "engine"  # the worker id of both sides in co-located mode
 
@@ -150,10 +151,24 @@ class Dispatcher:
         objective = self.objective(ask)
         n = ask.prompt_len
         cached = max(0, min(cached_tokens, n - 1))
-        candidate = self.admission.candidate(objective, n, ask.max_tokens, self.cost.est_prefill_ms(n - cached, cached),
+        candidate = self.admission.candidate(objective, n, ask.max_tokens, self.colocated_prefill_ms(n - cached, cached,
+                                                                                                    bound, now),
                                              self.block_size, now, new_tokens=n - cached)
         return self._book(ask, objective, candidate, PrefillSide(COLOCATED, pending),
                           DecodeSide(COLOCATED, bound), cached, now)
+
+    def colocated_prefill_ms(self, new: int, cached: int, bound: DecodeLedger, now: float) -> float:
+        """A prefill in a co-located engine: its chunks, each in a step that also decodes the
+        running batch (the steps' decode part is the batch decoding now)."""
+        chunk = self.admission.colocated_chunk
+        prefill = self.cost.est_prefill_ms(new, cached)
+        if chunk is None or new <= 0:
+            return prefill
+        running = [j for j in bound.decode_jobs(now) if j.joins_at_ms <= 0]
+        if not running:
+            return prefill
+        step = self.cost.est_decode_step_ms(len(running), sum(j.context_tokens for j in running))
+        return prefill + cdiv(new, chunk) * step
 
     # ------------------------------------------------------------------ both
 

@@ -16,6 +16,7 @@ Conductor learns it from the token stream.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from conductor.admission import AdmissionConfig
@@ -29,6 +30,9 @@ from sim.engines import KV_TAIL, Clock, ColocatedWorker, DecodeBatch, DecodeWork
 from sim.tiers import Capacity, TieredCache
 from sim.trace import HASH_BLOCK_TOKENS
 from sim.workload import Workload
+
+
+TICK = 256  # arrivals per progress tick
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,14 +143,17 @@ class Simulator:
             self.prefill_ledgers = {wid: PrefillLedger() for wid in self.prefill}
             self.decode_ledgers = {wid: DecodeLedger(blocks) for wid in self.decode}
         self._flights: dict[int, tuple[Flight, str]] = {}  # running: request index -> (flight, decode id)
+        self._tick: Callable[[int], None] | None = None
 
     def _cache(self) -> TieredCache:
         return TieredCache(self.config.capacity(), HASH_BLOCK_TOKENS)
 
     # ------------------------------------------------------------------ run
 
-    def run(self, workload: Workload) -> SimResult:
+    def run(self, workload: Workload, tick: Callable[[int], None] | None = None) -> SimResult:
+        """Replay `workload`; `tick(n)` is told every TICK arrivals (a progress bar)."""
         start = time.perf_counter()
+        self._tick = tick
         for request in workload.requests:
             record = Record(request.index, request.arrival_s, request.prompt_len, request.output_len)
             self.records.append(record)
@@ -171,6 +178,8 @@ class Simulator:
     # ------------------------------------------------------------------ requests
 
     def _arrive(self, request) -> None:  # type: ignore[no-untyped-def]
+        if self._tick is not None and request.index % TICK == TICK - 1:
+            self._tick(TICK)
         record = self.records[request.index]
         ask = Ask(f"r{request.index}", request.prompt_len, request.output_len, None, Slo())
         now = self.clock.now
@@ -217,8 +226,8 @@ class Simulator:
         counts them off the stream)."""
         for flight, wid in self._flights.values():
             if flight.join_step >= 0:
-                batch = self.engine.batch if self.config.colocated else self.decode[wid].batch
-                flight.booking.bound.generated = batch.generated(flight)
+                worker = self.engine if self.config.colocated else self.decode[wid]
+                flight.booking.bound.generated = worker.batch.generated(flight, worker.steps_done())
 
     def _pushed(self, flight: Flight) -> None:
         """Its prefill ended and its KV reached the decode worker."""

@@ -19,10 +19,12 @@ step s has s' - s + 1 tokens after step s', and its token gaps are the durations
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from conductor.cost_model import CostModel
 from conductor.dispatch import Booking
@@ -90,8 +92,22 @@ class DecodeBatch:
         self.context += flight.request.prompt_len + 1
         heapq.heappush(self._finishing, (step + flight.request.output_len - 1, flight.request.index))
 
-    def generated(self, flight: Flight) -> int:
-        return max(0, self.steps - flight.join_step)
+    def generated(self, flight: Flight, extra_steps: int = 0) -> int:
+        """Tokens `flight` has made once `extra_steps` more steps have ended."""
+        return max(0, self.steps + extra_steps - flight.join_step)
+
+    def steps_to_next_finish(self) -> int:
+        """Steps until (and including) the next one a request finishes in (1 when none will)."""
+        return self._finishing[0][0] - self.steps + 1 if self._finishing else 1
+
+    def end_steps(self, durations: Sequence[float]) -> list[Flight]:
+        """Several steps of an unchanged batch, none finishing before the last (a stretch)."""
+        head = len(durations) - 1
+        if head:
+            self.durations.extend(durations[:head])
+            self.steps += head
+            self.context += head * len(self.running)
+        return self.end_step(durations[-1])
 
     def end_step(self, duration: float) -> list[Flight]:
         """A step of the running batch ended: every request got a token; those done leave."""
@@ -125,6 +141,65 @@ class Worker:
         self.cost = cost
         self.clock = clock
         self.busy_s = 0.0
+
+
+class Stepper(Worker):
+    """A worker stepping a decode batch. While nothing joins or finishes, its steps are run as
+    one stretch (one event, not one per step: each step's time still from the cost model); what
+    arrives meanwhile cuts the stretch at the end of the step in progress, as a real engine
+    takes new work at its next step."""
+
+    MAX_STRETCH = 4096
+
+    def __init__(self, worker_id: str, cost: CostModel, clock: Clock, max_seqs: int) -> None:
+        super().__init__(worker_id, cost, clock)
+        self.batch = DecodeBatch(max_seqs)
+        self.stepping = False
+        self._ends: list[float] = []  # the stretch's step end times
+        self._durations: list[float] = []
+        self._generation = 0
+
+    def run_steps(self, durations: list[float], work: Any) -> None:
+        """Run the steps; `end(durations, work)` when the last has ended (`work`: what the
+        first step carried besides decodes, which makes it a stretch of one)."""
+        self.stepping = True
+        self._durations = durations
+        self._ends = list(itertools.accumulate(durations, initial=self.clock.now))[1:]
+        self._schedule(work)
+
+    def decode_stretch(self) -> list[float]:
+        """Step times of the running batch until its next finish (context grows b a step)."""
+        b = self.batch
+        n, running, d = min(b.steps_to_next_finish(), self.MAX_STRETCH), len(b.running), self.cost
+        return [d.est_decode_step_ms(running, b.context + i * running) / 1e3 for i in range(n)]
+
+    def cut(self) -> None:
+        """New work arrived: the stretch ends with the step in progress."""
+        if self.stepping and len(self._ends) > 1:
+            keep = bisect.bisect_left(self._ends, self.clock.now) + 1
+            if keep < len(self._ends):
+                self._durations, self._ends = self._durations[:keep], self._ends[:keep]
+                self._schedule([])
+
+    def steps_done(self) -> int:
+        """Steps of the stretch in progress that have ended by now."""
+        return bisect.bisect_right(self._ends, self.clock.now) if self.stepping else 0
+
+    def _schedule(self, work: Any) -> None:
+        self._generation += 1
+        generation, durations = self._generation, self._durations
+        self.clock.at(self._ends[-1], lambda: self._ended(generation, durations, work))
+
+    def _ended(self, generation: int, durations: list[float], work: Any) -> None:
+        if generation != self._generation:  # cut short: a later event ends it
+            return
+        self.stepping = False
+        self._ends = []
+        self.busy_s += sum(durations)
+        self.end(durations, work)
+
+    def end(self, durations: list[float], work: Any) -> None:
+        raise NotImplementedError
 
 
 class PrefillWorker(Worker):
@@ -172,20 +247,20 @@ class PrefillWorker(Worker):
         self._start()
 
 
-class DecodeWorker(Worker):
+class DecodeWorker(Stepper):
     def __init__(self, worker_id: str, cost: CostModel, clock: Clock, max_seqs: int,
                  on_first: Callable[[Flight], None], on_finish: Callable[[Flight, DecodeBatch], None]) -> None:
-        super().__init__(worker_id, cost, clock)
-        self.batch = DecodeBatch(max_seqs)
+        super().__init__(worker_id, cost, clock, max_seqs)
         self.on_first = on_first
         self.on_finish = on_finish
         self._joining: list[Flight] = []
-        self._stepping = False
 
     def join(self, flight: Flight) -> None:
         """Its KV arrived: it joins the batch at the next step."""
         self._joining.append(flight)
-        if not self._stepping:
+        if self.stepping:
+            self.cut()
+        else:
             self._step()
 
     def _step(self) -> None:
@@ -195,41 +270,40 @@ class DecodeWorker(Worker):
         for flight in joining:
             b.add(flight, b.steps)
         if not b.running:
-            self._stepping = False
             return
-        self._stepping = True
-        seconds = self.cost.est_decode_step_ms(len(b.running), b.context) / 1e3
-        self.busy_s += seconds
-        self.clock.at(self.clock.now + seconds, lambda: self._end(seconds, joining))
+        if joining:  # their first tokens end this step: a stretch of one
+            self.run_steps([self.cost.est_decode_step_ms(len(b.running), b.context) / 1e3], joining)
+        else:
+            self.run_steps(self.decode_stretch(), [])
 
-    def _end(self, seconds: float, joined: list[Flight]) -> None:
+    def end(self, durations: list[float], joined: list[Flight]) -> None:
         for flight in joined:
             flight.first_at = self.clock.now
             self.on_first(flight)
-        for flight in self.batch.end_step(seconds):
+        for flight in self.batch.end_steps(durations):
             self.on_finish(flight, self.batch)
         self._step()
 
 
-class ColocatedWorker(Worker):
+class ColocatedWorker(Stepper):
     """One engine: prefill chunks and decodes in the same steps (module docstring)."""
 
     def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cache: TieredCache, chunk: int,
                  max_seqs: int, on_first: Callable[[Flight], None],
                  on_finish: Callable[[Flight, DecodeBatch], None]) -> None:
-        super().__init__(worker_id, cost, clock)
+        super().__init__(worker_id, cost, clock, max_seqs)
         self.cache = cache
         self.chunk = chunk
-        self.batch = DecodeBatch(max_seqs)
         self.on_first = on_first
         self.on_finish = on_finish
         self._queue: list[tuple[tuple[int, float, int], Flight]] = []
         self._prefilling: list[Flight] = []  # started, in queue order
-        self._stepping = False
 
     def submit(self, flight: Flight) -> None:
         heapq.heappush(self._queue, (flight.order, flight))
-        if not self._stepping:
+        if self.stepping:
+            self.cut()
+        else:
             self._step()
 
     def _admit_prefills(self) -> None:
@@ -256,25 +330,24 @@ class ColocatedWorker(Worker):
             take = min(flight.request.prompt_len - flight.done_tokens, budget)
             pieces.append((flight, take))
             budget -= take
-        if not b.running and not pieces:
-            self._stepping = False
+        if not pieces:  # decodes only: a stretch until the next finish or arrival
+            if b.running:
+                self.run_steps(self.decode_stretch(), pieces)
             return
-        self._stepping = True
         seconds = self.cost.est_decode_step_ms(len(b.running), b.context) / 1e3
         for flight, take in pieces:
             part = self.cost.est_prefill_ms(take, flight.done_tokens) / 1e3
             flight.prefill_s += part
             seconds += part
-        self.busy_s += seconds
-        self.clock.at(self.clock.now + seconds, lambda: self._end(seconds, pieces))
+        self.run_steps([seconds], pieces)
 
-    def _end(self, seconds: float, pieces: list[tuple[Flight, int]]) -> None:
+    def end(self, durations: list[float], pieces: list[tuple[Flight, int]]) -> None:
         first = []
         for flight, take in pieces:
             flight.done_tokens += take
             if flight.done_tokens >= flight.request.prompt_len:
                 first.append(flight)
-        for flight in self.batch.end_step(seconds):  # every step is numbered, prefill-only too
+        for flight in self.batch.end_steps(durations):  # every step is numbered, prefill-only too
             self._finish(flight)
         for flight in first:
             self._prefilling.remove(flight)

@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from sim.cluster import Record, SimResult
 
@@ -27,13 +30,12 @@ def met(r: Record, ttft_ms: float, tbt_ms: float) -> bool:
 
 
 def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> dict[str, float | None]:
-    """Nearest-rank percentiles in ms of values in s (None when there are none)."""
-    ordered = sorted(values)
-    out: dict[str, float | None] = {}
-    for q in qs:
-        out[f"p{q}"] = round(ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)] * 1e3, 1) \
-            if ordered else None
-    return out
+    """Percentiles in ms of values in s, linearly interpolated as bench/serve_metrics.py's (None
+    when there are none)."""
+    if not values:
+        return {f"p{q}": None for q in qs}
+    ms = np.asarray(values, dtype=np.float64) * 1e3
+    return {f"p{q}": round(float(np.percentile(ms, q)), 1) for q in qs}
 
 
 def summarize(result: SimResult) -> dict[str, Any]:
@@ -90,3 +92,36 @@ def render(s: dict[str, Any]) -> str:
 
 def _ps(p: dict[str, float | None]) -> str:
     return "/".join("-" if v is None else f"{v:g}" for v in p.values())
+
+
+def plot(result: SimResult, path: str | Path) -> str:
+    """TTFT and TBT CDFs against the SLO lines, and each worker's utilisation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ttft_slo, tbt_slo = objectives(result)
+    ok = [r for r in result.records if r.status == "ok"]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.6))
+    for ax, values, slo, title in ((axes[0], [r.ttft_s for r in ok if r.ttft_s is not None], ttft_slo, "TTFT"),
+                                   (axes[1], [r.tbt_s for r in ok if r.tbt_s is not None], tbt_slo, "TBT")):
+        ms = np.sort(np.asarray(values, dtype=np.float64) * 1e3)
+        if len(ms):
+            ax.plot(ms, np.arange(1, len(ms) + 1) / len(ms))
+        if math.isfinite(slo):
+            ax.axvline(slo, color="tab:red", linestyle="--", label=f"SLO {slo:g} ms")
+            ax.legend()
+        ax.set_xlabel(f"{title} (ms)")
+        ax.set_ylabel("share of completed requests")
+        ax.grid(alpha=0.3)
+    span = result.makespan_s or 1.0
+    names = list(result.busy_s)
+    axes[2].bar(names, [100 * result.busy_s[n] / span for n in names])
+    axes[2].set_ylabel("busy (% of the makespan)")
+    axes[2].tick_params(axis="x", labelrotation=45)
+    fig.suptitle(f"halfmoon sim: {result.config.shape}, {len(result.records)} requests")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)

@@ -27,6 +27,7 @@ def test_sim_prints_the_shape_and_writes_json(tmp_path: Path, capsys: pytest.Cap
     summary = json.loads((tmp_path / "sim.json").read_text())
     assert summary["requests"] == sum(1 for line in sample_trace().read_text().splitlines() if line.strip())
     assert set(summary["utilisation"]) == {"prefill-0", "prefill-1", "decode-0"}
+    assert (tmp_path / "sim.png").stat().st_size > 0
 
 
 def test_sweep_recommends_a_shape_whose_helm_values_the_chart_accepts(

@@ -1,0 +1,158 @@
+"""`halfmoon bench sim-vs-live`: the same trace slice through the live cluster and the simulator.
+
+For each mode (1P1D and co-located): the engine is profiled on this machine in the same run
+(`halfmoon profile --quick`, the workers' thread count), a live `halfmoon serve` with that cost
+model and `--admission predictive` replays the slice at the base speed (below saturation) and at
+`--overload` times it, each replay from a cold prefix cache (bench serve's `--same-requests`);
+then the simulator replays the same requests with the same cost model, SLOs, drain and the live
+server's KV blocks. Printed: goodput, p50 and p90 TTFT of both and the simulator's error, against
+issue 20's targets (goodput and p50 TTFT within 10%, p90 TTFT within 20%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.admission_bench import Plan, Server, run_loads, serve_args
+from bench.admission_metrics import trace_rate
+from bench.report import Progress
+from bench.serve_bench import ReplayOptions, System, serving
+from bench.serve_metrics import Slo
+from bench.workload import Caps, trace_workload
+from conductor.admission import AdmissionConfig
+from conductor.cost_model import CostModel
+from sim.cluster import SimConfig, simulate
+from sim.workload import load
+
+MODES = {"cluster": ("--prefill 1 --decode 1 --worker-threads 1", 1), "colocated": ("--colocated --threads 2", 2)}
+TARGETS = {"goodput": 10.0, "ttft_p50": 10.0, "ttft_p90": 20.0}  # max |error| %
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="halfmoon bench sim-vs-live", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, help="a Mooncake trace (JSON lines)")
+    p.add_argument("--modes", default="cluster,colocated")
+    p.add_argument("--speed", type=float, default=0.15, help="the base (below saturation) speed factor")
+    p.add_argument("--overload", type=float, default=2.0, help="the second replay's multiple of --speed")
+    p.add_argument("--window-s", type=float, default=120.0)
+    p.add_argument("--drain-s", type=float, default=30.0)
+    p.add_argument("--max-input-tokens", type=int, default=768)
+    p.add_argument("--max-output-tokens", type=int, default=64)
+    p.add_argument("--ttft-slo-ms", type=float, default=5000.0)
+    p.add_argument("--tbt-slo-ms", type=float, default=300.0)
+    p.add_argument("--cost-model", action="append", default=[], metavar="MODE=FILE",
+                   help="use this cost model for a mode instead of profiling (e.g. cluster=cm1.json)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default=None, help="write sim_vs_live.json here")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def profiled(mode: str, threads: int, given: dict[str, str], log_dir: Path, say: Progress) -> Path:
+    """The mode's cost model file: given, or `halfmoon profile --quick` now."""
+    if mode in given:
+        return Path(given[mode])
+    out = log_dir / f"cost-{mode}.json"
+    say(f"{mode}: halfmoon profile --quick --threads {threads}")
+    subprocess.run([sys.executable, "-m", "cli.main", "profile", "--quick", "--threads", str(threads),
+                    "--out", str(out)], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def kv_blocks(http_url: str | None) -> int | None:
+    """The live server's KV blocks (its decode worker's, or the co-located engine's)."""
+    if http_url is None:
+        return None
+    with urllib.request.urlopen(f"{http_url.rstrip('/')}/metrics", timeout=5.0) as response:
+        text = response.read().decode()
+    m = re.search(r"^halfmoon_kv_cache_blocks\s+(\S+)", text, re.MULTILINE)
+    return int(float(m.group(1))) if m else None
+
+
+def live(mode: str, cost_file: Path, plan: Plan, args: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None]:
+    flags = serve_args(f"{MODES[mode][0]} --cost-model {cost_file}", "predictive", plan.opts.slo)
+    with serving(System(f"{mode}-live", None, flags), plan.log_dir, plan.say) as (target, http_url):
+        blocks = kv_blocks(http_url)
+        runs = run_loads(Server(mode, "predictive", flags, target, http_url), args.speed,
+                         [1.0, args.overload], plan)
+    return runs, blocks
+
+
+def simulated(mode: str, cost_file: Path, load_x: float, blocks: int | None, args: argparse.Namespace) -> dict[str, Any]:
+    """The simulator on the requests `Plan.at_load` replays (same speed, window, caps)."""
+    workload = load(args.trace, args.speed * load_x, args.window_s / load_x, args.max_input_tokens,
+                    args.max_output_tokens)
+    admission = AdmissionConfig(standard_ttft_ms=args.ttft_slo_ms, standard_tbt_ms=args.tbt_slo_ms)
+    config = SimConfig(colocated=mode == "colocated", device_tokens=(blocks or 4096) * 16, drain_s=args.drain_s,
+                       admission=admission)
+    from sim.report import summarize
+
+    return summarize(simulate(workload, config, CostModel.load(cost_file)))
+
+
+def compare(live_metrics: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
+    pairs = {"goodput": (live_metrics["goodput_rps"], sim["goodput_rps"]),
+             "ttft_p50": (live_metrics["ttft_ms"]["p50"], sim["ttft_ms"]["p50"]),
+             "ttft_p90": (live_metrics["ttft_ms"]["p90"], sim["ttft_ms"]["p90"])}
+    out: dict[str, Any] = {}
+    for name, (l, s) in pairs.items():
+        err = None if not l or s is None else round(100 * (s - l) / l, 1)
+        out[name] = {"live": l, "sim": s, "error_pct": err,
+                     "met": err is not None and abs(err) <= TARGETS[name]}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    given = dict(item.split("=", 1) for item in args.cost_model)
+    log_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="halfmoon-sim-vs-live-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    slo = Slo(args.ttft_slo_ms, args.tbt_slo_ms)
+    caps = Caps(args.max_input_tokens, args.max_output_tokens)
+    opts = ReplayOptions(slo, send_slo=False, warmup=2, progress=not args.no_progress)
+    plan = Plan(trace_workload(args.trace, 1.0, caps), args.window_s, args.drain_s, opts, log_dir, Progress(),
+                same_requests=True)
+    rows = []
+    for mode in args.modes.split(","):
+        cost_file = profiled(mode, MODES[mode][1], given, log_dir, plan.say)
+        runs, blocks = live(mode, cost_file, plan, args)
+        for run in runs:
+            sim = simulated(mode, cost_file, run["load"], blocks, args)
+            rows.append({"mode": mode, "load": run["load"], "requests": run["metrics"]["requests"],
+                         "kv_blocks": blocks, **compare(run["metrics"], sim)})
+    result = {"trace": args.trace, "speed": args.speed, "rate_x1": trace_rate(plan.trace), "rows": rows}
+    if args.out:
+        (log_dir / "sim_vs_live.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result) if args.json else render(result))
+    return 0
+
+
+def render(result: dict[str, Any]) -> str:
+    lines = [f"halfmoon bench sim-vs-live: {result['trace']} at x{result['speed']:g} (1x) and its overload",
+             f"{'mode':10} {'load':>5} {'req':>4} | {'goodput live/sim':>18} {'err%':>6} | "
+             f"{'TTFT p50 live/sim':>19} {'err%':>6} | {'TTFT p90 live/sim':>19} {'err%':>6}"]
+    for r in result["rows"]:
+        cells = []
+        for key, fmt in (("goodput", "{:.3f}"), ("ttft_p50", "{:.0f}"), ("ttft_p90", "{:.0f}")):
+            c = r[key]
+            pair = "/".join("-" if v is None else fmt.format(v) for v in (c["live"], c["sim"]))
+            err = "-" if c["error_pct"] is None else f"{c['error_pct']:+.1f}"
+            cells.append(f"{pair:>19} {err:>6}{'' if c['met'] else '*'}")
+        lines.append(f"{r['mode']:10} {r['load']:>4g}x {r['requests']:>4} | " + " | ".join(cells))
+    lines.append(f"* outside the target (goodput and TTFT p50 within {TARGETS['goodput']:g}%, "
+                 f"TTFT p90 within {TARGETS['ttft_p90']:g}%)")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
