@@ -19,7 +19,6 @@ import json
 import re
 import textwrap
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import helm_python as helm  # helm-python-sdk, kubernetes-validate, yamllint: the [test] extra
@@ -30,80 +29,15 @@ from yamllint import config as yamllint_config
 from yamllint import linter as yamllint_linter
 
 from cli.main import build_parser
+from tests.deploy.chart import (CHART, FULLNAME, KUBE_VERSION, NAMESPACE, PROFILES, RELEASE, ROOT,
+                                VARIANTS, Release, Renderer, user_values)
 from tests.deploy.values import drop_nulls, merge
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "helm" / "halfmoon"
-PROFILES = ROOT / "helm" / "profiles"
-KUBE_VERSION = "1.30.0"
-RELEASE, NAMESPACE = "hm", "serving"
-FULLNAME = f"{RELEASE}-halfmoon"
 # CRD kinds: kubernetes-validate ships only the built-in API's schemas, so these are skipped
 # there (explicitly, by this list) and asserted on by the tests of this file instead.
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("ray.io/v1", "RayCluster")}
-
-# Variant name -> values files, in `helm -f` order (later files win).
-VARIANTS: dict[str, list[str]] = {
-    "default": [],
-    "cpu-small": ["cpu-small.yaml"],
-    "gpu-1p1d": ["gpu-1p1d.yaml"],
-    "gpu-4p4d-external-redis": ["gpu-4p4d-external-redis.yaml"],
-    "cpu-small+kuberay": ["cpu-small.yaml", "kuberay.yaml"],
-    "gpu-1p1d+kuberay": ["gpu-1p1d.yaml", "kuberay.yaml"],
-}
 GPU_VARIANTS = {"gpu-1p1d", "gpu-4p4d-external-redis", "gpu-1p1d+kuberay"}
 ROLES = ("prefill", "decode")
-
-
-def user_values(variant: str) -> dict:
-    values: dict = {}
-    for name in VARIANTS[variant]:
-        values = merge(values, yaml.safe_load((PROFILES / name).read_text()))
-    return values
-
-
-class Release(NamedTuple):
-    """One rendered release: its effective values and its manifests."""
-
-    values: dict
-    docs: list[dict]
-    notes: str
-
-    def kind(self, kind: str) -> list[dict]:
-        return [d for d in self.docs if d["kind"] == kind]
-
-    def get(self, kind: str, name: str) -> dict:
-        found = [d for d in self.kind(kind) if d["metadata"]["name"] == name]
-        assert len(found) == 1, f"expected one {kind} {name}, got {len(found)}"
-        return found[0]
-
-
-class Renderer:
-    """Renders the chart once per variant (Helm's engine is fast, but every test reuses them)."""
-
-    def __init__(self, chart: Any) -> None:
-        self.chart = chart
-        self.cache: dict[str, Release] = {}
-
-    def render(self, values: dict) -> dict[str, str]:
-        return self.chart.render(values, name=RELEASE, namespace=NAMESPACE)
-
-    def release(self, variant: str) -> Release:
-        if variant not in self.cache:
-            self.cache[variant] = self.release_with(user_values(variant))
-        return self.cache[variant]
-
-    def release_with(self, values: dict) -> Release:
-        files = self.render(values)
-        docs = [doc for path, text in sorted(files.items()) if not path.endswith("NOTES.txt")
-                for doc in yaml.safe_load_all(text) if doc]
-        return Release(self.chart.merge_values(values), docs, files.get("halfmoon/templates/NOTES.txt", ""))
-
-
-@pytest.fixture(scope="module")
-def renderer() -> Iterator[Renderer]:
-    with helm.Chart.load(str(CHART)) as chart:
-        yield Renderer(chart)
 
 
 def serve_parser() -> argparse.ArgumentParser:
