@@ -324,24 +324,26 @@ class Admission:
         first_step = 0.0 if self.colocated_chunk is not None else \
             self.predictor.predict(jobs, arrive, c.prompt_len).tbt_ms
         peak = self.predictor.peak(jobs, arrive, c.prompt_len, c.expected_output, c.objective.tbt_ms)
-        stretched, limit = self._stretched(c, jobs)
+        stretched, limit = self._stretched(c, jobs, prefill)
         return Predicted(arrive + first_step, peak.tbt_ms, peak.limit_ms, retry, first_step, stretched, limit)
 
-    def _stretched(self, c: Candidate, jobs: list[DecodeJob]) -> tuple[float, float]:
+    def _stretched(self, c: Candidate, jobs: list[DecodeJob], prefill: PrefillLedger) -> tuple[float, float]:
         """Co-located: the TBT its prefill gives the requests decoding now, and their objective
         (the one nearest to being missed; 0, inf when nothing decodes). Its prefill runs as
-        ceil(new / chunk) steps each stretched by a chunk; a request's TBT (the mean of its
-        longest tenth of gaps) takes as many of them as fit in that tenth."""
+        ceil(new / chunk) steps each stretched by a chunk, after the chunks of the prefills
+        queued before it; a request's TBT (the mean of its longest tenth of gaps) takes as many
+        of all those as fit in that tenth and in what it has left to decode."""
         running = [j for j in jobs if j.joins_at_ms <= 0]
         if self.colocated_chunk is None or not running or c.new_tokens <= 0:
             return 0.0, math.inf
         step = self.cost.est_decode_step_ms(len(running), sum(j.context_tokens for j in running))
         stretched = step + self.cost.est_prefill_ms(min(self.colocated_chunk, c.new_tokens))
-        chunks = cdiv(c.new_tokens, self.colocated_chunk)
+        chunks = cdiv(c.new_tokens, self.colocated_chunk) + sum(p.chunks for p in prefill.jobs.values())
         worst = (0.0, math.inf)
         for j in running:
             top = j.top_gaps
-            tbt = (min(chunks, top) * stretched + max(0, top - chunks) * step) / top
+            hit = min(chunks, top, j.remaining_tokens)
+            tbt = (hit * stretched + (top - hit) * step) / top
             if tbt / j.tbt_slo_ms > worst[0] / worst[1]:
                 worst = (tbt, j.tbt_slo_ms)
         return worst if worst[0] > 0 else (stretched, math.inf)

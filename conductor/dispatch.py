@@ -180,7 +180,10 @@ class Dispatcher:
             self.stats.rejected(name, decision.reason or "")
             raise decision.error()
         self.stats.admitted(name)
-        p.ledger.add(PendingPrefill(ask.request_id, objective.rank, candidate.deadline, candidate.prefill_ms, now))
+        chunk = self.admission.colocated_chunk
+        chunks = cdiv(candidate.new_tokens, chunk) if chunk else 0
+        p.ledger.add(PendingPrefill(ask.request_id, objective.rank, candidate.deadline, candidate.prefill_ms, now,
+                                    chunks))
         bound = BoundRequest(ask.request_id, ask.prompt_len, candidate.expected_output, objective.tbt_ms,
                              now + decision.joins_in_ms / 1e3, candidate.blocks)
         d.ledger.book(bound)

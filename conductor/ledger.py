@@ -35,6 +35,7 @@ class PendingPrefill:
     deadline: when its first token is due (monotonic s; inf = no TTFT objective): its place in
         the worker's queue, as the engine's scheduler orders it.
     cost_ms: predicted prefill + fetch time.
+    chunks: co-located: the engine steps its prefill takes (each stretches the running batch's).
     """
 
     request_id: str
@@ -42,6 +43,7 @@ class PendingPrefill:
     deadline: float
     cost_ms: float
     sent_at: float
+    chunks: int = 0
     seq: int = 0
 
     def order(self) -> tuple[int, float, int]:

@@ -178,6 +178,21 @@ def test_colocated_prefill_stretches_the_running_steps() -> None:
     assert decide_colocated(500, 16, short_outputs).admitted
 
 
+def test_colocated_stretch_counts_the_chunks_queued_before_it() -> None:
+    """One chunk alone fits the long decodes' tenth of gaps (126 ms, as above); behind three
+    queued prefills of two chunks each, seven stretched steps land in it: (7 x 570 + 2 x 70) / 9."""
+    adm = Admission(AdmissionConfig(), COST, colocated_chunk=512)
+    patient = objective(ttft_ms=100_000.0)
+    c = adm.candidate(patient, 500, 20, COST.est_prefill_ms(500), BS, NOW, new_tokens=500)
+    queue = PrefillLedger()
+    for i in range(3):
+        queue.add(PendingPrefill(f"q{i}", 1, math.inf, 1000.0, NOW, chunks=2))
+    alone = adm.decide(c, PrefillLedger(), decoding(2, remaining=100, tbt_slo_ms=150.0), NOW)
+    behind = adm.decide(c, queue, decoding(2, remaining=100, tbt_slo_ms=150.0), NOW)
+    assert alone.admitted
+    assert behind.reason is Reason.TBT and "stretch" in behind.detail
+
+
 # ---------------------------------------------------------------------- classes and config
 
 
