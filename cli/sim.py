@@ -12,7 +12,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command's modules load when it runs, not when `halfmoon --help` is built
+    from conductor.cost_model import CostModel
+    from sim.cluster import SimConfig
+    from sim.workload import Workload
 
 PROFILES = Path(__file__).resolve().parents[1] / "sim" / "profiles"
 
@@ -83,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     return _run_one(args, workload, base, cost, out)
 
 
-def _cost_model(args: argparse.Namespace):  # -> CostModel
+def _cost_model(args: argparse.Namespace) -> CostModel:
     from conductor.cost_model import CostModel
 
     return CostModel.load(args.cost_model if args.cost_model else PROFILES / f"{args.profile}.json")
@@ -101,7 +106,8 @@ def _grid(text: str, flag: str) -> tuple[int, ...]:
     return values
 
 
-def _run_one(args: argparse.Namespace, workload: Any, base: Any, cost: Any, out: Path | None) -> int:
+def _run_one(args: argparse.Namespace, workload: Workload, base: SimConfig, cost: CostModel,
+             out: Path | None) -> int:
     from tqdm import tqdm
 
     from sim.cluster import Simulator
@@ -119,8 +125,8 @@ def _run_one(args: argparse.Namespace, workload: Any, base: Any, cost: Any, out:
     return 0
 
 
-def _sweep(args: argparse.Namespace, workload: Any, base: Any, cost: Any, device: tuple[int, ...],
-           host: tuple[int, ...], out: Path | None) -> int:
+def _sweep(args: argparse.Namespace, workload: Workload, base: SimConfig, cost: CostModel,
+           device: tuple[int, ...], host: tuple[int, ...], out: Path | None) -> int:
     from tqdm import tqdm
 
     from core.errors import ConfigError

@@ -29,7 +29,7 @@ from core.errors import ConfigError
 from sim.engines import KV_TAIL, Clock, ColocatedWorker, DecodeBatch, DecodeWorker, Flight, PrefillWorker
 from sim.tiers import Capacity, TieredCache
 from sim.trace import HASH_BLOCK_TOKENS
-from sim.workload import Workload
+from sim.workload import SimRequest, Workload
 
 
 TICK = 256  # arrivals per progress tick
@@ -177,7 +177,7 @@ class Simulator:
 
     # ------------------------------------------------------------------ requests
 
-    def _arrive(self, request) -> None:  # type: ignore[no-untyped-def]
+    def _arrive(self, request: SimRequest) -> None:
         if self._tick is not None and request.index % TICK == TICK - 1:
             self._tick(TICK)
         record = self.records[request.index]
@@ -209,7 +209,7 @@ class Simulator:
             self._flights[request.index] = (flight, booking.decode_id)
             self.prefill[booking.prefill_id].submit(flight)
 
-    def _prefix(self, request) -> PrefixMatch:  # type: ignore[no-untyped-def]
+    def _prefix(self, request: SimRequest) -> PrefixMatch:
         per_worker = {wid: w.cache.match(request.blocks, request.prompt_len).blocks * HASH_BLOCK_TOKENS
                       for wid, w in self.prefill.items()}
         best = max(per_worker.items(), key=lambda kv: kv[1], default=("", 0))
