@@ -31,6 +31,7 @@ from bench.workload import Caps, trace_workload
 from conductor.admission import AdmissionConfig
 from conductor.cost_model import CostModel
 from sim.cluster import SimConfig, simulate
+from sim.report import summarize
 from sim.workload import load
 
 MODES = {"cluster": ("--prefill 1 --decode 1 --worker-threads 1", 1), "colocated": ("--colocated --threads 2", 2)}
@@ -95,8 +96,6 @@ def simulated(mode: str, cost_file: Path, load_x: float, blocks: int | None, arg
     admission = AdmissionConfig(standard_ttft_ms=args.ttft_slo_ms, standard_tbt_ms=args.tbt_slo_ms)
     config = SimConfig(colocated=mode == "colocated", device_tokens=(blocks or 4096) * 16, drain_s=args.drain_s,
                        admission=admission)
-    from sim.report import summarize
-
     return summarize(simulate(workload, config, CostModel.load(cost_file)))
 
 

@@ -30,14 +30,13 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
-from conductor.admission import AdmissionConfig, Decision, Objective
+from conductor.admission import AdmissionConfig
 from conductor.admission_stats import AdmissionStats, TopGaps
 from conductor.backend import BackendStats, GenerationBackend, GenerationInput
 from conductor.cluster_config import ClusterConfig
 from conductor.cost_model import CostModel, fit_profile
 from conductor.dispatch import Ask, Booking, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
 from conductor.errors import OverloadedError, ServiceUnavailableError
-from conductor.ledger import BoundRequest
 from conductor.profile_cache import cached_cost_model, profile_key
 from conductor.workers import PING_TIMEOUT_S, Worker, WorkerGroup
 from core.messages import (
@@ -70,24 +69,6 @@ class Route:
     prefill: Worker
     decode: Worker
     booking: Booking
-
-    @property
-    def objective(self) -> Objective:
-        return self.booking.objective
-
-    @property
-    def decision(self) -> Decision:
-        return self.booking.decision
-
-    @property
-    def bound(self) -> BoundRequest:
-        """Its booking in the decode worker's ledger."""
-        return self.booking.bound
-
-    @property
-    def deadline(self) -> float:
-        """Monotonic s when its first token is due (inf = none): its queue order."""
-        return self.booking.deadline
 
 
 class ClusterBackend(GenerationBackend):
@@ -212,7 +193,7 @@ class ClusterBackend(GenerationBackend):
         # Redis (up to the index's socket timeout) must not stall every other stream.
         prefix = await asyncio.to_thread(self.prefix_match, inp.prompt_ids, inp.cache_salt)
         route = self._admit(inp, wid, excluded, prefix)  # on the loop: decision + booking at once
-        p, d, bound = route.prefill, route.decode, route.bound
+        p, d, bound = route.prefill, route.decode, route.booking.bound
         self._requests += 1
         finished = False
         first_at: float | None = None
@@ -234,7 +215,7 @@ class ClusterBackend(GenerationBackend):
                         continue
                     finished = True
                     last = self._last(rid, chunk, await prefill_done, len(inp.prompt_ids), arrival, first_at,
-                                      route.decision.prediction)
+                                      route.booking.decision.prediction)
                     self._measured(route, inp, last, gaps)
                     yield last
                     return
@@ -257,16 +238,16 @@ class ClusterBackend(GenerationBackend):
         try:
             handoff = await self._on(d, d.api.reserve(wid, n, inp.params.max_tokens, timeout))  # type: ignore[union-attr]
         except DecodeCapacityError as e:  # the ledger and the worker disagree for a moment: load, not failure
-            self.admission_stats.rejected(route.objective.slo_class.name, "kv_capacity")
+            self.admission_stats.rejected(route.booking.objective.slo_class.name, "kv_capacity")
             raise OverloadedError(f"decode worker {d.worker_id}: {e}", 1.0, "kv_capacity",
-                                  route.decision.prediction) from e
+                                  route.booking.decision.prediction) from e
         task = PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, handoff, timeout,
-                           self.manager.block_servers(), route.objective.rank, route.deadline)
+                           self.manager.block_servers(), route.booking.objective.rank, route.booking.deadline)
         prefill_done = asyncio.ensure_future(self._on(p, p.api.prefill(task)))  # type: ignore[union-attr]
 
         def on_prefill_end(f: asyncio.Future) -> None:
             p.pending.finish(wid, time.monotonic())
-            route.bound.joins_at = time.monotonic()
+            route.booking.bound.joins_at = time.monotonic()
             if not f.cancelled() and f.exception() is not None:
                 self._spawn(d.api.cancel(wid))  # type: ignore[union-attr]
 

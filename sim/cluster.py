@@ -25,7 +25,7 @@ from conductor.cost_model import CostModel
 from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
 from conductor.errors import OverloadedError, ServiceUnavailableError
 from conductor.ledger import DecodeLedger, PrefillLedger
-from core.errors import ConfigError
+from core.errors import ConfigError, check_positive
 from sim.engines import KV_TAIL, Clock, ColocatedWorker, DecodeBatch, DecodeWorker, Flight, PrefillWorker
 from sim.tiers import Capacity, TieredCache
 from sim.trace import HASH_BLOCK_TOKENS
@@ -67,9 +67,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
             raise ConfigError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {self.prefill}P{self.decode}D")
-        for name in ("device_tokens", "block_size", "chunk", "max_seqs"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_positive(self, "device_tokens", "block_size", "chunk", "max_seqs")
         for name in ("host_tokens", "disk_tokens"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")

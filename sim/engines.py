@@ -65,8 +65,6 @@ class Flight:
     table: list[int] = field(default_factory=list)  # co-located: its blocks in the engine's cache
     join_step: int = -1  # the step that produced its first token
     added_step: int = 0  # the batch's step count when it joined (its context grows from then)
-    first_at: float = 0.0
-    prefill_s: float = 0.0  # time its prefill computed (utilisation)
 
     @property
     def new_tokens(self) -> int:
@@ -237,7 +235,6 @@ class PrefillWorker(Worker):
             self.cache.release(table)  # its blocks stay cached (evictable) once pushed
         seconds = (self.cost.est_prefill_ms(flight.new_tokens, flight.prefix_tokens)
                    + self.cost.est_transfer_ms(fetch)) / 1e3
-        flight.prefill_s = seconds
         self.busy_s += seconds
         self.clock.at(self.clock.now + seconds, lambda: self._end(flight))
 
@@ -278,7 +275,6 @@ class DecodeWorker(Stepper):
 
     def end(self, durations: list[float], joined: list[Flight]) -> None:
         for flight in joined:
-            flight.first_at = self.clock.now
             self.on_first(flight)
         for flight in self.batch.end_steps(durations):
             self.on_finish(flight, self.batch)
@@ -336,9 +332,7 @@ class ColocatedWorker(Stepper):
             return
         seconds = self.cost.est_decode_step_ms(len(b.running), b.context) / 1e3
         for flight, take in pieces:
-            part = self.cost.est_prefill_ms(take, flight.done_tokens) / 1e3
-            flight.prefill_s += part
-            seconds += part
+            seconds += self.cost.est_prefill_ms(take, flight.done_tokens) / 1e3
         self.run_steps([seconds], pieces)
 
     def end(self, durations: list[float], pieces: list[tuple[Flight, int]]) -> None:
@@ -351,7 +345,6 @@ class ColocatedWorker(Stepper):
             self._finish(flight)
         for flight in first:
             self._prefilling.remove(flight)
-            flight.first_at = self.clock.now
             self.on_first(flight)
             if flight.request.output_len <= 1:
                 self._finish(flight)
