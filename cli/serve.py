@@ -151,7 +151,12 @@ async def _main(backend, config) -> None:
     # Explicit handlers: a SIGINT inherited as "ignored" (background jobs) must still stop us.
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, _stopper(stop))
-    await serve(backend, config, stop, lambda ep: announce(ep, backend.model.id, config))
+    extensions = []
+    if config.dashboard:
+        from dashboard.routes import mount
+
+        extensions.append(mount)
+    await serve(backend, config, stop, lambda ep: announce(ep, backend.model.id, config), extensions)
 
 
 def _stopper(stop: asyncio.Event):
@@ -173,6 +178,7 @@ def announce(ep, model: str, config) -> None:
         f"  gRPC  {ep.grpc_target}   halfmoon.v1.Generation (+ health, reflection)",
         f"        halfmoon client generate --target {ep.grpc_target}{tls}{token} 'The capital of France is'",
         f"  HTTP  {ep.http_url}   OpenAI-compatible: /v1/chat/completions /v1/completions /v1/models; /metrics",
+        *([f"  Dashboard  {ep.http_url}/dashboard"] if config.dashboard else []),
         f"        curl -s {ep.http_url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
         f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'",
         "  Ctrl-C stops.",

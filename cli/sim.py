@@ -19,11 +19,11 @@ if TYPE_CHECKING:  # the command's modules load when it runs, not when `halfmoon
     from sim.cluster import SimConfig
     from sim.workload import Workload
 
-PROFILES = Path(__file__).resolve().parents[1] / "sim" / "profiles"
-
 
 def profile_names() -> list[str]:
-    return sorted(p.stem for p in PROFILES.glob("*.json"))
+    from sim.builtin import names
+
+    return names()
 
 
 def env_dests() -> set[str]:
@@ -90,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _cost_model(args: argparse.Namespace) -> CostModel:
     from conductor.cost_model import CostModel
+    from sim.builtin import load
 
-    return CostModel.load(args.cost_model if args.cost_model else PROFILES / f"{args.profile}.json")
+    return CostModel.load(args.cost_model) if args.cost_model else load(args.profile)
 
 
 def _grid(text: str, flag: str) -> tuple[int, ...]:

@@ -13,12 +13,17 @@ import abc
 from collections.abc import AsyncIterator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from conductor.admission_stats import AdmissionStats
-from core.messages import TokenChunk
-from halfmoon.results import ModelInfo
+from core.messages import TokenChunk, WorkerLoad
 from core.params import SamplingParams
+from halfmoon.results import ModelInfo
 from engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # conductor.admission imports this module
+    from conductor.admission import AdmissionConfig
+    from conductor.cost_model import CostModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,20 @@ class GenerationInput:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkerView:
+    """One worker as the dashboard shows it: what the Conductor tracks about it and its last
+    health answer (`load`, None before the first; `at`: when it came, time.monotonic())."""
+
+    worker_id: str
+    role: str  # prefill, decode, colocated
+    alive: bool
+    restarts: int
+    queue_depth: int
+    load: WorkerLoad | None
+    at: float
+
+
+@dataclass(frozen=True, slots=True)
 class BackendStats:
     """A snapshot for `/metrics` and the dashboard."""
 
@@ -60,6 +79,7 @@ class BackendStats:
     admission: AdmissionStats | None = None  # decisions and prediction errors (conductor/admission.py)
     # Per cluster-index holder: (longest gap between heartbeats in s, re-registrations).
     index_health: Mapping[str, tuple[float, int]] = field(default_factory=dict)
+    workers: tuple[WorkerView, ...] = ()
 
 
 class GenerationBackend(abc.ABC):
@@ -71,6 +91,10 @@ class GenerationBackend(abc.ABC):
     # (prompt + max_tokens) one request's KV may take where it decodes (None = not known yet).
     priority_classes: frozenset[str] = frozenset({"interactive", "standard", "batch"})
     kv_capacity_tokens: int | None = None
+    admission_config: AdmissionConfig  # the policy and the priority classes' objectives
+    mode: str = "cluster"  # cluster | colocated (what the dashboard says it is)
+    block_size: int = 16  # the workers' KV block, tokens (known once started)
+    cost: CostModel | None = None  # the cost model admission prices with (known once started)
 
     @abc.abstractmethod
     async def start(self) -> None:

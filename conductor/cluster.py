@@ -32,7 +32,7 @@ from typing import Any
 
 from conductor.admission import AdmissionConfig
 from conductor.admission_stats import AdmissionStats, TopGaps
-from conductor.backend import BackendStats, GenerationBackend, GenerationInput
+from conductor.backend import BackendStats, WorkerView, GenerationBackend, GenerationInput
 from conductor.cluster_config import ClusterConfig
 from conductor.cost_model import CostModel, fit_profile
 from conductor.dispatch import Ask, Booking, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
@@ -102,6 +102,7 @@ class ClusterBackend(GenerationBackend):
         first = self.manager.role("prefill")[0].api
         self.info = await first.engine_info()
         self.model = ModelInfo(self.config.model_id, self.info.max_model_len, self.info.vocab_size)
+        self.block_size = self.info.block_size
         self.cost = await self._cost_model(first)
         self.dispatcher = Dispatcher(self.admission_config, self.cost, self.info.block_size,
                                      stats=self.admission_stats)
@@ -157,8 +158,10 @@ class ClusterBackend(GenerationBackend):
         health = {w.worker_id: w.index_health for w in self.manager.workers.values()}
         if self.index is not None:
             health["conductor"] = (self.index.stats.max_heartbeat_gap_s, self.index.stats.resyncs)
+        views = tuple(WorkerView(w.worker_id, w.spec.role, w.alive, w.restarts, depth[w.worker_id], w.load,
+                                 w.load_at) for w in self.manager.workers.values())
         return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0,
-                            dict(self._reruns), depth, self.admission_stats, health)
+                            dict(self._reruns), depth, self.admission_stats, health, views)
 
     # ------------------------------------------------------------------ requests
 

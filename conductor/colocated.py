@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 from conductor.admission import AdmissionConfig
 from conductor.admission_stats import AdmissionStats, TopGaps
-from conductor.backend import BackendStats, GenerationBackend, GenerationInput
+from conductor.backend import BackendStats, GenerationBackend, GenerationInput, WorkerView
 from conductor.cost_model import CostModel, profile_engine
 from conductor.dispatch import Ask, Booking, Dispatcher
 from conductor.errors import DeadlineExceededError, ServiceUnavailableError
@@ -32,6 +32,7 @@ from core.errors import InvalidRequestError
 from core.messages import EngineInfo, TokenChunk
 from engine.engine import Engine
 from engine.loop import EngineLoop
+from engine.worker import engine_load
 from halfmoon.results import ModelInfo
 
 _Item = TokenChunk | BaseException
@@ -46,6 +47,8 @@ class _Stream:
 
 
 class ColocatedBackend(GenerationBackend):
+    mode = "colocated"
+
     def __init__(self, engine: Engine, model_id: str, max_waiting: int = 256,
                  admission: AdmissionConfig | None = None, cost_model: CostModel | None = None) -> None:
         """`cost_model`: None = the cached profile of this engine shape, else a quick profile at
@@ -58,6 +61,7 @@ class ColocatedBackend(GenerationBackend):
         self.admission_config = replace(cfg, max_queue_per_worker=min(cfg.max_queue_per_worker, max_waiting))
         self.priority_classes = frozenset(self.admission_config.classes())
         self.kv_capacity_tokens = engine.pool.num_blocks * engine.config.block_size
+        self.block_size = engine.config.block_size
         self.cost = cost_model
         self.dispatcher: Dispatcher | None = None  # admission + booking, once the cost model is known
         self.admission_stats = AdmissionStats()
@@ -103,8 +107,10 @@ class ColocatedBackend(GenerationBackend):
     def stats(self) -> BackendStats:
         waiting = self.pending.depth
         pool = self.engine.pool
+        view = WorkerView("engine", "colocated", self.ready(), 0, waiting, engine_load(self.engine, self.loop),
+                          time.monotonic())
         return BackendStats(len(self._streams) - waiting, waiting, pool.num_free(), pool.num_blocks, self.steps,
-                            {}, {"engine": waiting}, self.admission_stats)
+                            {}, {"engine": waiting}, self.admission_stats, workers=(view,))
 
     # ------------------------------------------------------------------ requests
 

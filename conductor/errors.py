@@ -81,6 +81,14 @@ class SloMissError(OverloadedError):
         super().__init__("request would miss its SLO: " + "; ".join(misses), retry_after_s, reason, prediction)
 
 
+class ResourceNotFoundError(HalfmoonError):
+    """A named resource of the server (e.g. a dashboard sizing job) does not exist."""
+
+
+class ConflictError(HalfmoonError):
+    """The request conflicts with the server's state (e.g. a sizing sweep is already running)."""
+
+
 class ServiceUnavailableError(HalfmoonError):
     """The backend cannot serve right now (starting, stopping, or lost); retry with backoff."""
 
@@ -104,6 +112,8 @@ _STATUS: list[tuple[type[BaseException], ErrorStatus]] = [
     (InvalidRequestError, ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
     (ChatTemplateError, ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
     (ModelNotFoundError, ErrorStatus(grpc.StatusCode.NOT_FOUND, 404, "not_found_error")),
+    (ResourceNotFoundError, ErrorStatus(grpc.StatusCode.NOT_FOUND, 404, "not_found_error")),
+    (ConflictError, ErrorStatus(grpc.StatusCode.FAILED_PRECONDITION, 409, "conflict_error")),
     (RequestTooLargeError, ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 413, "invalid_request_error")),
     (RetryableRejection, ErrorStatus(grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "rate_limit_error")),
     (ServiceUnavailableError, ErrorStatus(grpc.StatusCode.UNAVAILABLE, 503, "service_unavailable")),

@@ -13,11 +13,12 @@ import asyncio
 import contextlib
 import ipaddress
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 from grpc_health.v1 import health
 
 from conductor.auth import Authenticator, load_tokens
@@ -38,6 +39,7 @@ class ServerConfig:
     tls_cert / tls_key: PEM files; both or neither. TLS applies to gRPC and HTTP.
     api_token_file: bearer tokens, one per line; None = HALFMOON_API_TOKENS, else auth off.
     limits: per-request limits (see `Limits`).
+    dashboard: serve the operator dashboard at /dashboard (docs/DASHBOARD.md).
     """
 
     host: str = "127.0.0.1"
@@ -47,6 +49,7 @@ class ServerConfig:
     tls_key: str | None = None
     api_token_file: str | None = None
     limits: Limits = field(default_factory=Limits)
+    dashboard: bool = True
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -124,9 +127,13 @@ async def _watch_health(backend: GenerationBackend, health_servicer: health.aio.
             await set_serving(health_servicer, serving)
 
 
+Extension = Callable[[FastAPI, FrontDoor], object]  # adds routes to the HTTP app (e.g. dashboard.routes.mount)
+
+
 async def serve(backend: GenerationBackend, config: ServerConfig, stop: asyncio.Event,
-                announce: Callable[[Endpoints], None]) -> None:
-    """Serve until `stop` is set, then shut down cleanly (health first, backend last)."""
+                announce: Callable[[Endpoints], None], extensions: Sequence[Extension] = ()) -> None:
+    """Serve until `stop` is set, then shut down cleanly (health first, backend last).
+    `extensions` add their routes to the HTTP app (the layers above the Conductor: the dashboard)."""
     auth = Authenticator(load_tokens(config.api_token_file))
     tls = config.tls
     door = FrontDoor(backend, config.limits, auth)
@@ -134,7 +141,10 @@ async def serve(backend: GenerationBackend, config: ServerConfig, stop: asyncio.
     grpc_server = build_server(door, health_servicer)
     grpc_port = bind(grpc_server, f"{_bracket(config.host)}:{config.grpc_port}", tls)
     sock = _http_socket(config.host, config.http_port)
-    http = _Uvicorn(uvicorn.Config(BodyLimit(build_app(door), door),
+    app = build_app(door)
+    for extend in extensions:
+        extend(app, door)
+    http = _Uvicorn(uvicorn.Config(BodyLimit(app, door),
                                    log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
                                    ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key))
     await backend.start()

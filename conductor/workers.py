@@ -11,10 +11,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 
 from conductor.ledger import DecodeLedger, PrefillLedger
-from core.messages import DecodeApi, PrefillApi
+from core.messages import DecodeApi, PrefillApi, WorkerLoad
 from engine.config import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class Worker:
     pending: PrefillLedger = field(default_factory=PrefillLedger)  # prefill: sent, not prefilled yet
     bound: DecodeLedger = field(default_factory=DecodeLedger)  # decode: requests and KV booked here
     index_health: tuple[float, int] = (0.0, 0)  # its index holder: longest beat gap (s), resyncs
+    load: WorkerLoad | None = None  # its last health answer (the dashboard's figures)
+    load_at: float = 0.0  # when it came (time.monotonic())
 
     @property
     def worker_id(self) -> str:
@@ -88,3 +91,4 @@ async def _check(w: Worker) -> None:
     w.pid, w.alive, w.free_blocks, w.total_blocks = pid, load.alive, load.free_blocks, load.total_blocks
     w.bound.total_blocks = load.total_blocks
     w.index_health = (load.index_heartbeat_max_gap_s, load.index_resyncs)
+    w.load, w.load_at = load, time.monotonic()

@@ -189,6 +189,14 @@ class WorkerLoad:
     kv_address: str | None = None  # decode: where its KV receiver listens
     index_heartbeat_max_gap_s: float = 0.0  # its cluster-index holder: longest gap between beats
     index_resyncs: int = 0  # times the index had lost it (expired or Redis restarted) and it re-registered
+    running: int = 0  # requests in its engine's running batch now
+    host_blocks_used: int = 0  # its host DRAM tier (0 / 0 = none)
+    host_blocks_total: int = 0
+    disk_blocks_used: int = 0  # its disk tier (0 / 0 = none)
+    disk_blocks_total: int = 0
+    blocks_from_host: int = 0  # prefix blocks promoted from its host / disk tier, since start
+    blocks_from_disk: int = 0
+    kv_bytes_received: int = 0  # decode: KV bytes its receiver verified, since start
 
 
 @dataclass(frozen=True, slots=True)

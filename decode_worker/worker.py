@@ -205,7 +205,8 @@ class DecodeWorker(EngineWorker):
         self._release_expired()
         reserved_blocks = sum(len(r.blocks) for r in self._reserved.values())
         return replace(self.engine_load(), reserved=len(self._reserved) + len(self._claimed),
-                       reserved_blocks=reserved_blocks, kv_address=self.address)
+                       reserved_blocks=reserved_blocks, kv_address=self.address,
+                       kv_bytes_received=self.receiver.stats.bytes)
 
     def close(self) -> None:
         self.receiver.close()

@@ -35,6 +35,29 @@ log = logging.getLogger(__name__)
 FETCH_TIMEOUT_S = 5.0  # one remote block fetch; past it the blocks are recomputed
 
 
+def engine_load(engine: Engine, loop: EngineLoop) -> WorkerLoad:
+    """An engine's liveness and load: its device pool, running batch, tiers and prefix hits
+    (a worker's health answer; the co-located backend's one worker on the dashboard)."""
+    pool, stats, tiers = engine.pool, engine.scheduler.stats, engine.tiers
+    load = WorkerLoad(loop.alive, loop.steps, pool.num_free(), pool.num_blocks, loop.watching(),
+                      stats.prompt_tokens_computed, stats.prompt_tokens_cached,
+                      failure=None if loop.failure is None else str(loop.failure),
+                      running=len(engine.scheduler.running))
+    if tiers is None:
+        return load
+    host, disk, traffic = tiers.host, tiers.disk, tiers.traffic
+    load = replace(load, blocks_fetched_remote=traffic.fetched_remote,
+                   blocks_from_host=traffic.promoted_from_host, blocks_from_disk=traffic.promoted_from_disk,
+                   host_blocks_used=host.num_used() if host is not None else 0,
+                   host_blocks_total=host.capacity if host is not None else 0,
+                   disk_blocks_used=disk.num_used() if disk is not None else 0,
+                   disk_blocks_total=disk.capacity if disk is not None else 0)
+    if tiers.index is None:
+        return load
+    return replace(load, index_heartbeat_max_gap_s=tiers.index.stats.max_heartbeat_gap_s,
+                   index_resyncs=tiers.index.stats.resyncs)
+
+
 class TransportBlockReader(RemoteBlockReader):
     """kvpool's remote reads over the transport: blocks come from the holder's `BlockServer`
     (transport.blocks), whose address `resolve(holder)` finds (a worker resolves it from the
@@ -130,17 +153,7 @@ class EngineWorker:
         return self.engine_load()
 
     def engine_load(self) -> WorkerLoad:
-        pool, stats = self.engine.pool, self.engine.scheduler.stats
-        traffic = self.engine.tiers.traffic if self.engine.tiers is not None else None
-        index = self.engine.tiers.index if self.engine.tiers is not None else None
-        load = WorkerLoad(self.loop.alive, self.loop.steps, pool.num_free(), pool.num_blocks,
-                          self.loop.watching(), stats.prompt_tokens_computed, stats.prompt_tokens_cached,
-                          traffic.fetched_remote if traffic is not None else 0,
-                          None if self.loop.failure is None else str(self.loop.failure))
-        if index is None:
-            return load
-        return replace(load, index_heartbeat_max_gap_s=index.stats.max_heartbeat_gap_s,
-                       index_resyncs=index.stats.resyncs)
+        return engine_load(self.engine, self.loop)
 
     async def check_integrity(self) -> IntegrityReport:
         """Check the KV bookkeeping (`block_problems`: the pool's own invariants, the block

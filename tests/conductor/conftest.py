@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import pytest
 from conductor.admission import AdmissionConfig
 from conductor.backend import BackendStats, GenerationBackend, GenerationInput
 from conductor.colocated import ColocatedBackend
-from conductor.server import Endpoints, ServerConfig, serve
+from conductor.server import Endpoints, Extension, ServerConfig, serve
 from core.messages import RequestEnd, SloPrediction, Timings, TokenChunk, Usage
 from core.params import FinishReason
 from engine.engine import Engine
@@ -66,7 +66,7 @@ class RunningApi:
         return [] if poll(lambda: not problems(), timeout) else problems()
 
 
-def run_api(backend: GenerationBackend, config: ServerConfig) -> RunningApi:
+def run_api(backend: GenerationBackend, config: ServerConfig, extensions: Sequence[Extension] = ()) -> RunningApi:
     ready: list[Endpoints] = []
     failure: list[BaseException] = []
     started = threading.Event()
@@ -80,7 +80,7 @@ def run_api(backend: GenerationBackend, config: ServerConfig) -> RunningApi:
             ready.append(ep)
             started.set()
 
-        await serve(backend, config, stop, announce)
+        await serve(backend, config, stop, announce, extensions)
 
     def thread_main() -> None:
         try:
@@ -148,6 +148,7 @@ class ScriptedBackend(GenerationBackend):
     def __init__(self, model: ModelInfo, tokenizer: Any, kv_capacity_tokens: int) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.kv_capacity_tokens = kv_capacity_tokens
+        self.admission_config = AdmissionConfig()
         self.rejections: deque[BaseException] = deque()
         self.prediction: SloPrediction | None = None
         self.inputs: list[GenerationInput] = []

@@ -718,6 +718,7 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--api-token-file": HelmValue("auth.existingSecret", "probe-tokens", None),
     "--tls-cert": HelmValue("tls.existingSecret", "probe-tls", None),
     "--tls-key": HelmValue("tls.existingSecret", "probe-tls", None),
+    "--no-dashboard": HelmValue("conductor.dashboard", False, None),
 }
 SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--help": "argparse's own",
@@ -733,6 +734,7 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--cost-model": "a file: the first prefill worker profiles itself (or mount one and use extraArgs)",
     "--host-cache-name": "the Conductor names one host-tier arena per node",
     "--no-redis": "the chart always runs a block index (bundled or external Redis)",
+    "--dashboard": "on by default; conductor.dashboard=false gives --no-dashboard",
 }
 # What the samples need besides themselves: an external Redis instead of the bundled one.
 SAMPLE_EXTRAS = {"redis": {"bundled": {"enabled": False}}}

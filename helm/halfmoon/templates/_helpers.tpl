@@ -171,6 +171,9 @@ argparse parser, so a flag that does not exist fails the tests).
 - --served-model-name
 - {{ . | quote }}
 {{- end }}
+{{- if not $v.conductor.dashboard }}
+- --no-dashboard
+{{- end }}
 {{- range $flag, $value := dict "--kv-cache-gb" $v.engine.kvCacheGb "--block-size" $v.engine.blockSize "--max-num-seqs" $v.engine.maxNumSeqs "--max-num-batched-tokens" $v.engine.maxNumBatchedTokens "--max-model-len" $v.engine.maxModelLen "--num-blocks" $v.engine.numBlocks "--kv-timeout-s" $v.kvTransport.timeoutS "--kv-max-inflight-mb" $v.kvTransport.maxInflightMb "--request-timeout-s" $v.conductor.requestTimeoutS }}
 {{- if not (kindIs "invalid" $value) }}
 - {{ $flag }}
