@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.halfmoon-installed
 # The venv is stale when any of these change.
 DEPS   := pyproject.toml setup.py kvpool/_copysum.c transport/_ucxspin.c constraints.txt Makefile deploy/install.sh
 
-.PHONY: setup serve test bench lint proto clean
+.PHONY: setup serve test bench lint proto clean browser
 
 setup: $(STAMP)
 
@@ -20,7 +20,7 @@ $(STAMP): $(DEPS)
 serve: $(STAMP)
 	$(VENV)/bin/halfmoon serve $(ARGS)
 
-test: lint
+test: lint browser
 	$(PY) -m pytest -q $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 bench: $(STAMP)
@@ -34,6 +34,10 @@ proto: $(STAMP)
 # runs it first. ruff's wider default rule set is advisory: $(PY) -m ruff check .
 lint: $(STAMP)
 	$(PY) -m ruff check --select E9,F .
+
+# The dashboard's browser tests drive Debian's chromium with Playwright (apt, when root).
+browser:
+	sh deploy/install_browser.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache

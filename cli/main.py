@@ -1,4 +1,4 @@
-"""`halfmoon` command line: generate, serve, client, profile, bench, sim."""
+"""`halfmoon` command line: generate, serve, client, profile, bench, sim, dashboard."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("cli.profile", "profile the engine and write its cost model (JSON)"),
     "bench": ("cli.bench", "benchmarks (each measures its baseline in the same run)"),
     "sim": ("cli.sim", "replay a trace through a simulated cluster (sim sweep: size the pools)"),
+    "dashboard": ("cli.dashboard", "print (--open: open) the operator dashboard of a running cluster"),
 }
 
 

@@ -155,3 +155,14 @@ def test_an_uploaded_trace_is_replayed(http: httpx.Client, board: RunningApi) ->
                 != "running" and j, 120)
     assert done and done["state"] == "done" and done["source"] == "uploaded trace"
     assert all(row["requests"] == 10 for row in done["rows"])
+
+
+def test_halfmoon_dashboard_prints_the_address_of_a_running_cluster(board: RunningApi,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from cli.main import main
+
+    assert main(["dashboard", "--url", board.http_url]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{board.http_url}/dashboard") and "cluster ok" in out and "sign in" in out
+    assert main(["dashboard", "--url", "http://127.0.0.1:9", "--timeout-s", "1"]) == 2
+    assert "no Halfmoon server answers at http://127.0.0.1:9" in capsys.readouterr().err
