@@ -15,6 +15,7 @@ BENCHMARKS = {
     "serve": "bench.serve_bench",
     "sim": "bench.sim_bench",
     "sim-vs-live": "bench.sim_vs_live",
+    "dashboard": "bench.dashboard_bench",
 }
 
 

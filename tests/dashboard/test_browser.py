@@ -1,0 +1,280 @@
+"""The dashboard in a real browser: Playwright driving headless Chromium (Debian's `chromium`,
+installed by `make test` through deploy/install_browser.sh) against `halfmoon serve` running a
+1P1D cluster (real Ray workers) under a small open-loop load, auth on.
+
+Screenshots go to test-artifacts/dashboard/ (HALFMOON_TEST_ARTIFACTS overrides); with
+HALFMOON_UPDATE_DOCS_FIGURES=1 the live and sizing ones also replace docs/figures/dashboard-*.png.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+import yaml
+
+from tests.deploy.values import drop_nulls, merge
+from tests.e2e.support import cost_model_file, wait_for_log
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "halfmoon"
+ARTIFACTS = Path(os.environ.get("HALFMOON_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "dashboard"
+TOKEN = "browser-test-token"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync"]
+UPDATE_DOCS = os.environ.get("HALFMOON_UPDATE_DOCS_FIGURES") == "1"
+WIDE, NARROW = {"width": 1280, "height": 800}, {"width": 390, "height": 844}
+PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
+           "List three colours:", "Once upon a time"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`halfmoon serve` (1 prefill + 1 decode worker, auth on); yields its HTTP URL."""
+    tmp = tmp_path_factory.mktemp("dashboard-cluster")
+    log = tmp / "serve.log"
+    args = [sys.executable, "-m", "cli.main", "serve", "--prefill", "1", "--decode", "1", "--worker-threads", "1",
+            "--kv-transport", "tcp", "--grpc-port", "0", "--http-port", "0", "--num-blocks", "256",
+            "--object-store-mb", "128", "--cost-model", cost_model_file(tmp / "cost.json")]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HALFMOON_API_TOKENS": TOKEN}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=out, text=True, start_new_session=True, env=env)
+    try:
+        yield wait_for_log(proc, log, r"listening grpc=\S+ http=(\S+)").group(1)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def load(cluster: str) -> Iterator[None]:
+    """A small open-loop load: one request every 1.5 s (each on its own thread, so a slow one
+    does not hold the next back), at most 120, until the module is done."""
+    stop = threading.Event()
+    client = openai.OpenAI(base_url=cluster + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+
+    def one(i: int) -> None:
+        try:
+            client.completions.create(model="smollm2", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=12,
+                                      extra_body={"ignore_eos": True})
+        except openai.APIError:  # a 429 under load is the server's answer, not the test's failure
+            pass
+
+    def schedule() -> None:
+        for i in range(120):
+            threading.Thread(target=one, args=(i,), daemon=True).start()
+            if stop.wait(1.5):  # the schedule's clock, not a synchronisation
+                return
+
+    sender = threading.Thread(target=schedule, name="dashboard-load", daemon=True)
+    sender.start()
+    yield
+    stop.set()
+    sender.join(10)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    executable = shutil.which("chromium")
+    if executable is None:
+        pytest.fail("chromium is not installed: the dashboard's browser tests need it "
+                    "(`make test` installs it as root via deploy/install_browser.sh; or apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+class Page:
+    """A browser page that records console errors and uncaught exceptions."""
+
+    def __init__(self, browser: object, viewport: dict[str, int]) -> None:
+        self.context = browser.new_context(viewport=viewport)  # type: ignore[attr-defined]
+        self.page = self.context.new_page()
+        self.errors: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
+
+    def sign_in(self, url: str) -> None:
+        response = self.page.goto(url + "/dashboard")
+        assert response is not None and response.status == 401
+        self.errors.clear()  # the 401 itself is logged by Chromium as a failed resource load
+        self.page.fill("#token", TOKEN)
+        self.page.press("#token", "Enter")
+        self.page.wait_for_selector('[data-worker="prefill-0"]', timeout=30_000)
+
+    def shot(self, name: str) -> Path:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        path = ARTIFACTS / name
+        self.page.screenshot(path=str(path), full_page=True)
+        return path
+
+    def no_horizontal_scroll(self) -> None:
+        widths = self.page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
+        assert widths[0] <= widths[1], f"the page scrolls sideways: {widths[0]} px wide in a {widths[1]} px window"
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@pytest.fixture
+def page(browser: object) -> Iterator[Page]:
+    p = Page(browser, WIDE)
+    yield p
+    p.close()
+
+
+def keep(shot: Path, name: str) -> None:
+    if UPDATE_DOCS:
+        shutil.copy(shot, ROOT / "docs" / "figures" / name)
+
+
+def field(page: Page, worker: str, name: str) -> str:
+    return page.page.locator(f'[data-worker="{worker}"] [data-field="{name}"]').first.inner_text().strip()
+
+
+def number(text: str) -> float:
+    cleaned = "".join(ch for ch in text if ch.isdigit() or ch in ".-")
+    return float(cleaned) if cleaned not in ("", ".", "-") else 0.0
+
+
+def test_without_a_token_it_is_a_401_sign_in_page(cluster: str, page: Page) -> None:
+    response = page.page.goto(cluster + "/dashboard")
+    assert response is not None and response.status == 401
+    assert page.page.locator("form[action='/dashboard/login'] #token").is_visible()
+    page.page.fill("#token", "not-the-token")
+    page.page.press("#token", "Enter")
+    page.page.wait_for_selector("text=invalid bearer token")
+    page.shot("login.png")
+
+
+def test_live_view_shows_both_workers_changing_and_the_slo_chart_has_data(cluster: str, load: None,
+                                                                          page: Page) -> None:
+    page.sign_in(cluster)
+    p = page.page
+    for worker in ("prefill-0", "decode-0"):
+        assert p.locator(f'[data-worker="{worker}"]').is_visible()
+    first = {w: number(field(page, w, "steps")) for w in ("prefill-0", "decode-0")}
+    # The figures change as the load runs (the page polls every second).
+    p.wait_for_function("""(first) => ['prefill-0', 'decode-0'].every(w => {
+        const el = document.querySelector(`[data-worker="${w}"] [data-field="steps"]`);
+        return el && Number(el.textContent.replace(/[^0-9.]/g, '')) > first[w];
+    })""", arg=first, timeout=60_000)
+    for worker in ("prefill-0", "decode-0"):
+        assert number(field(page, worker, "steps")) > 0
+        assert number(field(page, worker, "kv_device_free")) > 0
+    p.wait_for_function("() => Number(document.querySelector('#ttft-chart svg')?.getAttribute('data-points') || 0) > 0",
+                        timeout=60_000)
+    assert int(p.locator("#tbt-chart svg").get_attribute("data-points") or 0) > 0
+    assert int(p.locator("#rate-chart svg").get_attribute("data-points") or 0) > 0
+    page.no_horizontal_scroll()
+    keep(page.shot("live.png"), "dashboard-live.png")
+    assert not page.errors, page.errors
+
+
+def test_narrow_screen_keyboard_and_contrast(cluster: str, load: None, browser: object) -> None:
+    page = Page(browser, NARROW)
+    try:
+        page.sign_in(cluster)
+        p = page.page
+        p.wait_for_function("() => Number(document.querySelector('#ttft-chart svg')?.getAttribute('data-points') || 0) > 0",
+                            timeout=60_000)
+        page.no_horizontal_scroll()
+        page.shot("live-narrow.png")
+        # Keyboard: Tab reaches the Sizing link, Enter opens it.
+        reached = []
+        for _ in range(12):
+            p.keyboard.press("Tab")
+            reached.append(p.evaluate("document.activeElement.getAttribute('href') || document.activeElement.id"))
+            if reached[-1] == "#sizing":
+                break
+        assert "#sizing" in reached, f"Tab never reached the Sizing link: {reached}"
+        assert p.evaluate("getComputedStyle(document.activeElement).outlineStyle") != "none"
+        p.keyboard.press("Enter")
+        p.wait_for_selector("#sizing-form", state="visible")
+        page.no_horizontal_scroll()
+        low = p.evaluate(CONTRAST_JS)
+        assert not low, f"text below WCAG AA contrast: {low[:5]}"
+        assert not page.errors, page.errors
+    finally:
+        page.close()
+
+
+def test_sizing_sweep_ends_in_a_recommendation_and_helm_values_the_chart_accepts(cluster: str, page: Page) -> None:
+    page.sign_in(cluster)
+    p = page.page
+    p.click("a[href='#sizing']")
+    p.wait_for_selector("#sizing-form select[name='trace'] option[value='sample']", state="attached")
+    p.select_option("#sizing-form select[name='trace']", "sample")
+    p.select_option("#sizing-form select[name='profile']", "llama3-8b-a100")
+    p.fill("#sizing-form [name='workers']", "3")
+    p.fill("#sizing-form [name='device_tokens']", "16384,65536")
+    p.fill("#sizing-form [name='host_tokens']", "0")
+    p.fill("#sizing-form [name='ttft_ms']", "5000")
+    p.fill("#sizing-form [name='tbt_ms']", "300")
+    p.fill("#sizing-form [name='speed']", "4")
+    p.click("#sizing-form button[type='submit']")
+    p.wait_for_selector("#sweep-progress", state="attached")
+    p.wait_for_function("() => (document.querySelector('#recommendation')?.textContent || '').includes('Recommended')",
+                        timeout=120_000)
+    assert p.locator("#sweep-table tbody tr").count() == 4
+    assert p.locator("#sweep-table tr.best").count() == 1
+    assert int(p.locator("#sweep-chart svg").get_attribute("data-points") or 0) == 4
+    snippet = yaml.safe_load(p.locator("#helm-values").inner_text())
+    assert snippet["prefill"]["replicas"] + snippet["decode"]["replicas"] == 3
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    values = merge(yaml.safe_load((CHART / "values.yaml").read_text()), snippet)
+    jsonschema.Draft7Validator(schema).validate(drop_nulls(values))
+    href = p.locator("#download-values").get_attribute("href") or ""
+    assert href.endswith("/values.yaml")
+    page.no_horizontal_scroll()
+    keep(page.shot("sizing.png"), "dashboard-sizing.png")
+    assert not page.errors, page.errors
+
+
+# Every element with its own visible text: its colour against the first opaque background up
+# its ancestors, by WCAG 2.x relative luminance; 4.5:1 for normal text, 3:1 for large.
+CONTRAST_JS = """() => {
+  const parse = c => (c.match(/[\\d.]+/g) || []).map(Number);
+  const lum = ([r, g, b]) => {
+    const f = v => { v /= 255; return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4); };
+    return 0.2126 * f(r) + 0.7152 * f(g) + 0.0722 * f(b);
+  };
+  const background = el => {
+    for (let e = el; e; e = e.parentElement) {
+      const c = parse(getComputedStyle(e).backgroundColor);
+      if (c.length >= 3 && (c.length < 4 || c[3] > 0.9)) return c.slice(0, 3);
+    }
+    return [255, 255, 255];
+  };
+  const low = [];
+  for (const el of document.querySelectorAll('body *')) {
+    const own = [...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim());
+    const style = getComputedStyle(el);
+    if (!own || el.offsetParent === null || style.visibility === 'hidden') continue;
+    const fg = parse(style.color).slice(0, 3), bg = background(el);
+    const [a, b] = [lum(fg), lum(bg)].sort((x, y) => y - x);
+    const ratio = (a + 0.05) / (b + 0.05);
+    const large = parseFloat(style.fontSize) >= 24 || (parseFloat(style.fontSize) >= 18.66 && Number(style.fontWeight) >= 700);
+    if (ratio < (large ? 3 : 4.5)) low.push(`${el.tagName}.${el.className}: ${ratio.toFixed(2)} "${el.textContent.trim().slice(0, 30)}"`);
+  }
+  return low;
+}"""
