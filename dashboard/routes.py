@@ -4,6 +4,7 @@
     POST /dashboard/login, /dashboard/logout
     GET  /dashboard/static/{file}           its CSS and scripts (no token needed: nothing secret)
     GET  /dashboard/api/live                workers, cluster figures, the last minutes' series
+    GET  /dashboard/api/traffic.jsonl       the recorded traffic as a Mooncake trace (?minutes=10)
     GET  /dashboard/api/sizing/options      traces and profiles the sizing form offers
     POST /dashboard/api/sizing/jobs         start a sweep (202); GET .../jobs/{id}[/values.yaml]
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -157,6 +159,20 @@ def mount(app: FastAPI, door: FrontDoor) -> Dashboard:
     async def live(request: Request) -> Response:
         board.authorized(request)
         return JSONResponse(board.live.document(), headers={"Cache-Control": "no-store"})
+
+    @app.get("/dashboard/api/traffic.jsonl")
+    async def traffic(request: Request, minutes: str = str(LIVE_MINUTES)) -> Response:
+        board.authorized(request)
+        try:
+            span = float(minutes)
+        except ValueError:
+            span = -1.0
+        if not 0 < span <= 24 * 60:
+            raise InvalidRequestError("minutes", f"must be a number of minutes in (0, 1440], got {minutes!r}")
+        rows = door.traffic.rows(since=time.time() - span * 60)
+        text = "".join(json.dumps(r.as_json()) + "\n" for r in rows)
+        return PlainTextResponse(text, media_type="application/jsonl", headers={
+            "Content-Disposition": f'attachment; filename="halfmoon-traffic-{span:g}min.jsonl"'})
 
     @app.get("/dashboard/api/sizing/options")
     async def options(request: Request) -> Response:

@@ -166,3 +166,15 @@ def test_halfmoon_dashboard_prints_the_address_of_a_running_cluster(board: Runni
     assert out.startswith(f"{board.http_url}/dashboard") and "cluster ok" in out and "sign in" in out
     assert main(["dashboard", "--url", "http://127.0.0.1:9", "--timeout-s", "1"]) == 2
     assert "no Halfmoon server answers at http://127.0.0.1:9" in capsys.readouterr().err
+
+
+def test_the_recorded_traffic_downloads_as_a_mooncake_trace(http: httpx.Client) -> None:
+    complete(http, "Recorded " * 40)
+    r = http.get("/dashboard/api/traffic.jsonl", params={"minutes": 5}, headers=AUTH)
+    assert r.status_code == 200 and "attachment" in r.headers["content-disposition"]
+    from sim.trace import parse_line
+
+    rows = [parse_line(line, n) for n, line in enumerate(r.text.splitlines(), start=1)]
+    assert rows and rows[0].timestamp == 0 and rows[-1].input_length > 40
+    assert http.get("/dashboard/api/traffic.jsonl", params={"minutes": "x"}, headers=AUTH).json()[
+        "error"]["param"] == "minutes"
