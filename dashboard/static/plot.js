@@ -85,7 +85,7 @@ function line(div, o) {
     const all = series.flatMap((s) => s.values.filter((v, i) => ok(v) && ok(t[i])));
     const T = legend(svg, [...series, ...(thr ? [{...thr, dash: '6 4'}] : [])], W), B = H - 22, R = W - 8;
     const {L, y} = yAxis(svg, [...all, thr ? thr.value : 0], fmt, W, T, B);
-    const x = (ts) => R - ((now - ts - half) / span) * (R - L);
+    const x = (ts) => R - (Math.max(0, now - ts - half) / span) * (R - L); // bin middles, <= now
     const step = [1, 2, 5, 10, 15, 30, 60].find((m) => span / 60 / m <= (R - L) / 46) || 60;
     for (let m = 0; m * 60 <= span + 1e-6; m += step) { // x axis: minutes before now
       const xx = R - ((m * 60) / span) * (R - L);
