@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from conductor.admission_stats import AdmissionStats
 from core.messages import TokenChunk, WorkerLoad
 from core.params import SamplingParams
+from core.tracing import NO_SPAN, NO_TRACER, Span, Tracer
 from halfmoon.results import ModelInfo
 from engine.tokenizer import Tokenizer
 
@@ -38,7 +39,8 @@ class Slo:
 class GenerationInput:
     """A validated request, API-neutral. `deadline` is on the `time.monotonic()` clock.
     `priority_class`: the class it named (None = the server's default class); `slo`: objectives
-    it set itself, which override its class's."""
+    it set itself, which override its class's. `span`: its span at the front door (the parent of
+    what the backend traces; NO_SPAN when not traced)."""
 
     prompt_ids: list[int]
     params: SamplingParams
@@ -48,6 +50,7 @@ class GenerationInput:
     priority: int = 0
     deadline: float | None = None
     priority_class: str | None = None
+    span: Span = NO_SPAN
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +76,8 @@ class BackendStats:
     kv_blocks_free: int
     kv_blocks_total: int
     engine_steps: int
-    # Requests re-run before their first token, by reason ("worker_lost", "kv_transfer").
+    # Requests re-run on other workers: before their first token by cause ("worker_lost",
+    # "kv_transfer"), after it "migrated" (conductor/migration.py).
     requests_rerun: Mapping[str, int] = field(default_factory=dict)
     queue_depth: Mapping[str, int] = field(default_factory=dict)  # per worker: requests it has pending
     admission: AdmissionStats | None = None  # decisions and prediction errors (conductor/admission.py)
@@ -95,6 +99,7 @@ class GenerationBackend(abc.ABC):
     mode: str = "cluster"  # cluster | colocated (what the dashboard says it is)
     block_size: int = 16  # the workers' KV block, tokens (known once started)
     cost: CostModel | None = None  # the cost model admission prices with (known once started)
+    tracer: Tracer = NO_TRACER  # this process's (core/tracing.py); the front door's spans too
 
     @abc.abstractmethod
     async def start(self) -> None:

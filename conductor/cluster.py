@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import logging
 import time
 import uuid
@@ -36,8 +37,10 @@ from conductor.backend import BackendStats, WorkerView, GenerationBackend, Gener
 from conductor.cluster_config import ClusterConfig
 from conductor.cost_model import CostModel, fit_profile
 from conductor.dispatch import Ask, Booking, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
-from conductor.errors import OverloadedError, ServiceUnavailableError
+from conductor.errors import OverloadedError, RetryableRejection, ServiceUnavailableError
+from conductor.migration import Progress
 from conductor.profile_cache import cached_cost_model, profile_key
+from conductor import spans
 from conductor.workers import PING_TIMEOUT_S, Worker, WorkerGroup
 from core.messages import (
     DecodeApi,
@@ -52,6 +55,7 @@ from core.messages import (
     TokenChunk,
     WorkerLostError,
 )
+from core.tracing import now_ns, start_tracing
 from engine.worker import tokenizer_for_model
 from halfmoon.results import ModelInfo
 from kvpool.block_hash import block_hashes, root_hash
@@ -60,6 +64,7 @@ from kvpool.cluster_index import ClusterIndex, HolderId
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
+MIGRATION_POLL_S = 0.1  # how often a moving request looks for live workers
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,7 @@ class ClusterBackend(GenerationBackend):
         self.admission_stats = AdmissionStats()
         self.redis_url = redis_url
         self.manager: WorkerGroup = workers if workers is not None else RayWorkers(config)
+        self.tracer = start_tracing(config.tracing, "conductor", "conductor")
         self.tokenizer = tokenizer_for_model(config.engine.model)
         self.cost: CostModel | None = None
         self.index: ClusterIndex | None = None
@@ -143,6 +149,7 @@ class ClusterBackend(GenerationBackend):
         if self.index is not None:
             self.index.close()
         await asyncio.to_thread(self.manager.stop)
+        self.tracer.shutdown()
 
     def ready(self) -> bool:
         workers = self.manager.workers.values()
@@ -166,36 +173,62 @@ class ClusterBackend(GenerationBackend):
     # ------------------------------------------------------------------ requests
 
     async def generate(self, inp: GenerationInput) -> AsyncIterator[TokenChunk]:
-        """Route and run. A worker lost, or a KV transfer failed, before the first token: the
-        request is re-run once, transparently (nothing reached the client yet; a lost worker is
-        routed around); later it is UNAVAILABLE."""
+        """Route and run. When a worker dies under the request or its KV transfer fails, the
+        request moves (conductor/migration.py): before its first token it runs again; after it,
+        it is re-admitted with its prompt + the tokens already sent and goes on from there on a
+        live or restarted pair of workers; the client sees a pause, not an error. At most
+        `migration_attempts` moves, waiting at most `migration_stall_s` in all for live workers;
+        past either, UNAVAILABLE naming the cause."""
         rid = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        arrival = time.perf_counter()
-        excluded: set[str] = set()
-        for attempt in (1, 2):
-            sent = False
+        progress = Progress(inp, time.perf_counter())
+        stall_left = self.config.migration_stall_s
+        for attempt in itertools.count(1):
+            # A fresh id per attempt: the workers may still be cleaning up the last one.
+            wid = rid if attempt == 1 else f"{rid}~{attempt}"
             try:
-                # A fresh id per attempt: the workers may still be cleaning up the last one.
-                wid = rid if attempt == 1 else f"{rid}~{attempt}"
-                async for item in self._attempt(inp, rid, wid, arrival, excluded):
-                    sent = True
-                    yield item
+                if progress.left <= 0:  # every token reached the client; only the end was lost
+                    yield progress.complete_end(rid)
+                    return
+                async for item in self._attempt(progress.next_input(), rid, wid, progress.arrival,
+                                                resumed=bool(progress.sent)):
+                    yield progress.forward(item)
                 return
             except (WorkerLostError, KVTransferFailedError) as e:
-                if sent or attempt == 2:
-                    raise ServiceUnavailableError(str(e)) from e
-                log.warning("request %s: %s before its first token; re-running it", rid, e)
-                if isinstance(e, WorkerLostError):
-                    excluded.add(e.worker_id)
-                self._reruns["worker_lost" if isinstance(e, WorkerLostError) else "kv_transfer"] += 1
+                if attempt > self.config.migration_attempts:
+                    raise ServiceUnavailableError(f"{e}; request {rid} gave up after {attempt - 1} moves "
+                                                  "(--migration-attempts)") from e
+                cause = "worker_lost" if isinstance(e, WorkerLostError) else "kv_transfer"
+                inp.span.event("halfmoon.rerun", {"halfmoon.cause": cause, "halfmoon.attempt": attempt + 1})
+                self._reruns["migrated" if progress.sent else cause] += 1
+                progress.moves += bool(progress.sent)
+                if progress.sent:
+                    log.warning("request %s: %s after %d tokens; moving it (attempt %d)", rid, e,
+                                len(progress.sent), attempt + 1)
+                else:
+                    log.warning("request %s: %s before its first token; re-running it", rid, e)
+                stall_left -= await self._await_live_pair(rid, stall_left)
+
+    async def _await_live_pair(self, rid: str, budget_s: float) -> float:
+        """Wait (up to `budget_s`) until a live prefill and a live decode worker exist (the health
+        loop marks a restarted worker alive); the seconds waited. Past the budget: UNAVAILABLE."""
+        start = time.monotonic()
+
+        def live(role: str) -> bool:
+            return any(w.alive for w in self.manager.role(role))
+
+        while not (live("prefill") and live("decode")):
+            if time.monotonic() - start >= budget_s:
+                raise ServiceUnavailableError(f"request {rid}: no live prefill and decode worker to move it to "
+                                              f"within {self.config.migration_stall_s:g} s (--migration-stall-s)")
+            await asyncio.sleep(MIGRATION_POLL_S)  # the health loop's verdicts, polled
+        return time.monotonic() - start
 
     async def _attempt(self, inp: GenerationInput, rid: str, wid: str, arrival: float,
-                       excluded: set[str]) -> AsyncIterator[TokenChunk]:
-        """One try on one prefill/decode pair; `wid` names the request on the workers."""
-        # Hashing the prompt and the index round trip run off the event loop: a slow or hung
-        # Redis (up to the index's socket timeout) must not stall every other stream.
-        prefix = await asyncio.to_thread(self.prefix_match, inp.prompt_ids, inp.cache_salt)
-        route = self._admit(inp, wid, excluded, prefix)  # on the loop: decision + booking at once
+                       resumed: bool = False) -> AsyncIterator[TokenChunk]:
+        """One try on one prefill/decode pair; `wid` names the request on the workers; `resumed`:
+        a request moving after its first token (admitted once already; its measurements do not
+        train the predictions)."""
+        route = await self._route(inp, wid, resumed)
         p, d, bound = route.prefill, route.decode, route.booking.bound
         self._requests += 1
         finished = False
@@ -204,7 +237,7 @@ class ClusterBackend(GenerationBackend):
         try:
             prefill_done = await self._start(inp, wid, route)
             task = DecodeTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, self.config.request_timeout_s,
-                              self.manager.block_servers())
+                              self.manager.block_servers(), inp.span.traceparent)
             async with aclosing(self._decoded(d, d.api.generate(task), prefill_done)) as chunks:  # type: ignore[union-attr]
                 async for chunk in chunks:
                     now = time.perf_counter()
@@ -219,7 +252,8 @@ class ClusterBackend(GenerationBackend):
                     finished = True
                     last = self._last(rid, chunk, await prefill_done, len(inp.prompt_ids), arrival, first_at,
                                       route.booking.decision.prediction)
-                    self._measured(route, inp, last, gaps)
+                    if not resumed:
+                        self._measured(route, inp, last, gaps)
                     yield last
                     return
             raise ServiceUnavailableError(f"request {rid}: the decode stream ended without a result")
@@ -238,14 +272,17 @@ class ClusterBackend(GenerationBackend):
         once; one that ends lets the decode ledger know the request joined."""
         p, d = route.prefill, route.decode
         n, timeout = len(inp.prompt_ids), self.config.request_timeout_s
+        reserving = now_ns()
         try:
             handoff = await self._on(d, d.api.reserve(wid, n, inp.params.max_tokens, timeout))  # type: ignore[union-attr]
         except DecodeCapacityError as e:  # the ledger and the worker disagree for a moment: load, not failure
             self.admission_stats.rejected(route.booking.objective.slo_class.name, "kv_capacity")
             raise OverloadedError(f"decode worker {d.worker_id}: {e}", 1.0, "kv_capacity",
                                   route.booking.decision.prediction) from e
+        spans.reserve(self.tracer, inp.span, reserving, d.worker_id, len(handoff.block_ids))
         task = PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, handoff, timeout,
-                           self.manager.block_servers(), route.booking.objective.rank, route.booking.deadline)
+                           self.manager.block_servers(), route.booking.objective.rank, route.booking.deadline,
+                           inp.span.traceparent)
         prefill_done = asyncio.ensure_future(self._on(p, p.api.prefill(task)))  # type: ignore[union-attr]
 
         def on_prefill_end(f: asyncio.Future) -> None:
@@ -329,16 +366,30 @@ class ClusterBackend(GenerationBackend):
 
     # ------------------------------------------------------------------ routing
 
-    def _admit(self, inp: GenerationInput, wid: str, excluded: set[str], prefix: PrefixMatch) -> Route:
+    async def _route(self, inp: GenerationInput, wid: str, resumed: bool) -> Route:
+        """The index's prefix match, then `_admit`; traced as the request's admission span."""
+        started = now_ns()
+        # Hashing the prompt and the index round trip run off the event loop: a slow or hung
+        # Redis (up to the index's socket timeout) must not stall every other stream.
+        prefix = await asyncio.to_thread(self.prefix_match, inp.prompt_ids, inp.cache_salt)
+        policy = self.admission_config.admission
+        try:
+            route = self._admit(inp, wid, prefix, resumed)  # on the loop: decision + booking at once
+        except RetryableRejection as e:
+            spans.admission(self.tracer, inp.span, started, policy, e)
+            raise
+        spans.admission(self.tracer, inp.span, started, policy, route.booking)
+        return route
+
+    def _admit(self, inp: GenerationInput, wid: str, prefix: PrefixMatch, resumed: bool = False) -> Route:
         """Route (Mooncake Algorithm 1 over the live workers, given the index's `prefix_match`),
         decide admission on the chosen workers' ledgers, and book the request in both
         (conductor/dispatch.py; all on the event loop, so no other request sees the ledgers in
-        between)."""
+        between). A `resumed` request is refused only for want of KV room."""
         assert self.dispatcher is not None
-        up = {wid for wid, w in self.manager.workers.items() if w.alive and wid not in excluded}
-        prefill = [PrefillSide(w.worker_id, w.pending, w.worker_id in up) for w in self.manager.role("prefill")]
-        decode = [DecodeSide(w.worker_id, w.bound, w.worker_id in up) for w in self.manager.role("decode")]
-        ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo)
+        prefill = [PrefillSide(w.worker_id, w.pending, w.alive) for w in self.manager.role("prefill")]
+        decode = [DecodeSide(w.worker_id, w.bound, w.alive) for w in self.manager.role("decode")]
+        ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo, resumed)
         booking = self.dispatcher.dispatch(ask, prefix, prefill, decode, time.monotonic())
         p, d = self.manager.workers[booking.prefill_id], self.manager.workers[booking.decode_id]
         return Route(p, d, booking)

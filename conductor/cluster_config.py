@@ -6,7 +6,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from core.errors import check_positive
+from core.errors import ConfigError, check_positive
+from core.logs import LogConfig
+from core.tracing import TracingConfig
 from engine.config import EngineConfig, WorkerSpec
 from transport.config import TransportConfig
 
@@ -28,6 +30,11 @@ class ClusterConfig:
     prefill_gpus: GPUs per prefill worker actor (default: 1 if this machine sees CUDA, else 0;
         pass it explicitly when the Conductor runs on a head node without GPUs).
     decode_gpus: GPUs per decode worker actor (default: as above).
+    tracing: OpenTelemetry tracing of the Conductor and every worker (resolved: `TracingConfig.resolve`).
+    log: how the Conductor and every worker log.
+    migration_attempts: times one request may move to other (or restarted) workers after a
+        worker died or its KV transfer failed; past it the client gets UNAVAILABLE.
+    migration_stall_s: the longest one request waits, in all, for a live worker to move to.
     """
 
     prefill: int = 1
@@ -42,9 +49,16 @@ class ClusterConfig:
     model_id: str = "smollm2"
     prefill_gpus: int | None = None
     decode_gpus: int | None = None
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    migration_attempts: int = 3
+    migration_stall_s: float = 30.0
 
     def __post_init__(self) -> None:
-        check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s")
+        check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",
+                       "migration_stall_s")
+        if self.migration_attempts < 0:
+            raise ConfigError(f"migration_attempts must be >= 0, got {self.migration_attempts}")
 
     def gpus(self, role: str) -> int:
         given = self.prefill_gpus if role == "prefill" else self.decode_gpus
@@ -60,7 +74,8 @@ class ClusterConfig:
             index = i if role == "prefill" else i - self.prefill
             first = (i * self.worker_threads) % cores
             cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
-            specs.append(WorkerSpec(f"{role}-{index}", role, engine, self.transport, cpus))
+            specs.append(WorkerSpec(f"{role}-{index}", role, engine, self.transport, cpus,
+                                    tracing=self.tracing, log=self.log))
         return specs
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from conductor.admission import Admission, AdmissionConfig, Candidate, Decision, Objective, resolve
+from conductor.admission import Admission, AdmissionConfig, Candidate, Decision, Objective, Reason, resolve
 from conductor.admission_stats import AdmissionStats
 from conductor.backend import Slo
 from conductor.cost_model import CostModel
@@ -68,6 +68,7 @@ class Ask:
     max_tokens: int
     priority_class: str | None = None
     slo: Slo = field(default_factory=Slo)
+    resumed: bool = False  # a request moving to other workers (conductor/migration.py): admitted once already
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,10 +177,13 @@ class Dispatcher:
               prefix_tokens: int, now: float) -> Booking:
         name = objective.slo_class.name
         decision = self.admission.decide(candidate, p.ledger, d.ledger, now)
+        if ask.resumed and decision.reason is not Reason.KV_CAPACITY:
+            decision = replace(decision, reason=None)  # promised service once: only room can stop it
         if not decision.admitted:
             self.stats.rejected(name, decision.reason or "")
             raise decision.error()
-        self.stats.admitted(name)
+        if not ask.resumed:
+            self.stats.admitted(name)
         chunk = self.admission.colocated_chunk
         chunks = cdiv(candidate.new_tokens, chunk) if chunk else 0
         p.ledger.add(PendingPrefill(ask.request_id, objective.rank, candidate.deadline, candidate.prefill_ms, now,

@@ -15,7 +15,7 @@ from conductor.backend import BackendStats
 from core.messages import RequestEnd
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-RERUN_REASONS = ("worker_lost", "kv_transfer")
+RERUN_REASONS = ("worker_lost", "kv_transfer", "migrated")
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -34,8 +34,9 @@ class _BackendCollector(Collector):
         yield GaugeMetricFamily("halfmoon_kv_cache_blocks", "KV cache blocks in total.", s.kv_blocks_total)
         used = 1.0 - s.kv_blocks_free / s.kv_blocks_total if s.kv_blocks_total else 0.0
         yield GaugeMetricFamily("halfmoon_kv_cache_usage_ratio", "Fraction of KV cache blocks in use.", used)
-        rerun = CounterMetricFamily("halfmoon_requests_rerun", "Requests re-run before their first token, "
-                                    "by reason (worker_lost, kv_transfer).", labels=["reason"])
+        rerun = CounterMetricFamily("halfmoon_requests_rerun", "Requests re-run on other workers: before their "
+                                    "first token by cause (worker_lost, kv_transfer), after it (migrated: "
+                                    "moved mid-stream, the client saw a pause).", labels=["reason"])
         for reason in RERUN_REASONS:
             rerun.add_metric([reason], s.requests_rerun.get(reason, 0))
         yield rerun
