@@ -56,7 +56,8 @@ class GenerationInput:
 @dataclass(frozen=True, slots=True)
 class WorkerView:
     """One worker as the dashboard shows it: what the Conductor tracks about it and its last
-    health answer (`load`, None before the first; `at`: when it came, time.monotonic())."""
+    health answer (`load`, None before the first; `at`: when it came, time.monotonic()), and
+    the answers before it (rates and hit shares are their differences)."""
 
     worker_id: str
     role: str  # prefill, decode, colocated
@@ -65,6 +66,7 @@ class WorkerView:
     queue_depth: int
     load: WorkerLoad | None
     at: float
+    history: tuple[tuple[float, WorkerLoad], ...] = ()  # its recent answers, oldest first (at, load)
 
 
 @dataclass(frozen=True, slots=True)

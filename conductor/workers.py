@@ -12,6 +12,7 @@ import abc
 import asyncio
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from conductor.ledger import DecodeLedger, PrefillLedger
@@ -21,6 +22,7 @@ from engine.config import WorkerSpec
 log = logging.getLogger(__name__)
 
 PING_TIMEOUT_S = 5.0
+LOAD_HISTORY = 90  # health answers kept per worker (one a second: the dashboard's last minute and a half)
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class Worker:
     index_health: tuple[float, int] = (0.0, 0)  # its index holder: longest beat gap (s), resyncs
     load: WorkerLoad | None = None  # its last health answer (the dashboard's figures)
     load_at: float = 0.0  # when it came (time.monotonic())
+    history: deque[tuple[float, WorkerLoad]] = field(default_factory=lambda: deque(maxlen=LOAD_HISTORY))
 
     @property
     def worker_id(self) -> str:
@@ -92,3 +95,4 @@ async def _check(w: Worker) -> None:
     w.bound.total_blocks = load.total_blocks
     w.index_health = (load.index_heartbeat_max_gap_s, load.index_resyncs)
     w.load, w.load_at = load, time.monotonic()
+    w.history.append((w.load_at, load))

@@ -2,8 +2,8 @@
 the front door's recent history (conductor/live.py) as one JSON document (docs/DASHBOARD.md).
 
 Rates (steps/s, KV bytes/s) and the prefix-hit shares per tier are differences of the workers'
-counters between health answers, kept here in a short per-worker history: `RATE_S` for rates,
-`HITS_S` for hit shares.
+counters between health answers (the Conductor keeps the last ~90 s of them per worker):
+`RATE_S` for rates, `HITS_S` for hit shares.
 """
 
 from __future__ import annotations
@@ -62,7 +62,13 @@ class LiveView:
     # ------------------------------------------------------------------ workers
 
     def _remember(self, workers: tuple[WorkerView, ...]) -> None:
+        """The workers' recent answers: the Conductor's own history of them where it keeps one
+        (the cluster's health loop, every second whether or not anyone looks), else what this
+        view sampled at each request (the co-located engine)."""
         for w in workers:
+            if w.history:
+                self._history[w.worker_id] = deque((_Sample(at, load) for at, load in w.history), maxlen=HISTORY)
+                continue
             if w.load is None:
                 continue
             history = self._history.setdefault(w.worker_id, deque(maxlen=HISTORY))

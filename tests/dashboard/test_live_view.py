@@ -1,0 +1,71 @@
+"""The live document's arithmetic (dashboard/live.py) on hand-made worker histories: rates from
+counter differences, prefix hits per tier over prompt tokens. The backend here is a stand-in
+(named as such) that only returns the snapshot under test; tests/dashboard/test_api.py and
+test_browser.py run the real ones."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from conductor.admission import AdmissionConfig
+from conductor.backend import BackendStats, WorkerView
+from conductor.live import LiveWindow
+from core.messages import WorkerLoad
+from dashboard.live import LiveView
+
+
+def load(steps: int, computed: int, cached: int, from_host: int = 0, remote: int = 0, received: int = 0,
+         **kw: int) -> WorkerLoad:
+    return WorkerLoad(True, steps, 90, 100, 1, computed, cached, remote, blocks_from_host=from_host,
+                      kv_bytes_received=received, **kw)
+
+
+def view(wid: str, role: str, history: list[tuple[float, WorkerLoad]]) -> WorkerView:
+    at, last = history[-1]
+    return WorkerView(wid, role, True, 0, 2, last, at, tuple(history))
+
+
+class StandInBackend:
+    """Only what LiveView reads: the snapshot and the backend's descriptors."""
+
+    def __init__(self, workers: tuple[WorkerView, ...]) -> None:
+        self.workers = workers
+        self.admission_config = AdmissionConfig()
+        self.model = SimpleNamespace(id="m")
+        self.mode, self.block_size = "cluster", 16
+
+    def stats(self) -> BackendStats:
+        return BackendStats(1, 0, 90, 100, 0, workers=self.workers)
+
+    def ready(self) -> bool:
+        return True
+
+
+def document(workers: tuple[WorkerView, ...]) -> dict:
+    door = SimpleNamespace(backend=StandInBackend(workers), live=LiveWindow())
+    return LiveView(door).document()  # type: ignore[arg-type]
+
+
+def test_rates_and_prefix_hits_per_tier_come_from_the_workers_histories() -> None:
+    prefill = view("prefill-0", "prefill", [(100.0, load(10, 1000, 0)), (101.0, load(12, 1100, 50)),
+                                            (105.0, load(30, 1500, 500, from_host=10, remote=5))])
+    decode = view("decode-0", "decode", [(100.0, load(0, 0, 0, received=0)), (104.0, load(40, 0, 0, received=8e6)),
+                                         (105.0, load(50, 0, 0, received=10_000_000, reserved_blocks=4))])
+    doc = document((prefill, decode))
+    p, d = doc["workers"]
+    assert p["steps_per_s"] == pytest.approx(20 / 5) and p["transfer_bytes_per_s"] == 0
+    assert d["steps_per_s"] == pytest.approx(50 / 5) and d["transfer_bytes_per_s"] == pytest.approx(2e6)
+    assert d["kv"]["device"] == {"used": 10, "free": 90, "reserved": 4, "total": 100}
+    # Over the minute: 500 prompt tokens computed, 500 cached: 160 from host, 80 fetched, 260 device.
+    hits = doc["cluster"]["prefix_hits"]
+    assert hits == {"device": 0.26, "host": 0.16, "disk": 0.0, "remote": 0.08, "total": 0.5}
+    assert doc["slo"] == {"ttft_ms": 2000.0, "tbt_ms": 150.0}
+
+
+def test_no_history_yet_gives_zero_rates_and_no_hit_shares() -> None:
+    only = view("prefill-0", "prefill", [(100.0, load(10, 1000, 0))])
+    doc = document((only,))
+    assert doc["workers"][0]["steps_per_s"] == 0.0
+    assert doc["cluster"]["prefix_hits"]["total"] is None
