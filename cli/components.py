@@ -11,6 +11,8 @@ from conductor.admission import AdmissionConfig, Policy
 from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
 from conductor.server import ServerConfig
+from core.logs import FORMATS, LEVELS, LogConfig
+from core.tracing import PROTOCOLS, SAMPLERS, TracingConfig
 from engine.config import EngineConfig
 from transport.config import TransportConfig
 
@@ -52,6 +54,8 @@ CLUSTER = Component(
     excluded={
         "engine": "built from the engine flags by `serve` (one EngineConfig for both modes)",
         "model_id": "derived: --served-model-name, else the model's file or folder name",
+        "tracing": "built from the tracing flags by `serve`, the OTEL_* environment resolved (both modes)",
+        "log": "built from the log flags by `serve` (both modes)",
     })
 
 LIMITS = Component(
@@ -87,5 +91,18 @@ ADMISSION = Component(
            for cls in ("interactive", "standard", "batch") for slo in ("ttft", "tbt")},
     })
 
+TRACING = Component(
+    TracingConfig, "tracing (OpenTelemetry over OTLP; unset options come from the OTEL_* variables)",
+    flags={
+        "tracing": Flag(help="export one OpenTelemetry trace per request (off by default; "
+                             "docs/OPERATIONS.md, Tracing)"),
+        "otlp_protocol": Flag(choices=PROTOCOLS),
+        "trace_sampler": Flag(choices=SAMPLERS),
+    })
+
+LOGGING = Component(
+    LogConfig, "logs",
+    flags={"log_format": Flag(choices=FORMATS), "log_level": Flag(choices=LEVELS)})
+
 # The components whose flags `halfmoon serve` has, and the one the engine commands share.
-SERVE = (SERVER, ADMISSION, CLUSTER, ENGINE)
+SERVE = (SERVER, ADMISSION, CLUSTER, ENGINE, TRACING, LOGGING)

@@ -83,33 +83,52 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cli.components import ADMISSION, ENGINE, SERVER
+    from cli.components import ADMISSION, ENGINE, LOGGING, SERVER, TRACING
     from cli.flags import build
+    from core.logs import configure_logging
 
     limit_malloc_arenas()
     config = build(SERVER, args)  # every flag checked before anything starts
     admission = build(ADMISSION, args)
+    log = build(LOGGING, args)
+    tracing = build(TRACING, args).resolve(os.environ)
+    configure_logging(log)
+    announce_tracing(tracing)
     redis_url, redis_server = start_index(args)
     try:
-        return _serve(args, config, build(ENGINE, args, redis_url=redis_url), admission)
+        return _serve(args, config, build(ENGINE, args, redis_url=redis_url), admission, (tracing, log))
     finally:
         if redis_server is not None:
             redis_server.stop()
 
 
-def _serve(args: argparse.Namespace, config, engine_cfg, admission) -> int:
+def announce_tracing(tracing) -> None:
+    """Say where spans go (stderr), or that an OTLP endpoint in the environment is unused."""
+    if tracing.tracing:
+        print(f"halfmoon: tracing to {tracing.otlp_endpoint} over OTLP/{tracing.otlp_protocol} "
+              f"(service.name {tracing.otel_service_name}, sampler {tracing.trace_sampler}"
+              f"{f' {tracing.trace_sample_ratio:g}' if 'ratio' in tracing.trace_sampler else ''})",
+              file=sys.stderr, flush=True)
+    elif os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        print("halfmoon: tracing is off (--tracing turns it on); the OTEL_EXPORTER_OTLP_* endpoint is unused",
+              file=sys.stderr, flush=True)
+
+
+def _serve(args: argparse.Namespace, config, engine_cfg, admission, observability) -> int:
     if not args.colocated:
-        return _serve_cluster(args, config, engine_cfg, admission)
+        return _serve_cluster(args, config, engine_cfg, admission, observability)
     from conductor.colocated import ColocatedBackend
     from conductor.cost_model import CostModel
+    from core.tracing import start_tracing
     from engine.engine import Engine
 
     cost = CostModel.load(args.cost_model) if args.cost_model else None  # read before loading the model
     print(f"halfmoon: loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
+    tracer = start_tracing(observability[0], "colocated", "engine")
     engine = Engine(engine_cfg)
     try:
         backend = ColocatedBackend(engine, model_id(args), max_waiting=args.max_waiting, admission=admission,
-                                   cost_model=cost)
+                                   cost_model=cost, tracer=tracer)
         asyncio.run(_main(backend, config))
     finally:
         engine.close()
@@ -117,22 +136,25 @@ def _serve(args: argparse.Namespace, config, engine_cfg, admission) -> int:
     return 0
 
 
-def cluster_config(args: argparse.Namespace, engine_cfg):  # -> ClusterConfig
-    from cli.components import CLUSTER, TRANSPORT
+def cluster_config(args: argparse.Namespace, engine_cfg, observability=None):  # -> ClusterConfig
+    """The cluster of the flags; `observability`: (resolved TracingConfig, LogConfig) for the
+    Conductor and every worker (default: from the flags and this process's environment)."""
+    from cli.components import CLUSTER, LOGGING, TRACING, TRANSPORT
     from cli.flags import build
+    tracing, log = observability or (build(TRACING, args).resolve(os.environ), build(LOGGING, args))
     kv_host = args.kv_host or ("0.0.0.0" if args.ray_address else "127.0.0.1")
     # Each worker pins its own threads; the engine's --threads applies to the co-located mode.
     engine = dataclasses.replace(engine_cfg, num_threads=None, redis_url=None)
     if engine.host_cache_gb > 0 and engine.host_cache_name is None:  # the node's workers share one arena
         engine = dataclasses.replace(engine, host_cache_name=f"halfmoon-node-{os.getpid()}")
     return build(CLUSTER, args, engine=engine, transport=build(TRANSPORT, args, host=kv_host),
-                 model_id=model_id(args))
+                 model_id=model_id(args), tracing=tracing, log=log)
 
 
-def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission) -> int:
+def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission, observability) -> int:
     from conductor.cluster import ClusterBackend
 
-    cluster = cluster_config(args, engine_cfg)
+    cluster = cluster_config(args, engine_cfg, observability)
     print(f"halfmoon: starting {cluster.prefill} prefill + {cluster.decode} decode workers "
           f"({args.model}, {args.dtype}, {cluster.worker_threads} thread(s) each) on Ray ...",
           file=sys.stderr, flush=True)

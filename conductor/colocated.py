@@ -25,11 +25,13 @@ from conductor.admission_stats import AdmissionStats, TopGaps
 from conductor.backend import BackendStats, GenerationBackend, GenerationInput, WorkerView
 from conductor.cost_model import CostModel, profile_engine
 from conductor.dispatch import Ask, Booking, Dispatcher
-from conductor.errors import DeadlineExceededError, ServiceUnavailableError
+from conductor.errors import DeadlineExceededError, RetryableRejection, ServiceUnavailableError
 from conductor.ledger import DecodeLedger, PrefillLedger
 from conductor.profile_cache import cached_cost_model, profile_key
+from conductor import spans
 from core.errors import InvalidRequestError
-from core.messages import EngineInfo, TokenChunk
+from core.messages import EngineInfo, Timings, TokenChunk
+from core.tracing import NO_TRACER, Span, Tracer, now_ns
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from engine.worker import engine_load
@@ -43,6 +45,7 @@ class _Stream:
     queue: asyncio.Queue[_Item]
     booking: Booking
     gaps: TopGaps
+    added_ns: int  # when it entered the engine (its trace's time base)
     started: bool = False  # first token seen
 
 
@@ -50,10 +53,12 @@ class ColocatedBackend(GenerationBackend):
     mode = "colocated"
 
     def __init__(self, engine: Engine, model_id: str, max_waiting: int = 256,
-                 admission: AdmissionConfig | None = None, cost_model: CostModel | None = None) -> None:
+                 admission: AdmissionConfig | None = None, cost_model: CostModel | None = None,
+                 tracer: Tracer = NO_TRACER) -> None:
         """`cost_model`: None = the cached profile of this engine shape, else a quick profile at
-        start (conductor/profile_cache.py)."""
+        start (conductor/profile_cache.py). `tracer`: this process's (role colocated)."""
         self.engine = engine
+        self.tracer = tracer
         self.tokenizer = engine.tokenizer
         self.model = ModelInfo(model_id, engine.max_model_len, engine.model_config.vocab_size)
         # One bound on the queue: --max-waiting is this mode's name for max_queue_per_worker.
@@ -100,6 +105,7 @@ class ColocatedBackend(GenerationBackend):
         await asyncio.to_thread(self.loop.stop)
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(ServiceUnavailableError("the server is shutting down"))
+        self.tracer.shutdown()
 
     def ready(self) -> bool:
         return self._started and self.loop.alive
@@ -148,6 +154,8 @@ class ColocatedBackend(GenerationBackend):
         assert end is not None and self.dispatcher is not None
         self.dispatcher.finished(stream.booking, end.usage.completion_tokens, inp.params.max_tokens,
                                  end.timings.ttft_ms / 1e3, stream.gaps.mean_s())
+        if inp.span.recording:
+            self._trace_engine(inp.span, stream.added_ns, end.timings)
         return replace(chunk, end=replace(end, prediction=stream.booking.decision.prediction))
 
     def _open(self, inp: GenerationInput) -> tuple[str, _Stream]:
@@ -160,7 +168,7 @@ class ColocatedBackend(GenerationBackend):
         if request_id in self._streams:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use by a running request")
         booking = self._admit(inp, request_id)  # booked in both ledgers
-        stream = _Stream(self.loop.watch_async(request_id), booking, TopGaps(inp.params.max_tokens))
+        stream = _Stream(self.loop.watch_async(request_id), booking, TopGaps(inp.params.max_tokens), now_ns())
         self._streams[request_id] = stream
         now = time.monotonic()
         try:
@@ -181,7 +189,21 @@ class ColocatedBackend(GenerationBackend):
         n = len(inp.prompt_ids)
         cached = self.engine.cached_prefix_tokens(inp.prompt_ids, inp.cache_salt)
         ask = Ask(request_id, n, inp.params.max_tokens, inp.priority_class, inp.slo)
-        return self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, time.monotonic())
+        started, policy = now_ns(), self.admission_config.admission
+        try:
+            booking = self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, time.monotonic())
+        except RetryableRejection as e:
+            spans.admission(self.tracer, inp.span, started, policy, e)
+            raise
+        spans.admission(self.tracer, inp.span, started, policy, booking)
+        return booking
+
+    def _trace_engine(self, span: Span, added_ns: int, t: Timings) -> None:
+        """A finished request's time in the engine, from its timings: queue, prefill, decode."""
+        scheduled, first = added_ns + int(t.queue_ms * 1e6), added_ns + int(t.ttft_ms * 1e6)
+        self.tracer.record("engine.queue", span, added_ns, scheduled)
+        self.tracer.record("engine.prefill", span, scheduled, first)
+        self.tracer.record("engine.decode", span, first, added_ns + int(t.e2e_ms * 1e6))
 
     async def _next(self, stream: _Stream, deadline: float | None) -> TokenChunk:
         try:

@@ -1,7 +1,11 @@
 """What both APIs share: auth, the per-client stream limit, validation, the backend, metrics.
 
     door.client(authorization, peer)        -> client identity (or UnauthenticatedError)
-    door.generate(spec, client, api)         -> async iterator of TokenChunk ..., the last with `end`
+    door.generate(spec, client, api, call)   -> async iterator of TokenChunk ..., the last with `end`
+
+`call` names the incoming call for tracing (its span's name and attributes, the client's W3C
+traceparent): each request is one span at the front door, the parent of everything the backend
+and the workers trace for it (core/tracing.py), and the request's ids reach the logs.
 
 Every request that reaches the backend is also counted in `door.live` (the dashboard's recent
 history, conductor/live.py) and recorded in `door.traffic` (the Mooncake-format log the sizing
@@ -14,6 +18,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import dataclass, field, replace
 
 from conductor.auth import Authenticator, StreamLimiter
 from conductor.backend import GenerationBackend
@@ -23,7 +28,19 @@ from conductor.errors import RetryableRejection, TooManyStreamsError, status_of
 from conductor.live import LiveWindow, TrafficRecorder
 from conductor.metrics import Metrics
 from conductor.requests import Limits, RequestSpec, build_input
-from core.messages import TokenChunk
+from core.logs import bind_request
+from core.messages import RequestEnd, TokenChunk
+from core.tracing import Attributes, Span
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """An incoming call as tracing names it: the span's name, its attributes, and the client's
+    W3C traceparent (None: the request starts a trace)."""
+
+    name: str
+    attributes: Attributes = field(default_factory=dict)
+    traceparent: str | None = None
 
 
 class FrontDoor:
@@ -40,22 +57,39 @@ class FrontDoor:
         """Who is calling: their token's digest when auth is on, else their address."""
         return self.auth.check(authorization) or "peer:" + peer
 
-    async def generate(self, spec: RequestSpec, client: str, api: str) -> AsyncIterator[TokenChunk]:
-        """Validate, hold one of the client's stream slots, run on the backend, count it."""
-        done = False
+    async def generate(self, spec: RequestSpec, client: str, api: str,
+                       call: Call | None = None) -> AsyncIterator[TokenChunk]:
+        """Validate, hold one of the client's stream slots, run on the backend, count it; the
+        whole of it is the request's span (see the module docstring)."""
+        call = call or Call(api)
+        span = self.backend.tracer.start(call.name, call.traceparent, call.attributes, server=True, root=True)
+        bind_request(spec.request_id, span.traceparent)
+        done = started = False
         try:
             with self.limiter.hold(client):
                 b = self.backend
                 inp = build_input(spec, b.tokenizer, b.model, self.limits, priority_classes=b.priority_classes,
                                   kv_capacity_tokens=b.kv_capacity_tokens)
-                async with aclosing(self._run(inp, api)) as items:
+                async with aclosing(self._run(_traced(inp, span), api)) as items:
                     async for item in items:
+                        if not started:
+                            started = True
+                            bind_request(item.request_id, span.traceparent)
+                            span.event("first_token")
                         done = item.end is not None
+                        if item.end is not None and span.recording:
+                            span.set(_end_attributes(item.request_id, item.end))
                         yield item
-        except (asyncio.CancelledError, GeneratorExit):  # client cancel, deadline, disconnect
+        except (asyncio.CancelledError, GeneratorExit) as e:  # client cancel, deadline, disconnect
             if not done:
                 self.metrics.failed(api, "cancelled")
+                span.fail(e)
             raise
+        except BaseException as e:
+            span.fail(e)
+            raise
+        finally:
+            span.end()
 
     async def _run(self, inp: GenerationInput, api: str) -> AsyncIterator[TokenChunk]:
         """The backend's stream, counted: finished in metrics and the live window, rejected in
@@ -83,3 +117,21 @@ class FrontDoor:
             self.live.rejected(error.reason)
         elif status.http >= 500:  # the server's failures; a client's own mistakes are not shown
             self.live.failed()
+
+
+def _traced(inp: GenerationInput, span: Span) -> GenerationInput:
+    """The request with its span, which names what it asks for."""
+    if not span.recording:
+        return inp
+    span.set({"gen_ai.usage.input_tokens": len(inp.prompt_ids), "gen_ai.request.max_tokens": inp.params.max_tokens,
+              "halfmoon.priority_class": inp.priority_class or ""})
+    return replace(inp, span=span)
+
+
+def _end_attributes(request_id: str, end: RequestEnd) -> Attributes:
+    t, u = end.timings, end.usage
+    return {"halfmoon.request_id": request_id, "gen_ai.response.finish_reasons": [end.finish_reason.value],
+            "gen_ai.usage.output_tokens": u.completion_tokens, "halfmoon.cached_prompt_tokens":
+            u.cached_prompt_tokens, "halfmoon.ttft_ms": t.ttft_ms, "halfmoon.e2e_ms": t.e2e_ms,
+            "halfmoon.queue_ms": t.queue_ms, "halfmoon.prefill_ms": t.prefill_ms,
+            "halfmoon.transfer_ms": t.transfer_ms, "halfmoon.mean_tpot_ms": t.mean_tpot_ms}

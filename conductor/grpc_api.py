@@ -5,6 +5,7 @@ is not UTF-8) is INVALID_ARGUMENT with a message, not grpc's generic INTERNAL. E
 leaves as one status (see `conductor/errors.py`) with a `google.rpc.Status` in the trailer:
 BadRequest for a bad field; for a rejection, RetryInfo, ErrorInfo (reason: admission's, e.g.
 `ttft`; metadata `error`: the error's class) and SloPrediction when admission predicted anything.
+A `traceparent` in the call's metadata (W3C) makes the request's trace a part of the client's.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from conductor.errors import RetryableRejection, client_message, field_of, status_of
-from conductor.frontdoor import FrontDoor
+from conductor.frontdoor import Call, FrontDoor
 from conductor.rejection import reason_of
 from conductor.requests import RequestSpec, check_messages, check_model
 from core.errors import InvalidRequestError
 from core.messages import RequestEnd, SloPrediction
+from core.tracing import TRACEPARENT
 from halfmoon.v1 import generation_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -155,7 +157,10 @@ class GenerationService:
                 raise InvalidRequestError("request", request.error)
             remaining = context.time_remaining()
             deadline = None if remaining is None else time.monotonic() + remaining
-            async for item in self.door.generate(spec_from_proto(request, deadline), client, "grpc"):
+            call = Call(f"{SERVICE}/Generate", {"rpc.system": "grpc", "rpc.service": SERVICE,
+                                                "rpc.method": "Generate", "halfmoon.api": "grpc"},
+                        dict(context.invocation_metadata() or ()).get(TRACEPARENT))
+            async for item in self.door.generate(spec_from_proto(request, deadline), client, "grpc", call):
                 if item.token_ids or item.text:
                     yield pb.GenerateResponse(request_id=item.request_id, token_ids=item.token_ids, text=item.text)
                 if item.end is not None:

@@ -10,6 +10,7 @@ A client that disconnects stops its request (its KV is freed at the next engine 
 A rejection (admission, a client's stream limit) is a 429 with `Retry-After` (whole seconds) and
 an error object that carries `reason`, `retry_after_s` and the predictions (conductor/rejection.py).
 A request names its priority class in the body (`priority_class`) or the `X-Priority-Class` header.
+A W3C `traceparent` header makes the request's trace a part of the client's (core/tracing.py).
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from conductor import openai_schema as oa
 from conductor.errors import RequestTooLargeError, RetryableRejection, status_of
-from conductor.frontdoor import FrontDoor
+from conductor.frontdoor import Call, FrontDoor
 from conductor.rejection import retry_after_header
 from core.errors import HalfmoonError, InvalidRequestError
 from core.messages import TokenChunk
+from core.tracing import TRACEPARENT
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +135,10 @@ async def _serve(door: FrontDoor, request: Request, client: str,
     if spec.priority_class is None and header is not None:  # the body's field wins
         spec.priority_class = header.strip()
         spec.names = {**spec.names, "priority_class": PRIORITY_CLASS_HEADER}
-    items = door.generate(spec, client, "http")
+    path = request.url.path
+    call = Call(f"POST {path}", {"http.request.method": "POST", "url.path": path, "halfmoon.api": "http"},
+                request.headers.get(TRACEPARENT))
+    items = door.generate(spec, client, "http", call)
     model = door.backend.model.id
     if not stream:
         return await _until_disconnect(request, lambda: _collect(items, model, chat))

@@ -117,6 +117,7 @@ class PrefillTask:
     block_servers: Mapping[str, str] = field(default_factory=dict)
     priority: int = 0  # its class's rank: the prefill queue serves higher first
     deadline: float = math.inf  # then earlier deadline first (the Conductor's clock: an order, not a time)
+    traceparent: str | None = None  # W3C: the request's span at the Conductor (None: not traced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +142,7 @@ class DecodeTask:
     cache_salt: str | None
     timeout_s: float = 60.0
     block_servers: Mapping[str, str] = field(default_factory=dict)
+    traceparent: str | None = None  # as in PrefillTask
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,13 @@ state sampled by the prefill worker) and streams its tokens. A transfer that fai
 prefill worker lost, timeout), a cancel, or a reservation that has not joined by its deadline
 (its Conductor is gone) returns the reserved blocks; after a normal finish the prompt's blocks
 stay as prefix cache and the unused room is free.
+
+A task with a traceparent is traced (core/tracing.py): a `decode` span with `decode.kv_wait`
+(the task arrived -> its KV verified), `decode.queue` (-> the engine emitted its first token, the
+prefill's), `decode.compute` (-> its last token), a `first_token` event, the finish reason and
+token count; and a `kv_transfer` span under the prefill worker's span (its traceparent came with
+the KV) from the first unit to the last, with one `kv.layer` event per layer (units, blocks,
+bytes, xxh3-64 checksums).
 """
 
 from __future__ import annotations
@@ -30,16 +37,18 @@ from dataclasses import dataclass, replace
 
 from core.blocks import cdiv
 from core.errors import InvalidRequestError
+from core.logs import bind_request
 from core.messages import (DecodeCapacityError, DecodeFailedError, DecodeTask, KVHandoff,
                            KVTransferFailedError, PrefilledKV, ReservationError, TokenChunk,
                            WorkerLoad)
+from core.tracing import Event, Span, now_ns
 from engine.config import WorkerSpec
 from engine.worker import EngineWorker
 from kvpool.errors import OutOfBlocksError
 from kvpool.remote import RemoteBlockReader
 from transport.config import advertised_address
 from transport.errors import TransportError
-from transport.receiver import KVReceiver
+from transport.receiver import KVReceiver, TransferResult
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +102,7 @@ class DecodeWorker(EngineWorker):
         reservation = Reservation(blocks, cdiv(num_prompt_tokens, self.engine.config.block_size), deadline)
         self._reserved[request_id] = reservation
         try:
-            self.receiver.expect(request_id, reservation.prompt)
+            self.receiver.expect(request_id, reservation.prompt, record=self.tracer.enabled)
         except TransportError as e:  # the receiver cannot take it (e.g. it is closing)
             await self._release(request_id)
             raise KVTransferFailedError(f"request {request_id!r}: the KV receiver refused it: {e}") from e
@@ -101,23 +110,52 @@ class DecodeWorker(EngineWorker):
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenChunk]:
         """Wait for the KV, then stream the request's tokens (the first one included)."""
+        bind_request(task.request_id, task.traceparent)
+        span = self.tracer.start("decode", task.traceparent)
         self.learn_block_servers(task.block_servers)
-        prefilled = await self._receive(task)
-        queue = self.loop.watch_async(task.request_id)
         finished = False
         try:
+            phase = now_ns()
+            prefilled = await self._receive(task, span)
+            phase = self._phase(span, "decode.kv_wait", phase)
+            queue = self.loop.watch_async(task.request_id)
             await self._join(task, prefilled)
+            tokens = 0
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
                     raise DecodeFailedError(f"the decode engine failed: {item}") from item
                 finished = item.finished
+                if span.recording:
+                    phase, tokens = self._progress(span, item, phase, tokens)
                 yield item
+        except BaseException as e:
+            span.fail(e)
+            raise
         finally:
+            span.end()
             if not finished:
                 self.loop.unwatch(task.request_id)
                 self.engine.abort(task.request_id)
                 self.loop.wake()
+
+    def _phase(self, span: Span, name: str, start_ns: int) -> int:
+        """Record phase `name` of `span` from `start_ns` to now; now (the next phase's start)."""
+        end = now_ns()
+        self.tracer.record(name, span, start_ns, end)
+        return end
+
+    def _progress(self, span: Span, item: TokenChunk, phase: int, tokens: int) -> tuple[int, int]:
+        """A traced request's chunk: the first ends its queue wait, the last its compute."""
+        if not tokens:
+            span.event("first_token")
+            phase = self._phase(span, "decode.queue", phase)
+        tokens += len(item.token_ids)
+        if item.end is not None:
+            self._phase(span, "decode.compute", phase)
+            span.set({"halfmoon.request_id": item.request_id, "halfmoon.finish_reason": item.end.finish_reason.value,
+                      "halfmoon.output_tokens": tokens, "halfmoon.preemptions": item.end.num_preemptions})
+        return phase, tokens
 
     async def cancel(self, request_id: str) -> None:
         """Stop a request wherever it is: waiting for KV (blocks returned) or decoding (aborted)."""
@@ -126,10 +164,12 @@ class DecodeWorker(EngineWorker):
         self.engine.abort(request_id)
         self.loop.wake()
 
-    async def _receive(self, task: DecodeTask) -> PrefilledKV:
+    async def _receive(self, task: DecodeTask, span: Span) -> PrefilledKV:
         self._receiving.add(task.request_id)
         try:
             result = await asyncio.to_thread(self.receiver.wait, task.request_id, task.timeout_s)
+            if span.recording:
+                self._trace_transfer(span, result)
         except TransportError as e:
             await self._release(task.request_id)
             raise KVTransferFailedError(f"request {task.request_id!r}: KV transfer failed: {e}") from e
@@ -140,6 +180,16 @@ class DecodeWorker(EngineWorker):
         finally:
             self._receiving.discard(task.request_id)
         return PrefilledKV.from_meta(result.meta)
+
+    def _trace_transfer(self, span: Span, result: TransferResult) -> None:
+        """The KV transfer as a span of the sender's (the prefill worker's traceparent came with
+        the KV; else under this request's `span`): its first unit to now, one event per layer."""
+        end = now_ns()
+        start = result.first_unit_ns or end
+        self.tracer.record("kv_transfer", result.traceparent or span, start, end, {
+            "halfmoon.request_id": result.request_id, "halfmoon.kv_units": result.num_units,
+            "halfmoon.kv_bytes": result.num_bytes, "halfmoon.worker": self.spec.worker_id},
+            _layer_events(result))
 
     async def _join(self, task: DecodeTask, prefilled: PrefilledKV) -> None:
         reservation = self._reserved.pop(task.request_id, None)
@@ -220,6 +270,18 @@ def _check_reserve(num_prompt_tokens: int, max_new_tokens: int, timeout_s: float
         raise InvalidRequestError("max_new_tokens", f"must be >= 0, got {max_new_tokens}")
     if not timeout_s > 0:
         raise InvalidRequestError("timeout_s", f"must be > 0, got {timeout_s}")
+
+
+def _layer_events(result: TransferResult) -> list[Event]:
+    """One `kv.layer` event per layer (at its last unit's verification): its units, blocks,
+    bytes and the xxh3-64 checksum of each unit (hex, in arrival order)."""
+    by_layer: dict[int, list] = {}
+    for unit in result.units:
+        by_layer.setdefault(unit.layer, []).append(unit)
+    return [Event("kv.layer", units[-1].at_ns, {
+        "layer": layer, "units": len(units), "blocks": sum(u.blocks for u in units),
+        "bytes": sum(u.nbytes for u in units), "checksums": [f"{u.checksum:016x}" for u in units]})
+        for layer, units in sorted(by_layer.items())]
 
 
 def _log_failure(future: Future) -> None:

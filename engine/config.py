@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from core.errors import ConfigError, check_positive
+from core.logs import LogConfig
+from core.tracing import TracingConfig
 from transport.config import TransportConfig
 
 if TYPE_CHECKING:
@@ -89,6 +91,9 @@ class WorkerSpec:
     worker_id: unique in the cluster; the Ray actor's name and the holder id in the index.
     cpus: cores to pin this worker's threads to (None = no pinning); torch gets one thread
         per core unless `engine.num_threads` says otherwise.
+    tracing: the Conductor's tracing, resolved there (the OTEL_* environment of the Conductor
+        holds on every node).
+    log: how the worker logs (as the Conductor).
     """
 
     worker_id: str
@@ -97,6 +102,8 @@ class WorkerSpec:
     transport: TransportConfig = field(default_factory=TransportConfig)
     cpus: tuple[int, ...] | None = None
     node_id: str = "local"
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    log: LogConfig = field(default_factory=LogConfig)
 
     def engine_config(self) -> EngineConfig:
         threads = self.engine.num_threads or (len(self.cpus) if self.cpus else None)

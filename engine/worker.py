@@ -16,7 +16,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
+from core.logs import configure_logging
 from core.messages import EngineInfo, IntegrityError, IntegrityReport, Profile, WorkerLoad
+from core.tracing import start_tracing
 from engine.config import WorkerSpec
 from engine.engine import Engine
 from engine.loop import EngineLoop
@@ -106,6 +108,9 @@ class EngineWorker:
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
         self.spec = spec
+        configure_logging(spec.log)
+        # Tracing asked for and impossible fails the worker's start, as it fails the Conductor's.
+        self.tracer = start_tracing(spec.tracing, spec.role, spec.worker_id)
         self._block_servers: Mapping[str, str] = {}
         remote = remote or TransportBlockReader(self._block_server_of, FETCH_TIMEOUT_S)
         self.engine = Engine(spec.engine_config(), remote=remote)
@@ -206,6 +211,7 @@ class EngineWorker:
             self.remote.close()
         self.loop.stop()
         self.engine.close()
+        self.tracer.shutdown()
 
 
 def block_problems(pool: BlockPool, requests: Iterable[Request],

@@ -7,23 +7,32 @@ each layer's final blocks to the decode worker's reserved blocks as soon as the 
 cache and are published to the cluster index.
 
     result = await worker.prefill(PrefillTask(...))   # returns once the decode side verified all KV
+
+A task with a traceparent is traced (core/tracing.py): a `prefill` span with `prefill.queue`
+(arrival -> first scheduled), `prefill.compute` (-> first token; a `chunk` event per engine step
+that completed KV blocks of the prompt) and `prefill.kv_push` (-> the decode side verified every
+unit: the transfer's exposed tail); its traceparent travels with the KV to the decode side.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
+from core.logs import bind_request
 from core.messages import (KVTransferFailedError, PrefillFailedError, PrefillResult, PrefillTask,
-                           TokenChunk, WorkerLoad)
+                           Timings, TokenChunk, WorkerLoad)
 from core.params import FinishReason
+from core.tracing import Event, Span, Tracer, now_ns
 from engine.config import WorkerSpec
 from engine.worker import EngineWorker
 from kvpool.remote import RemoteBlockReader
 from transport.errors import TransportError
 from transport.faults import FaultInjector
 from transport.peers import KVPeers
+from transport.sender import SentUnit
 
 
 class PrefillWorker(EngineWorker):
@@ -37,19 +46,30 @@ class PrefillWorker(EngineWorker):
         """Prefill `task`, pushing its KV into the decode worker's blocks; raises
         KVTransferFailedError when the KV did not arrive intact, PrefillFailedError when the
         prefill did not complete."""
+        bind_request(task.request_id, task.traceparent)
+        arrived = now_ns()
         self.learn_block_servers(task.block_servers)
+        span = self.tracer.start("prefill", task.traceparent, start_ns=arrived)
         try:
-            return await self._prefill(task)
+            return await self._prefill(task, span, arrived)
         except TransportError as e:
-            raise KVTransferFailedError(f"request {task.request_id!r}: KV push failed: {e}") from e
+            error = KVTransferFailedError(f"request {task.request_id!r}: KV push failed: {e}")
+            span.fail(error)
+            raise error from e
+        except BaseException as e:
+            span.fail(e)
+            raise
+        finally:
+            span.end()
 
-    async def _prefill(self, task: PrefillTask) -> PrefillResult:
+    async def _prefill(self, task: PrefillTask, span: Span, arrived: int) -> PrefillResult:
         sender = await asyncio.to_thread(self.peers.sender, task.handoff.address)
-        stream = sender.open(task.request_id, task.handoff.block_ids)
+        stream = sender.open(task.request_id, task.handoff.block_ids, span.traceparent, span.recording)
         queue = self.loop.watch_async(task.request_id)
         self.pending_tokens += len(task.prompt_ids)
         done = False
         try:
+            added = now_ns()
             self.engine.add_request(task.prompt_ids, task.params, request_id=task.request_id,
                                     cache_salt=task.cache_salt, kv_push=stream, priority=task.priority,
                                     deadline=task.deadline)
@@ -58,7 +78,12 @@ class PrefillWorker(EngineWorker):
             done = True
             computed = time.perf_counter()
             await asyncio.to_thread(stream.wait, task.timeout_s)  # the decode side verified it all
-            return _result(final, (time.perf_counter() - computed) * 1e3)
+            result = _result(final, (time.perf_counter() - computed) * 1e3)
+            if span.recording:
+                assert final.end is not None
+                _trace_phases(self.tracer, span, (arrived, added), final.end.timings, stream.log or [])
+                span.set(_attributes(task, result, stream.log or []))
+            return result
         finally:
             self.pending_tokens -= len(task.prompt_ids)
             if not done:  # cancelled or failed: stop computing, free its blocks
@@ -102,3 +127,37 @@ def _result(final: TokenChunk, push_ms: float) -> PrefillResult:
     assert end is not None
     return PrefillResult(final.request_id, final.token_ids[0], end.usage.cached_prompt_tokens,
                          end.timings.queue_ms, end.timings.prefill_ms, push_ms)
+
+
+def _trace_phases(tracer: Tracer, span: Span, times: tuple[int, int], t: Timings,
+                  units: Sequence[SentUnit]) -> None:
+    """The prefill's phases under `span`, from the engine's timings (`times`: when the task
+    arrived, when it entered the engine): queue, compute (with its chunks), the push's tail."""
+    arrived, added = times
+    scheduled = added + int(t.queue_ms * 1e6)
+    first = added + int(t.ttft_ms * 1e6)
+    tracer.record("prefill.queue", span, arrived, scheduled)
+    tracer.record("prefill.compute", span, scheduled, first, events=_chunks(units))
+    tracer.record("prefill.kv_push", span, first, now_ns())
+
+
+def _chunks(units: Sequence[SentUnit]) -> list[Event]:
+    """One `chunk` event per engine step that pushed KV blocks of the prompt: the layers of one
+    step come in order, so a layer not above the last one starts the next step's."""
+    events: list[Event] = []
+    nbytes = 0
+    for i, u in enumerate(units):
+        nbytes += u.nbytes
+        if i + 1 == len(units) or units[i + 1].layer <= u.layer:
+            events.append(Event("chunk", u.at_ns, {"chunk": len(events), "blocks": u.blocks,
+                                                   "last_layer": u.layer, "bytes": nbytes}))
+            nbytes = 0
+    return events
+
+
+def _attributes(task: PrefillTask, result: PrefillResult, units: Sequence[SentUnit]) -> dict:
+    return {"halfmoon.request_id": task.request_id, "halfmoon.prompt_tokens": len(task.prompt_ids),
+            "halfmoon.cached_prompt_tokens": result.num_cached_tokens, "halfmoon.queue_ms": result.queue_ms,
+            "halfmoon.prefill_ms": result.prefill_ms, "halfmoon.push_ms": result.push_ms,
+            "halfmoon.kv_units": len(units), "halfmoon.kv_bytes": sum(u.nbytes for u in units),
+            "halfmoon.kv_address": task.handoff.address}

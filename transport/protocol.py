@@ -21,7 +21,10 @@ Connection setup (the receiver listens, the sender connects):
     receiver -> ACCEPT | REFUSE {field, message}
 
 Then the sender streams UNIT (request, layer, destination block ids, payload, checksum trailer), DONE
-(request, number of units, metadata such as the first token) and CANCEL; the receiver answers
+(request, number of units, metadata such as the first token, and optionally `traceparent`: the
+sender's span of the request, W3C, so the receiver's transfer span joins the request's trace; an
+optional key of the JSON body, so no version change: a receiver without tracing ignores it, a
+sender without tracing omits it) and CANCEL; the receiver answers
 each DONE with a RESULT {ok | error}. A message backend carries a unit's payload frames and
 trailer on a data lane of their own (`Channel.post_many(..., data_from=...)`), so a receiver
 that posts receives ahead (`Channel.posted_recv`) reads the next headers while payload lands.

@@ -3,7 +3,8 @@ units straight into the reserved blocks of the local KV tensor, verifies their c
 tells `wait()` when a request's transfer is complete.
 
     receiver = KVReceiver(kv_cache, layout, get_backend("tcp")).start()
-    receiver.expect("r1", reserved_block_ids)     # before the sender starts pushing
+    receiver.expect("r1", reserved_block_ids)     # before the sender starts pushing (record=True:
+                                                  # every verified unit in the result, for tracing)
     result = receiver.wait("r1", timeout=30)      # every unit in and verified, or an exception
 
 Invariant: once `wait()` or `cancel()` has returned, no byte for that request will be written to
@@ -21,6 +22,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -59,12 +61,26 @@ _OUTCOMES_KEPT = 1024
 PIPELINE_DEPTH = 4
 
 
+class UnitRecord(NamedTuple):
+    """A verified unit (a receiver that records): when it was verified (wall-clock ns), its
+    layer, blocks, bytes and xxh3-64 checksum."""
+
+    at_ns: int
+    layer: int
+    blocks: int
+    nbytes: int
+    checksum: int
+
+
 @dataclass(slots=True)
 class TransferResult:
     request_id: str
     meta: dict  # what the sender attached to DONE (e.g. the first token)
     num_units: int
     num_bytes: int
+    traceparent: str | None = None  # the sender's span of this request (W3C), if it sent one
+    units: tuple[UnitRecord, ...] = ()  # every unit, in order, when `expect` asked to record
+    first_unit_ns: int = 0  # when its first unit started to arrive (recorded; 0 = not recorded)
 
 
 @dataclass(slots=True)
@@ -87,6 +103,9 @@ class _Expected:
     units: int = 0
     bytes: int = 0
     meta: dict = field(default_factory=dict)
+    log: list[UnitRecord] | None = None  # recording: the verified units
+    first_ns: int = 0
+    traceparent: str | None = None
 
 
 class KVReceiver:
@@ -115,13 +134,15 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ the caller's verbs
 
-    def expect(self, request_id: str, block_ids: list[int]) -> None:
-        """Allow units of `request_id` to write into `block_ids` (and nowhere else)."""
+    def expect(self, request_id: str, block_ids: list[int], record: bool = False) -> None:
+        """Allow units of `request_id` to write into `block_ids` (and nowhere else); `record`:
+        list every verified unit in its `TransferResult` (tracing)."""
         self.kv.check(0, block_ids)
         with self._cond:
             if request_id in self._expected:
                 raise ProtocolError(f"request {request_id!r} is already expected")
-            self._expected[request_id] = _Expected(request_id, frozenset(block_ids))
+            self._expected[request_id] = _Expected(request_id, frozenset(block_ids),
+                                                   log=[] if record else None)
 
     def wait(self, request_id: str, timeout: float) -> TransferResult:
         """Block until every unit of the request arrived and verified; raises the transfer's
@@ -136,7 +157,8 @@ class KVReceiver:
             self._forget(exp)
         if exp.error is not None:
             raise exp.error
-        return TransferResult(request_id, exp.meta, exp.units, exp.bytes)
+        return TransferResult(request_id, exp.meta, exp.units, exp.bytes, exp.traceparent,
+                              tuple(exp.log or ()), exp.first_ns)
 
     def cancel(self, request_id: str) -> None:
         """Stop accepting units for the request; returns once none is being written."""
@@ -275,6 +297,8 @@ class KVReceiver:
                     f"expected {self.layout.unit_bytes(len(ids))}"))
                 return None
             exp.busy += 1
+            if exp.log is not None and not exp.first_ns:
+                exp.first_ns = time.time_ns()
             return exp
 
     def _verified(self, exp: _Expected, header: Header, expected: int, actual: int) -> None:
@@ -289,6 +313,9 @@ class KVReceiver:
             exp.bytes += header.payload_len
             self.stats.units += 1
             self.stats.bytes += header.payload_len
+            if exp.log is not None:
+                exp.log.append(UnitRecord(time.time_ns(), header.layer, header.num_blocks,
+                                          header.payload_len, actual))
 
     def _drain(self, channel: Channel, lengths: list[int]) -> None:
         """Consume a payload nobody may use, in frames as the sender cut it (then the trailer)."""
@@ -313,6 +340,8 @@ class KVReceiver:
             if exp is not None and exp.state == "pending":
                 if exp.units == header.count:
                     exp.state, exp.meta = "done", dict(msg.get("meta") or {})
+                    traceparent = msg.get("traceparent")  # optional: a sender without tracing omits it
+                    exp.traceparent = traceparent if isinstance(traceparent, str) else None
                     self._cond.notify_all()
                 else:
                     self._fail(exp, ProtocolError(

@@ -2,7 +2,7 @@
 streams transfer units straight from the local KV tensor, and a bound on in-flight bytes.
 
     sender = KVSender(kv_cache, layout, backend, receiver_address)   # connect + handshake
-    stream = sender.open("r1", dst_block_ids)
+    stream = sender.open("r1", dst_block_ids)    # (traceparent=..., record=True: see PushStream)
     stream.send_layer(layer, src_ids, dst_ids)  # returns at once (blocks only on backpressure)
     stream.finish({"first_token": 42})          # after the last unit
     stream.wait(timeout=30)                      # the receiver verified everything, or raises
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -59,6 +61,15 @@ class SenderStats:
     peak_inflight_bytes: int = 0
 
 
+class SentUnit(NamedTuple):
+    """A unit as the caller queued it (`PushStream.log`): wall-clock ns, layer, blocks, bytes."""
+
+    at_ns: int
+    layer: int
+    blocks: int
+    nbytes: int
+
+
 @dataclass(slots=True, eq=False)
 class _Job:
     kind: Kind  # UNIT, DONE or CANCEL
@@ -72,12 +83,17 @@ class _Job:
 
 
 class PushStream:
-    """One request's transfer to the sender's peer."""
+    """One request's transfer to the sender's peer. `traceparent` (the request's span on this
+    side, W3C) travels in the DONE message to the receiver's `TransferResult`; `log`, when
+    recording, lists every unit as `send_layer` queued it (tracing: the prefill's chunks)."""
 
-    def __init__(self, sender: KVSender, request_id: str, dst_block_ids: Sequence[int]) -> None:
+    def __init__(self, sender: KVSender, request_id: str, dst_block_ids: Sequence[int],
+                 traceparent: str | None = None, record: bool = False) -> None:
         self.sender = sender
         self.request_id = request_id
         self.dst_block_ids = list(dst_block_ids)
+        self.traceparent = traceparent
+        self.log: list[SentUnit] | None = [] if record else None
         self.units_submitted = 0
         self.units_sent = 0
         self.finished = False
@@ -95,6 +111,8 @@ class PushStream:
         nbytes = self.sender.layout.unit_bytes(len(src_ids))
         self.sender._submit(_Job(Kind.UNIT, self, layer, list(src_ids), list(dst_ids), nbytes))
         self.units_submitted += 1
+        if self.log is not None:
+            self.log.append(SentUnit(time.time_ns(), layer, len(src_ids), nbytes))
 
     def finish(self, meta: dict | None = None) -> None:
         """No more units; `meta` (JSON-able) reaches the receiver's `wait()` result."""
@@ -180,13 +198,16 @@ class KVSender:
 
     # ------------------------------------------------------------------ the caller's verbs
 
-    def open(self, request_id: str, dst_block_ids: Sequence[int]) -> PushStream:
+    def open(self, request_id: str, dst_block_ids: Sequence[int], traceparent: str | None = None,
+             record: bool = False) -> PushStream:
+        """A stream for one request (`traceparent`, `record`: see PushStream)."""
         with self._cond:
             if self._broken is not None:
                 raise self._broken
             if request_id in self._streams:
                 raise ProtocolError(f"request {request_id!r} already has an open stream")
-            stream = self._streams[request_id] = PushStream(self, request_id, dst_block_ids)
+            stream = PushStream(self, request_id, dst_block_ids, traceparent, record)
+            self._streams[request_id] = stream
         return stream
 
     @property
@@ -310,7 +331,10 @@ class KVSender:
         if job.kind is Kind.UNIT:
             return self._send_unit(job)
         if job.kind is Kind.DONE:
-            body = json_body({"request_id": stream.request_id, "meta": job.meta})
+            done = {"request_id": stream.request_id, "meta": job.meta}
+            if stream.traceparent is not None:
+                done["traceparent"] = stream.traceparent
+            body = json_body(done)
             return self.channel.post_many(message_frames(Header(Kind.DONE, count=job.count), body), self.timeout)
         send_json(self.channel, Kind.CANCEL, {"request_id": stream.request_id}, self.timeout)
         with self._cond:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cli.components import ADMISSION, CLUSTER, ENGINE, LIMITS, SERVE, SERVER, TRANSPORT
+from cli.components import ADMISSION, CLUSTER, ENGINE, LIMITS, LOGGING, SERVE, SERVER, TRACING, TRANSPORT
 from cli.flags import Component, Flag, add_flags, build, env_var, field_docs
 from cli.main import build_parser, parse_args, subparser
 from conductor.admission import AdmissionConfig
@@ -18,10 +18,12 @@ from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
 from conductor.server import ServerConfig
 from core.errors import ConfigError
+from core.logs import LogConfig
+from core.tracing import TracingConfig
 from engine.config import EngineConfig
 from transport.config import TransportConfig
 
-COMPONENTS = (ENGINE, TRANSPORT, CLUSTER, LIMITS, SERVER, ADMISSION)
+COMPONENTS = (ENGINE, TRANSPORT, CLUSTER, LIMITS, SERVER, ADMISSION, TRACING, LOGGING)
 
 
 def options(command: str) -> dict[str, argparse.Action]:
@@ -48,7 +50,8 @@ def test_every_field_is_a_flag_or_excluded_with_a_reason(component: Component) -
 
 def test_the_serve_components_cover_every_config_class() -> None:
     covered = {c.cls for c in SERVE} | {c.cls for top in SERVE for c in top.nested.values()}
-    assert covered == {EngineConfig, TransportConfig, ClusterConfig, Limits, ServerConfig, AdmissionConfig}
+    assert covered == {EngineConfig, TransportConfig, ClusterConfig, Limits, ServerConfig, AdmissionConfig,
+                       TracingConfig, LogConfig}
 
 
 def test_existing_flag_names_keep_working() -> None:

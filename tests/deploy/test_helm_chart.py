@@ -676,6 +676,8 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--http-port": HelmValue("conductor.httpPort", 8001, "8001"),
     "--served-model-name": HelmValue("conductor.servedModelName", "probe", "probe"),
     "--request-timeout-s": HelmValue("conductor.requestTimeoutS", 90, "90"),
+    "--migration-attempts": HelmValue("conductor.migrationAttempts", 5, "5"),
+    "--migration-stall-s": HelmValue("conductor.migrationStallS", 12.5, "12.5"),
     "--max-prompt-tokens": HelmValue("conductor.limits.maxPromptTokens", 1000, "1000"),
     "--max-tokens-limit": HelmValue("conductor.limits.maxTokens", 1001, "1001"),
     "--max-request-bytes": HelmValue("conductor.limits.maxRequestBytes", 1002, "1002"),
@@ -719,6 +721,15 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--tls-cert": HelmValue("tls.existingSecret", "probe-tls", None),
     "--tls-key": HelmValue("tls.existingSecret", "probe-tls", None),
     "--no-dashboard": HelmValue("conductor.dashboard", False, None),
+    "--tracing": HelmValue("tracing.enabled", True, None),
+    "--otlp-endpoint": HelmValue("tracing.endpoint", "http://collector:4317", "http://collector:4317"),
+    "--otlp-protocol": HelmValue("tracing.protocol", "grpc", "grpc"),
+    "--otel-service-name": HelmValue("tracing.serviceName", "probe-llm", "probe-llm"),
+    "--trace-sampler": HelmValue("tracing.sampler", "parentbased_traceidratio", "parentbased_traceidratio"),
+    "--trace-sample-ratio": HelmValue("tracing.sampleRatio", 0.25, "0.25"),
+    "--otel-resource-attributes": HelmValue("tracing.resourceAttributes", "team=probe,env=test", "team=probe,env=test"),
+    "--log-format": HelmValue("logs.format", "json", "json"),
+    "--log-level": HelmValue("logs.level", "info", "info"),
 }
 SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--help": "argparse's own",
@@ -735,6 +746,7 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--host-cache-name": "the Conductor names one host-tier arena per node",
     "--no-redis": "the chart always runs a block index (bundled or external Redis)",
     "--dashboard": "on by default; conductor.dashboard=false gives --no-dashboard",
+    "--no-tracing": "off by default; tracing.enabled=true gives --tracing",
 }
 # What the samples need besides themselves: an external Redis instead of the bundled one.
 SAMPLE_EXTRAS = {"redis": {"bundled": {"enabled": False}}}

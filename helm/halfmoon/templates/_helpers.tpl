@@ -174,7 +174,29 @@ argparse parser, so a flag that does not exist fails the tests).
 {{- if not $v.conductor.dashboard }}
 - --no-dashboard
 {{- end }}
-{{- range $flag, $value := dict "--kv-cache-gb" $v.engine.kvCacheGb "--block-size" $v.engine.blockSize "--max-num-seqs" $v.engine.maxNumSeqs "--max-num-batched-tokens" $v.engine.maxNumBatchedTokens "--max-model-len" $v.engine.maxModelLen "--num-blocks" $v.engine.numBlocks "--kv-timeout-s" $v.kvTransport.timeoutS "--kv-max-inflight-mb" $v.kvTransport.maxInflightMb "--request-timeout-s" $v.conductor.requestTimeoutS }}
+{{- $t := $v.tracing }}
+{{- if $t.enabled }}
+- --tracing
+{{- range $flag, $value := dict "--otlp-endpoint" $t.endpoint "--otlp-protocol" $t.protocol "--otel-service-name" $t.serviceName "--trace-sampler" $t.sampler "--otel-resource-attributes" $t.resourceAttributes }}
+{{- with $value }}
+- {{ $flag }}
+- {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- if not (kindIs "invalid" $t.sampleRatio) }}
+- --trace-sample-ratio
+- {{ include "halfmoon.num" $t.sampleRatio | quote }}
+{{- end }}
+{{- end }}
+{{- if ne $v.logs.format "text" }}
+- --log-format
+- {{ $v.logs.format | quote }}
+{{- end }}
+{{- if ne $v.logs.level "warning" }}
+- --log-level
+- {{ $v.logs.level | quote }}
+{{- end }}
+{{- range $flag, $value := dict "--kv-cache-gb" $v.engine.kvCacheGb "--block-size" $v.engine.blockSize "--max-num-seqs" $v.engine.maxNumSeqs "--max-num-batched-tokens" $v.engine.maxNumBatchedTokens "--max-model-len" $v.engine.maxModelLen "--num-blocks" $v.engine.numBlocks "--kv-timeout-s" $v.kvTransport.timeoutS "--kv-max-inflight-mb" $v.kvTransport.maxInflightMb "--request-timeout-s" $v.conductor.requestTimeoutS "--migration-attempts" $v.conductor.migrationAttempts "--migration-stall-s" $v.conductor.migrationStallS }}
 {{- if not (kindIs "invalid" $value) }}
 - {{ $flag }}
 - {{ include "halfmoon.num" $value | quote }}
