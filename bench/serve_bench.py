@@ -18,6 +18,12 @@ workload against two configurations started one after the other on this machine 
 co-located baseline and the disaggregated cluster — and prints cluster / baseline ratios.
 `--admission POLICIES` runs the admission-control benchmark instead (bench/admission_bench.py;
 `halfmoon bench serve --admission none --help` lists its flags).
+
+Tracing's cost: `--otlp-sink` runs an OTLP/gRPC receiver in the bench (bench/otlp_sink.py) and
+points every server it starts at it (`--otlp-endpoint`); a server started with `--tracing`
+exports every span there (nothing dropped, as with a collector), one without ignores it. Compare
+the same cluster without and with `--tracing --trace-sampler always_on` through `--compare`'s
+two slots (its tables then read co-located = tracing off, cluster = tracing on).
 """
 
 from __future__ import annotations
@@ -80,6 +86,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--compare", action="store_true", help="baseline vs cluster, each started by the bench")
     t.add_argument("--baseline-args", default=BASELINE_ARGS, help="compare: the co-located baseline")
     t.add_argument("--cluster-args", default=CLUSTER_ARGS, help="compare: the disaggregated cluster")
+    t.add_argument("--otlp-sink", action="store_true",
+                   help="receive the started servers' traces here (OTLP/gRPC on 127.0.0.1): appends "
+                        "--otlp-endpoint to their flags; with --tracing in them, every span is exported")
     r = p.add_argument_group("replay and output")
     r.add_argument("--warmup", type=int, default=2, help="short requests sent before each replay")
     r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -233,12 +242,15 @@ def serving(system: System, log_dir: Path, say: Progress) -> Iterator[tuple[str,
             proc.wait()
 
 
-def systems(args: argparse.Namespace) -> list[System]:
+def systems(args: argparse.Namespace, otlp_endpoint: str | None = None) -> list[System]:
+    """The servers to replay against; `otlp_endpoint` is added to the flags of those we start."""
+    extra = f" --otlp-endpoint {otlp_endpoint}" if otlp_endpoint else ""
     if args.compare:
-        return [System(BASELINE_NAME, None, args.baseline_args), System(CLUSTER_NAME, None, args.cluster_args)]
+        return [System(BASELINE_NAME, None, args.baseline_args + extra),
+                System(CLUSTER_NAME, None, args.cluster_args + extra)]
     if args.target:
         return [System("halfmoon", args.target, None)]
-    return [System("halfmoon", None, args.serve_args)]
+    return [System("halfmoon", None, args.serve_args + extra)]
 
 
 def workloads(args: argparse.Namespace) -> list[tuple[float | None, Workload]]:
@@ -523,14 +535,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if args.out else None
     log_dir = out if out is not None else Path(tempfile.mkdtemp(prefix="halfmoon-serve-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    runs = [run for system in systems(args) for run in run_system(system, plan, opts, log_dir, say)]
+    with contextlib.ExitStack() as stack:
+        sink = stack.enter_context(_sink()) if args.otlp_sink else None
+        runs = [run for system in systems(args, sink.endpoint if sink else None)
+                for run in run_system(system, plan, opts, log_dir, say)]
     comp = comparison(runs, args.attainment_target) if args.compare else None
     result = summary(args, argv, plan, runs, comp)
+    if sink is not None:
+        result["otlp_sink"] = {"endpoint": sink.endpoint, "spans": len(sink.spans()), "exports": sink.exports}
+        say(f"OTLP sink: {result['otlp_sink']['spans']} spans received")
     if out is not None:
         (out / "serve_bench.json").write_text(json.dumps({**result, "runs": runs}, indent=1) + "\n")
         result["files"] = [str(out / "serve_bench.json"), *plot(out, runs, slo)]
     print(json.dumps(result) if args.json else render(result, runs, comp))
     return 0 if all(r["metrics"]["errors"] == 0 and r["metrics"]["completed"] > 0 for r in runs) else 1
+
+
+@contextlib.contextmanager
+def _sink() -> Iterator[Any]:
+    from bench.otlp_sink import OtlpSink
+
+    with OtlpSink() as sink:
+        yield sink
 
 
 def summary(args: argparse.Namespace, argv: Sequence[str] | None, plan: list[tuple[float | None, Workload]],

@@ -175,6 +175,8 @@ class RayWorkers(WorkerGroup):
     def stop(self) -> None:
         import ray
 
+        if self.config.tracing.tracing:
+            self._flush_traces()
         for w in self.workers.values():
             try:
                 ray.kill(w.api.handle)  # type: ignore[union-attr]
@@ -183,3 +185,19 @@ class RayWorkers(WorkerGroup):
         self.workers.clear()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+
+    def _flush_traces(self, timeout_s: float = 5.0) -> None:
+        """The workers' buffered spans exported before they are killed (a worker that does not
+        answer in time loses its last spans: said in the log)."""
+        import ray
+
+        refs = {w.api.handle.flush_traces.remote(): w.worker_id for w in self.workers.values()}  # type: ignore[union-attr]
+        done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+        for ref in done:
+            try:
+                if not ray.get(ref):
+                    log.warning("worker %s: its spans were not all exported before it stopped", refs[ref])
+            except Exception as e:  # a dead worker's spans are gone with it
+                log.warning("worker %s: could not flush its spans: %s", refs[ref], e)
+        for ref in late:
+            log.warning("worker %s: did not flush its spans within %.0f s", refs[ref], timeout_s)

@@ -232,6 +232,10 @@ class Tracer:
         units); returns it (ended) so children can be recorded under it."""
         return NO_SPAN
 
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Export what is buffered now (before a process is killed); False if it timed out."""
+        return True
+
     def shutdown(self) -> None:
         """Export what is buffered and stop (at process exit)."""
 
@@ -309,6 +313,9 @@ class OtelTracer(Tracer):
             span.event(e.name, e.attributes, e.at_ns)
         span.end(max(start_ns, end_ns))
         return span
+
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        return self.provider.force_flush(int(timeout_s * 1e3))
 
     def shutdown(self) -> None:
         self.provider.shutdown()

@@ -193,6 +193,11 @@ class EngineWorker:
     async def pid(self) -> int:
         return os.getpid()
 
+    async def flush_traces(self) -> bool:
+        """Export the spans this worker has buffered (the Conductor asks before it stops the
+        workers, which kills them); False if the exporter did not finish in time."""
+        return await asyncio.to_thread(self.tracer.flush)
+
     async def engine_info(self) -> EngineInfo:
         """What the Conductor needs to tokenize, hash blocks and size requests like this worker."""
         e = self.engine

@@ -210,3 +210,14 @@ def test_compare_runs_both_configurations_and_reports_ratios(tmp_path: Path) -> 
     assert head["figures"]["goodput"]["target"] == 2.0 and "ttft_p90" in head["figures"]
     assert (tmp_path / "goodput_vs_rate.png").is_file()
     assert (tmp_path / "serve-co-located.log").is_file() and (tmp_path / "serve-cluster.log").is_file()
+
+
+def test_the_otlp_sink_reaches_every_server_the_bench_starts() -> None:
+    """`--otlp-sink`: each started server gets `--otlp-endpoint` (tracing's cost is measured with a
+    real exporter); an existing target is left alone."""
+    args = sb.parse_args(["--compare", "--otlp-sink", "--cluster-args", "--prefill 1 --decode 1 --tracing"])
+    started = sb.systems(args, "http://127.0.0.1:4317")
+    assert [s.serve_args for s in started] == [
+        sb.BASELINE_ARGS + " --otlp-endpoint http://127.0.0.1:4317",
+        "--prefill 1 --decode 1 --tracing --otlp-endpoint http://127.0.0.1:4317"]
+    assert sb.systems(sb.parse_args(["--target", "h:1"]), "http://x:1")[0].serve_args is None
