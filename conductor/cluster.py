@@ -166,7 +166,7 @@ class ClusterBackend(GenerationBackend):
         if self.index is not None:
             health["conductor"] = (self.index.stats.max_heartbeat_gap_s, self.index.stats.resyncs)
         views = tuple(WorkerView(w.worker_id, w.spec.role, w.alive, w.restarts, depth[w.worker_id], w.load,
-                                 w.load_at) for w in self.manager.workers.values())
+                                 w.load_at, tuple(w.history)) for w in self.manager.workers.values())
         return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0,
                             dict(self._reruns), depth, self.admission_stats, health, views)
 

@@ -47,7 +47,7 @@ class LoadedWeights:
     weights: dict[str, torch.Tensor]
     path: Path
     fmt: str  # "gguf" or "hf"
-    gguf_reader: Any = None  # kept so the tokenizer reuses it (parsing the header takes ~2 s)
+    gguf_reader: Any = None  # the GGUF header (engine/gguf_header.py), kept for the tokenizer
 
 
 def resolve_model_path(model: str) -> Path:
@@ -167,15 +167,17 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
-    """The header is parsed every time (config, tokenizer); the tensors come dequantized from the
-    weights cache when it has them (engine/weights_cache.py)."""
+    """The header is parsed every time, fast (engine/gguf_header.py: config, tokenizer); the
+    tensors come dequantized from the weights cache when it has them (engine/weights_cache.py),
+    else from gguf's reader."""
+    from engine.gguf_header import read_header
     from engine.weights_cache import cached_weights
 
-    reader = open_gguf(path)
-    config = _gguf_config(reader, path)
-    weights = cached_weights(path, dtype, lambda: _dequantize_all(reader, config, path, dtype))
+    header = read_header(path)
+    config = _gguf_config(header, path)
+    weights = cached_weights(path, dtype, lambda: _dequantize_all(open_gguf(path), config, path, dtype))
     _check_complete(weights, config, path)
-    return LoadedWeights(config, weights, path, "gguf", reader)
+    return LoadedWeights(config, weights, path, "gguf", header)
 
 
 def _dequantize_all(reader: Any, config: ModelConfig, path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

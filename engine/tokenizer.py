@@ -19,7 +19,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-import gguf
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -65,7 +64,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
         "supported: gpt2, smollm")
 
 
-def _gguf_fields(reader: gguf.GGUFReader) -> dict[str, Any]:
+def _gguf_fields(reader: Any) -> dict[str, Any]:
     """The `tokenizer.*` metadata as Python values, keyed without `tokenizer.` / `ggml.`."""
     fields = {}
     for key, field in reader.fields.items():
@@ -174,11 +173,14 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build the tokenizer a GGUF file describes in its `tokenizer.*` metadata."""
-        return cls.from_gguf_reader(gguf.GGUFReader(str(path)))
+        from engine.gguf_header import read_header
+
+        return cls.from_gguf_reader(read_header(path))
 
     @classmethod
-    def from_gguf_reader(cls, reader: gguf.GGUFReader) -> Tokenizer:
-        """Like `from_gguf`, reusing a reader the weight loader already opened."""
+    def from_gguf_reader(cls, reader: Any) -> Tokenizer:
+        """Like `from_gguf`, from a header the weight loader already read (engine/gguf_header.py;
+        a `gguf.GGUFReader` works too: both have `fields` with `contents()`)."""
         fields = _gguf_fields(reader)
         return cls(_backend_from_gguf(fields), eos_id=int(fields["eos_token_id"]),
                    bos_id=fields.get("bos_token_id"), add_bos=bool(fields.get("add_bos_token")),

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import replace
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -35,6 +36,13 @@ from transport.layout import KVLayout
 log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 5.0  # one remote block fetch; past it the blocks are recomputed
+
+
+def _process_start() -> float:
+    """When this process began (Unix s): how long a restarted worker took to come up."""
+    import psutil
+
+    return psutil.Process().create_time()
 
 
 def engine_load(engine: Engine, loop: EngineLoop) -> WorkerLoad:
@@ -105,6 +113,7 @@ class EngineWorker:
     def __init__(self, spec: WorkerSpec, remote: RemoteBlockReader | None = None) -> None:
         """`remote`: how prefixes held by other workers are read (default: over the transport,
         from the block servers the Conductor names in each task; see `learn_block_servers`)."""
+        started = time.monotonic()
         if spec.cpus:
             os.sched_setaffinity(0, spec.cpus)
         self.spec = spec
@@ -120,6 +129,8 @@ class EngineWorker:
         if isinstance(remote, TransportBlockReader):
             remote.bind(self.layout, spec.transport)
         self.block_server = self._start_block_server()
+        log.info("worker %s ready: %.2f s to start, %.2f s since its process began", spec.worker_id,
+                 time.monotonic() - started, time.time() - _process_start())
 
     def _start_block_server(self) -> BlockServer | None:
         """Serve this worker's blocks (device, host, disk) to the others by hash."""
