@@ -16,6 +16,7 @@ BENCHMARKS = {
     "sim": "bench.sim_bench",
     "sim-vs-live": "bench.sim_vs_live",
     "dashboard": "bench.dashboard_bench",
+    "chaos": "bench.chaos_bench",
 }
 
 

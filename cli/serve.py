@@ -54,6 +54,7 @@ def start_index(args: argparse.Namespace) -> tuple[str | None, object | None]:
 
     server = EmbeddedRedis()
     server.start()
+    server.supervise()  # a crashed or killed index comes back on its own; the holders re-publish
     print(f"halfmoon: embedded Redis (block index) at {server.url}", file=sys.stderr, flush=True)
     return server.url, server
 

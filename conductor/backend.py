@@ -86,6 +86,8 @@ class BackendStats:
     # Per cluster-index holder: (longest gap between heartbeats in s, re-registrations).
     index_health: Mapping[str, tuple[float, int]] = field(default_factory=dict)
     workers: tuple[WorkerView, ...] = ()
+    index_up: bool | None = None  # the Conductor's cluster index reaches its Redis (None: no index)
+    index_errors: int = 0  # failed Redis calls of the Conductor's index since start
 
 
 class GenerationBackend(abc.ABC):
@@ -123,3 +125,8 @@ class GenerationBackend(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> BackendStats:
         """Current load, cheap enough to call on every scrape."""
+
+    def degraded(self) -> list[str]:
+        """Why serving goes on at less than full strength ([] = it does not): e.g. the cluster
+        index's Redis is unreachable, so prefixes are found only in each worker's own cache."""
+        return []

@@ -151,6 +151,16 @@ class ClusterBackend(GenerationBackend):
         await asyncio.to_thread(self.manager.stop)
         self.tracer.shutdown()
 
+    def degraded(self) -> list[str]:
+        reasons = []
+        if self.index is not None and not self.index.healthy:
+            reasons.append(f"cluster index: Redis at {self.redis_url} is unreachable; prefixes are found in each "
+                           "worker's own cache only until it is back (re-synced then, no restart needed)")
+        down = sorted(w.worker_id for w in self.manager.workers.values() if not w.alive)
+        if down and self.ready():
+            reasons.append(f"workers down (being restarted; requests go to the others): {', '.join(down)}")
+        return reasons
+
     def ready(self) -> bool:
         workers = self.manager.workers.values()
         return any(w.alive for w in workers if w.spec.role == "prefill") and \
@@ -167,8 +177,10 @@ class ClusterBackend(GenerationBackend):
             health["conductor"] = (self.index.stats.max_heartbeat_gap_s, self.index.stats.resyncs)
         views = tuple(WorkerView(w.worker_id, w.spec.role, w.alive, w.restarts, depth[w.worker_id], w.load,
                                  w.load_at, tuple(w.history)) for w in self.manager.workers.values())
+        index = self.index
         return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0,
-                            dict(self._reruns), depth, self.admission_stats, health, views)
+                            dict(self._reruns), depth, self.admission_stats, health, views,
+                            None if index is None else index.healthy, 0 if index is None else index.stats.redis_errors)
 
     # ------------------------------------------------------------------ requests
 

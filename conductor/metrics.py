@@ -49,6 +49,11 @@ class _BackendCollector(Collector):
             yield from _admission_metrics(s.admission)
         if s.index_health:
             yield from _index_metrics(s.index_health)
+        if s.index_up is not None:
+            yield GaugeMetricFamily("halfmoon_index_up", "1 while the Conductor's cluster index reaches its Redis, "
+                                    "0 while it serves from local caches only.", float(s.index_up))
+            yield CounterMetricFamily("halfmoon_index_redis_errors", "Failed Redis calls of the Conductor's "
+                                      "cluster index (each one, not once per outage).", s.index_errors)
 
 
 def _index_metrics(health: Mapping[str, tuple[float, int]]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -94,8 +94,12 @@ def build_app(door: FrontDoor) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        ok = door.backend.ready()
-        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
+        """ok (200); degraded (200: serving, at less than full strength, `reasons` say why);
+        unavailable (503)."""
+        if not door.backend.ready():
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        reasons = door.backend.degraded()
+        return JSONResponse({"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"})
 
     @app.get("/metrics")
     async def metrics() -> Response:

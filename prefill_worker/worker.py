@@ -74,7 +74,12 @@ class PrefillWorker(EngineWorker):
                                     cache_salt=task.cache_salt, kv_push=stream, priority=task.priority,
                                     deadline=task.deadline)
             self.loop.wake()
-            final = await self._final(queue, task.timeout_s)
+            try:
+                final = await self._final(queue, task.timeout_s)
+            except PrefillFailedError:
+                if stream.error is not None:  # the engine aborted it because its KV push failed
+                    raise stream.error from None
+                raise
             done = True
             computed = time.perf_counter()
             await asyncio.to_thread(stream.wait, task.timeout_s)  # the decode side verified it all
@@ -96,6 +101,12 @@ class PrefillWorker(EngineWorker):
         request). The decode side detects it, the transfer fails, and the Conductor re-runs the
         request if no token had reached the client."""
         self.faults.corrupt_next(request_id=request_id, times=times)
+
+    async def drop_kv_connections(self) -> int:
+        """Drill: close every KV connection to the decode workers at once, as a network fault
+        would; a push in flight fails (the Conductor re-runs or moves its request) and the next
+        push reconnects. How many connections were open."""
+        return self.peers.close()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)

@@ -53,8 +53,11 @@ class KVPeers:
             self._senders[address] = sender
             return sender
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Close every connection (the next `sender` opens a new one); how many were open. A
+        push in flight on one of them fails (the drills' dropped connection)."""
         with self._lock:
             senders, self._senders = list(self._senders.values()), {}
         for sender in senders:
             sender.close()
+        return len(senders)

@@ -170,7 +170,8 @@ class FullStatsBackend(ScriptedBackend):
         admission.rejected("batch", "shed")
         admission.measured(120.0, 0.1, 30.0, 0.04)
         return BackendStats(1, 0, 90, 128, 0, {"worker_lost": 1}, {"prefill-0": 1, "decode-0": 1}, admission,
-                            {"prefill-0": (2.5, 0), "decode-0": (2.6, 1), "conductor": (2.5, 0)})
+                            {"prefill-0": (2.5, 0), "decode-0": (2.6, 1), "conductor": (2.5, 0)},
+                            index_up=True, index_errors=3)
 
 
 @dataclass(frozen=True)
