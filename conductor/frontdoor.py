@@ -100,7 +100,7 @@ class FrontDoor:
             async with aclosing(self.backend.generate(inp)) as items:
                 async for item in items:
                     if item.end is not None:
-                        self.metrics.finished(api, item.end)
+                        self.metrics.finished(api, item.end, objective.slo_class.name)
                         self.live.finished(item.end, objective)
                         self.traffic.record(arrival, inp.prompt_ids, item.end.usage.completion_tokens,
                                             inp.cache_salt)

@@ -11,11 +11,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from conductor.admission_stats import AdmissionStats
-from conductor.backend import BackendStats
+from conductor.backend import BackendStats, WorkerView
 from core.messages import RequestEnd
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RERUN_REASONS = ("worker_lost", "kv_transfer", "migrated")
+PRIORITY_CLASSES = ("interactive", "standard", "batch")  # conductor/admission.py's classes
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -49,11 +50,57 @@ class _BackendCollector(Collector):
             yield from _admission_metrics(s.admission)
         if s.index_health:
             yield from _index_metrics(s.index_health)
+        if s.workers:
+            yield from _worker_metrics(s.workers)
         if s.index_up is not None:
             yield GaugeMetricFamily("halfmoon_index_up", "1 while the Conductor's cluster index reaches its Redis, "
                                     "0 while it serves from local caches only.", float(s.index_up))
             yield CounterMetricFamily("halfmoon_index_redis_errors", "Failed Redis calls of the Conductor's "
                                       "cluster index (each one, not once per outage).", s.index_errors)
+
+
+def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """Per worker, from its last health answer: liveness, batch, steps, KV blocks by tier and state,
+    KV bytes received, prompt tokens computed / cached, prefix blocks by the tier they came from."""
+    up = GaugeMetricFamily("halfmoon_worker_up", "1 while the worker answers its health checks.",
+                           labels=["worker", "role"])
+    restarts = CounterMetricFamily("halfmoon_worker_restarts", "Times the worker was restarted.", labels=["worker"])
+    running = GaugeMetricFamily("halfmoon_worker_running", "Requests in the worker's running batch.",
+                                labels=["worker"])
+    steps = CounterMetricFamily("halfmoon_worker_steps", "Engine steps the worker ran.", labels=["worker"])
+    blocks = GaugeMetricFamily("halfmoon_worker_kv_blocks", "KV blocks of the worker by tier (device, host, disk) "
+                               "and state (used, free; reserved: device blocks held for KV on its way).",
+                               labels=["worker", "tier", "state"])
+    received = CounterMetricFamily("halfmoon_worker_kv_received_bytes", "KV bytes the (decode) worker received "
+                                   "and verified.", labels=["worker"])
+    prompt = CounterMetricFamily("halfmoon_worker_prompt_tokens", "Prompt tokens the worker computed or found "
+                                 "cached.", labels=["worker", "source"])
+    prefix = CounterMetricFamily("halfmoon_worker_prefix_blocks", "Prefix blocks the worker reused from below "
+                                 "its device pool, by tier (host, disk, remote = another worker's).",
+                                 labels=["worker", "tier"])
+    for w in workers:
+        up.add_metric([w.worker_id, w.role], float(w.alive))
+        restarts.add_metric([w.worker_id], w.restarts)
+        load = w.load
+        if load is None:
+            continue
+        running.add_metric([w.worker_id], load.running)
+        steps.add_metric([w.worker_id], load.steps)
+        used = load.total_blocks - load.free_blocks
+        for tier, state, n in (("device", "used", used), ("device", "free", load.free_blocks),
+                               ("device", "reserved", load.reserved_blocks),
+                               ("host", "used", load.host_blocks_used),
+                               ("host", "free", load.host_blocks_total - load.host_blocks_used),
+                               ("disk", "used", load.disk_blocks_used),
+                               ("disk", "free", load.disk_blocks_total - load.disk_blocks_used)):
+            blocks.add_metric([w.worker_id, tier, state], n)
+        received.add_metric([w.worker_id], load.kv_bytes_received)
+        prompt.add_metric([w.worker_id, "computed"], load.prompt_tokens_computed)
+        prompt.add_metric([w.worker_id, "cached"], load.prompt_tokens_cached)
+        for tier, n in (("host", load.blocks_from_host), ("disk", load.blocks_from_disk),
+                        ("remote", load.blocks_fetched_remote)):
+            prefix.add_metric([w.worker_id, tier], n)
+    yield from (up, restarts, running, steps, blocks, received, prompt, prefix)
 
 
 def _index_metrics(health: Mapping[str, tuple[float, int]]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
@@ -100,28 +147,32 @@ class Metrics:
         self.cached_prompt_tokens = Counter("halfmoon_cached_prompt_tokens",
                                             "Prompt tokens served from the KV cache.", registry=r)
         self.generation_tokens = Counter("halfmoon_generation_tokens", "Generated tokens.", registry=r)
-        self.ttft = Histogram("halfmoon_time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, registry=r)
+        cls = ["class"]  # the request's priority class (interactive, standard, batch)
+        self.ttft = Histogram("halfmoon_time_to_first_token_seconds", "Time to first token, by priority class.",
+                              cls, buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("halfmoon_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request.",
-                              buckets=_TOKEN_GAP_BUCKETS, registry=r)
-        self.e2e = Histogram("halfmoon_request_duration_seconds", "Arrival to last token.",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("halfmoon_request_queue_seconds", "Arrival to admission into a batch.",
-                               buckets=_LATENCY_BUCKETS, registry=r)
+                              "Mean time per output token after the first, per request, by priority class.",
+                              cls, buckets=_TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("halfmoon_request_duration_seconds", "Arrival to last token, by priority class.",
+                             cls, buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("halfmoon_request_queue_seconds", "Arrival to admission into a batch, by priority "
+                               "class.", cls, buckets=_LATENCY_BUCKETS, registry=r)
+        for name in PRIORITY_CLASSES:  # every class's series exists (at zero) before its first request
+            for hist in (self.ttft, self.tpot, self.e2e, self.queue):
+                hist.labels(name)
         r.register(_BackendCollector(stats))
 
-    def finished(self, api: str, end: RequestEnd) -> None:
+    def finished(self, api: str, end: RequestEnd, priority_class: str = "standard") -> None:
         u, t = end.usage, end.timings
         self.requests.labels(api, "ok").inc()
         self.prompt_tokens.inc(u.prompt_tokens)
         self.cached_prompt_tokens.inc(u.cached_prompt_tokens)
         self.generation_tokens.inc(u.completion_tokens)
-        self.ttft.observe(t.ttft_ms / 1e3)
-        self.queue.observe(t.queue_ms / 1e3)
-        self.e2e.observe(t.e2e_ms / 1e3)
+        self.ttft.labels(priority_class).observe(t.ttft_ms / 1e3)
+        self.queue.labels(priority_class).observe(t.queue_ms / 1e3)
+        self.e2e.labels(priority_class).observe(t.e2e_ms / 1e3)
         if u.completion_tokens > 1:
-            self.tpot.observe(t.mean_tpot_ms / 1e3)
+            self.tpot.labels(priority_class).observe(t.mean_tpot_ms / 1e3)
 
     def failed(self, api: str, code: str) -> None:
         self.requests.labels(api, code.lower()).inc()

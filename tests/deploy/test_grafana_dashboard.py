@@ -26,7 +26,8 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from conductor.admission_stats import AdmissionStats
-from conductor.backend import BackendStats
+from conductor.backend import BackendStats, WorkerView
+from core.messages import WorkerLoad
 from conductor.server import ServerConfig
 from halfmoon.results import ModelInfo
 from tests.conductor.conftest import RunningApi, ScriptedBackend, run_api
@@ -169,9 +170,13 @@ class FullStatsBackend(ScriptedBackend):
         admission.admitted("standard")
         admission.rejected("batch", "shed")
         admission.measured(120.0, 0.1, 30.0, 0.04)
+        loads = {"prefill-0": WorkerLoad(True, 10, 100, 128, 1, 500, 200, 3, host_blocks_used=5, host_blocks_total=64,
+                                          blocks_from_host=2, running=1),
+                 "decode-0": WorkerLoad(True, 40, 90, 128, 1, reserved_blocks=4, kv_bytes_received=1 << 20, running=1)}
+        workers = tuple(WorkerView(wid, wid.split("-")[0], True, 0, 1, load, 0.0) for wid, load in loads.items())
         return BackendStats(1, 0, 90, 128, 0, {"worker_lost": 1}, {"prefill-0": 1, "decode-0": 1}, admission,
                             {"prefill-0": (2.5, 0), "decode-0": (2.6, 1), "conductor": (2.5, 0)},
-                            index_up=True, index_errors=3)
+                            workers=workers, index_up=True, index_errors=3)
 
 
 @dataclass(frozen=True)
