@@ -264,6 +264,8 @@ class ClusterBackend(GenerationBackend):
                     finished = True
                     last = self._last(rid, chunk, await prefill_done, len(inp.prompt_ids), arrival, first_at,
                                       route.booking.decision.prediction)
+                    last = replace(last, end=replace(last.end, prefill_worker=p.worker_id,  # type: ignore[arg-type]
+                                                     decode_worker=d.worker_id))
                     if not resumed:
                         self._measured(route, inp, last, gaps)
                     yield last

@@ -24,7 +24,7 @@ from conductor.admission import AdmissionConfig
 from conductor.admission_stats import AdmissionStats, TopGaps
 from conductor.backend import BackendStats, GenerationBackend, GenerationInput, WorkerView
 from conductor.cost_model import CostModel, profile_engine
-from conductor.dispatch import Ask, Booking, Dispatcher
+from conductor.dispatch import COLOCATED, Ask, Booking, Dispatcher
 from conductor.errors import DeadlineExceededError, RetryableRejection, ServiceUnavailableError
 from conductor.ledger import DecodeLedger, PrefillLedger
 from conductor.profile_cache import cached_cost_model, profile_key
@@ -156,7 +156,8 @@ class ColocatedBackend(GenerationBackend):
                                  end.timings.ttft_ms / 1e3, stream.gaps.mean_s())
         if inp.span.recording:
             self._trace_engine(inp.span, stream.added_ns, end.timings)
-        return replace(chunk, end=replace(end, prediction=stream.booking.decision.prediction))
+        return replace(chunk, end=replace(end, prediction=stream.booking.decision.prediction,
+                                          prefill_worker=COLOCATED, decode_worker=COLOCATED))
 
     def _open(self, inp: GenerationInput) -> tuple[str, _Stream]:
         """Admission, then the request enters the engine's inbox (booked in both ledgers)."""

@@ -16,7 +16,6 @@ from core.messages import RequestEnd
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RERUN_REASONS = ("worker_lost", "kv_transfer", "migrated")
-PRIORITY_CLASSES = ("interactive", "standard", "batch")  # conductor/admission.py's classes
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
@@ -147,19 +146,19 @@ class Metrics:
         self.cached_prompt_tokens = Counter("halfmoon_cached_prompt_tokens",
                                             "Prompt tokens served from the KV cache.", registry=r)
         self.generation_tokens = Counter("halfmoon_generation_tokens", "Generated tokens.", registry=r)
-        cls = ["class"]  # the request's priority class (interactive, standard, batch)
-        self.ttft = Histogram("halfmoon_time_to_first_token_seconds", "Time to first token, by priority class.",
-                              cls, buckets=_LATENCY_BUCKETS, registry=r)
+        # Labels: the request's priority class and the worker that set the figure (TTFT and queue:
+        # its prefill worker; TPOT and e2e: its decode worker; "engine" co-located).
+        cls = ["class", "worker"]
+        self.ttft = Histogram("halfmoon_time_to_first_token_seconds", "Time to first token, by priority class "
+                              "and prefill worker.", cls, buckets=_LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("halfmoon_time_per_output_token_seconds",
-                              "Mean time per output token after the first, per request, by priority class.",
-                              cls, buckets=_TOKEN_GAP_BUCKETS, registry=r)
-        self.e2e = Histogram("halfmoon_request_duration_seconds", "Arrival to last token, by priority class.",
-                             cls, buckets=_LATENCY_BUCKETS, registry=r)
+                              "Mean time per output token after the first, per request, by priority class and "
+                              "decode worker.", cls, buckets=_TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("halfmoon_request_duration_seconds", "Arrival to last token, by priority class and "
+                             "decode worker.", cls, buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("halfmoon_request_queue_seconds", "Arrival to admission into a batch, by priority "
-                               "class.", cls, buckets=_LATENCY_BUCKETS, registry=r)
-        for name in PRIORITY_CLASSES:  # every class's series exists (at zero) before its first request
-            for hist in (self.ttft, self.tpot, self.e2e, self.queue):
-                hist.labels(name)
+                               "class and prefill worker.", cls, buckets=_LATENCY_BUCKETS, registry=r)
+        self._seen: set[tuple[str, str]] = set()
         r.register(_BackendCollector(stats))
 
     def finished(self, api: str, end: RequestEnd, priority_class: str = "standard") -> None:
@@ -168,11 +167,20 @@ class Metrics:
         self.prompt_tokens.inc(u.prompt_tokens)
         self.cached_prompt_tokens.inc(u.cached_prompt_tokens)
         self.generation_tokens.inc(u.completion_tokens)
-        self.ttft.labels(priority_class).observe(t.ttft_ms / 1e3)
-        self.queue.labels(priority_class).observe(t.queue_ms / 1e3)
-        self.e2e.labels(priority_class).observe(t.e2e_ms / 1e3)
+        prefill, decode = end.prefill_worker or "unknown", end.decode_worker or "unknown"
+        self._initialise(priority_class, decode)
+        self.ttft.labels(priority_class, prefill).observe(t.ttft_ms / 1e3)
+        self.queue.labels(priority_class, prefill).observe(t.queue_ms / 1e3)
+        self.e2e.labels(priority_class, decode).observe(t.e2e_ms / 1e3)
         if u.completion_tokens > 1:
-            self.tpot.labels(priority_class).observe(t.mean_tpot_ms / 1e3)
+            self.tpot.labels(priority_class, decode).observe(t.mean_tpot_ms / 1e3)
+
+    def _initialise(self, priority_class: str, decode: str) -> None:
+        """A worker's first request: its TPOT series exists (at zero) even if that request made
+        one token, so a dashboard's rate() over it starts at once."""
+        if (priority_class, decode) not in self._seen:
+            self._seen.add((priority_class, decode))
+            self.tpot.labels(priority_class, decode)
 
     def failed(self, api: str, code: str) -> None:
         self.requests.labels(api, code.lower()).inc()

@@ -65,7 +65,9 @@ class SloPrediction:
 @dataclass(frozen=True, slots=True)
 class RequestEnd:
     """How a request ended; carried by its last chunk. `stop`: the stop string that ended it.
-    `prediction`: what admission predicted for it (None where nothing was predicted)."""
+    `prediction`: what admission predicted for it (None where nothing was predicted).
+    `prefill_worker` / `decode_worker`: where it ran last ("" where nobody said; the co-located
+    engine is "engine" for both)."""
 
     finish_reason: FinishReason
     stop: str | None
@@ -73,6 +75,8 @@ class RequestEnd:
     timings: Timings
     num_preemptions: int = 0
     prediction: SloPrediction | None = None
+    prefill_worker: str = ""
+    decode_worker: str = ""
 
 
 @dataclass(frozen=True, slots=True)
