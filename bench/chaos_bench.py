@@ -12,7 +12,8 @@ worker dropped (the prefill worker's drill verb, through Ray). Per fault it prin
 - the longest stall a stream saw (the largest gap between two of its chunks);
 - time to serve again: from the strike until the struck worker answered a new request (for
   Redis: until the Conductor's index is healthy again), median over the runs;
-- prompt tokens re-prefilled: what the prefill worker computed beyond the undisturbed run.
+- prompt tokens re-prefilled: what the Conductor sent to prefill again (a moved request's prompt is
+  its prompt + the tokens already sent; `halfmoon_requests_reprefilled_tokens_total`).
 """
 
 from __future__ import annotations
@@ -158,17 +159,24 @@ def stream_all(target: str, prompts: list[list[int]], max_tokens: int, strike: C
     return results
 
 
-def computed(server: Server) -> int:
-    return sum(w["prompt_tokens_computed"] for w in server.live()["workers"] if w["role"] == "prefill")
+def reprefilled(server: Server) -> int:
+    """The Conductor's count of prompt tokens it sent to prefill again (re-runs and moves)."""
+    with urllib.request.urlopen(server.http + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    match = re.search(r"^halfmoon_requests_reprefilled_tokens_total (\S+)$", text, re.MULTILINE)
+    return int(float(match.group(1))) if match else 0
 
 
 def served_again(server: Server, worker_id: str | None, restarts: int, struck: float, probe: list[int]) -> float:
     """Seconds from the strike until the struck worker is back and answered a new request (Redis:
-    until /health is ok again)."""
+    until /health is ok again: the index re-synced); polled while the streams still run."""
     deadline = struck + 300
+    seen_down = False
     while time.monotonic() < deadline:
-        if worker_id is None:
-            if server.health().get("status") == "ok":
+        if worker_id is None:  # Redis: degraded first (the index noticed), then ok (re-synced)
+            status = server.health().get("status")
+            seen_down = seen_down or status == "degraded" or time.monotonic() - struck > 30
+            if seen_down and status == "ok":
                 return time.monotonic() - struck
         else:
             w = next(w for w in server.live()["workers"] if w["id"] == worker_id)
@@ -204,20 +212,32 @@ def _redis_marker() -> str:
 
 
 def run_fault(server: Server, fault: str, prompts: list[list[int]], want: list[list[int]], args: argparse.Namespace,
-              probe: list[int], undisturbed_computed: int) -> dict[str, Any]:
+              probe: list[int]) -> dict[str, Any]:
     runs = []
     for _ in range(args.runs):
         strike, worker = strike_for(fault, server)
         restarts = next((w["restarts"] for w in server.live()["workers"] if w["id"] == worker), 0)
-        before = computed(server)
-        struck: list[float] = []
-        results = stream_all(server.grpc, prompts, args.max_tokens, lambda: (struck.append(time.monotonic()), strike()))
-        again = served_again(server, worker, restarts, struck[0], probe) if fault != "kv-drop" else None
+        before = reprefilled(server)
+        again: list[float] = []
+        watcher: list[threading.Thread] = []
+
+        def struck() -> None:
+            at = time.monotonic()
+            strike()
+            if fault != "kv-drop":  # measured while the streams still run
+                watch = threading.Thread(target=lambda: again.append(served_again(server, worker, restarts, at, probe)),
+                                         daemon=True)
+                watch.start()
+                watcher.append(watch)
+
+        results = stream_all(server.grpc, prompts, args.max_tokens, struck)
+        for watch in watcher:
+            watch.join(300)
         runs.append({"errors": sum(r["error"] is not None for r in results),
                      "identical": sum(r["tokens"] == w for r, w in zip(results, want, strict=True)),
                      "longest_stall_s": round(max(max(r["gaps"], default=0.0) for r in results), 3),
-                     "serve_again_s": None if again is None else round(again, 3),
-                     "reprefilled_tokens": computed(server) - before - undisturbed_computed,
+                     "serve_again_s": round(again[0], 3) if again else None,
+                     "reprefilled_tokens": reprefilled(server) - before,
                      "error_samples": [r["error"] for r in results if r["error"]][:2]})
     agains = [r["serve_again_s"] for r in runs if r["serve_again_s"] is not None]
     return {"fault": fault, "runs": runs, "errors": sum(r["errors"] for r in runs),
@@ -241,14 +261,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = Server(out / "serve.log")
     try:
         say(f"halfmoon serve up at {server.grpc}; the undisturbed run ...")
-        before = computed(server)
-        want_results = stream_all(server.grpc, prompts, args.max_tokens, None)
-        undisturbed = computed(server) - before
-        want = [r["tokens"] for r in want_results]
+        want = [r["tokens"] for r in stream_all(server.grpc, prompts, args.max_tokens, None)]
         results = []
         for fault in args.faults.split(","):
             say(f"fault {fault}: {args.runs} strike(s) on {args.streams} streams of {args.max_tokens} tokens ...")
-            results.append(run_fault(server, fault, prompts, want, args, probe, undisturbed))
+            results.append(run_fault(server, fault, prompts, want, args, probe))
     finally:
         server.stop()
     result = {"benchmark": "chaos", "streams": args.streams, "max_tokens": args.max_tokens, "runs": args.runs,

@@ -88,6 +88,7 @@ class BackendStats:
     workers: tuple[WorkerView, ...] = ()
     index_up: bool | None = None  # the Conductor's cluster index reaches its Redis (None: no index)
     index_errors: int = 0  # failed Redis calls of the Conductor's index since start
+    tokens_reprefilled: int = 0  # prompt tokens re-sent to prefill by re-runs and moves (conductor/migration.py)
 
 
 class GenerationBackend(abc.ABC):

@@ -100,6 +100,7 @@ class ClusterBackend(GenerationBackend):
         self._requests = 0  # attempts in flight
         self._streaming = 0  # of which past their first token
         self._reruns: collections.Counter[str] = collections.Counter()  # see BackendStats.requests_rerun
+        self._reprefilled = 0  # prompt tokens sent to prefill again by re-runs and moves
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -180,7 +181,8 @@ class ClusterBackend(GenerationBackend):
         index = self.index
         return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0,
                             dict(self._reruns), depth, self.admission_stats, health, views,
-                            None if index is None else index.healthy, 0 if index is None else index.stats.redis_errors)
+                            None if index is None else index.healthy, 0 if index is None else index.stats.redis_errors,
+                            self._reprefilled)
 
     # ------------------------------------------------------------------ requests
 
@@ -212,6 +214,7 @@ class ClusterBackend(GenerationBackend):
                 cause = "worker_lost" if isinstance(e, WorkerLostError) else "kv_transfer"
                 inp.span.event("halfmoon.rerun", {"halfmoon.cause": cause, "halfmoon.attempt": attempt + 1})
                 self._reruns["migrated" if progress.sent else cause] += 1
+                self._reprefilled += len(inp.prompt_ids) + len(progress.sent)  # the next attempt's prompt
                 progress.moves += bool(progress.sent)
                 if progress.sent:
                     log.warning("request %s: %s after %d tokens; moving it (attempt %d)", rid, e,

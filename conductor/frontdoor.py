@@ -100,7 +100,7 @@ class FrontDoor:
             async with aclosing(self.backend.generate(inp)) as items:
                 async for item in items:
                     if item.end is not None:
-                        self.metrics.finished(api, item.end, objective.slo_class.name)
+                        self.metrics.finished(api, item.end, objective.slo_class.name, _trace_id(inp.span))
                         self.live.finished(item.end, objective)
                         self.traffic.record(arrival, inp.prompt_ids, item.end.usage.completion_tokens,
                                             inp.cache_salt)
@@ -135,3 +135,9 @@ def _end_attributes(request_id: str, end: RequestEnd) -> Attributes:
             u.cached_prompt_tokens, "halfmoon.ttft_ms": t.ttft_ms, "halfmoon.e2e_ms": t.e2e_ms,
             "halfmoon.queue_ms": t.queue_ms, "halfmoon.prefill_ms": t.prefill_ms,
             "halfmoon.transfer_ms": t.transfer_ms, "halfmoon.mean_tpot_ms": t.mean_tpot_ms}
+
+
+def _trace_id(span: Span) -> str | None:
+    """The request's trace id (the exemplar of its latency samples), when it is traced."""
+    parent = span.traceparent
+    return parent.split("-")[1] if parent else None

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
-                               generate_latest)
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
+                               disable_created_metrics, generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -40,6 +40,10 @@ class _BackendCollector(Collector):
         for reason in RERUN_REASONS:
             rerun.add_metric([reason], s.requests_rerun.get(reason, 0))
         yield rerun
+        yield CounterMetricFamily("halfmoon_requests_reprefilled_tokens", "Prompt tokens sent to prefill again by "
+                                  "re-runs and moves (a moved request's prompt is its prompt + the tokens "
+                                  "already sent; the prefix cache spares most of their compute).",
+                                  s.tokens_reprefilled)
         depth = GaugeMetricFamily("halfmoon_queue_depth", "Requests pending on each worker (prefill: sent "
                                   "and not prefilled; decode: bound to it).", labels=["worker"])
         for worker, n in sorted(s.queue_depth.items()):
@@ -161,7 +165,10 @@ class Metrics:
         self._seen: set[tuple[str, str]] = set()
         r.register(_BackendCollector(stats))
 
-    def finished(self, api: str, end: RequestEnd, priority_class: str = "standard") -> None:
+    def finished(self, api: str, end: RequestEnd, priority_class: str = "standard",
+                 trace_id: str | None = None) -> None:
+        """A request's last chunk. `trace_id`: its trace, attached to its latency samples as an
+        exemplar (OpenMetrics scrapes show it: Grafana jumps from a slow bucket to the trace)."""
         u, t = end.usage, end.timings
         self.requests.labels(api, "ok").inc()
         self.prompt_tokens.inc(u.prompt_tokens)
@@ -169,11 +176,12 @@ class Metrics:
         self.generation_tokens.inc(u.completion_tokens)
         prefill, decode = end.prefill_worker or "unknown", end.decode_worker or "unknown"
         self._initialise(priority_class, decode)
-        self.ttft.labels(priority_class, prefill).observe(t.ttft_ms / 1e3)
-        self.queue.labels(priority_class, prefill).observe(t.queue_ms / 1e3)
-        self.e2e.labels(priority_class, decode).observe(t.e2e_ms / 1e3)
+        ex = {"trace_id": trace_id} if trace_id else None
+        self.ttft.labels(priority_class, prefill).observe(t.ttft_ms / 1e3, ex)
+        self.queue.labels(priority_class, prefill).observe(t.queue_ms / 1e3, ex)
+        self.e2e.labels(priority_class, decode).observe(t.e2e_ms / 1e3, ex)
         if u.completion_tokens > 1:
-            self.tpot.labels(priority_class, decode).observe(t.mean_tpot_ms / 1e3)
+            self.tpot.labels(priority_class, decode).observe(t.mean_tpot_ms / 1e3, ex)
 
     def _initialise(self, priority_class: str, decode: str) -> None:
         """A worker's first request: its TPOT series exists (at zero) even if that request made
@@ -185,5 +193,13 @@ class Metrics:
     def failed(self, api: str, code: str) -> None:
         self.requests.labels(api, code.lower()).inc()
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """The scrape and its content type: OpenMetrics (with exemplars) when the scraper asks
+        for it (`Accept: application/openmetrics-text`, as Prometheus does with exemplar storage
+        on), else Prometheus' text format."""
+        if accept and "application/openmetrics-text" in accept:
+            from prometheus_client.openmetrics.exposition import CONTENT_TYPE_LATEST as OPENMETRICS
+            from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+
+            return openmetrics(self.registry), OPENMETRICS
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -24,7 +24,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
 
 from conductor import openai_schema as oa
 from conductor.errors import RequestTooLargeError, RetryableRejection, status_of
@@ -102,8 +101,9 @@ def build_app(door: FrontDoor) -> FastAPI:
         return JSONResponse({"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(door.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    async def metrics(request: Request) -> Response:
+        body, content_type = door.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -110,3 +110,4 @@ def test_traffic_is_bounded() -> None:
     for i in range(5):
         traffic.record(float(i), [i], 1)
     assert len(traffic) == 3 and [r.input_length for r in traffic.rows(0.0)] == [1, 1, 1]
+

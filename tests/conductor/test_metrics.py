@@ -1,0 +1,25 @@
+"""The front door's Prometheus metrics (conductor/metrics.py): latency histograms by class and
+worker, trace ids as exemplars in the OpenMetrics scrape, the plain text format otherwise."""
+
+from __future__ import annotations
+
+from conductor.backend import BackendStats
+from conductor.metrics import Metrics
+from core.messages import RequestEnd, Timings, Usage
+from core.params import FinishReason
+
+
+def test_latency_samples_carry_the_trace_id_as_an_exemplar_in_openmetrics() -> None:
+    metrics = Metrics(lambda: BackendStats(0, 0, 0, 0, 0))
+    done = RequestEnd(FinishReason.LENGTH, None, Usage(10, 0, 5), Timings(1.0, 2.0, 0.0, 30.0, 5.0, 60.0),
+                      prefill_worker="prefill-0", decode_worker="decode-1")
+    metrics.finished("http", done, "interactive", trace_id="4bf92f3577b34da6a3ce929d0e0e4736")
+    text, content_type = metrics.render("application/openmetrics-text; version=1.0.0")
+    assert content_type.startswith("application/openmetrics-text")
+    line = next(x for x in text.decode().splitlines()
+                if x.startswith("halfmoon_time_to_first_token_seconds_bucket") and 'le="0.05"' in x)
+    assert 'class="interactive"' in line and 'worker="prefill-0"' in line
+    assert '# {trace_id="4bf92f3577b34da6a3ce929d0e0e4736"}' in line
+    plain, plain_type = metrics.render(None)
+    assert plain_type.startswith("text/plain") and b"trace_id" not in plain
+    assert b'halfmoon_time_per_output_token_seconds_count{class="interactive",worker="decode-1"} 1.0' in plain
