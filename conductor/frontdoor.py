@@ -25,7 +25,7 @@ from conductor.backend import GenerationBackend
 from conductor.admission import resolve
 from conductor.backend import GenerationInput
 from conductor.errors import RetryableRejection, TooManyStreamsError, status_of
-from conductor.live import LiveWindow, TrafficRecorder
+from conductor.live import LiveWindow, TrafficRecorder, meets
 from conductor.metrics import Metrics
 from conductor.requests import Limits, RequestSpec, build_input
 from core.logs import bind_request
@@ -100,7 +100,8 @@ class FrontDoor:
             async with aclosing(self.backend.generate(inp)) as items:
                 async for item in items:
                     if item.end is not None:
-                        self.metrics.finished(api, item.end, objective.slo_class.name, _trace_id(inp.span))
+                        self.metrics.finished(api, item.end, objective.slo_class.name, _trace_id(inp.span),
+                                              meets(item.end, objective))
                         self.live.finished(item.end, objective)
                         self.traffic.record(arrival, inp.prompt_ids, item.end.usage.completion_tokens,
                                             inp.cache_salt)

@@ -77,6 +77,14 @@ class LiveSnapshot:
     series: Series
 
 
+def meets(end: RequestEnd, objective: Objective) -> bool:
+    """Whether a finished request met both its objectives (its TBT: mean time per output token
+    after the first; a one-token answer has none). No objective = met."""
+    t = end.timings
+    tbt_ok = end.usage.completion_tokens <= 1 or t.mean_tpot_ms <= objective.tbt_ms
+    return t.ttft_ms <= objective.ttft_ms and tbt_ok
+
+
 class LiveWindow:
     def __init__(self, bin_s: float = 5.0, history_s: float = 600.0, max_samples: int = 512,
                  clock: Callable[[], float] = time.time) -> None:
@@ -93,7 +101,7 @@ class LiveWindow:
     def finished(self, end: RequestEnd, objective: Objective) -> None:
         t, u = end.timings, end.usage
         tbt = t.mean_tpot_ms if u.completion_tokens > 1 else None
-        good = t.ttft_ms <= objective.ttft_ms and (tbt is None or tbt <= objective.tbt_ms)
+        good = meets(end, objective)
         with self._lock:
             b = self._bin()
             b.finished += 1

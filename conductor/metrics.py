@@ -150,6 +150,9 @@ class Metrics:
         self.cached_prompt_tokens = Counter("halfmoon_cached_prompt_tokens",
                                             "Prompt tokens served from the KV cache.", registry=r)
         self.generation_tokens = Counter("halfmoon_generation_tokens", "Generated tokens.", registry=r)
+        self.slo = Counter("halfmoon_requests_slo", "Finished requests by priority class and whether they met "
+                           "both their objectives (outcome met / missed): goodput is the rate of met.",
+                           ["class", "outcome"], registry=r)
         # Labels: the request's priority class and the worker that set the figure (TTFT and queue:
         # its prefill worker; TPOT and e2e: its decode worker; "engine" co-located).
         cls = ["class", "worker"]
@@ -166,7 +169,7 @@ class Metrics:
         r.register(_BackendCollector(stats))
 
     def finished(self, api: str, end: RequestEnd, priority_class: str = "standard",
-                 trace_id: str | None = None) -> None:
+                 trace_id: str | None = None, met: bool = True) -> None:
         """A request's last chunk. `trace_id`: its trace, attached to its latency samples as an
         exemplar (OpenMetrics scrapes show it: Grafana jumps from a slow bucket to the trace)."""
         u, t = end.usage, end.timings
@@ -176,6 +179,7 @@ class Metrics:
         self.generation_tokens.inc(u.completion_tokens)
         prefill, decode = end.prefill_worker or "unknown", end.decode_worker or "unknown"
         self._initialise(priority_class, decode)
+        self.slo.labels(priority_class, "met" if met else "missed").inc()
         ex = {"trace_id": trace_id} if trace_id else None
         self.ttft.labels(priority_class, prefill).observe(t.ttft_ms / 1e3, ex)
         self.queue.labels(priority_class, prefill).observe(t.queue_ms / 1e3, ex)

@@ -23,3 +23,20 @@ def test_latency_samples_carry_the_trace_id_as_an_exemplar_in_openmetrics() -> N
     plain, plain_type = metrics.render(None)
     assert plain_type.startswith("text/plain") and b"trace_id" not in plain
     assert b'halfmoon_time_per_output_token_seconds_count{class="interactive",worker="decode-1"} 1.0' in plain
+
+
+def test_goodput_counts_requests_meeting_both_objectives_by_class() -> None:
+    from conductor.admission import AdmissionConfig, resolve
+    from conductor.backend import Slo
+    from conductor.live import meets
+
+    standard = resolve(AdmissionConfig(), None, Slo())  # 2000 ms / 150 ms
+    fast = RequestEnd(FinishReason.LENGTH, None, Usage(10, 0, 5), Timings(0.0, 0.0, 0.0, 300.0, 40.0, 500.0))
+    slow = RequestEnd(FinishReason.LENGTH, None, Usage(10, 0, 5), Timings(0.0, 0.0, 0.0, 300.0, 400.0, 2000.0))
+    assert meets(fast, standard) and not meets(slow, standard)
+    metrics = Metrics(lambda: BackendStats(0, 0, 0, 0, 0))
+    for end in (fast, fast, slow):
+        metrics.finished("grpc", end, "standard", met=meets(end, standard))
+    text = metrics.render(None)[0].decode()
+    assert 'halfmoon_requests_slo_total{class="standard",outcome="met"} 2.0' in text
+    assert 'halfmoon_requests_slo_total{class="standard",outcome="missed"} 1.0' in text
