@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 FAULTS = ("decode", "prefill", "redis", "kv-drop")
+killed_redis: list[int] = [0]  # the pid the redis fault killed last
 SERVE_ARGS = ["--prefill", "1", "--decode", "1", "--worker-threads", "1", "--kv-transport", "tcp",
               "--admission", "none"]
 TOPICS = ["the sea", "a lighthouse", "the moon", "a red fox", "winter rain", "an old clock", "a river", "snow"]
@@ -117,8 +118,9 @@ def _cmdline(p: Any) -> list[str]:
 
 
 def stream_all(target: str, prompts: list[list[int]], max_tokens: int, strike: Callable[[], None] | None,
-               warm: int = 4) -> list[dict[str, Any]]:
-    """Every prompt as one greedy stream at once; `strike` once each has `warm` tokens."""
+               warm: int = 4, ready: Callable[[], bool] | None = None) -> list[dict[str, Any]]:
+    """Every prompt as one greedy stream at once; `strike` once each has `warm` tokens, or, given
+    `ready`, as soon as it holds (e.g. prefills queued on the worker to strike)."""
     import grpc
 
     from halfmoon.v1 import generation_pb2 as pb
@@ -150,13 +152,22 @@ def stream_all(target: str, prompts: list[list[int]], max_tokens: int, strike: C
     threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
         t.start()
-    if strike is not None:
+    if strike is not None and ready is not None:
+        deadline = time.monotonic() + 300
+        while not ready() and time.monotonic() < deadline:
+            time.sleep(0.01)  # polling the server's view of its queues
+        strike()
+    elif strike is not None:
         for w in warmed:
             w.wait(300)
         strike()
     for t in threads:
         t.join(900)
     return results
+
+
+def _queued(server: Server, worker_id: str) -> int:
+    return next(w["queue_depth"] for w in server.live()["workers"] if w["id"] == worker_id)
 
 
 def reprefilled(server: Server) -> int:
@@ -171,12 +182,13 @@ def served_again(server: Server, worker_id: str | None, restarts: int, struck: f
     """Seconds from the strike until the struck worker is back and answered a new request (Redis:
     until /health is ok again: the index re-synced); polled while the streams still run."""
     deadline = struck + 300
-    seen_down = False
     while time.monotonic() < deadline:
-        if worker_id is None:  # Redis: degraded first (the index noticed), then ok (re-synced)
-            status = server.health().get("status")
-            seen_down = seen_down or status == "degraded" or time.monotonic() - struck > 30
-            if seen_down and status == "ok":
+        if worker_id is None:  # Redis: a new redis-server answers and the Conductor's index is healthy
+            try:
+                back = server.pid_of(_redis_marker()) != killed_redis[-1]
+            except RuntimeError:  # not restarted yet
+                back = False
+            if back and server.health().get("status") == "ok":
                 return time.monotonic() - struck
         else:
             w = next(w for w in server.live()["workers"] if w["id"] == worker_id)
@@ -193,7 +205,11 @@ def strike_for(fault: str, server: Server) -> tuple[Callable[[], None], str | No
         marker = "ray::DecodeWorker" if fault == "decode" else "ray::PrefillWorker"
         return (lambda: os.kill(server.pid_of(marker), signal.SIGKILL)), f"{fault}-0"
     if fault == "redis":
-        return (lambda: os.kill(server.pid_of(_redis_marker()), signal.SIGKILL)), None
+        def kill_redis() -> None:
+            killed_redis.append(server.pid_of(_redis_marker()))
+            os.kill(killed_redis[-1], signal.SIGKILL)
+
+        return kill_redis, None
 
     def drop() -> None:
         import ray
@@ -230,7 +246,9 @@ def run_fault(server: Server, fault: str, prompts: list[list[int]], want: list[l
                 watch.start()
                 watcher.append(watch)
 
-        results = stream_all(server.grpc, prompts, args.max_tokens, struck)
+        # The prefill worker is struck with prefills queued on it; the others mid-stream.
+        ready = (lambda: _queued(server, "prefill-0") > 0) if fault == "prefill" else None
+        results = stream_all(server.grpc, prompts, args.max_tokens, struck, ready=ready)
         for watch in watcher:
             watch.join(300)
         runs.append({"errors": sum(r["error"] is not None for r in results),
