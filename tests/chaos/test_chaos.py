@@ -28,6 +28,9 @@ from tests.e2e.support import reference, start_cluster, worker_load
 from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# The issue's six streams of 128 tokens for the worker kills; Redis and the dropped connections
+# only need streams in flight (shorter: the whole suite stays under 3 minutes).
+REDIS_TOKENS, DROP_TOKENS = 64, 32
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory, redis: EmbeddedRedis) -> Iterator[RunningApi]:
@@ -71,13 +74,13 @@ def test_redis_killed_under_load_then_back(cluster: RunningApi, redis: EmbeddedR
     ids, want = short
     index = cluster.backend.index
     assert index is not None and index.healthy
-    streams = Streams(cluster.grpc_target, ids, MAX_TOKENS, warm=4)
+    streams = Streams(cluster.grpc_target, ids, REDIS_TOKENS, warm=4, cache_salt="redis-kill")
     streams.wait_started()
     os.kill(redis._proc.pid, signal.SIGKILL)  # noqa: SLF001 - kill -9 of the server by pid is the fault
     # New requests while Redis is gone are served from the workers' own caches.
     late = Streams(cluster.grpc_target, [ids[0][:-1]], 8)
     assert late.finish() == reference(engine, [ids[0][:-1]], [8])
-    assert streams.finish() == want
+    assert streams.finish() == [w[:REDIS_TOKENS] for w in want]  # greedy: a prefix of the longer run
     wait_until(lambda: not index.healthy, timeout_s=30, what="the index noticing Redis is gone")
     assert any("Redis" in r for r in cluster.backend.degraded())  # what /health reports
     redis.start()
@@ -92,10 +95,10 @@ def test_dropped_kv_connections_mid_push(cluster: RunningApi, engine: Engine) ->
     import ray
 
     ids = prompts(engine, 250)  # ~300-token prompts: pushes of two chunks each
-    want = reference(engine, ids, [64] * STREAMS)
+    want = reference(engine, ids, [DROP_TOKENS] * STREAMS)
     prefill = cluster.backend.manager.workers["prefill-0"]
     computed = worker_load(cluster, "prefill-0").prompt_tokens_computed
-    streams = Streams(cluster.grpc_target, ids, 64)
+    streams = Streams(cluster.grpc_target, ids, DROP_TOKENS)
     wait_until(lambda: worker_load(cluster, "prefill-0").prompt_tokens_computed > computed, timeout_s=60,
                what="a prefill chunk computed (its layers pushed)")
     dropped = wait_until(lambda: ray.get(prefill.api.handle.drop_kv_connections.remote(), timeout=30),  # type: ignore[union-attr]
