@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any
 
 FAULTS = ("decode", "prefill", "redis", "kv-drop")
-killed_redis: list[int] = [0]  # the pid the redis fault killed last
 SERVE_ARGS = ["--prefill", "1", "--decode", "1", "--worker-threads", "1", "--kv-transport", "tcp",
               "--admission", "none"]
 TOPICS = ["the sea", "a lighthouse", "the moon", "a red fox", "winter rain", "an old clock", "a river", "snow"]
@@ -66,6 +65,7 @@ class Server:
             self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--grpc-port", "0",
                                           "--http-port", "0", *SERVE_ARGS], stdout=out, stderr=out, text=True,
                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.killed_redis = 0  # the pid the redis fault killed last
         match = self._wait(r"listening grpc=(\S+) http=(\S+)", 300)
         self.grpc, self.http = match.group(1), match.group(2)
 
@@ -185,7 +185,7 @@ def served_again(server: Server, worker_id: str | None, restarts: int, struck: f
     while time.monotonic() < deadline:
         if worker_id is None:  # Redis: a new redis-server answers and the Conductor's index is healthy
             try:
-                back = server.pid_of(_redis_marker()) != killed_redis[-1]
+                back = server.pid_of(_redis_marker()) != server.killed_redis
             except RuntimeError:  # not restarted yet
                 back = False
             if back and server.health().get("status") == "ok":
@@ -206,8 +206,8 @@ def strike_for(fault: str, server: Server) -> tuple[Callable[[], None], str | No
         return (lambda: os.kill(server.pid_of(marker), signal.SIGKILL)), f"{fault}-0"
     if fault == "redis":
         def kill_redis() -> None:
-            killed_redis.append(server.pid_of(_redis_marker()))
-            os.kill(killed_redis[-1], signal.SIGKILL)
+            server.killed_redis = server.pid_of(_redis_marker())
+            os.kill(server.killed_redis, signal.SIGKILL)
 
         return kill_redis, None
 

@@ -16,7 +16,7 @@ from typing import Any
 from conductor.backend import BackendStats, WorkerView
 from conductor.frontdoor import FrontDoor
 from core.messages import WorkerLoad
-from dashboard.sizing import finite
+from dashboard.jsonable import finite
 
 RATE_S = 5.0
 HITS_S = 60.0

@@ -51,6 +51,13 @@ class Dashboard:
         self.door = door
         self.live = LiveView(door)
         self.jobs = SizingJobs()
+        self._sample: tuple[TraceRequest, ...] | None = None
+
+    def sample(self) -> tuple[TraceRequest, ...]:
+        """The bundled sample trace, read once."""
+        if self._sample is None:
+            self._sample = tuple(read_trace(SAMPLE_TRACE))
+        return self._sample
 
     def authorized(self, request: Request) -> None:
         """Raises UnauthenticatedError unless auth is off or the header / cookie holds a token."""
@@ -61,7 +68,7 @@ class Dashboard:
         self.door.auth.check(header)
 
     def options(self) -> dict[str, Any]:
-        sample = tuple(read_trace(SAMPLE_TRACE))
+        sample = self.sample()
         live = self.live_trace(LIVE_MINUTES)
         n, span = trace_summary(sample)
         traces = [{"name": "sample", "label": f"bundled sample ({n} requests)", "requests": n, "duration_s": span}]
@@ -88,7 +95,7 @@ class Dashboard:
             raise InvalidRequestError("body", "must be a JSON object")
         kind = body.get("trace")
         if kind == "sample":
-            trace, source = tuple(read_trace(SAMPLE_TRACE)), "bundled sample trace"
+            trace, source = self.sample(), "bundled sample trace"
         elif kind == "live":
             minutes = body.get("live_minutes", LIVE_MINUTES)
             if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not 0 < minutes <= 24 * 60:

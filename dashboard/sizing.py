@@ -25,6 +25,7 @@ from conductor.admission import AdmissionConfig
 from conductor.cost_model import CostModel
 from conductor.errors import ConflictError, ResourceNotFoundError
 from core.errors import ConfigError, InvalidRequestError
+from dashboard.jsonable import finite
 from sim import builtin
 from sim.cluster import SimConfig
 from sim.sweep import Grid, sweep
@@ -191,17 +192,6 @@ def _run_sweep(request: SweepRequest, out: Any) -> None:
         out.put(("done", result))
     except Exception as e:  # reported to the page, not lost in the child
         out.put(("failed", f"{type(e).__name__}: {e}"))
-
-
-def finite(value: Any) -> Any:
-    """JSON for a browser: inf / nan (an objective of none) become null."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [finite(v) for v in value]
-    return value
 
 
 def trace_summary(rows: Sequence[TraceRequest]) -> tuple[int, float]:
