@@ -5,22 +5,30 @@ For each mode (1P1D and co-located): the engine is profiled on this machine in t
 model and `--admission predictive` replays the slice at the base speed (below saturation) and at
 `--overload` times it, each replay from a cold prefix cache (bench serve's `--same-requests`);
 then the simulator replays the same requests with the same cost model, SLOs, drain and the live
-server's KV blocks. Printed: goodput, p50 and p90 TTFT of both and the simulator's error, against
-issue 20's targets (goodput and p50 TTFT within 10%, p90 TTFT within 20%).
+server's KV blocks. Before the replays, lone cold requests (`PROBE_PROMPTS`) go through the live
+server and the simulator: the median of their TTFT differences is what a request pays outside
+the engines (RPCs, the KV handoff, streaming), the simulator's `overhead_ms`. Printed: goodput,
+p50 and p90 TTFT of both and the simulator's error, against issue 20's targets (goodput and
+p50 TTFT within 10%, p90 TTFT within 20%).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import re
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bench.admission_bench import Plan, Server, run_loads, serve_args
 from bench.admission_metrics import trace_rate
@@ -30,10 +38,11 @@ from bench.serve_metrics import Slo
 from bench.workload import Caps, trace_workload
 from conductor.admission import AdmissionConfig
 from conductor.cost_model import CostModel
-from sim.cluster import SimConfig, simulate
+from sim.cluster import Record, SimConfig, simulate, simulate_series
 from sim.report import summarize
-from sim.workload import load
+from sim.workload import SimRequest, Workload, load
 
+PROBE_PROMPTS = (128, 384, 640, 128, 384, 640)  # tokens of the lone probe requests (random ids)
 MODES = {"cluster": ("--prefill 1 --decode 1 --worker-threads 1", 1), "colocated": ("--colocated --threads 2", 2)}
 TARGETS = {"goodput": 10.0, "ttft_p50": 10.0, "ttft_p90": 20.0}  # max |error| %
 
@@ -80,23 +89,80 @@ def kv_blocks(http_url: str | None) -> int | None:
     return int(float(m.group(1))) if m else None
 
 
-def live(mode: str, cost_file: Path, plan: Plan, args: argparse.Namespace) -> tuple[list[dict[str, Any]], int | None]:
+@dataclass(frozen=True, slots=True)
+class Live:
+    """What the live server measured: its replays, its KV blocks, the lone probes' TTFTs (ms)."""
+
+    runs: list[dict[str, Any]]
+    kv_blocks: int | None
+    probe_ttft_ms: list[float]
+
+
+def live(mode: str, cost_file: Path, plan: Plan, args: argparse.Namespace) -> Live:
     flags = serve_args(f"{MODES[mode][0]} --cost-model {cost_file}", "predictive", plan.opts.slo)
     with serving(System(f"{mode}-live", None, flags), plan.log_dir, plan.say) as (target, http_url):
         blocks = kv_blocks(http_url)
+        probes = asyncio.run(probe_live(target))
+        plan.say(f"{mode}: lone probes' TTFT {', '.join(f'{t:.0f}' for t in probes)} ms")
         runs = run_loads(Server(mode, "predictive", flags, target, http_url), args.speed,
                          [1.0, args.overload], plan)
-    return runs, blocks
+    return Live(runs, blocks, probes)
 
 
-def simulated(mode: str, cost_file: Path, load_x: float, blocks: int | None, args: argparse.Namespace) -> dict[str, Any]:
-    """The simulator on the requests `Plan.at_load` replays (same speed, window, caps)."""
-    workload = load(args.trace, args.speed * load_x, args.window_s / load_x, args.max_input_tokens,
-                    args.max_output_tokens)
+async def probe_live(target: str) -> list[float]:
+    """TTFT (ms) of each `PROBE_PROMPTS` request sent alone (each prompt new: its own salt)."""
+    from halfmoon.client import AsyncClient
+
+    rng = np.random.default_rng(0x5EED)
+    out = []
+    async with AsyncClient(target, max_retries=0, timeout=120.0) as client:
+        for i, n in enumerate(PROBE_PROMPTS):
+            ids = rng.integers(100, 49152, size=n).tolist()
+            start = time.perf_counter()
+            async for _ in client.stream(prompt_token_ids=ids, max_tokens=2, temperature=0.0,
+                                         ignore_eos=True, cache_salt=f"sim-vs-live-probe-{i}"):
+                out.append((time.perf_counter() - start) * 1e3)
+                break
+    return out
+
+
+def lone_ttft_ms(mode: str, cost: CostModel, prompt_len: int) -> float:
+    """The simulator's TTFT of one request alone in an empty cluster (no overhead)."""
+    loose = AdmissionConfig(standard_ttft_ms=1e9, standard_tbt_ms=1e9)
+    w = Workload((SimRequest(0, 0.0, prompt_len, 2, ()),), 1.0)
+    ttft = simulate(w, SimConfig(colocated=mode == "colocated", admission=loose), cost).records[0].ttft_s
+    assert ttft is not None
+    return ttft * 1e3
+
+
+def overhead_ms(mode: str, cost: CostModel, probes: Sequence[float]) -> float:
+    """The median of live - simulated TTFT over the lone probes (>= 0)."""
+    gaps = [t - lone_ttft_ms(mode, cost, n) for t, n in zip(probes, PROBE_PROMPTS, strict=True)]
+    return max(0.0, float(np.median(gaps)))
+
+
+def simulated(mode: str, cost_file: Path, loads: Sequence[float], blocks: int | None, overhead: float,
+              args: argparse.Namespace) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """The simulator on the requests `Plan.at_load` replays (same speed, window, caps), the loads
+    in turn on one simulated Conductor as on the live server: each load's summary and rows."""
+    workloads = [load(args.trace, args.speed * x, args.window_s / x, args.max_input_tokens, args.max_output_tokens)
+                 for x in loads]
     admission = AdmissionConfig(standard_ttft_ms=args.ttft_slo_ms, standard_tbt_ms=args.tbt_slo_ms)
     config = SimConfig(colocated=mode == "colocated", device_tokens=(blocks or 4096) * 16, drain_s=args.drain_s,
-                       admission=admission)
-    return summarize(simulate(workload, config, CostModel.load(cost_file)))
+                       admission=admission, overhead_ms=overhead)
+    results = simulate_series(workloads, config, CostModel.load(cost_file))
+    return [(summarize(r), [sim_row(rec) for rec in r.records]) for r in results]
+
+
+def sim_row(r: Record) -> dict[str, Any]:
+    """A simulated request in the live rows' terms (ms)."""
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(x * 1e3, 1)
+
+    return {"index": r.index, "arrival_s": round(r.arrival_s, 4), "prompt_tokens": r.prompt_len,
+            "status": r.status, "reason": r.reason, "ttft_ms": ms(r.ttft_s), "tbt_ms": ms(r.tbt_s),
+            "cached_tokens": sum(r.cached_tokens), "predicted_ttft_ms": r.predicted_ttft_ms,
+            "predicted_tbt_ms": r.predicted_tbt_ms}
 
 
 def compare(live_metrics: dict[str, Any], sim: dict[str, Any]) -> dict[str, Any]:
@@ -124,11 +190,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for mode in args.modes.split(","):
         cost_file = profiled(mode, MODES[mode][1], given, log_dir, plan.say)
-        runs, blocks = live(mode, cost_file, plan, args)
-        for run in runs:
-            sim = simulated(mode, cost_file, run["load"], blocks, args)
+        measured = live(mode, cost_file, plan, args)
+        overhead = overhead_ms(mode, CostModel.load(cost_file), measured.probe_ttft_ms)
+        plan.say(f"{mode}: the simulator's overhead_ms = {overhead:.0f}")
+        sims = simulated(mode, cost_file, [run["load"] for run in measured.runs], measured.kv_blocks, overhead, args)
+        for run, (sim, sim_rows) in zip(measured.runs, sims, strict=True):
             rows.append({"mode": mode, "load": run["load"], "requests": run["metrics"]["requests"],
-                         "kv_blocks": blocks, **compare(run["metrics"], sim)})
+                         "kv_blocks": measured.kv_blocks, "overhead_ms": round(overhead, 1),
+                         "probe_ttft_ms": [round(t, 1) for t in measured.probe_ttft_ms], **compare(run["metrics"], sim),
+                         "per_request": {"live": run["requests"], "sim": sim_rows}})
     result = {"trace": args.trace, "speed": args.speed, "rate_x1": trace_rate(plan.trace), "rows": rows}
     if args.out:
         (log_dir / "sim_vs_live.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -137,7 +207,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def render(result: dict[str, Any]) -> str:
+    overheads = {r["mode"]: r.get("overhead_ms") for r in result["rows"]}
     lines = [f"halfmoon bench sim-vs-live: {result['trace']} at x{result['speed']:g} (1x) and its overload",
+             "overhead_ms (lone probes, live - simulated TTFT): "
+             + ", ".join(f"{m} {v:g}" for m, v in overheads.items() if v is not None),
              f"{'mode':10} {'load':>5} {'req':>4} | {'goodput live/sim':>18} {'err%':>6} | "
              f"{'TTFT p50 live/sim':>19} {'err%':>6} | {'TTFT p90 live/sim':>19} {'err%':>6}"]
     for r in result["rows"]:

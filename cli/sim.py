@@ -60,6 +60,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16, help="the engine's KV block (tokens)")
     p.add_argument("--chunk", type=int, default=512, help="co-located: prefill tokens per step")
     p.add_argument("--max-seqs", type=int, default=64, help="requests decoding at once per worker")
+    p.add_argument("--overhead-ms", type=float, default=0.0,
+                   help="per-request cost outside the engines (RPCs, KV handoff, streaming); "
+                        "`halfmoon bench sim-vs-live` measures it on a live server")
     p.add_argument("--drain-s", type=float, default=None,
                    help="cut requests still running this long after the window (as bench serve)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -78,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     workload = load(args.trace, args.speed, args.window_s, args.max_input_tokens, args.max_output_tokens)
     device, host = _grid(args.device_tokens, "--device-tokens"), _grid(args.host_tokens, "--host-tokens")
     base = SimConfig(args.prefill, args.decode, args.colocated, device[0], host[0], args.disk_tokens,
-                     args.block_size, args.chunk, args.max_seqs, drain_s=args.drain_s,
+                     args.block_size, args.chunk, args.max_seqs, drain_s=args.drain_s, overhead_ms=args.overhead_ms,
                      admission=build(ADMISSION, args))
     out = Path(args.out) if args.out else None
     if out is not None:

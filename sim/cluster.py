@@ -16,7 +16,7 @@ Conductor learns it from the token stream.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from conductor.admission import AdmissionConfig
@@ -48,6 +48,11 @@ class SimConfig:
     chunk: co-located: prefill tokens per step (the engine's max_num_batched_tokens).
     max_seqs: requests decoding at once per worker.
     kv_tail: the share of a prompt's KV transfer not hidden behind its prefill.
+    overhead_ms: what a request pays outside the engines (RPCs, the KV handoff's handshake,
+        streaming back through the Conductor): the simulated first token comes this much
+        later (1P1D: its decode join; co-located: its entry into the engine's queue). The cost
+        model times engines alone; `halfmoon bench sim-vs-live` measures this on the live
+        server (0 for the built-in GPU profiles, which cite engine figures).
     drain_s: requests still running this long after the window are cut (None: run to the end).
     """
 
@@ -61,6 +66,7 @@ class SimConfig:
     chunk: int = 512
     max_seqs: int = 64
     kv_tail: float = KV_TAIL
+    overhead_ms: float = 0.0
     drain_s: float | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
 
@@ -68,7 +74,7 @@ class SimConfig:
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
             raise ConfigError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {self.prefill}P{self.decode}D")
         check_positive(self, "device_tokens", "block_size", "chunk", "max_seqs")
-        for name in ("host_tokens", "disk_tokens"):
+        for name in ("host_tokens", "disk_tokens", "overhead_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -88,7 +94,7 @@ class SimConfig:
 
 @dataclass(slots=True)
 class Record:
-    """What happened to one request (times in s from its arrival)."""
+    """What happened to one request (s; ttft/tbt from its arrival, arrival/end from the replay's start)."""
 
     index: int
     arrival_s: float
@@ -117,12 +123,19 @@ class SimResult:
 class Simulator:
     """One replay of a workload through one cluster shape (module docstring)."""
 
-    def __init__(self, config: SimConfig, cost: CostModel) -> None:
+    def __init__(self, config: SimConfig, cost: CostModel, after: Simulator | None = None) -> None:
+        """A fresh cluster; `after`: one whose replay ended, whose Conductor (the dispatcher: its
+        calibration, output-length estimates) and clock go on here, as a live server's do from
+        one replay to the next (its workers and caches are fresh: a new replay's prefixes are
+        new to them, as a live replay under its own cache salt)."""
         self.config = config
         self.cost = cost
-        self.clock = Clock()
+        self.clock = after.clock if after is not None else Clock()
+        self.start_s = self.clock.now  # the replay's time 0
         chunk = config.chunk if config.colocated else None
-        self.dispatcher = Dispatcher(config.admission, cost, config.block_size, chunk, clock=lambda: self.clock.now)
+        clock = self.clock
+        self.dispatcher = (after.dispatcher if after is not None else
+                           Dispatcher(config.admission, cost, config.block_size, chunk, clock=lambda: clock.now))
         self.records: list[Record] = []
         blocks = config.device_tokens // config.block_size
         if config.colocated:
@@ -144,7 +157,7 @@ class Simulator:
         self._tick: Callable[[int], None] | None = None
 
     def _cache(self) -> TieredCache:
-        return TieredCache(self.config.capacity(), HASH_BLOCK_TOKENS)
+        return TieredCache(self.config.capacity(), HASH_BLOCK_TOKENS, engine_block=self.config.block_size)
 
     # ------------------------------------------------------------------ run
 
@@ -155,7 +168,7 @@ class Simulator:
         for request in workload.requests:
             record = Record(request.index, request.arrival_s, request.prompt_len, request.output_len)
             self.records.append(record)
-            self.clock.at(request.arrival_s, lambda r=request: self._arrive(r))
+            self.clock.at(self.start_s + request.arrival_s, lambda r=request: self._arrive(r))
         self.clock.run()
         self._cut(workload)
         self.check_integrity()
@@ -184,17 +197,17 @@ class Simulator:
         self._sync_generated()
         try:
             if self.config.colocated:
-                cached = self.engine.cache.match(request.blocks, request.prompt_len).blocks * HASH_BLOCK_TOKENS
+                cached = self._cached_tokens(self.engine.cache, request)
                 booking = self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, now)
             else:
                 booking = self.dispatcher.dispatch(ask, self._prefix(request), self._prefill_sides(),
                                                    self._decode_sides(), now)
         except OverloadedError as e:
             record.status, record.reason = "rejected", e.reason or "overloaded"
-            record.end_s = now
+            record.end_s = self._now()
             return
         except ServiceUnavailableError as e:
-            record.status, record.reason, record.end_s = "error", str(e), now
+            record.status, record.reason, record.end_s = "error", str(e), self._now()
             return
         prediction = booking.decision.prediction
         record.predicted_ttft_ms, record.predicted_tbt_ms = prediction.predicted_ttft_ms, prediction.predicted_tbt_ms
@@ -202,16 +215,23 @@ class Simulator:
                         prefix_tokens=booking.prefix_tokens)
         if self.config.colocated:
             self._flights[request.index] = (flight, "engine")
-            self.engine.submit(flight)
+            self.clock.at(now + self.config.overhead_ms / 1e3, lambda: self.engine.submit(flight))
         else:
             self._flights[request.index] = (flight, booking.decode_id)
             self.prefill[booking.prefill_id].submit(flight)
 
+    def _now(self) -> float:
+        """The replay's clock (0 = its start)."""
+        return self.clock.now - self.start_s
+
     def _prefix(self, request: SimRequest) -> PrefixMatch:
-        per_worker = {wid: w.cache.match(request.blocks, request.prompt_len).blocks * HASH_BLOCK_TOKENS
-                      for wid, w in self.prefill.items()}
+        per_worker = {wid: self._cached_tokens(w.cache, request) for wid, w in self.prefill.items()}
         best = max(per_worker.items(), key=lambda kv: kv[1], default=("", 0))
         return PrefixMatch(per_worker, best[1], best[0] if best[1] else "")
+
+    @staticmethod
+    def _cached_tokens(cache: TieredCache, request: SimRequest) -> int:
+        return cache.prefix_tokens(cache.match(request.blocks, request.prompt_len).blocks, request.prompt_len)
 
     def _prefill_sides(self) -> list[PrefillSide]:
         return [PrefillSide(wid, ledger) for wid, ledger in self.prefill_ledgers.items()]
@@ -230,21 +250,22 @@ class Simulator:
     def _pushed(self, flight: Flight) -> None:
         """Its prefill ended and its KV reached the decode worker."""
         self.prefill_ledgers[flight.booking.prefill_id].finish(flight.booking.request_id, self.clock.now)
-        flight.booking.bound.joins_at = self.clock.now
-        self.decode[flight.booking.decode_id].join(flight)
+        joins = self.clock.now + self.config.overhead_ms / 1e3
+        flight.booking.bound.joins_at = joins
+        self.clock.at(joins, lambda: self.decode[flight.booking.decode_id].join(flight))
 
     def _first(self, flight: Flight) -> None:
         record = self.records[flight.request.index]
-        record.ttft_s = self.clock.now - flight.request.arrival_s
-        record.cached_tokens = (flight.hits.device * HASH_BLOCK_TOKENS, flight.hits.host * HASH_BLOCK_TOKENS,
-                                flight.hits.disk * HASH_BLOCK_TOKENS)
+        record.ttft_s = self._now() - flight.request.arrival_s
+        cache = self.engine.cache if self.config.colocated else self.prefill[flight.booking.prefill_id].cache
+        record.cached_tokens = cache.tier_tokens(flight.hits, flight.request.prompt_len)
         if self.config.colocated:
             self.pending.finish(flight.booking.request_id, self.clock.now)
             flight.booking.bound.joins_at = self.clock.now
 
     def _finished(self, flight: Flight, batch: DecodeBatch) -> None:
         record = self.records[flight.request.index]
-        record.status, record.end_s = "ok", self.clock.now
+        record.status, record.end_s = "ok", self._now()
         record.tbt_s = batch.tbt_s(flight)
         self._flights.pop(flight.request.index, None)
         booking = flight.booking
@@ -276,4 +297,18 @@ class Simulator:
 def simulate(workload: Workload, config: SimConfig, cost: CostModel) -> SimResult:
     """Replay `workload` through a fresh cluster of `config`'s shape."""
     return Simulator(config, cost).run(workload)
+
+
+def simulate_series(workloads: Sequence[Workload], config: SimConfig, cost: CostModel,
+                    gap_s: float = 2.0) -> list[SimResult]:
+    """Replays one after another, `gap_s` apart, on one Conductor (`Simulator`'s `after`): as
+    `halfmoon bench serve` replays its loads in turn on one live server."""
+    results: list[SimResult] = []
+    previous: Simulator | None = None
+    for workload in workloads:
+        if previous is not None:
+            previous.clock.advance(gap_s)
+        previous = Simulator(config, cost, after=previous)
+        results.append(previous.run(workload))
+    return results
 

@@ -45,6 +45,12 @@ class Clock:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._events, (max(t, self.now), next(self._seq), fn))
 
+    def advance(self, seconds: float) -> None:
+        """Move an idle clock on (between replays)."""
+        if self._events:
+            raise RuntimeError("the clock has events pending: run it first")
+        self.now += seconds
+
     def run(self) -> None:
         while self._events:
             t, _, fn = heapq.heappop(self._events)
@@ -227,7 +233,7 @@ class PrefillWorker(Worker):
         _, flight = heapq.heappop(self._queue)
         r = flight.request
         flight.hits = self.cache.match(r.blocks, r.prompt_len)
-        own = flight.hits.blocks * self.cache.block_size
+        own = self.cache.prefix_tokens(flight.hits.blocks, r.prompt_len)
         flight.prefix_tokens = max(own, flight.booking.prefix_tokens)
         fetch = flight.prefix_tokens - own
         if self.cache.can_acquire(r.blocks, r.prompt_len):
@@ -311,7 +317,7 @@ class ColocatedWorker(Stepper):
                 return
             heapq.heappop(self._queue)
             flight.table, flight.hits = self.cache.acquire(r.blocks, r.prompt_len)
-            flight.prefix_tokens = min(flight.hits.blocks * self.cache.block_size, r.prompt_len - 1)
+            flight.prefix_tokens = self.cache.prefix_tokens(flight.hits.blocks, r.prompt_len)
             flight.done_tokens = flight.prefix_tokens
             self._prefilling.append(flight)
 

@@ -14,6 +14,11 @@ block table is held until the caller releases it.
 
     | device hit (get_computed_blocks) | host/disk hit (promoted) | computed | partial |
     '---------------- usable = (prompt_len - 1) // block_size blocks ---'
+
+The simulator's caches work in the trace's 512-token blocks while the engine reuses 16-token
+ones: there (`engine_block` given) every block of the prompt can hit, the partial last one
+included (its identity names its length, sim/workload.py), and `prefix_tokens` converts a hit
+to what the engine would reuse: whole engine blocks, never the last prompt token.
 """
 
 from __future__ import annotations
@@ -129,8 +134,9 @@ class Hits(NamedTuple):
 class TieredCache:
     """A device `BlockPool` whose evictions demote to a host then a disk `HashLRU` (module doc)."""
 
-    def __init__(self, capacity: Capacity, block_size: int) -> None:
+    def __init__(self, capacity: Capacity, block_size: int, engine_block: int | None = None) -> None:
         self.block_size = block_size
+        self.engine_block = engine_block  # None: blocks are the engine's (module docstring)
         self.pool = BlockPool(capacity.device)
         self.host, self.disk = HashLRU(capacity.host), HashLRU(capacity.disk)
         self.pool.on_evict = self._demote
@@ -142,8 +148,24 @@ class TieredCache:
             self.disk.put(leaving)  # what the disk evicts is gone
 
     def usable(self, prompt_len: int) -> int:
-        """Blocks that can hit: the last prompt token is always recomputed."""
+        """Blocks that can hit: the last prompt token is always recomputed (with `engine_block`,
+        every block: `prefix_tokens` keeps that rule in tokens)."""
+        if self.engine_block is not None:
+            return cdiv(prompt_len, self.block_size)
         return (prompt_len - 1) // self.block_size
+
+    def prefix_tokens(self, blocks: int, prompt_len: int) -> int:
+        """Prompt tokens the engine reuses when the prompt's first `blocks` blocks hit."""
+        tokens = min(blocks * self.block_size, prompt_len)
+        if self.engine_block is None:
+            return tokens
+        return min(tokens, (prompt_len - 1) // self.engine_block * self.engine_block)
+
+    def tier_tokens(self, hits: Hits, prompt_len: int) -> tuple[int, int, int]:
+        """`hits` in prompt tokens the engine reuses, per tier (device, host, disk)."""
+        ends = [self.prefix_tokens(n, prompt_len)
+                for n in (hits.device, hits.device + hits.host, hits.blocks)]
+        return ends[0], ends[1] - ends[0], ends[2] - ends[1]
 
     def match(self, hashes: Sequence[bytes], prompt_len: int) -> Hits:
         """Leading blocks of the prompt held here, by tier (no side effect)."""

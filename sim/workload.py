@@ -6,8 +6,12 @@ exists in the trace, so the simulator's prefix caches work in blocks of one hash
 identity is a chained digest of the hash ids up to it (deterministic, 16 bytes like
 kvpool/block_hash.py's), computed once per distinct (parent, hash id):
 
-    hash_ids      [    7    |    8    |   21   ]
-    block ids     d(root,7)  d(b0, 8)  d(b1, 21)      only whole blocks are cached
+    hash_ids      [    7    |    8    |  21 ]         input_length 1300
+    block ids     d(root,7)  d(b0, 8)  d(b1, 21, 276)
+
+A partial last block's identity also names its length: two prompts whose last blocks carry the
+same hash id after the same chain and end at the same token hold the same tokens there (the live
+replay builds them so: bench/trace.py), so the engine, which caches 16-token blocks, reuses it.
 
 `speed` scales time (x2 = arrivals twice as dense), `window_s` keeps the first seconds of the
 scaled trace, `max_input_tokens` / `max_output_tokens` cap lengths as `halfmoon bench serve`
@@ -21,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.blocks import cdiv
 from kvpool.block_hash import HASH_BYTES
 from sim.trace import HASH_BLOCK_TOKENS, TraceRequest, read_trace
 
@@ -29,7 +34,8 @@ ROOT = b"halfmoon-sim".ljust(HASH_BYTES, b"\0")
 
 @dataclass(frozen=True, slots=True)
 class SimRequest:
-    """One request of a simulated replay. `blocks`: identities of its whole 512-token blocks."""
+    """One request of a simulated replay. `blocks`: identities of its 512-token blocks, the
+    partial last one included (module docstring)."""
 
     index: int
     arrival_s: float
@@ -51,22 +57,27 @@ class BlockIds:
     """Chained block identities, cached per (parent, hash id)."""
 
     def __init__(self) -> None:
-        self._ids: dict[tuple[bytes, int], bytes] = {}
+        self._ids: dict[tuple[bytes, int, int], bytes] = {}
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def of(self, hash_ids: Sequence[int], whole_blocks: int) -> tuple[bytes, ...]:
+    def of(self, hash_ids: Sequence[int], prompt_len: int) -> tuple[bytes, ...]:
+        """The ids of a `prompt_len`-token prompt's blocks (a partial last one names its length)."""
         parent, out = ROOT, []
-        for hash_id in hash_ids[:whole_blocks]:
-            key = (parent, hash_id)
-            block = self._ids.get(key)
-            if block is None:
-                digest = hashlib.blake2b(parent + hash_id.to_bytes(8, "little"), digest_size=HASH_BYTES)
-                block = self._ids[key] = digest.digest()
-            out.append(block)
-            parent = block
+        for i, hash_id in enumerate(hash_ids[:cdiv(prompt_len, HASH_BLOCK_TOKENS)]):
+            fill = min(HASH_BLOCK_TOKENS, prompt_len - i * HASH_BLOCK_TOKENS)
+            parent = self._id(parent, hash_id, 0 if fill == HASH_BLOCK_TOKENS else fill)
+            out.append(parent)
         return tuple(out)
+
+    def _id(self, parent: bytes, hash_id: int, partial: int) -> bytes:
+        key = (parent, hash_id, partial)
+        block = self._ids.get(key)
+        if block is None:
+            data = parent + hash_id.to_bytes(8, "little") + (partial.to_bytes(2, "little") if partial else b"")
+            block = self._ids[key] = hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
+        return block
 
 
 def build(trace: Iterable[TraceRequest], speed: float = 1.0, window_s: float | None = None,
@@ -86,7 +97,7 @@ def build(trace: Iterable[TraceRequest], speed: float = 1.0, window_s: float | N
         prompt = min(r.input_length, max_input_tokens or r.input_length)
         output = max(1, min(r.output_length, max_output_tokens or r.output_length))
         requests.append(SimRequest(len(requests), arrival, prompt, output,
-                                   ids.of(r.hash_ids, prompt // HASH_BLOCK_TOKENS)))
+                                   ids.of(r.hash_ids, prompt)))
     full = entries[-1].timestamp / 1e3 / speed if entries else 0.0
     duration = full if window_s is None or window_s >= full else window_s  # bench's `windowed`
     return Workload(tuple(requests), duration, source)

@@ -15,7 +15,7 @@ import kvpool.block_pool
 from conductor.admission import AdmissionConfig
 from conductor.cost_model import CostModel
 from conductor.dispatch import Dispatcher
-from sim.cluster import SimConfig, Simulator, simulate
+from sim.cluster import SimConfig, Simulator, simulate, simulate_series
 from sim.report import summarize
 from sim.trace import HASH_BLOCK_TOKENS, read_trace
 from sim.workload import SimRequest, Workload, build, load
@@ -52,6 +52,30 @@ def test_one_request_co_located_chunks_its_prefill() -> None:
     assert r.tbt_s == pytest.approx(0.010)
 
 
+def test_overhead_delays_the_first_token_outside_the_engines() -> None:
+    config = SimConfig(kv_tail=0.5, admission=LOOSE, overhead_ms=250.0)
+    r = simulate(Workload((one(),), 1.0), config, FLAT).records[0]
+    assert r.ttft_s == pytest.approx(1.100 + 0.0005 + 0.250 + 0.010)
+    colocated = simulate(Workload((one(),), 1.0), SimConfig(colocated=True, chunk=400, admission=LOOSE,
+                                                               overhead_ms=250.0), FLAT).records[0]
+    assert colocated.ttft_s == pytest.approx(0.250 + 1.300)
+
+
+def test_replays_in_series_share_one_conductor() -> None:
+    # The second replay's admission starts from what the first taught it (as a live server's),
+    # on fresh workers; its times are its own (0 = its start).
+    w = Workload((one(index=0), one(index=1, at=0.5)), 1.0)
+    first, second = simulate_series([w, w], SimConfig(admission=LOOSE, overhead_ms=100.0), FLAT, gap_s=5.0)
+    assert [r.ttft_s for r in first.records] == pytest.approx([r.ttft_s for r in second.records])
+    assert second.records[0].end_s == pytest.approx(first.records[0].end_s)
+    sim = Simulator(SimConfig(admission=LOOSE), FLAT)
+    sim.run(w)
+    fit_before = sim.dispatcher.admission.calibration.ttft
+    after = Simulator(SimConfig(admission=LOOSE), FLAT, after=sim)
+    assert after.dispatcher is sim.dispatcher and after.clock is sim.clock
+    assert after.dispatcher.admission.calibration.ttft == fit_before
+
+
 def test_a_decode_batch_shares_its_steps() -> None:
     # Two requests whose KV arrives at once decode in the same steps: the same TBT, and the
     # second's prefill waited for the first's (one prefill at a time).
@@ -72,20 +96,22 @@ def test_ledgers_and_caches_are_empty_after_a_run() -> None:
 # ---------------------------------------------------------------- prefix hits
 
 
-def leading_ids_seen(path: Path, max_input: int | None) -> tuple[int, int]:
-    """Independent count: each request's leading hash-id prefix already in an earlier request
-    (whole 512-token blocks the engine can reuse: never the prompt's last token), in tokens;
+def leading_ids_seen(path: Path, max_input: int | None, engine_block: int = 16) -> tuple[int, int]:
+    """Independent count: each request's leading hash-id prefix already in an earlier request, in
+    tokens as the engine reuses them (a partial last block only when an earlier prompt ended at
+    the same token of the same hash-id chain; whole engine blocks, never the last prompt token);
     and the prompt tokens in all."""
-    seen: set[tuple[int, ...]] = set()
+    seen: set[tuple[tuple[int, int], ...]] = set()
     hit = prompt = 0
     for r in sorted(read_trace(path), key=lambda r: r.timestamp):
         n = min(r.input_length, max_input or r.input_length)
-        ids = r.hash_ids[: n // HASH_BLOCK_TOKENS]
-        usable = (n - 1) // HASH_BLOCK_TOKENS
+        ids = [(h, min(HASH_BLOCK_TOKENS, n - i * HASH_BLOCK_TOKENS))
+               for i, h in enumerate(r.hash_ids) if i * HASH_BLOCK_TOKENS < n]
         k = 0
-        while k < min(len(ids), usable) and tuple(ids[: k + 1]) in seen:
+        while k < len(ids) and tuple(ids[: k + 1]) in seen:
             k += 1
-        hit += k * HASH_BLOCK_TOKENS
+        reused = sum(fill for _, fill in ids[:k])
+        hit += min(reused, (n - 1) // engine_block * engine_block)
         prompt += n
         seen.update(tuple(ids[: i + 1]) for i in range(len(ids)))
     return hit, prompt
@@ -103,6 +129,18 @@ def test_unbounded_tiers_hit_every_reused_leading_block(colocated: bool) -> None
     assert hit > 0
     assert sum(r.cached_tokens[0] for r in result.records) == hit
     assert summarize(result)["hit_rate"]["device"] == pytest.approx(hit / prompt, abs=1e-4)
+
+
+def test_a_partial_last_block_hits_when_an_earlier_prompt_ended_at_the_same_token(tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]},
+            {"timestamp": 10_000, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]},
+            {"timestamp": 20_000, "input_length": 700, "output_length": 2, "hash_ids": [1, 2]}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    records = simulate(load(trace), SimConfig(admission=LOOSE), FLAT).records
+    # 600 tokens seen before: all but the last, in whole 16-token engine blocks; 700 tokens of id 2's
+    # chain end elsewhere: only the whole first block is known.
+    assert [r.cached_tokens[0] for r in records] == [0, 592, 512]
 
 
 def test_a_small_device_tier_demotes_to_host_and_hits_there() -> None:
@@ -185,5 +223,8 @@ def test_workload_caps_windows_and_chains_block_ids(tmp_path: Path) -> None:
     assert [(r.arrival_s, r.prompt_len, r.output_len) for r in w.requests] == [(0.0, 1024, 1), (0.5, 600, 40)]
     assert w.duration_s == 1.0
     a, b = w.requests
-    assert len(a.blocks) == 2 and len(b.blocks) == 1 and a.blocks[0] == b.blocks[0]
-    assert load(trace).requests[2].blocks != (a.blocks[0],)  # hash id 9 after root != after id 1
+    assert len(a.blocks) == 2 and len(b.blocks) == 2 and a.blocks[0] == b.blocks[0]  # a partial last block too
+    assert load(trace).requests[0].blocks[:2] == a.blocks and len(load(trace).requests[0].blocks) == 3
+    shorter = build(read_trace(trace), max_input_tokens=580).requests[1]
+    assert shorter.blocks[0] == b.blocks[0] and shorter.blocks[1] != b.blocks[1]  # 68 vs 88 tokens of id 9
+    assert load(trace).requests[2].blocks != (b.blocks[1],)  # hash id 9 after root != after id 1
