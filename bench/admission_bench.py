@@ -38,7 +38,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from bench.admission_metrics import (POLICIES, Calibration, best_goodput, index_health, offered_rps,
+from bench.admission_metrics import (POLICIES, Calibration, best_goodput, goodput, index_health, offered_rps,
                                      run_metrics, scaled, search_speed, trace_rate, verdict, windowed)
 from bench.admission_report import plot, render
 from bench.report import Progress, machine_info, utc_now
@@ -247,9 +247,10 @@ def run_loads(server: Server, speed: float, loads: Sequence[float], plan: Plan) 
         records, makespan = plan.replay(server.target, w, label)
         metrics = run_metrics(records, w.duration_s, makespan, plan.opts.slo)
         runs.append({"mode": server.mode, "policy": server.policy, "load": load, "speed": round(speed * load, 4),
+                     "goodput_basis": "makespan" if plan.same_requests else "window",
                      "serve_args": server.serve_args, "workload": w.summary(), "metrics": metrics,
                      "index": scrape_index_health(server.http_url), "requests": rows(records)})
-        plan.say(f"{label}: goodput {metrics['goodput_rps'] or 0:.3f} req/s, "
+        plan.say(f"{label}: goodput {goodput(runs[-1]) or 0:.3f} req/s ({runs[-1]['goodput_basis']}), "
                  f"{metrics['rejected']} rejected, {metrics['errors_5xx']} errors")
     return runs
 

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from bench.admission_metrics import (ADMITTED_OK_PCT, COLLAPSE_OF_BEST_PCT, GOODPUT_OF_BEST_PCT, OVERLOAD,
-                                     best_goodput, pct_of_best)
+                                     best_goodput, goodput, pct_of_best)
 from bench.report import ruled
 
 # (header, width, the cell of a run)
@@ -22,8 +22,8 @@ COLUMNS: tuple[tuple[str, int, Any], ...] = (
     ("rej", 5, lambda run, best: str(run["metrics"]["rejected"])),
     ("5xx", 5, lambda run, best: str(run["metrics"]["errors_5xx"])),
     ("cut", 5, lambda run, best: str(run["metrics"]["timed_out"])),
-    ("goodput", 9, lambda run, best: _num(run["metrics"]["goodput_rps"], 3)),
-    ("%best", 7, lambda run, best: _num(pct_of_best(run["metrics"]["goodput_rps"], best))),
+    ("goodput", 9, lambda run, best: _num(goodput(run), 3)),
+    ("%best", 7, lambda run, best: _num(pct_of_best(goodput(run), best))),
     ("adm-ok%", 9, lambda run, best: _num(run["metrics"]["admitted_ok_pct"])),
     ("wasted-pf", 11, lambda run, best: str(run["metrics"]["wasted_prefill_tokens"])),
     ("TTFT p90", 10, lambda run, best: _num(run["metrics"]["ttft_ms"]["p90"], 0)),
@@ -87,6 +87,8 @@ def render(result: dict[str, Any]) -> str:
                      + calibration_line(mode, entry["calibration"], result["trace_rate_rps"]) + "\n"
                      + render_mode_table(entry["runs"]) + "\n"
                      + verdict_line(mode, entry["verdict"]))
+    bases = {run.get("goodput_basis", "window") for entry in result["modes"].values() for run in entry["runs"]}
+    parts.append(f"goodput per second of the replay's {' / '.join(sorted(bases))} (bench/admission_metrics.py)")
     parts.append("columns: offered/goodput req/s; rej = RESOURCE_EXHAUSTED; 5xx = any other status; cut = "
                  "still running at the replay's deadline; adm-ok% = admitted meeting both SLOs; wasted-pf = "
                  "prefill tokens of admitted requests that missed; *-err% = median |predicted - measured| / "
@@ -120,7 +122,7 @@ def _goodput_plot(path: Path, mode: str, runs: list[dict[str, Any]]) -> str:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for policy in _policies(runs):
-        mine = sorted((r["metrics"]["offered_rps"] or 0.0, r["metrics"]["goodput_rps"] or 0.0)
+        mine = sorted((r["metrics"]["offered_rps"] or 0.0, goodput(r) or 0.0)
                       for r in runs if r["policy"] == policy)
         ax.plot([x for x, _ in mine], [y for _, y in mine], marker="o", label=policy)
     offered = sorted({r["metrics"]["offered_rps"] or 0.0 for r in runs})

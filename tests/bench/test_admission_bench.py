@@ -397,3 +397,16 @@ def test_the_command_runs_a_tiny_colocated_window(tmp_path: Path) -> None:
     assert (m["completed"], m["rejected"], m["errors_5xx"]) == (m["requests"], 0, 0)  # `none` admits all
     assert {"heartbeat_max_gap_s", "resyncs"} <= set(run["index"])
     assert (tmp_path / "admission_goodput_colocated.png").is_file()
+
+
+def test_same_requests_goodput_is_per_second_of_the_makespan() -> None:
+    # The same 10 requests at 1x (150 s) and 4x (37.5 s + a 30 s drain): per second of the window
+    # 4x looks 4 times better; per second of the makespan it is judged on what the server did.
+    one = {**run_row("predictive", 1, 8 / 150, goodput_makespan_rps=8 / 160), "goodput_basis": "makespan"}
+    four = {**run_row("predictive", 4, 6 / 37.5, goodput_makespan_rps=6 / 67.5), "goodput_basis": "makespan"}
+    assert am.goodput(four) == pytest.approx(6 / 67.5) and am.best_goodput([one, four]) == pytest.approx(6 / 67.5)
+    window = [{**r, "goodput_basis": "window"} for r in (one, four)]
+    assert am.best_goodput(window) == pytest.approx(6 / 37.5)
+    assert am.goodput(run_row("none", 1, 0.5)) == 0.5  # no basis named: the window's
+    m = am.run_metrics(admission_records(), window_s=2.0, makespan_s=8.0, slo=SLO)
+    assert m["slo_met"] == 1 and (m["goodput_rps"], m["goodput_makespan_rps"]) == (0.5, 0.125)
