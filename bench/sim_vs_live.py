@@ -205,8 +205,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = {"trace": args.trace, "speed": args.speed, "rate_x1": trace_rate(plan.trace), "rows": rows}
     if args.out:
         (log_dir / "sim_vs_live.json").write_text(json.dumps(result, indent=1) + "\n")
+        result["plot"] = plot_cdfs(log_dir / "sim_vs_live_ttft.png", rows)
     print(json.dumps(result) if args.json else render(result))
     return 0
+
+
+def plot_cdfs(path: Path, rows: Sequence[dict[str, Any]]) -> str:
+    """TTFT CDFs, live and simulated, one panel per mode and load (over the requests sent: a
+    rejected request never gets a first token, so a curve tops out at its completed share)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(rows), figsize=(4.2 * len(rows), 3.6), squeeze=False)
+    for ax, row in zip(axes[0], rows, strict=True):
+        for side, style in (("live", "-"), ("sim", "--")):
+            sent = row["per_request"][side]
+            values = sorted(r["ttft_ms"] for r in sent if r["status"] == "ok" and r["ttft_ms"] is not None)
+            ax.step(values, np.arange(1, len(values) + 1) / max(1, len(sent)), where="post", linestyle=style,
+                    label=f"{side} (p50 {row['ttft_p50'][side] or 0:.0f} ms)")
+        ax.set(title=f"{row['mode']} {row['load']:g}x", xlabel="TTFT (ms)", ylim=(0, 1.02))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("fraction of requests sent")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return str(path)
 
 
 def render(result: dict[str, Any]) -> str:
