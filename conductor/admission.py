@@ -328,21 +328,23 @@ class Admission:
         return Predicted(arrive + first_step, peak.tbt_ms, peak.limit_ms, retry, first_step, stretched, limit)
 
     def _stretched(self, c: Candidate, jobs: list[DecodeJob], prefill: PrefillLedger) -> tuple[float, float]:
-        """Co-located: the TBT its prefill gives the requests decoding now, and their objective
-        (the one nearest to being missed; 0, inf when nothing decodes). Its prefill runs as
-        ceil(new / chunk) steps each stretched by a chunk, after the chunks of the prefills
-        queued before it; a request's TBT (the mean of its longest tenth of gaps) takes as many
-        of all those as fit in that tenth and in what it has left to decode."""
-        running = [j for j in jobs if j.joins_at_ms <= 0]
-        if self.colocated_chunk is None or not running or c.new_tokens <= 0:
+        """Co-located: the TBT its prefill gives the requests that decode while it runs, and their
+        objective (the one nearest to being missed; 0, inf when there are none). Its prefill runs
+        as ceil(new / chunk) steps each stretched by a chunk. A request decoding now also sees
+        the chunks of the prefills queued before it; one still in prefill (ahead in the queue)
+        decodes by the time the candidate's chunks run and sees those. A request's TBT (the mean
+        of its longest tenth of gaps) takes as many stretched steps as fit in that tenth and in
+        what it has left to decode."""
+        if self.colocated_chunk is None or not jobs or c.new_tokens <= 0:
             return 0.0, math.inf
-        step = self.cost.est_decode_step_ms(len(running), sum(j.context_tokens for j in running))
+        step = self.cost.est_decode_step_ms(len(jobs), sum(j.context_tokens for j in jobs))
         stretched = step + self.cost.est_prefill_ms(min(self.colocated_chunk, c.new_tokens))
-        chunks = cdiv(c.new_tokens, self.colocated_chunk) + sum(p.chunks for p in prefill.jobs.values())
+        own = cdiv(c.new_tokens, self.colocated_chunk)
+        ahead = own + sum(p.chunks for p in prefill.jobs.values())
         worst = (0.0, math.inf)
-        for j in running:
+        for j in jobs:
             top = j.top_gaps
-            hit = min(chunks, top, j.remaining_tokens)
+            hit = min(ahead if j.joins_at_ms <= 0 else own, top, j.remaining_tokens)
             tbt = (hit * stretched + (top - hit) * step) / top
             if tbt / j.tbt_slo_ms > worst[0] / worst[1]:
                 worst = (tbt, j.tbt_slo_ms)

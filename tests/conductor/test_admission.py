@@ -193,6 +193,20 @@ def test_colocated_stretch_counts_the_chunks_queued_before_it() -> None:
     assert behind.reason is Reason.TBT and "stretch" in behind.detail
 
 
+def test_colocated_stretch_counts_requests_still_in_prefill_ahead_of_it() -> None:
+    """A request admitted but still in prefill decodes by the time the candidate's chunks run:
+    they stretch its steps too (admission run 9: a cold prompt's TBT went to 0.7 s when the next
+    cold prompt's chunks ran beside its decode, both admitted)."""
+    adm = Admission(AdmissionConfig(), COST, colocated_chunk=512)
+    patient = objective(ttft_ms=100_000.0)
+    c = adm.candidate(patient, 2000, 20, COST.est_prefill_ms(2000), BS, NOW, new_tokens=2000)
+    ahead = decoding(2, remaining=100, joins_in_s=3.0, tbt_slo_ms=150.0)  # both still in prefill
+    d = adm.decide(c, PrefillLedger(), ahead, NOW)
+    assert d.reason is Reason.TBT and "stretch" in d.detail  # four 582 ms steps in their tenth: 297 ms
+    no_objective = decoding(2, remaining=100, joins_in_s=3.0)
+    assert adm.decide(c, PrefillLedger(), no_objective, NOW).admitted
+
+
 # ---------------------------------------------------------------------- classes and config
 
 
