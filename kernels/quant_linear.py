@@ -4,14 +4,18 @@
     int4: w[n, k] = scale[n, g] * q[n, k] + minimum[n, g]    q in 0..15, g = k // GROUP
 
 The int4 form is a Q4_1 GGUF block's own (d = scale, m = minimum), so a Q4_1 model is loaded
-without a second rounding (`Q4Groups`, engine/loader.py). torch's CPU int4 kernel
+without re-quantizing (`Q4Groups`, engine/loader.py). torch's CPU int4 kernel
 (`_weight_int4pack_mm_for_cpu`) dequantizes a group as `(q - 8) * scale + zero`, so
-`zero = minimum + 8 * scale` maps the two exactly in fp32 (tests/kernels/test_quant_linear.py).
+`zero = minimum + 8 * scale` maps the two exactly with fp32 activations
+(tests/kernels/test_quant_linear.py).
 
-Both kernels run 10x slower with fp32 activations than with bf16 on an AVX2 CPU (measured
-per shape of SmolLM2 at 1, 16 and 256 rows, docs/BENCHMARKS.md, issue 23), so by default they take
-bf16 activations: an fp32 model's activations are cast to bf16 for the matmul and back. The torch
-ops are CPU-only: a weight on another device is a `ValueError`, never a silent fallback.
+Both kernels run ~10x slower with fp32 activations than with bf16 on an AVX2 CPU (measured per
+shape of SmolLM2 at 1, 16 and 256 rows, docs/BENCHMARKS.md, issue 23), so by default they take
+bf16 activations: an fp32 model's activations are cast to bf16 for the matmul and back. The
+kernels then want their scales (and int4 zeros) in the activation dtype too: bf16 keeps 8 of the
+fp16 scale's 11 significant bits, an error of ~1/64 of a 4-bit step (the 4-bit values themselves
+are the source's). The torch ops are CPU-only: a weight on another device is a `ValueError`,
+never a silent fallback.
 """
 
 from __future__ import annotations
