@@ -1,6 +1,6 @@
 """`halfmoon bench engine`: Halfmoon vs Hugging Face transformers, same token ids, one process.
 
-    halfmoon bench engine [--json] [--dtype float32|bfloat16] [--quick]
+    halfmoon bench engine [--json] [--dtype float32|bfloat16] [--quantization none int8 int4] [--quick]
     python -m bench.engine_bench [same flags]
 
 Workloads (full sizes; `--quick` scales them down for tests and CI, never for recorded figures):
@@ -10,6 +10,11 @@ Workloads (full sizes; `--quick` scales them down for tests and CI, never for re
     W3 long prefill    1 x (2048 prompt + 1 output):                        prefill tok/s
     roofline           weight bytes per decode step / Halfmoon's W1 TPOT, next to a copy
                        bandwidth measured in the same run with the same thread count
+    quality            per quantized engine (or bf16): perplexity of engine/quality.py's fixed
+                       text and greedy agreement on its fixed prompts, against fp32 unquantized
+
+`--quantization` takes a list: one Halfmoon engine per entry (weight-only int8/int4 dense layers,
+issue 23), all in `--dtype`, each against the same transformers run in `--dtype`.
 
 Both systems get the same dtype, the same torch thread count and the same synthetic token ids
 (seeded, in [100, vocab - 100), different per W2 request), and each is warmed up once. Within a
@@ -44,6 +49,8 @@ import torch
 from bench.report import Figure, Progress, machine_info, render_table, utc_now
 from bench.step_profile import decode_step_profile
 from engine.config import EngineConfig, torch_dtype
+from engine import quality
+from engine.config import QUANTIZATIONS
 from engine.engine import Engine
 from engine.loader import resolve_model_path
 from engine.outputs import CompletionResult
@@ -61,6 +68,19 @@ TARGETS = {
     "float32": {"w1_tok_s": 1.8, "w2_tok_s": 1.6, "w3_prefill_tok_s": 1.35},
     "bfloat16": {"w1_tok_s": 2.1, "w2_tok_s": 3.2, "w3_prefill_tok_s": 1.3},
 }
+# Weight-only quantized engines (issue 23): W1 ahead of llama.cpp's Q4_1 on this CPU.
+QUANTIZED_TARGETS = {"w1_tok_s": 3.0}
+# Quality bounds (issue 23): perplexity within this fraction of fp32's.
+PERPLEXITY_BOUNDS = {"int8": 0.01, "int4": 0.03}
+QUALITY_TOKENS = 32
+
+
+def targets(dtype: str, quantization: str) -> dict[str, float]:
+    return TARGETS[dtype] if quantization == "none" else QUANTIZED_TARGETS
+
+
+def system_name(quantization: str) -> str:
+    return "halfmoon" if quantization == "none" else f"halfmoon {quantization}"
 
 
 class Sizes(NamedTuple):
@@ -130,10 +150,9 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 
 class HalfmoonSystem:
-    name = "halfmoon"
-
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.name = system_name(engine.config.quantization)
 
     def _generate(self, prompts: list[list[int]],
                   n_out: int) -> tuple[float, list[CompletionResult]]:
@@ -250,8 +269,9 @@ def kv_blocks_needed(sizes: Sizes) -> int:
                blocks(sizes.w1_prompt + sizes.w1_output), blocks(sizes.w3_prompt + 1))
 
 
-def engine_config(dtype: str, sizes: Sizes, threads: int, max_batched: int) -> EngineConfig:
-    return EngineConfig(model=MODEL, dtype=dtype, block_size=BLOCK_SIZE,
+def engine_config(dtype: str, sizes: Sizes, threads: int, max_batched: int,
+                  quantization: str = "none") -> EngineConfig:
+    return EngineConfig(model=MODEL, dtype=dtype, quantization=quantization, block_size=BLOCK_SIZE,
                         num_blocks=kv_blocks_needed(sizes) + 16, max_num_seqs=MAX_NUM_SEQS,
                         max_num_batched_tokens=max_batched, num_threads=threads)
 
@@ -304,16 +324,15 @@ def copy_bandwidth_gbps(nbytes: int = BANDWIDTH_BYTES, repeats: int = 5) -> floa
 # ---------------------------------------------------------------- reporting
 
 
-def figures(hm: Measured, hf: Measured, sizes: Sizes, dtype: str) -> list[Figure]:
-    t = TARGETS[dtype]
+def figures(hm: Measured, hf: Measured, sizes: Sizes, t: dict[str, float]) -> list[Figure]:
     w3_hm, w3_hf = (sizes.w3_prompt / (m.w3_ttft_ms / 1e3) for m in (hm, hf))
     return [
         Figure("w1_ttft_ms", "W1 TTFT", "ms", hm.w1.ttft_ms, hf.w1.ttft_ms, False),
         Figure("w1_tpot_ms", "W1 mean TPOT", "ms", hm.w1.tpot_ms, hf.w1.tpot_ms, False),
-        Figure("w1_tok_s", "W1 output", "tok/s", hm.w1.tok_s, hf.w1.tok_s, True, t["w1_tok_s"]),
-        Figure("w2_tok_s", "W2 output", "tok/s", hm.w2_tok_s, hf.w2_tok_s, True, t["w2_tok_s"]),
+        Figure("w1_tok_s", "W1 output", "tok/s", hm.w1.tok_s, hf.w1.tok_s, True, t.get("w1_tok_s")),
+        Figure("w2_tok_s", "W2 output", "tok/s", hm.w2_tok_s, hf.w2_tok_s, True, t.get("w2_tok_s")),
         Figure("w3_prefill_tok_s", "W3 prefill", "tok/s", w3_hm, w3_hf, True,
-               t["w3_prefill_tok_s"]),
+               t.get("w3_prefill_tok_s")),
     ]
 
 
@@ -339,12 +358,59 @@ def checks(hm: Measured, hf: Measured) -> dict[str, int]:
             "w2_rows": len(hm.w2_output_ids)}
 
 
-def render_text(report: dict[str, Any], figs: list[Figure]) -> str:
-    m, c, r, k = report["machine"], report["config"], report["roofline"], report["checks"]
+def measure_quality(engines: list[Engine], threads: int) -> dict[str, dict[str, Any]]:
+    """Perplexity and greedy agreement of every engine that is not fp32 unquantized, against an
+    fp32 unquantized engine (the run's own, else one loaded for this)."""
+    todo = [e for e in engines if (e.config.dtype, e.config.quantization) != ("float32", "none")]
+    if not todo:
+        return {}
+    ref = next((e for e in engines if e not in todo), None)
+    ref = ref or Engine(EngineConfig(model=MODEL, num_blocks=64, num_threads=threads))
+    text, prompts = ref.tokenizer.encode(quality.QUALITY_TEXT), quality.encode_prompts(ref)
+    ppl_ref = quality.perplexity(ref, text)
+    outputs_ref = quality.greedy_outputs(ref, prompts, QUALITY_TOKENS)
+    out = {}
+    for e in todo:
+        ppl = quality.perplexity(e, text)
+        agree = quality.agreement(quality.greedy_outputs(e, prompts, QUALITY_TOKENS), outputs_ref)
+        bound = PERPLEXITY_BOUNDS.get(e.config.quantization)
+        change = ppl / ppl_ref - 1
+        out[system_name(e.config.quantization)] = {
+            "perplexity": round(ppl, 4), "fp32_perplexity": round(ppl_ref, 4),
+            "perplexity_change": round(change, 5), "bound": bound,
+            "met": None if bound is None else abs(change) < bound, "text_tokens": len(text),
+            "greedy_identical": agree.identical, "greedy_prompts": agree.prompts,
+            "greedy_token_fraction": round(agree.token_fraction, 4), "greedy_tokens": QUALITY_TOKENS}
+    return out
+
+
+def render_system(name: str, sec: dict[str, Any], dtype: str) -> list[str]:
+    r, k, q = sec["roofline"], sec["checks"], sec.get("quality")
+    lines = [f"== {name} ({dtype}, quantization {sec['quantization']}) vs {BASELINE} ({dtype})",
+             render_table(sec["figs"], BASELINE), "",
+             f"roofline: {r['weight_bytes_per_step'] / 1e6:.1f} MB weights / "
+             f"{r['decode_step_ms']:.2f} ms decode step = {r['weights_gbps']:.2f} GB/s; copy bandwidth "
+             f"{r['copy_bandwidth_gbps']:.2f} GB/s -> {r['fraction']:.1%} of the limit",
+             f"check: W1 greedy outputs agree on the first {k['w1_matching_prefix']}/"
+             f"{k['w1_output_tokens']} tokens; W2 {k['w2_identical_rows']}/{k['w2_rows']} rows identical"]
+    if q:
+        bound = "" if q["bound"] is None else (f" (bound {q['bound']:.0%}: " + ("met" if q["met"] else "MISSED") + ")")
+        lines.append(f"quality vs fp32: perplexity {q['perplexity']:.3f} vs {q['fp32_perplexity']:.3f} "
+                     f"({q['perplexity_change']:+.2%}){bound} on {q['text_tokens']} tokens; greedy "
+                     f"{q['greedy_identical']}/{q['greedy_prompts']} prompts identical, "
+                     f"{q['greedy_token_fraction']:.0%} of {q['greedy_tokens']}-token continuations")
+    lines.append("where a batch-1 decode step goes (ms, torch profiler): " + ", ".join(
+        f"{key} {v:.2f}" for key, v in sec["decode_step_profile_ms"].items()))
+    return [*lines, ""]
+
+
+def render_text(report: dict[str, Any], sections: dict[str, dict[str, Any]]) -> str:
+    m, c = report["machine"], report["config"]
     w = report["workloads"]
     lines = [
-        f"halfmoon bench engine: {c['model']} {c['dtype']}, {m['threads']} threads, {m['cpu']} "
-        f"({m['cores']} cores), torch {m['torch']}, transformers {m['transformers']}",
+        f"halfmoon bench engine: {c['model']} {c['dtype']} (quantization {', '.join(c['quantization'])}), "
+        f"{m['threads']} threads, {m['cpu']} ({m['cores']} cores), torch {m['torch']}, "
+        f"transformers {m['transformers']}",
         f"{report['date']}  $ {report['command']}",
         f"W1 1x({w['w1']['prompt_tokens']}+{w['w1']['output_tokens']})  "
         f"W2 {w['w2']['requests']}x({w['w2']['prompt_tokens']}+{w['w2']['output_tokens']})  "
@@ -352,19 +418,10 @@ def render_text(report: dict[str, Any], figs: list[Figure]) -> str:
         f"max_num_batched_tokens {c['max_num_batched_tokens']}  kv {c['num_blocks']} blocks"
         + ("  [--quick: not for recording]" if c["quick"] else ""),
         "",
-        render_table(figs, BASELINE),
-        "",
-        f"roofline: {r['weight_bytes_per_step'] / 1e6:.1f} MB weights / "
-        f"{r['decode_step_ms']:.2f} ms decode step = {r['weights_gbps']:.2f} GB/s; copy bandwidth "
-        f"{r['copy_bandwidth_gbps']:.2f} GB/s -> {r['fraction']:.1%} of the limit",
-        f"check: W1 greedy outputs agree on the first {k['w1_matching_prefix']}/"
-        f"{k['w1_output_tokens']} tokens; W2 {k['w2_identical_rows']}/{k['w2_rows']} rows "
-        "identical",
-        f"targets: {'all met' if report['targets_met'] else 'some MISSED'} "
-        "(reported, never asserted)",
-        "where a batch-1 decode step goes (ms, torch profiler): " + ", ".join(
-            f"{k} {v:.2f}" for k, v in report["decode_step_profile_ms"].items()),
     ]
+    for name, sec in sections.items():
+        lines += render_system(name, sec, c["dtype"])
+    lines.append(f"targets: {'all met' if report['targets_met'] else 'some MISSED'} (reported, never asserted)")
     return "\n".join(lines)
 
 
@@ -377,6 +434,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of the table")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--quantization", nargs="+", choices=QUANTIZATIONS, default=["none"],
+                   help="one Halfmoon engine per entry (weight-only dense layers), each against "
+                        "the same transformers run (default: none)")
     p.add_argument("--quick", action="store_true",
                    help="scaled-down sizes for tests/CI; never for recorded figures")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
@@ -387,39 +447,55 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.threads <= 0 or args.repeats <= 0 or args.max_num_batched_tokens <= 0:
         p.error("--threads, --repeats and --max-num-batched-tokens must be > 0")
+    if len(set(args.quantization)) != len(args.quantization):
+        p.error("--quantization lists a value twice")
     return args
 
 
 class Results(NamedTuple):
-    """Everything one run measured, before it is turned into a report."""
+    """Everything one run measured, before it is turned into a report; per-engine dicts are
+    keyed by system name (`halfmoon`, `halfmoon int8`, ...), in --quantization order."""
 
-    halfmoon: Measured
+    halfmoon: dict[str, Measured]
     transformers: Measured
-    weight_bytes_per_step: int
+    quantization: dict[str, str]
+    weight_bytes_per_step: dict[str, int]
     copy_bandwidth_gbps: float
-    decode_profile: dict[str, float]
+    decode_profile: dict[str, dict[str, float]]
+    quality: dict[str, dict[str, Any]]
 
 
-def run(args: argparse.Namespace, sizes: Sizes, config: EngineConfig,
+def run(args: argparse.Namespace, sizes: Sizes, configs: list[EngineConfig],
         progress: Progress) -> Results:
-    """Load both systems, warm them up, time every workload `repeats` times, then the bandwidth."""
-    progress(f"loading Halfmoon ({MODEL}, {args.dtype})")
-    engine = Engine(config)
+    """Load every system, warm them up, time every workload `repeats` times, then profile each
+    engine's decode step, measure quality and the copy bandwidth."""
+    engines = []
+    for config in configs:
+        progress(f"loading Halfmoon ({MODEL}, {args.dtype}, quantization {config.quantization})")
+        engines.append(Engine(config))
     progress(f"loading transformers ({MODEL}, {args.dtype})")
-    systems: list[System] = [HalfmoonSystem(engine), load_transformers(torch_dtype(args.dtype))]
-    vocab = engine.model_config.vocab_size
+    systems: list[System] = [*(HalfmoonSystem(e) for e in engines), load_transformers(torch_dtype(args.dtype))]
+    vocab = engines[0].model_config.vocab_size
     work = make_workload(sizes, vocab)
-    progress("warming up both systems")
+    progress("warming up every system")
     warm_up(systems, vocab)
     runs: list[dict[str, Measured]] = []
     for i in range(args.repeats):
         progress(f"repeat {i + 1}/{args.repeats}")
         runs.append(measure_once(systems, work, sizes, progress))
-    hm, hf = (median_of([r[s.name] for r in runs]) for s in systems)
-    progress("profiling Halfmoon decode steps (batch 1)")
-    profile = decode_step_profile(engine, work.w1)
+    medians = {s.name: median_of([r[s.name] for r in runs]) for s in systems}
+    names = [system_name(e.config.quantization) for e in engines]
+    profiles = {}
+    for name, engine in zip(names, engines):
+        progress(f"profiling {name} decode steps (batch 1)")
+        profiles[name] = decode_step_profile(engine, work.w1)
+    progress("quality: perplexity and greedy agreement against fp32")
+    qual = measure_quality(engines, args.threads)
     progress(f"measuring copy bandwidth ({BANDWIDTH_BYTES // 2**20} MB, {args.threads} threads)")
-    return Results(hm, hf, engine.model.weight_bytes_per_step(), copy_bandwidth_gbps(), profile)
+    return Results({n: medians[n] for n in names}, medians[BASELINE],
+                   {n: e.config.quantization for n, e in zip(names, engines)},
+                   {n: e.model.weight_bytes_per_step() for n, e in zip(names, engines)},
+                   copy_bandwidth_gbps(), profiles, qual)
 
 
 METHOD = {
@@ -428,30 +504,49 @@ METHOD = {
                        "TTFT = first token - call, TPOT = mean gap after the first token",
     "tok_s": "output tokens / wall time of the whole generate, prefill included",
     "w3": "prompt tokens / TTFT; transformers' TTFT = wall time of generate(max_new_tokens=1)",
+    "quality": "engine/quality.py: perplexity of QUALITY_TEXT (one prefill, logits at every "
+               "position) and greedy continuations of QUALITY_PROMPTS, against fp32 unquantized",
 }
 
 
+def section(res: Results, name: str, sizes: Sizes, dtype: str) -> dict[str, Any]:
+    """One Halfmoon engine's figures against transformers (`figs` is dropped from the JSON)."""
+    hm, q = res.halfmoon[name], res.quantization[name]
+    figs = figures(hm, res.transformers, sizes, targets(dtype, q))
+    sec = {"quantization": q, "figs": figs, "figures": {f.key: f.to_json(BASELINE) for f in figs},
+           "roofline": roofline(res.weight_bytes_per_step[name], hm.w1.tpot_ms, res.copy_bandwidth_gbps),
+           "checks": checks(hm, res.transformers), "decode_step_profile_ms": res.decode_profile[name]}
+    if name in res.quality:
+        sec["quality"] = res.quality[name]
+    return sec
+
+
+def targets_met(sec: dict[str, Any]) -> bool:
+    quality_met = sec.get("quality", {}).get("met")
+    return all(f.met is not False for f in sec["figs"]) and quality_met is not False
+
+
 def build_report(args: argparse.Namespace, command: str, sizes: Sizes, config: EngineConfig,
-                 res: Results) -> tuple[dict[str, Any], list[Figure]]:
-    figs = figures(res.halfmoon, res.transformers, sizes, args.dtype)
+                 res: Results) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The JSON report (the first engine's figures at the top level, as before --quantization
+    took a list; every engine's under `systems`) and the sections for the text."""
+    sections = {name: section(res, name, sizes, args.dtype) for name in res.halfmoon}
+    first = next(iter(sections.values()))
     report = {
         "benchmark": "engine", "command": command, "date": utc_now(),
         "machine": machine_info(args.threads),
         "config": {"model": MODEL, "model_path": str(resolve_model_path(MODEL)),
-                   "dtype": args.dtype, "quick": args.quick, "repeats": args.repeats,
-                   "block_size": config.block_size, "num_blocks": config.num_blocks,
-                   "max_num_seqs": config.max_num_seqs,
+                   "dtype": args.dtype, "quantization": list(args.quantization), "quick": args.quick,
+                   "repeats": args.repeats, "block_size": config.block_size,
+                   "num_blocks": config.num_blocks, "max_num_seqs": config.max_num_seqs,
                    "max_num_batched_tokens": config.max_num_batched_tokens},
         "workloads": workloads_json(sizes),
-        "figures": {f.key: f.to_json(BASELINE) for f in figs},
-        "roofline": roofline(res.weight_bytes_per_step, res.halfmoon.w1.tpot_ms,
-                             res.copy_bandwidth_gbps),
-        "checks": checks(res.halfmoon, res.transformers),
-        "decode_step_profile_ms": res.decode_profile,
-        "targets_met": all(f.met is not False for f in figs),
+        **{k: v for k, v in first.items() if k not in ("figs", "quantization")},
+        "systems": {n: {k: v for k, v in s.items() if k != "figs"} for n, s in sections.items()},
+        "targets_met": all(targets_met(s) for s in sections.values()),
         "method": METHOD,
     }
-    return report, figs
+    return report, sections
 
 
 def workloads_json(sizes: Sizes) -> dict[str, dict[str, int]]:
@@ -468,11 +563,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(["halfmoon", "bench", "engine", *argv])
     sizes = QUICK if args.quick else FULL
-    config = engine_config(args.dtype, sizes, args.threads, args.max_num_batched_tokens)
+    configs = [engine_config(args.dtype, sizes, args.threads, args.max_num_batched_tokens, q)
+               for q in args.quantization]
     with process_settings(args.threads):
-        results = run(args, sizes, config, Progress())
-    report, figs = build_report(args, command, sizes, config, results)
-    print(json.dumps(report, indent=2) if args.json else render_text(report, figs), flush=True)
+        results = run(args, sizes, configs, Progress())
+    report, sections = build_report(args, command, sizes, configs[0], results)
+    print(json.dumps(report, indent=2) if args.json else render_text(report, sections), flush=True)
     return 0
 
 

@@ -2,6 +2,10 @@
 
 SmolLM2's fused gate/up shape ([3072, 576]) x 20 weights, for batch sizes 1..512, fp32 and bf16,
 both kernels in the same run; prints GB/s of weights read, GFLOP/s and the ratio.
+
+`--quantized` (issue 23): the same weights as the weight-only kernels of kernels/quant_linear.py
+(int8 per channel, int4 in groups of 32), each with bf16 and with fp32 activations, next to the
+packed fp32 and plain bf16 layers: microseconds per weight (all 20) and weight GB/s.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.linear import Linear, onednn_available
+from kernels.quant_linear import Int4Linear, Int8Linear
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 
@@ -43,17 +48,63 @@ def measure(dtype: torch.dtype, batch: int, weights: list[torch.Tensor], repeats
             "speedup": plain_ms / packed_ms}
 
 
+QUANTIZED_BATCH_SIZES = (1, 4, 16, 64, 256)
+SLOW_KIND_MAX_BATCH = 16  # the fp32-activation kernels take ~0.5 s a call at 256 rows
+
+
+def quantized_rows(weights: list[torch.Tensor], repeats: int) -> list[dict[str, object]]:
+    """us per call and weight GB/s of each kind of layer, per batch size."""
+    kinds: dict[str, tuple[list[Callable[[torch.Tensor], torch.Tensor]], torch.dtype]] = {
+        "fp32 packed": ([Linear(w) for w in weights], torch.float32),
+        "bf16 plain": ([Linear(w.bfloat16(), "plain") for w in weights], torch.bfloat16),
+        **{f"{name} {act_name}": ([cls(w, act) if cls is Int8Linear else Int4Linear.from_float(w, act)
+                                  for w in weights], act)
+           for name, cls in (("int8", Int8Linear), ("int4", Int4Linear))
+           for act_name, act in (("bf16-act", torch.bfloat16), ("fp32-act", torch.float32))},
+    }
+    rows: list[dict[str, object]] = []
+    for batch in QUANTIZED_BATCH_SIZES:
+        for kind, (layers, act) in kinds.items():
+            if kind.endswith("fp32-act") and batch > SLOW_KIND_MAX_BATCH:
+                continue
+            x = torch.randn(batch, weights[0].shape[1], dtype=act)
+            ms = best_ms(lambda: [lin(x) for lin in layers], repeats)  # noqa: B023 (called here)
+            nbytes = sum(lin.nbytes() for lin in layers)  # type: ignore[attr-defined]
+            rows.append({"kind": kind, "batch": batch, "us_per_weight": ms * 1e3 / len(layers),
+                         "gbps": nbytes / ms / 1e6})
+    return rows
+
+
+def print_quantized(rows: list[dict[str, object]]) -> None:
+    print(f"linear [3072x576] x20, {torch.get_num_threads()} threads: us per weight (weight GB/s)")
+    kinds = list(dict.fromkeys(str(r["kind"]) for r in rows))
+    print(f"{'M':>4} " + " ".join(f"{k:>18}" for k in kinds))
+    for batch in QUANTIZED_BATCH_SIZES:
+        found = {r["kind"]: r for r in rows if r["batch"] == batch}
+        cells = [f"{found[k]['us_per_weight']:>9.0f} ({found[k]['gbps']:>5.1f})" if k in found else "-"
+                 for k in kinds]
+        print(f"{batch:>4} " + " ".join(f"{c:>18}" for c in cells))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="halfmoon bench linear", description=__doc__)
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quantized", action="store_true", help="int8/int4 weight-only kernels (issue 23)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if not onednn_available():
         print("halfmoon bench linear: this torch build has no oneDNN linear ops", file=sys.stderr)
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.quantized:
+        qrows = quantized_rows([torch.randn(3072, 576) * 0.05 for _ in range(20)], args.repeats)
+        if args.json:
+            print(json.dumps({"threads": torch.get_num_threads(), "rows": qrows}, indent=2))
+        else:
+            print_quantized(qrows)
+        return 0
     rows = []
     dtypes = [d for d in (torch.float32, torch.bfloat16) if onednn_available(d)]
     if len(dtypes) < 2:

@@ -13,7 +13,7 @@ from conductor.requests import Limits
 from conductor.server import ServerConfig
 from core.logs import FORMATS, LEVELS, LogConfig
 from core.tracing import PROTOCOLS, SAMPLERS, TracingConfig
-from engine.config import EngineConfig
+from engine.config import QUANTIZATIONS, EngineConfig
 from transport.config import TransportConfig
 
 from cli.flags import Component, Flag
@@ -23,6 +23,7 @@ ENGINE = Component(
     flags={
         "model": Flag(help="alias (smollm2), GGUF file or HF folder"),
         "dtype": Flag(choices=("float32", "bfloat16")),
+        "quantization": Flag(choices=QUANTIZATIONS),
         # Kept from the first CLI; in cluster mode each worker pins its own (--worker-threads).
         "num_threads": Flag("threads", help="torch CPU threads (default: all cores)"),
         "attention_backend": Flag(choices=("torch", "flashinfer")),

@@ -124,7 +124,8 @@ def _serve(args: argparse.Namespace, config, engine_cfg, admission, observabilit
     from engine.engine import Engine
 
     cost = CostModel.load(args.cost_model) if args.cost_model else None  # read before loading the model
-    print(f"halfmoon: loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
+    print(f"halfmoon: loading {args.model} ({args.dtype}, quantization {args.quantization}) ...",
+          file=sys.stderr, flush=True)
     tracer = start_tracing(observability[0], "colocated", "engine")
     engine = Engine(engine_cfg)
     try:
@@ -157,7 +158,8 @@ def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission, obse
 
     cluster = cluster_config(args, engine_cfg, observability)
     print(f"halfmoon: starting {cluster.prefill} prefill + {cluster.decode} decode workers "
-          f"({args.model}, {args.dtype}, {cluster.worker_threads} thread(s) each) on Ray ...",
+          f"({args.model}, {args.dtype}, quantization {args.quantization}, {cluster.worker_threads} thread(s) "
+          "each) on Ray ...",
           file=sys.stderr, flush=True)
     backend = ClusterBackend(cluster, engine_cfg.redis_url, admission=admission)
     backend.manager.init_ray()  # on the main thread, before the servers' threads exist

@@ -98,7 +98,7 @@ class ColocatedBackend(GenerationBackend):
             return await asyncio.to_thread(profile_engine, engine, quick=True)
 
         info = EngineInfo(engine.max_model_len, engine.model_config.vocab_size, engine.model_config.fingerprint,
-                          engine.config.block_size, str(engine.config.torch_dtype).removeprefix("torch."), 1)
+                          engine.config.block_size, engine.config.kv_tag, 1)
         return await cached_cost_model(profile_key(info, engine.config.num_threads), measure)
 
     async def stop(self) -> None:

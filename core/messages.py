@@ -213,7 +213,7 @@ class EngineInfo:
     vocab_size: int
     fingerprint: str
     block_size: int
-    dtype: str
+    dtype: str  # EngineConfig.kv_tag: the KV dtype, `+int8`/`+int4` for quantized weights
     kv_bytes_per_token: int
 
 

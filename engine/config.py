@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 # dtype names -> torch's attribute; torch is imported only when a dtype is asked for, so building a
 # command line's flags from this config stays fast.
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# Weight-only quantization of the dense layers (kernels/quant_linear.py): none, int8 per output
+# channel, int4 in groups of 32 (a Q4_1 GGUF's own blocks, loaded without re-quantizing).
+QUANTIZATIONS = ("none", "int8", "int4")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -31,6 +34,8 @@ class EngineConfig:
 
     model: alias (`smollm2`), a GGUF file, or a HF folder (config.json + *.safetensors).
     dtype: compute and KV dtype, `float32` (CPU default) or `bfloat16`.
+    quantization: weight-only quantization of the dense layers: `none`, `int8` (per output
+        channel) or `int4` (groups of 32; a Q4_1 GGUF's own blocks); CPU only.
     block_size: tokens per KV block (the unit of paging, hashing and transfer).
     kv_cache_gb: KV cache size in GiB; ignored when `num_blocks` is set.
     num_blocks: KV cache size in blocks (overrides `kv_cache_gb`; tests use tiny pools).
@@ -50,6 +55,7 @@ class EngineConfig:
 
     model: str = "smollm2"
     dtype: str = "float32"
+    quantization: str = "none"
     block_size: int = 16
     kv_cache_gb: float = 1.0
     num_blocks: int | None = None
@@ -69,6 +75,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {sorted(DTYPES)}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization {self.quantization!r} not supported; choose from {list(QUANTIZATIONS)}")
         check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
@@ -82,6 +90,14 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
+
+    @property
+    def kv_tag(self) -> str:
+        """What, besides the model, shapes a KV block's contents: the dtype, and the weights'
+        quantization when there is one (an int4 engine's KV is not an fp32 engine's). Part of
+        every block hash's root, so engines that differ here never share a block."""
+        dtype = DTYPES[self.dtype]  # "bf16" and "bfloat16" hash alike
+        return dtype if self.quantization == "none" else f"{dtype}+{self.quantization}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -102,13 +102,13 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        weights = load_weights(config.model, config.torch_dtype)
+        weights = load_weights(config.model, config.torch_dtype, q4_blocks=config.quantization == "int4")
         self.model_config = weights.config
         self.tokenizer = load_tokenizer(weights)
         self.max_model_len = min(config.max_model_len or weights.config.max_position,
                                  weights.config.max_position)
         self.model = LlamaModel(weights.config, weights.weights, get_backend(config.attention_backend),
-                                config.torch_dtype)
+                                config.torch_dtype, config.quantization, weights.q4)
         num_blocks = config.num_blocks or max(1, int(config.kv_cache_gb * 2**30) // kv_block_bytes(weights, config))
         cfg = weights.config
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, config.block_size, cfg.num_kv_heads,
@@ -194,15 +194,13 @@ class Engine:
         """Prompt tokens this device's prefix cache holds now (an estimate for admission: the
         blocks may be evicted before the request runs; host/disk tiers are not counted)."""
         bs = self.config.block_size
-        dtype = str(self.config.torch_dtype).removeprefix("torch.")
-        root = root_hash(self.model_config.fingerprint, dtype, bs, cache_salt)
+        root = root_hash(self.model_config.fingerprint, self.config.kv_tag, bs, cache_salt)
         usable = list(prompt_ids[: (len(prompt_ids) - 1) // bs * bs])
         return len(self.pool.get_computed_blocks(block_hashes(usable, bs, root))) * bs
 
     def _new_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> Request:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        dtype = str(self.config.torch_dtype).removeprefix("torch.")  # "bf16" and "bfloat16" hash alike
-        root = root_hash(self.model_config.fingerprint, dtype, self.config.block_size, cache_salt)
+        root = root_hash(self.model_config.fingerprint, self.config.kv_tag, self.config.block_size, cache_salt)
         return Request("", prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed), root_hash=root)
 
     def _check_prefilled_blocks(self, num_prompt_tokens: int, max_tokens: int, num_blocks: int) -> None:

@@ -11,7 +11,8 @@ The tensors' bytes are still read by `GGUFReader` when the weights cache misses.
 GGUF v2/v3 layout (little-endian): magic "GGUF", u32 version, u64 tensor count, u64 key/value
 count; each key/value: string key, u32 type, value; each tensor info: string name, u32 n_dims,
 u64 dims[n_dims], u32 ggml type, u64 offset. A string is u64 length + UTF-8 bytes; an array is u32
-element type + u64 count + elements.
+element type + u64 count + elements. The tensor data starts at the end of the header rounded up to
+`general.alignment` (default 32); a tensor's offset counts from there.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from engine.errors import ModelLoadError
 MAGIC = b"GGUF"
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
+DEFAULT_ALIGNMENT = 32
 
 
 class Field(NamedTuple):
@@ -51,6 +53,7 @@ class GGUFHeader:
     version: int
     fields: dict[str, Field]
     tensors: list[TensorInfo]
+    data_offset: int = 0  # where the tensor data starts in the file
 
 
 class _Cursor:
@@ -125,4 +128,5 @@ def _parse(buf: Any, path: Path) -> GGUFHeader:
         name = c.string()
         dims = tuple(c.unpack("<Q") for _ in range(c.unpack("<I")))
         tensors.append(TensorInfo(name, dims, c.unpack("<I"), c.unpack("<Q")))
-    return GGUFHeader(version, fields, tensors)
+    align = int(fields["general.alignment"].value) if "general.alignment" in fields else DEFAULT_ALIGNMENT
+    return GGUFHeader(version, fields, tensors, -(-c.pos // align) * align)

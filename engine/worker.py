@@ -213,7 +213,7 @@ class EngineWorker:
         """What the Conductor needs to tokenize, hash blocks and size requests like this worker."""
         e = self.engine
         return EngineInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
-                         e.config.block_size, str(e.config.torch_dtype).removeprefix("torch."),
+                         e.config.block_size, e.config.kv_tag,
                          e.kv_cache[:, :, 0, 0].numel() * e.kv_cache.element_size())
 
     async def profile(self, quick: bool = True) -> Profile:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +36,18 @@ def _onednn_bf16() -> bool:
         log.warning("this CPU has no oneDNN bf16 path (AVX512-BW/VL/DQ or AVX-NE-CONVERT): bf16 "
                     "dense layers use F.linear on the plain weight (slower than packed)")
     return supported
+
+
+class DenseLayer(Protocol):
+    """What the model calls: `Linear` here, `Int8Linear`/`Int4Linear` (kernels/quant_linear.py)."""
+
+    out_features: int
+    in_features: int
+    kind: str
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def nbytes(self) -> int: ...
 
 
 class Linear:

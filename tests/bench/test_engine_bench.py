@@ -116,3 +116,33 @@ def test_quick_json_report_is_complete_and_consistent(capsys: pytest.CaptureFixt
     checks = report["checks"]
     assert checks["w1_output_tokens"] == QUICK.w1_output and checks["w2_rows"] == QUICK.w2_batch
     assert 0 <= checks["w1_matching_prefix"] <= QUICK.w1_output
+
+
+def test_one_section_per_quantization_with_its_targets_and_quality() -> None:
+    """`--quantization none int4`: both engines against the one transformers run; the first
+    engine's figures stay at the top level; a missed quality bound is a missed target."""
+    from bench.engine_bench import (QUANTIZED_TARGETS, Measured, Results, Stream, build_report, engine_config,
+                                    render_text)
+
+    def measured(tok_s: float) -> Measured:
+        return Measured(Stream(100.0, 1000 / tok_s, tok_s, [1, 2]), 10 * tok_s, [[1]], 400.0)
+
+    args = parse_args(["--quick", "--quantization", "none", "int4"])
+    quality = {"halfmoon int4": {"perplexity": 29.5, "fp32_perplexity": 28.5, "perplexity_change": 0.035,
+                                 "bound": 0.03, "met": False, "text_tokens": 191, "greedy_identical": 1,
+                                 "greedy_prompts": 8, "greedy_token_fraction": 0.5, "greedy_tokens": 32}}
+    res = Results({"halfmoon": measured(30.0), "halfmoon int4": measured(80.0)}, measured(20.0),
+                  {"halfmoon": "none", "halfmoon int4": "int4"}, {"halfmoon": 538_000_000, "halfmoon int4": 95_000_000},
+                  20.0, {"halfmoon": {"step": 1.0}, "halfmoon int4": {"step": 1.0}}, quality)
+    report, sections = build_report(args, "cmd", QUICK, engine_config("float32", QUICK, 1, 2048), res)
+    assert list(report["systems"]) == ["halfmoon", "halfmoon int4"]
+    assert report["figures"] == report["systems"]["halfmoon"]["figures"]
+    int4 = report["systems"]["halfmoon int4"]
+    assert int4["figures"]["w1_tok_s"]["ratio"] == pytest.approx(4.0)
+    assert int4["figures"]["w1_tok_s"]["target"] == QUANTIZED_TARGETS["w1_tok_s"]
+    assert int4["figures"]["w1_tok_s"]["met"] is True and int4["figures"]["w2_tok_s"]["target"] is None
+    assert int4["roofline"]["weight_bytes_per_step"] == 95_000_000
+    assert report["targets_met"] is False  # fp32's own targets are missed, and int4's quality bound
+    text = render_text(report, sections)
+    assert "== halfmoon int4 (float32, quantization int4)" in text and "(bound 3%: MISSED)" in text
+

@@ -707,6 +707,7 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--redis-url": HelmValue("redis.external.url", "redis://probe:6379/0", "redis://probe:6379/0"),
     "--model": HelmValue("model.alias", "probe-model", "probe-model"),
     "--dtype": HelmValue("model.dtype", "bfloat16", "bfloat16"),
+    "--quantization": HelmValue("model.quantization", "int4", "int4"),
     "--kv-cache-gb": HelmValue("engine.kvCacheGb", 2.5, "2.5"),
     "--num-blocks": HelmValue("engine.numBlocks", 512, "512"),
     "--block-size": HelmValue("engine.blockSize", 32, "32"),

@@ -167,6 +167,10 @@ argparse parser, so a flag that does not exist fails the tests).
 - --dtype
 - {{ . | quote }}
 {{- end }}
+{{- with $v.model.quantization }}
+- --quantization
+- {{ . | quote }}
+{{- end }}
 {{- with $v.conductor.servedModelName }}
 - --served-model-name
 - {{ . | quote }}
