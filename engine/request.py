@@ -41,6 +41,7 @@ class Request:
     finish_reason: FinishReason | None = None
     priority: int = 0  # higher is admitted first; then earlier deadline; FCFS within both
     deadline: float = math.inf  # an ordering key (the caller's clock), inf = none
+    fetch_from: str | None = None  # the worker to read a remote prefix from, if it holds the longest
     scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -119,7 +119,7 @@ class Scheduler:
             # fit costs no tier or index lookups while it waits.
             if free < self._table_blocks(req, len(hit), budget) - len(hit):
                 break
-            plan = self.tiers.plan(usable, len(hit)) if self.tiers is not None else TierPlan(0)
+            plan = self.tiers.plan(usable, len(hit), req.fetch_from) if self.tiers is not None else TierPlan(0)
             need = self._table_blocks(req, len(hit) + plan.total, budget) - len(hit)
             if free < need:
                 break

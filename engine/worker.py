@@ -169,7 +169,9 @@ class EngineWorker:
         return self.engine_load()
 
     def engine_load(self) -> WorkerLoad:
-        return engine_load(self.engine, self.loop)
+        served = self.block_server.served_blocks if self.block_server is not None else 0
+        return replace(engine_load(self.engine, self.loop), blocks_served_remote=served,
+                       node_id=self.spec.node_id)
 
     async def check_integrity(self) -> IntegrityReport:
         """Check the KV bookkeeping (`block_problems`: the pool's own invariants, the block

@@ -125,15 +125,17 @@ class KVTiers:
         if self.index is not None and hashes:
             getattr(self.index, verb)(hashes, *tiers)
 
-    def plan(self, usable: Sequence[bytes], device_hit: int) -> TierPlan:
-        """After `device_hit` blocks on the device: how many more host/disk, then a remote holder, hold."""
+    def plan(self, usable: Sequence[bytes], device_hit: int, prefer: str | None = None) -> TierPlan:
+        """After `device_hit` blocks on the device: how many more host/disk, then a remote holder, hold.
+        Of the other holders with the longest match, the worker `prefer` (the router's choice)
+        is read, else the first the index lists (faster tier first)."""
         lower = self.match(usable[device_hit:])
         local = device_hit + lower
         if self.index is None or self.remote is None or local >= len(usable):
             return TierPlan(lower)
         result = self.index.lookup(usable)
-        best = max((m for m in result.matches if m.holder != self.index.holder),
-                   key=lambda m: m.length, default=None)
+        others = [m for m in result.matches if m.holder != self.index.holder]
+        best = max(others, key=lambda m: (m.length, m.holder.worker_id == prefer), default=None)
         if best is None or best.length <= local:
             return TierPlan(lower)
         return TierPlan(lower, best.length - local, best.holder)

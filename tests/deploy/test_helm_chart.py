@@ -593,6 +593,24 @@ def test_kuberay_renders_a_raycluster_with_the_same_groups(renderer: Renderer, p
         assert labels["app.kubernetes.io/component"] == role
 
 
+def test_both_groups_on_one_ray_resource_fails_with_a_message(renderer: Renderer) -> None:
+    values = {"prefill": {"rayResource": "worker"}, "decode": {"rayResource": "worker"}}
+    with pytest.raises(helm.HelmRenderError, match="prefill.rayResource and decode.rayResource"):
+        renderer.render(values)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_groups_ray_resource_is_what_its_pods_advertise_and_the_conductor_asks(renderer: Renderer,
+                                                                                 role: str) -> None:
+    values = {"prefill": {"rayResource": "gpu-pool-a"}, "decode": {"rayResource": "gpu-pool-b"}}
+    for kuberay in (False, True):
+        rel = renderer.release_with(merge(values, {"kuberay": {"enabled": kuberay}}))
+        name = values[role]["rayResource"]
+        assert json.loads(ray_start_flags(rel, role)["resources"]) == {name: 1}
+        args = head_container(rel)["args"]
+        assert args[args.index(f"--{role}-resource") + 1] == name
+
+
 def test_kuberay_with_a_pvc_disk_tier_fails_with_a_message(renderer: Renderer) -> None:
     values = {"kuberay": {"enabled": True}, "kvTiers": {"disk": {"sizeGb": 10, "volume": {"type": "pvc"}}}}
     with pytest.raises(helm.HelmRenderError, match="kvTiers.disk.volume.type=pvc"):
@@ -612,6 +630,7 @@ BAD_VALUES = {
         {"redis": {"bundled": {"enabled": False}, "external": {"url": "redis://:hunter2@r:6379/0"}}},
         "/redis/external/url"),
     "negative GPUs": ({"prefill": {"gpus": -1}}, "/prefill/gpus"),
+    "a Ray resource name with a quote": ({"prefill": {"rayResource": 'pre"fill'}}, "/prefill/rayResource"),
     "pvc model without a claim": ({"model": {"source": "pvc", "path": "m"}}, "/model/pvc/claimName"),
     "UCX_TLS for the tcp backend": ({"kvTransport": {"backend": "tcp", "ucxTls": "rc"}}, "/kvTransport/ucxTls"),
     "negative UCX polling": ({"kvTransport": {"ucxPollUs": -1}}, "/kvTransport/ucxPollUs"),
@@ -671,6 +690,9 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--decode": HelmValue("decode.replicas", 2, "2"),
     "--prefill-gpus": HelmValue("prefill.gpus", 1, "1"),
     "--decode-gpus": HelmValue("decode.gpus", 1, "1"),
+    "--prefill-resource": HelmValue("prefill.rayResource", "probe-prefill", "probe-prefill"),
+    "--decode-resource": HelmValue("decode.rayResource", "probe-decode", "probe-decode"),
+    "--no-remote-fetch": HelmValue("kvTiers.remoteFetch", False, None),
     "--worker-threads": HelmValue("conductor.workerThreads", 2, "2"),
     "--grpc-port": HelmValue("conductor.grpcPort", 50052, "50052"),
     "--http-port": HelmValue("conductor.httpPort", 8001, "8001"),
@@ -747,6 +769,7 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--no-redis": "the chart always runs a block index (bundled or external Redis)",
     "--dashboard": "on by default; conductor.dashboard=false gives --no-dashboard",
     "--no-tracing": "off by default; tracing.enabled=true gives --tracing",
+    "--remote-fetch": "on by default; kvTiers.remoteFetch=false gives --no-remote-fetch",
 }
 # What the samples need besides themselves: an external Redis instead of the bundled one.
 SAMPLE_EXTRAS = {"redis": {"bundled": {"enabled": False}}}

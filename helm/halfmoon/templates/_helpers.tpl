@@ -141,6 +141,10 @@ argparse parser, so a flag that does not exist fails the tests).
 - {{ $v.prefill.gpus | int | quote }}
 - --decode-gpus
 - {{ $v.decode.gpus | int | quote }}
+- --prefill-resource
+- {{ $v.prefill.rayResource | quote }}
+- --decode-resource
+- {{ $v.decode.rayResource | quote }}
 - --host
 - 0.0.0.0
 - --grpc-port
@@ -173,6 +177,9 @@ argparse parser, so a flag that does not exist fails the tests).
 {{- end }}
 {{- if not $v.conductor.dashboard }}
 - --no-dashboard
+{{- end }}
+{{- if not $v.kvTiers.remoteFetch }}
+- --no-remote-fetch
 {{- end }}
 {{- $t := $v.tracing }}
 {{- if $t.enabled }}
@@ -491,7 +498,7 @@ Ray's start flags of a worker pod (plain: on the command line; KubeRay: rayStart
 One unit of the role's custom resource per pod: the Conductor places one actor per pod.
 */}}
 {{- define "halfmoon.workerResourcesJson" -}}
-{{- dict .role 1 | toJson }}
+{{- dict (index .root.Values .role).rayResource 1 | toJson }}
 {{- end }}
 
 {{/* Init containers of a worker pod (same context as halfmoon.workerPodSpec). */}}
