@@ -338,9 +338,10 @@ def test_worker_group_volumes_ports_and_placement(renderer: Renderer, variant: s
     # The KV transport: decode workers' receivers listen on the fixed --kv-port.
     ports = {p["name"]: p["containerPort"] for p in ctr.get("ports", [])}
     assert ports == ({"kv": v["kvTransport"]["port"]} if role == "decode" else {})
-    # Placement straight from the values.
-    for key in ("nodeSelector", "tolerations", "affinity"):
+    # Placement straight from the values (the affinity plus placement.separateRoles' term).
+    for key in ("nodeSelector", "tolerations"):
         assert pod.get(key, type(group[key])()) == group[key]
+    assert pod.get("affinity", {}) == expected_affinity(group["affinity"], v["placement"]["separateRoles"], role)
     # The shared KV secret reaches the raylet (and so the actors) from a Secret reference.
     assert "secretKeyRef" in env_refs(ctr)["HALFMOON_KV_SECRET"]["valueFrom"]
     # The model is where the Conductor says it is.
@@ -354,6 +355,59 @@ def test_worker_group_volumes_ports_and_placement(renderer: Renderer, variant: s
         assert volumes["weights-cache"]["emptyDir"]["sizeLimit"] == model["weightsCache"]["sizeLimit"]
     else:
         assert env["HALFMOON_WEIGHTS_CACHE"] == "0" and "weights-cache" not in mounts
+
+
+def _anti_affinity(rel: Release, role: str) -> dict:
+    return worker_template(rel, role)["spec"].get("affinity", {}).get("podAntiAffinity", {})
+
+
+@pytest.mark.parametrize("kuberay", [False, True])
+@pytest.mark.parametrize("role", ROLES)
+def test_prefill_and_decode_pods_keep_to_separate_nodes(renderer: Renderer, kuberay: bool, role: str) -> None:
+    """placement.separateRoles: the other role's pods of this release, on the same node (hostname),
+    repel this group's: preferred by default (a one-node cluster still schedules), required on
+    demand, off leaves only the group's own affinity."""
+    other = "decode" if role == "prefill" else "prefill"
+    group_affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}}}
+    base = {"kuberay": {"enabled": kuberay}, role: {"affinity": group_affinity}}
+    rel = renderer.release_with(base)
+    term = _anti_affinity(rel, role)["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    labels = term["labelSelector"]["matchLabels"]
+    assert labels["app.kubernetes.io/component"] == other and labels["app.kubernetes.io/instance"] == RELEASE
+    others = [meta["labels"] for component, meta in pod_templates(rel) if component == other] if not kuberay else []
+    assert all(labels.items() <= pod.items() for pod in others)  # the term selects the other group's pods
+    assert worker_template(rel, role)["spec"]["affinity"]["nodeAffinity"] == group_affinity["nodeAffinity"]
+    required = renderer.release_with(merge(base, {"placement": {"separateRoles": "required"}}))
+    (term,) = _anti_affinity(required, role)["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == other
+    off = renderer.release_with(merge(base, {"placement": {"separateRoles": "off"}}))
+    assert worker_template(off, role)["spec"]["affinity"] == group_affinity
+
+
+def test_the_groups_own_anti_affinity_terms_are_kept(renderer: Renderer) -> None:
+    spread = {"topologyKey": "kubernetes.io/hostname",
+              "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "decode"}}}
+    own = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [spread]}}
+    for mode in ("preferred", "required"):
+        rel = renderer.release_with({"decode": {"affinity": own}, "placement": {"separateRoles": mode}})
+        assert worker_template(rel, "decode")["spec"]["affinity"] == expected_affinity(own, mode, "decode")
+
+
+def expected_affinity(own: dict, mode: str, role: str) -> dict:
+    """A worker group's `own` affinity with placement.separateRoles' term appended."""
+    if mode == "off":
+        return own
+    other = "decode" if role == "prefill" else "prefill"
+    term = {"labelSelector": {"matchLabels": {"app.kubernetes.io/name": "halfmoon", "app.kubernetes.io/instance": RELEASE,
+                                              "app.kubernetes.io/component": other}},
+            "topologyKey": "kubernetes.io/hostname"}
+    key, entry = (("requiredDuringSchedulingIgnoredDuringExecution", term) if mode == "required" else
+                  ("preferredDuringSchedulingIgnoredDuringExecution", {"weight": 100, "podAffinityTerm": term}))
+    anti = dict(own.get("podAntiAffinity", {}))
+    anti[key] = [*anti.get(key, []), entry]
+    return {**own, "podAntiAffinity": anti}
 
 
 def test_the_weights_cache_can_be_turned_off(renderer: Renderer) -> None:
@@ -635,6 +689,7 @@ BAD_VALUES = {
     "UCX_TLS for the tcp backend": ({"kvTransport": {"backend": "tcp", "ucxTls": "rc"}}, "/kvTransport/ucxTls"),
     "negative UCX polling": ({"kvTransport": {"ucxPollUs": -1}}, "/kvTransport/ucxPollUs"),
     "unknown admission policy": ({"admission": {"policy": "lottery"}}, "/admission/policy"),
+    "unknown role placement": ({"placement": {"separateRoles": "sometimes"}}, "/placement/separateRoles"),
     "negative class objective": ({"admission": {"classes": {"batch": {"tbtMs": -1}}}},
                                  "/admission/classes/batch/tbtMs"),
 }
