@@ -141,9 +141,22 @@ class LocalRayNodes:
             _kill_left(tree + _tree(proc.pid))
         self.procs.clear()
 
+    def pause_node(self, i: int) -> None:
+        """SIGSTOP every process of node `i` (a hung machine: connections open, nothing answers)."""
+        _signal_group(self.procs[i].pid, signal.SIGSTOP)
+
+    def kill_node(self, i: int) -> list[psutil.Process]:
+        """SIGKILL every process of node `i` (a machine lost); returns them, all gone."""
+        proc = self.procs[i]
+        tree = _tree(proc.pid)
+        _signal_group(proc.pid, signal.SIGKILL)
+        proc.wait(STOP_WAIT_S)
+        _kill_left(tree)
+        return tree
+
     def leftovers(self) -> list[int]:
         """Pids still alive of the processes the nodes had when `stop` began (empty after it)."""
-        return [p.pid for p in self.stopped if _alive(p)]
+        return [p.pid for p in self.stopped if is_alive(p)]
 
 
 def node_env() -> dict[str, str]:
@@ -168,7 +181,7 @@ def _signal_group(pid: int, sig: signal.Signals) -> None:
         pass
 
 
-def _alive(proc: psutil.Process) -> bool:
+def is_alive(proc: psutil.Process) -> bool:
     try:
         return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

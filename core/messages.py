@@ -206,6 +206,8 @@ class WorkerLoad:
     kv_bytes_received: int = 0  # decode: KV bytes its receiver verified, since start
     blocks_served_remote: int = 0  # blocks its block server sent to other workers, since start
     node_id: str = ""  # the node it runs on, as its cluster-index entries name it
+    fetches_in_flight: int = 0  # remote prefix pulls waiting on a holder now
+    fetch_failures: int = 0  # remote pulls that failed (holder gone, timeout, corrupt): recomputed
 
 
 @dataclass(frozen=True, slots=True)

@@ -262,6 +262,7 @@ class Engine:
         """Release the host arena (unlinked if this engine made a private one) and the disk tier."""
         if self.tiers is None:
             return
+        self.tiers.close()
         if self.tiers.host is not None:
             self.tiers.host.close()
             if self.config.host_cache_name is None:
@@ -279,6 +280,13 @@ class Engine:
         with self._lock:
             pending = bool(self._inbox or self._aborts)
         return pending or self.scheduler.has_unfinished()
+
+    def only_fetching(self) -> bool:
+        """Nothing to step until a remote pull ends: no new input, every request fetching (the
+        loop sleeps until the scheduler's `on_fetched` instead of spinning)."""
+        with self._lock:
+            pending = bool(self._inbox or self._aborts)
+        return not pending and self.scheduler.only_fetching()
 
     # ------------------------------------------------------------------ the step
 

@@ -81,6 +81,7 @@ class TransportBlockReader(RemoteBlockReader):
         self.client: BlockClient | None = None  # bound by the worker once its KV layout exists
         self._addresses: dict[HolderId, str] = {}
         self.failures = 0
+        self.in_flight = 0  # fetches waiting on a holder now (the engine thread's one, at most)
 
     def bind(self, layout: KVLayout, config: TransportConfig) -> None:
         self.client = BlockClient(layout, config.make_backend(), config.secret(), self.timeout_s)
@@ -94,7 +95,11 @@ class TransportBlockReader(RemoteBlockReader):
             self.failures += 1
             log.warning("no block server address for %s: %s", holder, e)
             return 0
-        outcome = self.client.fetch_outcome(address, hashes, dst)
+        self.in_flight += 1
+        try:
+            outcome = self.client.fetch_outcome(address, hashes, dst)
+        finally:
+            self.in_flight -= 1
         if outcome.failed:
             self.failures += 1
             self._addresses.pop(holder, None)  # ask again next time
@@ -170,8 +175,10 @@ class EngineWorker:
 
     def engine_load(self) -> WorkerLoad:
         served = self.block_server.served_blocks if self.block_server is not None else 0
-        return replace(engine_load(self.engine, self.loop), blocks_served_remote=served,
-                       node_id=self.spec.node_id)
+        reader = self.remote if isinstance(self.remote, TransportBlockReader) else None
+        return replace(engine_load(self.engine, self.loop), blocks_served_remote=served, node_id=self.spec.node_id,
+                       fetches_in_flight=reader.in_flight if reader is not None else 0,
+                       fetch_failures=reader.failures if reader is not None else 0)
 
     async def check_integrity(self) -> IntegrityReport:
         """Check the KV bookkeeping (`block_problems`: the pool's own invariants, the block

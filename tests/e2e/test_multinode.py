@@ -9,13 +9,14 @@ their `prefill` resource on different nodes, real KV transport over TCP, a real 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench.ray_nodes import LocalRayNodes
+from bench.ray_nodes import LocalRayNodes, is_alive
 from conductor.cluster import ClusterBackend
 from conductor.cluster_config import ClusterConfig
 from conductor.ledger import PendingPrefill
@@ -103,13 +104,8 @@ def test_a_prefix_prefilled_on_node_a_is_fetched_by_a_worker_on_node_b(cluster: 
     pull = router.estimate_prefill(RouteRequest(len(second), 8, seen.best_tokens, a), PrefillView(b, 0, 0.0))
     assert (pull.fetch_tokens, pull.prefix_len) == (len(prefix), len(prefix)) and pull.transfer_ms > 0
 
-    # A looks busy (a fake 1000 s job on its ledger): the router sends the request to B.
-    hold = PendingPrefill("hold", 0, math.inf, 1e6, time.monotonic())
-    cluster.backend.manager.workers[a].pending.add(hold)
-    try:
+    with _held(cluster, a):  # A looks busy: the router sends the request to B
         got = generate_all(cluster.grpc_target, [second], [8])
-    finally:
-        cluster.backend.manager.workers[a].pending.finish("hold", time.monotonic())
     end = {w: worker_load(cluster, w) for w in PREFILL}
     fetched = end[b].blocks_fetched_remote - after[b].blocks_fetched_remote
     assert fetched == len(prefix) // 16
@@ -129,3 +125,57 @@ def _holder(cluster: RunningApi, worker_id: str):
     from kvpool.cluster_index import HolderId
 
     return HolderId(worker_id, cluster.backend.manager.workers[worker_id].node_id)
+
+
+def test_killing_the_holders_node_mid_fetch_recomputes_without_error_or_leak(cluster: RunningApi, nodes: LocalRayNodes,
+                                                                             engine: Engine) -> None:
+    """Issue 24, point 4 (last in this module: node B stays dead). The prefix is prefilled on
+    node B; node B hangs (SIGSTOP) while the worker on node A pulls it, and is killed (SIGKILL)
+    while that pull waits: A recomputes, the client gets the cold run's tokens, nothing leaks."""
+    import ray
+
+    workers = cluster.backend.manager.workers
+    head = worker_load(cluster, "decode-0").node_id
+    a = next(w for w in PREFILL if workers[w].node_id == head)
+    b = next(w for w in PREFILL if w != a)
+    tok = engine.tokenizer
+    prefix = tok.encode("Context held only by the worker on node B, which is about to die. " * 10)[:80]
+    assert len(prefix) == 80
+    first, second = prefix + tok.encode(" First question?"), prefix + tok.encode(" Second question, please.")
+    with _held(cluster, a):
+        generate_all(cluster.grpc_target, [first], [2])  # prefilled on B
+    start = worker_load(cluster, a)
+    assert cluster.backend.prefix_match(second, None).best_holder == b
+
+    nodes.pause_node(1)  # node B: connections still accepted by its kernel, nothing answers
+    results: list = []
+    with _held(cluster, b):
+        request = threading.Thread(target=lambda: results.append(generate_all(cluster.grpc_target, [second], [8])))
+        request.start()
+        wait_until(lambda: worker_load(cluster, a).fetches_in_flight == 1, 30, what=f"{a} pulling from node B")
+        gone = nodes.kill_node(1)
+        request.join(300)
+    assert not any(is_alive(p) for p in gone)
+    assert results and results[0] == reference(engine, [second], [8])  # no error, a cold run's tokens
+    end = worker_load(cluster, a)
+    assert (end.fetches_in_flight, end.fetch_failures - start.fetch_failures) == (0, 1)
+    assert end.blocks_fetched_remote == start.blocks_fetched_remote
+    assert end.prompt_tokens_computed - start.prompt_tokens_computed == len(second)  # recomputed it all
+    wait_until(lambda: worker_load(cluster, "decode-0").requests == 0, what="decode-0 idle")
+    for wid in (a, "decode-0"):  # no block of the failed pull or the request is left held
+        report = ray.get(workers[wid].api.handle.check_integrity.remote(), timeout=30)
+        assert report.requests == 0 and report.reservations == 0, report
+    wait_until(lambda: not workers[b].alive, 30, what=f"the Conductor to see {b} down")
+
+
+class _held:
+    """A fake 1000 s job on `worker_id`'s ledger while inside: the router sends work elsewhere."""
+
+    def __init__(self, cluster: RunningApi, worker_id: str) -> None:
+        self.ledger = cluster.backend.manager.workers[worker_id].pending
+
+    def __enter__(self) -> None:
+        self.ledger.add(PendingPrefill("hold", 0, math.inf, 1e6, time.monotonic()))
+
+    def __exit__(self, *exc: object) -> None:
+        self.ledger.finish("hold", time.monotonic())
