@@ -29,7 +29,7 @@ from kvpool.block_pool import BlockPool
 from kvpool.cluster_index import HolderId
 from kvpool.errors import KVPoolError
 from kvpool.remote import RemoteBlockReader
-from transport.blocks import BlockClient, BlockServer
+from transport.blocks import BlockClient, BlockServer, Fetched
 from transport.config import TransportConfig, advertised_address
 from transport.layout import KVLayout
 
@@ -98,6 +98,10 @@ class TransportBlockReader(RemoteBlockReader):
         self.in_flight += 1
         try:
             outcome = self.client.fetch_outcome(address, hashes, dst)
+        except Exception as e:  # e.g. the holder's machine vanished mid-handshake: recompute
+            log.warning("pulling %d blocks from %s at %s failed (they are recomputed): %s", len(hashes),
+                        holder.key, address, e)
+            outcome = Fetched(0, True)
         finally:
             self.in_flight -= 1
         if outcome.failed:
