@@ -17,13 +17,11 @@ queue in its place and is admitted with what arrived; the rest is computed:
 from __future__ import annotations
 
 import time
-
 from collections import deque
-from dataclasses import dataclass
-from typing import NamedTuple
-
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import NamedTuple
 
 from core.blocks import cdiv
 from core.params import FinishReason
