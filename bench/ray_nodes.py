@@ -142,8 +142,13 @@ class LocalRayNodes:
         self.procs.clear()
 
     def pause_node(self, i: int) -> None:
-        """SIGSTOP every process of node `i` (a hung machine: connections open, nothing answers)."""
-        _signal_group(self.procs[i].pid, signal.SIGSTOP)
+        """SIGSTOP every process of node `i` (a hung machine: connections open, nothing answers).
+        By process tree, not group: the raylet starts its workers in process groups of their own."""
+        for proc in _tree(self.procs[i].pid):
+            try:
+                proc.suspend()
+            except psutil.NoSuchProcess:
+                pass
 
     def kill_node(self, i: int) -> list[psutil.Process]:
         """SIGKILL every process of node `i` (a machine lost); returns them, all gone."""
@@ -153,6 +158,10 @@ class LocalRayNodes:
         proc.wait(STOP_WAIT_S)
         _kill_left(tree)
         return tree
+
+    def node_processes(self, i: int) -> list[psutil.Process]:
+        """Node `i`'s processes now: its `ray start` and everything it started."""
+        return _tree(self.procs[i].pid)
 
     def leftovers(self) -> list[int]:
         """Pids still alive of the processes the nodes had when `stop` began (empty after it)."""

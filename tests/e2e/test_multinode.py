@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bench.ray_nodes import LocalRayNodes, is_alive
@@ -148,6 +149,7 @@ def test_killing_the_holders_node_mid_fetch_recomputes_without_error_or_leak(clu
     assert cluster.backend.prefix_match(second, None).best_holder == b
 
     nodes.pause_node(1)  # node B: connections still accepted by its kernel, nothing answers
+    assert all(p.status() == psutil.STATUS_STOPPED for p in nodes.node_processes(1))
     results: list = []
     with _held(cluster, b):
         request = threading.Thread(target=lambda: results.append(generate_all(cluster.grpc_target, [second], [8])))
@@ -158,9 +160,10 @@ def test_killing_the_holders_node_mid_fetch_recomputes_without_error_or_leak(clu
     assert not any(is_alive(p) for p in gone)
     assert results and results[0] == reference(engine, [second], [8])  # no error, a cold run's tokens
     end = worker_load(cluster, a)
-    assert (end.fetches_in_flight, end.fetch_failures - start.fetch_failures) == (0, 1)
-    assert end.blocks_fetched_remote == start.blocks_fetched_remote
-    assert end.prompt_tokens_computed - start.prompt_tokens_computed == len(second)  # recomputed it all
+    seen = f"{a}: {start} -> {end}"
+    assert (end.fetches_in_flight, end.fetch_failures - start.fetch_failures) == (0, 1), seen
+    assert end.blocks_fetched_remote == start.blocks_fetched_remote, seen
+    assert end.prompt_tokens_computed - start.prompt_tokens_computed == len(second), seen  # recomputed it all
     wait_until(lambda: worker_load(cluster, "decode-0").requests == 0, what="decode-0 idle")
     for wid in (a, "decode-0"):  # no block of the failed pull or the request is left held
         report = ray.get(workers[wid].api.handle.check_integrity.remote(), timeout=30)
