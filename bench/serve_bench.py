@@ -89,6 +89,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--otlp-sink", action="store_true",
                    help="receive the started servers' traces here (OTLP/gRPC on 127.0.0.1): appends "
                         "--otlp-endpoint to their flags; with --tracing in them, every span is exported")
+    n = p.add_argument_group("cluster-wide prefix hits (bench/prefix_bench.py; all three given: that bench)")
+    n.add_argument("--nodes", type=int, default=None, help="Ray nodes started on this machine (head + raylets)")
+    n.add_argument("--prefill", type=int, default=None, help="prefill workers, spread over the nodes")
+    n.add_argument("--decode", type=int, default=None, help="decode workers, on the head node")
     r = p.add_argument_group("replay and output")
     r.add_argument("--warmup", type=int, default=2, help="short requests sent before each replay")
     r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -100,6 +104,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--compare starts both servers itself; it takes no --target")
     if args.trace and args.rates:
         p.error("--rates sweeps the synthetic workload; a trace is scaled with --speed")
+    shape = (args.nodes, args.prefill, args.decode)
+    if any(x is not None for x in shape) and (None in shape or args.compare or args.target or args.rates):
+        p.error("--nodes, --prefill and --decode go together (the cluster-wide prefix bench starts its "
+                "own servers), without --compare, --target or --rates")
     return args
 
 
@@ -528,6 +536,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return admission_bench.main(words)
     args = parse_args(argv)
+    if args.nodes is not None:
+        from bench import prefix_bench
+
+        return prefix_bench.run(args, argv)
     say = Progress()
     slo = Slo(args.ttft_slo_ms, args.tbt_slo_ms)
     opts = ReplayOptions(slo, args.send_slo, args.warmup, args.request_timeout, not args.no_progress)

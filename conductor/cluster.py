@@ -299,7 +299,7 @@ class ClusterBackend(GenerationBackend):
         spans.reserve(self.tracer, inp.span, reserving, d.worker_id, len(handoff.block_ids))
         task = PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, handoff, timeout,
                            self.manager.block_servers(), route.booking.objective.rank, route.booking.deadline,
-                           inp.span.traceparent)
+                           inp.span.traceparent, route.booking.fetch_from)
         prefill_done = asyncio.ensure_future(self._on(p, p.api.prefill(task)))  # type: ignore[union-attr]
 
         def on_prefill_end(f: asyncio.Future) -> None:
@@ -419,13 +419,18 @@ class ClusterBackend(GenerationBackend):
         root = root_hash(self.info.fingerprint, self.info.dtype, bs, cache_salt)
         result = self.index.lookup(block_hashes(prompt_ids, bs, root))
         matched: dict[str, int] = {}
-        prefill_ids = [w.worker_id for w in self.manager.role("prefill")]
+        prefill = self.manager.role("prefill")
         for m in result.matches:
-            # Host/disk tiers are shared by the node's workers: a match there counts for all.
+            # Host/disk tiers are shared by the workers of one node: a match there counts for
+            # every prefill worker on the holder's node (a worker on another node must fetch it).
             shared = m.blocks_per_tier[1] + m.blocks_per_tier[2] > 0
-            for owner in prefill_ids if shared else [m.holder.worker_id]:
-                matched[owner] = max(matched.get(owner, 0), m.length * bs)
-        best = result.best
-        if best is None:
+            for w in prefill:
+                if w.worker_id == m.holder.worker_id or (shared and w.node_id == m.holder.node_id):
+                    matched[w.worker_id] = max(matched.get(w.worker_id, 0), m.length * bs)
+        # Of the longest matches, a prefill worker's: a decode worker serves blocks between its
+        # decode steps, so reading from it would stretch its streams' token gaps.
+        prefill_ids = {w.worker_id for w in prefill}
+        best = max(result.matches, key=lambda m: (m.length, m.holder.worker_id in prefill_ids), default=None)
+        if best is None or not self.config.engine.remote_fetch:  # local-only: no pull to price
             return PrefixMatch(matched)
         return PrefixMatch(matched, best.length * bs, best.holder.worker_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field
 
 from core.errors import ConfigError, check_positive
@@ -11,6 +12,9 @@ from core.logs import LogConfig
 from core.tracing import TracingConfig
 from engine.config import EngineConfig, WorkerSpec
 from transport.config import TransportConfig
+
+# A Ray custom resource's name as `ray start --resources` JSON and Helm values carry it.
+RESOURCE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_./-]{0,62}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +39,9 @@ class ClusterConfig:
     migration_attempts: times one request may move to other (or restarted) workers after a
         worker died or its KV transfer failed; past it the client gets UNAVAILABLE.
     migration_stall_s: the longest one request waits, in all, for a live worker to move to.
+    prefill_resource: the Ray custom resource a prefill worker's actor asks one unit of: it lands
+        only on Ray nodes that advertise it (`ray start --resources='{"prefill": 1}'`).
+    decode_resource: the same for a decode worker (the embedded Ray advertises both).
     """
 
     prefill: int = 1
@@ -53,12 +60,25 @@ class ClusterConfig:
     log: LogConfig = field(default_factory=LogConfig)
     migration_attempts: int = 3
     migration_stall_s: float = 30.0
+    prefill_resource: str = "prefill"
+    decode_resource: str = "decode"
 
     def __post_init__(self) -> None:
         check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",
                        "migration_stall_s")
         if self.migration_attempts < 0:
             raise ConfigError(f"migration_attempts must be >= 0, got {self.migration_attempts}")
+        for name in ("prefill_resource", "decode_resource"):
+            if not RESOURCE_NAME.fullmatch(getattr(self, name)):
+                raise ConfigError(f"{name} must be a Ray resource name (letters, digits, _ . - /), "
+                                  f"got {getattr(self, name)!r}")
+        if self.prefill_resource == self.decode_resource:
+            raise ConfigError(f"prefill_resource and decode_resource are both {self.prefill_resource!r}: "
+                              "each role needs its own, or one role's actors would take the other's nodes")
+
+    def resource(self, role: str) -> str:
+        """The Ray resource `role`'s actors ask one unit of."""
+        return self.prefill_resource if role == "prefill" else self.decode_resource
 
     def gpus(self, role: str) -> int:
         given = self.prefill_gpus if role == "prefill" else self.decode_gpus

@@ -83,6 +83,7 @@ class Booking:
     prefill_id: str
     decode_id: str
     prefix_tokens: int  # prompt tokens the prefill side does not compute (cached or fetched)
+    fetch_from: str | None = None  # the worker the router priced pulling a prefix from (None: none)
 
     @property
     def deadline(self) -> float:
@@ -129,7 +130,7 @@ class Dispatcher:
                                              self.block_size, now)
         p = next(s for s in prefill if s.worker_id == plan.prefill_id)
         d = next(s for s in decode if s.worker_id == plan.decode_id)
-        return self._book(ask, objective, candidate, p, d, plan.prefix_len, now)
+        return self._book(ask, objective, candidate, p, d, plan.prefix_len, now, plan.fetch_from)
 
     def route(self, ask: Ask, prefix: PrefixMatch, objective: Objective, prefill: Sequence[PrefillSide],
               decode: Sequence[DecodeSide], now: float) -> RoutePlan:
@@ -174,7 +175,7 @@ class Dispatcher:
     # ------------------------------------------------------------------ both
 
     def _book(self, ask: Ask, objective: Objective, candidate: Candidate, p: PrefillSide, d: DecodeSide,
-              prefix_tokens: int, now: float) -> Booking:
+              prefix_tokens: int, now: float, fetch_from: str | None = None) -> Booking:
         name = objective.slo_class.name
         decision = self.admission.decide(candidate, p.ledger, d.ledger, now)
         if ask.resumed and decision.reason is not Reason.KV_CAPACITY:
@@ -192,7 +193,7 @@ class Dispatcher:
                              now + decision.joins_in_ms / 1e3, candidate.blocks)
         d.ledger.book(bound)
         return Booking(ask.request_id, objective, candidate, decision, bound, p.worker_id, d.worker_id,
-                       prefix_tokens)
+                       prefix_tokens, fetch_from)
 
     def finished(self, booking: Booking, completion_tokens: int, max_tokens: int, ttft_s: float,
                  tbt_s: float | None) -> None:

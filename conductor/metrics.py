@@ -81,6 +81,8 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
     prefix = CounterMetricFamily("halfmoon_worker_prefix_blocks", "Prefix blocks the worker reused from below "
                                  "its device pool, by tier (host, disk, remote = another worker's).",
                                  labels=["worker", "tier"])
+    served = CounterMetricFamily("halfmoon_worker_blocks_served", "KV blocks the worker's block server sent "
+                                 "to other workers (their remote prefix hits).", labels=["worker"])
     for w in workers:
         up.add_metric([w.worker_id, w.role], float(w.alive))
         restarts.add_metric([w.worker_id], w.restarts)
@@ -98,12 +100,13 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
                                ("disk", "free", load.disk_blocks_total - load.disk_blocks_used)):
             blocks.add_metric([w.worker_id, tier, state], n)
         received.add_metric([w.worker_id], load.kv_bytes_received)
+        served.add_metric([w.worker_id], load.blocks_served_remote)
         prompt.add_metric([w.worker_id, "computed"], load.prompt_tokens_computed)
         prompt.add_metric([w.worker_id, "cached"], load.prompt_tokens_cached)
         for tier, n in (("host", load.blocks_from_host), ("disk", load.blocks_from_disk),
                         ("remote", load.blocks_fetched_remote)):
             prefix.add_metric([w.worker_id, tier], n)
-    yield from (up, restarts, running, steps, blocks, received, prompt, prefix)
+    yield from (up, restarts, running, steps, blocks, received, prompt, prefix, served)
 
 
 def _index_metrics(health: Mapping[str, tuple[float, int]]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

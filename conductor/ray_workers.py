@@ -1,12 +1,16 @@
 """The workers as Ray actors: Ray's lifecycle (embedded or joined cluster, placement by custom
 resources, restarts) and the actor handles adapted to the worker protocols of `core.messages`.
 
-`RayWorkers` starts the embedded Ray with a bounded object store (unless `ray_address`), starts
-each worker with the custom resource of its role (`prefill` / `decode`, so actors land on the
-right nodes; `num_gpus` when CUDA is present), pins each local worker to its own cores, and lets
-Ray restart dead actors (`max_restarts`). The request path only sees `RayPrefill` / `RayDecode`:
-each verb awaits the actor's method; a dead actor is `WorkerLostError`, a failed call raises
-the worker's own error.
+`RayWorkers` starts the embedded Ray with a bounded object store (unless `ray_address`: then it
+joins that cluster), starts each worker with one unit of its role's custom resource
+(`--prefill-resource` / `--decode-resource`, default `prefill` / `decode`: an actor lands only on
+a node that advertises it, e.g. `ray start --resources='{"prefill": 1}'`; `num_gpus` when CUDA
+is present), pins each local worker to its own cores, and lets Ray restart dead actors
+(`max_restarts`). A worker learns its Ray node where Ray placed it (`on_this_ray_node`): its
+cluster-index entries name that node, and a node-shared host arena is that node's.
+
+The request path only sees `RayPrefill` / `RayDecode`: each verb awaits the actor's method; a
+dead actor is `WorkerLostError`, a failed call raises the worker's own error.
 """
 
 from __future__ import annotations
@@ -15,18 +19,24 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 from conductor.cluster_config import ClusterConfig
 from conductor.workers import Worker, WorkerGroup
-from core.errors import HalfmoonError
+from core.errors import ConfigError, HalfmoonError
 from core.messages import (DecodeTask, EngineInfo, IntegrityReport, KVHandoff, PrefillResult,
                            PrefillTask, Profile, TokenChunk, WorkerError, WorkerLoad, WorkerLostError)
+from decode_worker.worker import DecodeWorker
 from engine.config import WorkerSpec
+from prefill_worker.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "halfmoon"
+NODE_ID_CHARS = 12  # of Ray's 56 hex digits: the node's name in the index and the worker's load
+RESOURCE_WAIT_S = 300.0  # a joined cluster's worker nodes may come up after the head (pods)
+RESOURCE_POLL_S = 1.0
 RAY_START_ATTEMPTS = 3  # CI saw Ray's GCS and raylet miss their own 30 s start-up waits
 
 
@@ -116,6 +126,7 @@ class RayWorkers(WorkerGroup):
         import ray
 
         self.init_ray()
+        self.await_resources()
         for spec in self.config.specs(redis_url):
             handle = self._actor(spec)
             api = RayPrefill(spec.worker_id, handle) if spec.role == "prefill" else RayDecode(spec.worker_id, handle)
@@ -139,6 +150,32 @@ class RayWorkers(WorkerGroup):
         self._start_embedded_ray()
         self._owns_ray = True
 
+    def await_resources(self, timeout_s: float = RESOURCE_WAIT_S) -> None:
+        """Wait until the cluster advertises each role's resource once per worker of the role
+        (worker nodes may join after the head: pods start in any order); past `timeout_s`,
+        `ConfigError` naming what is missing (the actors would wait for nodes forever)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        said = False
+        while missing := self._missing_resources(ray.cluster_resources()):
+            if time.monotonic() >= deadline:
+                raise ConfigError(
+                    f"the Ray cluster at {self.config.ray_address or 'the embedded Ray'} still lacks "
+                    f"{'; '.join(missing)} after {timeout_s:g} s: start nodes with "
+                    "`ray start --resources='{\"<name>\": 1}'` or change --prefill / --decode / "
+                    "--prefill-resource / --decode-resource")
+            if not said:
+                log.warning("waiting for Ray nodes: %s", "; ".join(missing))
+                said = True
+            time.sleep(RESOURCE_POLL_S)
+
+    def _missing_resources(self, have: dict[str, float]) -> list[str]:
+        need = ((self.config.resource("prefill"), self.config.prefill, "prefill"),
+                (self.config.resource("decode"), self.config.decode, "decode"))
+        return [f"{count} {role} worker(s) need 1 {name!r} each, the cluster has {have.get(name, 0):g}"
+                for name, count, role in need if have.get(name, 0) < count]
+
     def _start_embedded_ray(self) -> None:
         import ray
 
@@ -146,7 +183,8 @@ class RayWorkers(WorkerGroup):
         # A loaded machine can start Ray's GCS slower than Ray's default 30 s wait.
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
         kwargs = dict(num_cpus=max(os.cpu_count() or 1, total * self.config.worker_threads),
-                      resources={"prefill": self.config.prefill, "decode": self.config.decode},
+                      resources={self.config.prefill_resource: self.config.prefill,
+                                 self.config.decode_resource: self.config.decode},
                       object_store_memory=self.config.object_store_mb * 2**20, include_dashboard=False,
                       namespace=NAMESPACE, log_to_driver=True, configure_logging=False)
         for attempt in range(1, RAY_START_ATTEMPTS + 1):
@@ -164,11 +202,9 @@ class RayWorkers(WorkerGroup):
     def _actor(self, spec: WorkerSpec) -> Any:
         import ray
 
-        from decode_worker.worker import DecodeWorker
-        from prefill_worker.worker import PrefillWorker
-
-        cls = PrefillWorker if spec.role == "prefill" else DecodeWorker
-        options: dict[str, Any] = {"name": spec.worker_id, "namespace": NAMESPACE, "resources": {spec.role: 1},
+        cls = RayPrefillWorker if spec.role == "prefill" else RayDecodeWorker
+        options: dict[str, Any] = {"name": spec.worker_id, "namespace": NAMESPACE,
+                                   "resources": {self.config.resource(spec.role): 1},
                                    "num_cpus": self.config.worker_threads, "max_restarts": -1,
                                    "max_task_retries": 0, "max_concurrency": 1000}
         if self.config.gpus(spec.role):
@@ -204,3 +240,31 @@ class RayWorkers(WorkerGroup):
                 log.warning("worker %s: could not flush its spans: %s", refs[ref], e)
         for ref in late:
             log.warning("worker %s: did not flush its spans within %.0f s", refs[ref], timeout_s)
+
+
+def on_this_ray_node(spec: WorkerSpec) -> WorkerSpec:
+    """`spec` of a worker whose actor Ray has just placed (called in the actor, on every
+    (re)start): its node is the Ray node's id, and a node-shared host arena gets that node's
+    name (workers of one node share it; two Ray nodes on one machine do not)."""
+    import ray
+
+    node = ray.get_runtime_context().get_node_id()[:NODE_ID_CHARS]
+    engine = spec.engine
+    if engine.host_cache_name is not None:
+        engine = replace(engine, host_cache_name=f"{engine.host_cache_name}-{node}")
+    return replace(spec, node_id=node, engine=engine)
+
+
+
+class RayPrefillWorker(PrefillWorker):
+    """A prefill worker as a Ray actor: its spec completed where Ray placed it."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(on_this_ray_node(spec))
+
+
+class RayDecodeWorker(DecodeWorker):
+    """A decode worker as a Ray actor: its spec completed where Ray placed it."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(on_this_ray_node(spec))

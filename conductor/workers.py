@@ -37,6 +37,7 @@ class Worker:
     free_blocks: int = 0
     total_blocks: int = 0
     block_address: str | None = None  # where it serves its blocks to other workers
+    node_id: str = ""  # the node it runs on (its index entries' node; "" until it answered)
     pending: PrefillLedger = field(default_factory=PrefillLedger)  # prefill: sent, not prefilled yet
     bound: DecodeLedger = field(default_factory=DecodeLedger)  # decode: requests and KV booked here
     index_health: tuple[float, int] = (0.0, 0)  # its index holder: longest beat gap (s), resyncs
@@ -92,6 +93,7 @@ async def _check(w: Worker) -> None:
         w.restarts += 1
         log.warning("worker %s was restarted (pid %d -> %d)", w.worker_id, w.pid, pid)
     w.pid, w.alive, w.free_blocks, w.total_blocks = pid, load.alive, load.free_blocks, load.total_blocks
+    w.node_id = load.node_id  # a restarted actor may have landed on another node
     w.bound.total_blocks = load.total_blocks
     w.index_health = (load.index_heartbeat_max_gap_s, load.index_resyncs)
     w.load, w.load_at = load, time.monotonic()

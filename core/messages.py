@@ -122,6 +122,7 @@ class PrefillTask:
     priority: int = 0  # its class's rank: the prefill queue serves higher first
     deadline: float = math.inf  # then earlier deadline first (the Conductor's clock: an order, not a time)
     traceparent: str | None = None  # W3C: the request's span at the Conductor (None: not traced)
+    fetch_from: str | None = None  # the holder the router priced a remote prefix from (None: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +204,10 @@ class WorkerLoad:
     blocks_from_host: int = 0  # prefix blocks promoted from its host / disk tier, since start
     blocks_from_disk: int = 0
     kv_bytes_received: int = 0  # decode: KV bytes its receiver verified, since start
+    blocks_served_remote: int = 0  # blocks its block server sent to other workers, since start
+    node_id: str = ""  # the node it runs on, as its cluster-index entries name it
+    fetches_in_flight: int = 0  # remote prefix pulls waiting on a holder now
+    fetch_failures: int = 0  # remote pulls that failed (holder gone, timeout, corrupt): recomputed
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,6 +51,9 @@ class EngineConfig:
     disk_cache_gb: disk tier capacity in GiB.
     redis_url: the cluster-wide block index; None = no index (this engine's tiers only).
     worker_id / node_id: this engine's identity in the index (defaults: pid-based / hostname).
+    remote_fetch: pull prefix blocks other workers hold (found in the index) over the KV
+        transport; off = each worker reuses only its own tiers (the local-only baseline; its
+        blocks are still served to workers that fetch).
     """
 
     model: str = "smollm2"
@@ -71,6 +74,7 @@ class EngineConfig:
     redis_url: str | None = None
     worker_id: str | None = None
     node_id: str | None = None
+    remote_fetch: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -90,7 +90,7 @@ def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool,
                           config.node_id or socket.gethostname())
         index = ClusterIndex(config.redis_url, holder)
         index.start()  # heartbeat thread: our entries vanish from lookups if we die
-    tiers = KVTiers(kv_cache, pool, host, disk, index, remote)
+    tiers = KVTiers(kv_cache, pool, host, disk, index, remote if config.remote_fetch else None)
     if index is not None and isinstance(remote, InProcessReader):
         remote.register(index.holder, tiers)
     return tiers
@@ -131,12 +131,14 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
                     kv_push: PushStream | None = None, priority: int = 0,
-                    deadline: float = math.inf) -> str:
+                    deadline: float = math.inf, fetch_from: str | None = None) -> str:
         """Validate and queue a request; returns its id. Thread-safe.
 
         `cache_salt` isolates tenants: requests with different salts never share KV blocks.
         `priority`: higher is admitted first when requests wait; then the earlier `deadline` (an
         ordering key on the caller's clock); FCFS among equals.
+        `fetch_from`: the worker the router priced a remote prefix from; of the holders with the
+        longest match at admission, that one is read.
         `kv_push` makes it a prefill-only request (disaggregation): its KV goes layer by layer
         into the stream's destination blocks, it ends after the first token, and the stream's
         DONE carries that token (see `kv_push.py`; the decode side calls `add_prefilled`).
@@ -146,7 +148,7 @@ class Engine:
         if kv_push is not None:
             self._check_push(prompt_ids, kv_push)
         req = self._new_request(prompt_ids, params, cache_salt)
-        req.priority, req.deadline = priority, deadline
+        req.priority, req.deadline, req.fetch_from = priority, deadline, fetch_from
         with self._lock:
             req.request_id = request_id = self._claim_id(request_id)
             if kv_push is not None:
@@ -258,6 +260,7 @@ class Engine:
         """Release the host arena (unlinked if this engine made a private one) and the disk tier."""
         if self.tiers is None:
             return
+        self.tiers.close()
         if self.tiers.host is not None:
             self.tiers.host.close()
             if self.config.host_cache_name is None:
@@ -275,6 +278,13 @@ class Engine:
         with self._lock:
             pending = bool(self._inbox or self._aborts)
         return pending or self.scheduler.has_unfinished()
+
+    def only_fetching(self) -> bool:
+        """Nothing to step until a remote pull ends: no new input, every request fetching (the
+        loop sleeps until the scheduler's `on_fetched` instead of spinning)."""
+        with self._lock:
+            pending = bool(self._inbox or self._aborts)
+        return not pending and self.scheduler.only_fetching()
 
     # ------------------------------------------------------------------ the step
 

@@ -42,6 +42,7 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        engine.scheduler.on_fetched = self.wake  # a remote pull ended: its request can be admitted
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -104,7 +105,7 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._run_calls()
-            if not self.engine.has_unfinished():
+            if not self.engine.has_unfinished() or self.engine.only_fetching():
                 idle_wait = 0.5
                 if self.engine.pushes.holding:  # pushes still leaving: free their blocks soon
                     self.engine.pushes.release_sent()

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 import torch
 
 from core.params import FinishReason, SamplingParams
+from kvpool.tiered import Prefetched
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    FETCHING = "fetching"  # waiting for its prefix to arrive from another worker
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
@@ -41,6 +43,8 @@ class Request:
     finish_reason: FinishReason | None = None
     priority: int = 0  # higher is admitted first; then earlier deadline; FCFS within both
     deadline: float = math.inf  # an ordering key (the caller's clock), inf = none
+    fetch_from: str | None = None  # the worker to read a remote prefix from, if it holds the longest
+    prefetched: Prefetched | None = None  # its finished remote pull, until admission uses it
     scheduled_time: float | None = None  # first admitted to the running batch (queue time ends)
     first_token_time: float | None = None
     finish_time: float | None = None

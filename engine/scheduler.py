@@ -5,13 +5,21 @@ unfinished prefill takes what is left of the budget); then waiting requests are 
 budget, sequence slots and KV blocks last. When a running request needs a block and none is
 free, the most recently admitted running request is preempted: its blocks are freed and it goes
 back to the head of the queue to be recomputed (prompt + outputs so far) later.
+
+A waiting request whose prefix another worker holds (the cluster index) leaves the queue while
+the blocks are pulled on a thread of the tiers (`fetching`); the engine keeps stepping the
+others. When the pull ends (all, some or none of the blocks verified), the request rejoins the
+queue in its place and is admitted with what arrived; the rest is computed:
+
+    waiting --(remote blocks planned)--> fetching --(pull done, on_fetched wakes the loop)--> waiting --> running
 """
 
 from __future__ import annotations
 
 import time
-
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,7 +29,7 @@ from core.params import FinishReason
 from engine.request import Request, RequestStatus
 from kvpool.block_hash import block_hashes
 from kvpool.block_pool import BlockPool
-from kvpool.tiered import KVTiers, TierPlan
+from kvpool.tiered import KVTiers, Prefetched, TierPlan
 
 
 @dataclass(slots=True)
@@ -60,6 +68,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.fetching: dict[str, tuple[Request, Future[Prefetched]]] = {}
+        self.on_fetched: Callable[[], None] = lambda: None  # a pull ended (the loop wakes up)
         self.stats = SchedulerStats()
 
     def add(self, request: Request) -> None:
@@ -85,9 +95,15 @@ class Scheduler:
         self._register_full_blocks(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.fetching)
+
+    def only_fetching(self) -> bool:
+        """Nothing to compute until a pull ends (the loop may sleep until `on_fetched`)."""
+        return (bool(self.fetching) and not self.waiting and not self.running
+                and not any(future.done() for _, future in self.fetching.values()))
 
     def schedule(self) -> SchedulerOutput:
+        self._collect_fetches()
         batch: list[ScheduledRequest] = []
         preempted: list[Request] = []
         budget = self._schedule_running(batch, preempted, self.max_num_batched_tokens)
@@ -119,7 +135,11 @@ class Scheduler:
             # fit costs no tier or index lookups while it waits.
             if free < self._table_blocks(req, len(hit), budget) - len(hit):
                 break
-            plan = self.tiers.plan(usable, len(hit)) if self.tiers is not None else TierPlan(0)
+            plan = self._plan(req, usable, len(hit))
+            if plan.remote and plan.rows is None:  # pull them off the engine thread; admit later
+                self.waiting.popleft()
+                self._fetch(req, usable, len(hit) + plan.lower, plan)
+                continue
             need = self._table_blocks(req, len(hit) + plan.total, budget) - len(hit)
             if free < need:
                 break
@@ -130,6 +150,33 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             batch.append(self._entry(req, n))
             budget -= n
+
+    def _plan(self, req: Request, usable: list[bytes], device_hit: int) -> TierPlan:
+        """Where the blocks past the device hit come from (a finished pull's rows included)."""
+        if self.tiers is None:
+            return TierPlan(0)
+        if req.prefetched is not None:
+            return self.tiers.plan_prefetched(usable, device_hit, req.prefetched)
+        return self.tiers.plan(usable, device_hit, req.fetch_from)
+
+    def _fetch(self, req: Request, usable: list[bytes], start: int, plan: TierPlan) -> None:
+        assert self.tiers is not None and plan.holder is not None
+        future = self.tiers.fetch_async(plan.holder, usable[start : start + plan.remote], start)
+        req.status = RequestStatus.FETCHING
+        self.fetching[req.request_id] = (req, future)
+        future.add_done_callback(lambda _: self.on_fetched())
+
+    def _collect_fetches(self) -> None:
+        """Requests whose pull ended rejoin the queue, ahead of equals that came after them."""
+        for rid, (req, future) in list(self.fetching.items()):
+            if not future.done():
+                continue
+            del self.fetching[rid]
+            req.prefetched = future.result()
+            req.status = RequestStatus.WAITING
+            key = _order(req)
+            at = next((i for i, other in enumerate(self.waiting) if _order(other) >= key), len(self.waiting))
+            self.waiting.insert(at, req)
 
     def _table_blocks(self, req: Request, reused_blocks: int, budget: int) -> int:
         """Block-table length after this step when its first `reused_blocks` blocks need no
@@ -157,6 +204,7 @@ class Scheduler:
         finally:
             if self.tiers is not None:
                 self.tiers.unpin(pinned)
+        req.prefetched = None  # used (or outdated): a later admission pulls again if it must
         reused = len(hit) + loaded
         self._register(req, new[:loaded], req.block_hashes[len(hit) : reused])
         req.block_table = hit + new
@@ -243,6 +291,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
+        elif req.status is RequestStatus.FETCHING:
+            del self.fetching[req.request_id]  # the pull finishes on its thread, unused
         else:
             return
         self.pool.free(req.block_table)

@@ -29,7 +29,7 @@ from kvpool.block_pool import BlockPool
 from kvpool.cluster_index import HolderId
 from kvpool.errors import KVPoolError
 from kvpool.remote import RemoteBlockReader
-from transport.blocks import BlockClient, BlockServer
+from transport.blocks import BlockClient, BlockServer, Fetched
 from transport.config import TransportConfig, advertised_address
 from transport.layout import KVLayout
 
@@ -81,6 +81,7 @@ class TransportBlockReader(RemoteBlockReader):
         self.client: BlockClient | None = None  # bound by the worker once its KV layout exists
         self._addresses: dict[HolderId, str] = {}
         self.failures = 0
+        self.in_flight = 0  # fetches waiting on a holder now (the engine thread's one, at most)
 
     def bind(self, layout: KVLayout, config: TransportConfig) -> None:
         self.client = BlockClient(layout, config.make_backend(), config.secret(), self.timeout_s)
@@ -94,7 +95,15 @@ class TransportBlockReader(RemoteBlockReader):
             self.failures += 1
             log.warning("no block server address for %s: %s", holder, e)
             return 0
-        outcome = self.client.fetch_outcome(address, hashes, dst)
+        self.in_flight += 1
+        try:
+            outcome = self.client.fetch_outcome(address, hashes, dst)
+        except Exception as e:  # e.g. the holder's machine vanished mid-handshake: recompute
+            log.warning("pulling %d blocks from %s at %s failed (they are recomputed): %s", len(hashes),
+                        holder.key, address, e)
+            outcome = Fetched(0, True)
+        finally:
+            self.in_flight -= 1
         if outcome.failed:
             self.failures += 1
             self._addresses.pop(holder, None)  # ask again next time
@@ -169,7 +178,11 @@ class EngineWorker:
         return self.engine_load()
 
     def engine_load(self) -> WorkerLoad:
-        return engine_load(self.engine, self.loop)
+        served = self.block_server.served_blocks if self.block_server is not None else 0
+        reader = self.remote if isinstance(self.remote, TransportBlockReader) else None
+        return replace(engine_load(self.engine, self.loop), blocks_served_remote=served, node_id=self.spec.node_id,
+                       fetches_in_flight=reader.in_flight if reader is not None else 0,
+                       fetch_failures=reader.failures if reader is not None else 0)
 
     async def check_integrity(self) -> IntegrityReport:
         """Check the KV bookkeeping (`block_problems`: the pool's own invariants, the block

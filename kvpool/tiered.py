@@ -10,7 +10,9 @@ contiguous: the same bytes on every tier, keyed by the block's chained hash.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -23,6 +25,8 @@ from kvpool.host_tier import HostArena
 from kvpool.remote import RemoteBlockReader
 from kvpool.tier_base import EvictedBlocks
 from kvpool.tiers import Tier
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -38,15 +42,27 @@ class TierTraffic:
 
 class TierPlan(NamedTuple):
     """Where the blocks after a device hit come from: `lower` from host/disk, then `remote`
-    more from `holder` (another worker, found in the cluster index)."""
+    more from `holder` (another worker, found in the cluster index); `rows`: those `remote`
+    blocks' bytes, already pulled (`fetch_async`), else None (pull them at admission)."""
 
     lower: int
     remote: int = 0
     holder: HolderId | None = None
+    rows: torch.Tensor | None = None
 
     @property
     def total(self) -> int:
         return self.lower + self.remote
+
+
+class Prefetched(NamedTuple):
+    """A finished remote pull: `count` leading blocks of `hashes` verified in `rows`; the
+    blocks start at index `start` of the request's chain."""
+
+    start: int
+    hashes: tuple[bytes, ...]
+    rows: torch.Tensor
+    count: int
 
 
 def kv_block_bytes(kv_cache: torch.Tensor) -> int:
@@ -69,6 +85,7 @@ class KVTiers:
         self.pool = pool
         self.index, self.remote = index, remote
         self.traffic = TierTraffic()
+        self._puller: ThreadPoolExecutor | None = None  # remote pulls, off the engine thread
         pool.on_evict = self._demote_device_block
         if host is not None and disk is not None:
             host.on_evict = self._demote_host_blocks
@@ -125,18 +142,55 @@ class KVTiers:
         if self.index is not None and hashes:
             getattr(self.index, verb)(hashes, *tiers)
 
-    def plan(self, usable: Sequence[bytes], device_hit: int) -> TierPlan:
-        """After `device_hit` blocks on the device: how many more host/disk, then a remote holder, hold."""
+    def plan(self, usable: Sequence[bytes], device_hit: int, prefer: str | None = None) -> TierPlan:
+        """After `device_hit` blocks on the device: how many more host/disk, then a remote holder, hold.
+        Of the other holders with the longest match, the worker `prefer` (the router's choice)
+        is read, else the first the index lists (faster tier first)."""
         lower = self.match(usable[device_hit:])
         local = device_hit + lower
         if self.index is None or self.remote is None or local >= len(usable):
             return TierPlan(lower)
         result = self.index.lookup(usable)
-        best = max((m for m in result.matches if m.holder != self.index.holder),
-                   key=lambda m: m.length, default=None)
+        others = [m for m in result.matches if m.holder != self.index.holder]
+        best = max(others, key=lambda m: (m.length, m.holder.worker_id == prefer), default=None)
         if best is None or best.length <= local:
             return TierPlan(lower)
         return TierPlan(lower, best.length - local, best.holder)
+
+    def fetch_async(self, holder: HolderId, hashes: Sequence[bytes], start: int) -> Future[Prefetched]:
+        """Pull `hashes` from `holder` on a thread of its own (the engine keeps stepping); the
+        future never fails: a failed pull is a `Prefetched` of the verified leading blocks."""
+        assert self.remote is not None
+        if self._puller is None:
+            self._puller = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
+        return self._puller.submit(self._pull, holder, tuple(hashes), start)
+
+    def _pull(self, holder: HolderId, hashes: tuple[bytes, ...], start: int) -> Prefetched:
+        rows = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)
+        try:
+            got = self.remote.fetch(holder, hashes, rows)  # type: ignore[union-attr]
+        except Exception as e:  # a reader must not raise; if one does, the blocks are recomputed
+            log.warning("pulling %d blocks from %s failed: %s", len(hashes), holder.key, e)
+            got = 0
+        return Prefetched(start, hashes, rows, got)
+
+    def plan_prefetched(self, usable: Sequence[bytes], device_hit: int, pre: Prefetched) -> TierPlan:
+        """`plan` once a pull has finished: host/disk as now, then the pulled rows that continue
+        the local prefix (none when the local prefix moved past them or fell short of them)."""
+        lower = self.match(usable[device_hit:])
+        offset = device_hit + lower - pre.start
+        if not 0 <= offset < pre.count:
+            return TierPlan(lower)
+        remote = min(pre.count, len(usable) - pre.start) - offset
+        if remote <= 0 or tuple(usable[pre.start + offset : pre.start + offset + remote]) != \
+                pre.hashes[offset : offset + remote]:
+            return TierPlan(lower)
+        return TierPlan(lower, remote, None, pre.rows[offset : offset + remote])
+
+    def close(self) -> None:
+        """Stop pulling: a pull in flight finishes on its own thread, its result unused."""
+        if self._puller is not None:
+            self._puller.shutdown(wait=False, cancel_futures=True)
 
     def serve_blocks(self, hashes: Sequence[bytes], dst: torch.Tensor) -> int:
         """BlockServer: leading blocks of `hashes` from this worker's device, then host/disk."""
@@ -188,11 +242,16 @@ class KVTiers:
     def load_plan(self, plan: TierPlan, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
         """Fill `block_ids` per `plan` (host/disk first, then the remote holder); leading count."""
         n = self.load(hashes[: plan.lower], block_ids[: plan.lower])
-        if n < plan.lower or not plan.remote or self.remote is None or plan.holder is None:
+        if n < plan.lower or not plan.remote:
             return n
-        want = hashes[n : n + plan.remote]
-        buf = torch.empty(len(want), self.block_bytes, dtype=torch.uint8)
-        got = self.remote.fetch(plan.holder, want, buf)
+        if plan.rows is not None:  # pulled already (fetch_async)
+            buf, got = plan.rows, plan.remote
+        elif self.remote is not None and plan.holder is not None:
+            want = hashes[n : n + plan.remote]
+            buf = torch.empty(len(want), self.block_bytes, dtype=torch.uint8)
+            got = self.remote.fetch(plan.holder, want, buf)
+        else:
+            return n
         if got:
             self.write_blocks(block_ids[n : n + got], buf[:got])
             self.traffic.fetched_remote += got

@@ -72,7 +72,7 @@ class PrefillWorker(EngineWorker):
             added = now_ns()
             self.engine.add_request(task.prompt_ids, task.params, request_id=task.request_id,
                                     cache_salt=task.cache_salt, kv_push=stream, priority=task.priority,
-                                    deadline=task.deadline)
+                                    deadline=task.deadline, fetch_from=task.fetch_from)
             self.loop.wake()
             try:
                 final = await self._final(queue, task.timeout_s)

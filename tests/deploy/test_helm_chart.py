@@ -338,9 +338,10 @@ def test_worker_group_volumes_ports_and_placement(renderer: Renderer, variant: s
     # The KV transport: decode workers' receivers listen on the fixed --kv-port.
     ports = {p["name"]: p["containerPort"] for p in ctr.get("ports", [])}
     assert ports == ({"kv": v["kvTransport"]["port"]} if role == "decode" else {})
-    # Placement straight from the values.
-    for key in ("nodeSelector", "tolerations", "affinity"):
+    # Placement straight from the values (the affinity plus placement.separateRoles' term).
+    for key in ("nodeSelector", "tolerations"):
         assert pod.get(key, type(group[key])()) == group[key]
+    assert pod.get("affinity", {}) == expected_affinity(group["affinity"], v["placement"]["separateRoles"], role)
     # The shared KV secret reaches the raylet (and so the actors) from a Secret reference.
     assert "secretKeyRef" in env_refs(ctr)["HALFMOON_KV_SECRET"]["valueFrom"]
     # The model is where the Conductor says it is.
@@ -354,6 +355,59 @@ def test_worker_group_volumes_ports_and_placement(renderer: Renderer, variant: s
         assert volumes["weights-cache"]["emptyDir"]["sizeLimit"] == model["weightsCache"]["sizeLimit"]
     else:
         assert env["HALFMOON_WEIGHTS_CACHE"] == "0" and "weights-cache" not in mounts
+
+
+def _anti_affinity(rel: Release, role: str) -> dict:
+    return worker_template(rel, role)["spec"].get("affinity", {}).get("podAntiAffinity", {})
+
+
+@pytest.mark.parametrize("kuberay", [False, True])
+@pytest.mark.parametrize("role", ROLES)
+def test_prefill_and_decode_pods_keep_to_separate_nodes(renderer: Renderer, kuberay: bool, role: str) -> None:
+    """placement.separateRoles: the other role's pods of this release, on the same node (hostname),
+    repel this group's: preferred by default (a one-node cluster still schedules), required on
+    demand, off leaves only the group's own affinity."""
+    other = "decode" if role == "prefill" else "prefill"
+    group_affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}}}
+    base = {"kuberay": {"enabled": kuberay}, role: {"affinity": group_affinity}}
+    rel = renderer.release_with(base)
+    term = _anti_affinity(rel, role)["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]
+    assert term["topologyKey"] == "kubernetes.io/hostname"
+    labels = term["labelSelector"]["matchLabels"]
+    assert labels["app.kubernetes.io/component"] == other and labels["app.kubernetes.io/instance"] == RELEASE
+    others = [meta["labels"] for component, meta in pod_templates(rel) if component == other] if not kuberay else []
+    assert all(labels.items() <= pod.items() for pod in others)  # the term selects the other group's pods
+    assert worker_template(rel, role)["spec"]["affinity"]["nodeAffinity"] == group_affinity["nodeAffinity"]
+    required = renderer.release_with(merge(base, {"placement": {"separateRoles": "required"}}))
+    (term,) = _anti_affinity(required, role)["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert term["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == other
+    off = renderer.release_with(merge(base, {"placement": {"separateRoles": "off"}}))
+    assert worker_template(off, role)["spec"]["affinity"] == group_affinity
+
+
+def test_the_groups_own_anti_affinity_terms_are_kept(renderer: Renderer) -> None:
+    spread = {"topologyKey": "kubernetes.io/hostname",
+              "labelSelector": {"matchLabels": {"app.kubernetes.io/component": "decode"}}}
+    own = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [spread]}}
+    for mode in ("preferred", "required"):
+        rel = renderer.release_with({"decode": {"affinity": own}, "placement": {"separateRoles": mode}})
+        assert worker_template(rel, "decode")["spec"]["affinity"] == expected_affinity(own, mode, "decode")
+
+
+def expected_affinity(own: dict, mode: str, role: str) -> dict:
+    """A worker group's `own` affinity with placement.separateRoles' term appended."""
+    if mode == "off":
+        return own
+    other = "decode" if role == "prefill" else "prefill"
+    term = {"labelSelector": {"matchLabels": {"app.kubernetes.io/name": "halfmoon", "app.kubernetes.io/instance": RELEASE,
+                                              "app.kubernetes.io/component": other}},
+            "topologyKey": "kubernetes.io/hostname"}
+    key, entry = (("requiredDuringSchedulingIgnoredDuringExecution", term) if mode == "required" else
+                  ("preferredDuringSchedulingIgnoredDuringExecution", {"weight": 100, "podAffinityTerm": term}))
+    anti = dict(own.get("podAntiAffinity", {}))
+    anti[key] = [*anti.get(key, []), entry]
+    return {**own, "podAntiAffinity": anti}
 
 
 def test_the_weights_cache_can_be_turned_off(renderer: Renderer) -> None:
@@ -593,6 +647,24 @@ def test_kuberay_renders_a_raycluster_with_the_same_groups(renderer: Renderer, p
         assert labels["app.kubernetes.io/component"] == role
 
 
+def test_both_groups_on_one_ray_resource_fails_with_a_message(renderer: Renderer) -> None:
+    values = {"prefill": {"rayResource": "worker"}, "decode": {"rayResource": "worker"}}
+    with pytest.raises(helm.HelmRenderError, match="prefill.rayResource and decode.rayResource"):
+        renderer.render(values)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_a_groups_ray_resource_is_what_its_pods_advertise_and_the_conductor_asks(renderer: Renderer,
+                                                                                 role: str) -> None:
+    values = {"prefill": {"rayResource": "gpu-pool-a"}, "decode": {"rayResource": "gpu-pool-b"}}
+    for kuberay in (False, True):
+        rel = renderer.release_with(merge(values, {"kuberay": {"enabled": kuberay}}))
+        name = values[role]["rayResource"]
+        assert json.loads(ray_start_flags(rel, role)["resources"]) == {name: 1}
+        args = head_container(rel)["args"]
+        assert args[args.index(f"--{role}-resource") + 1] == name
+
+
 def test_kuberay_with_a_pvc_disk_tier_fails_with_a_message(renderer: Renderer) -> None:
     values = {"kuberay": {"enabled": True}, "kvTiers": {"disk": {"sizeGb": 10, "volume": {"type": "pvc"}}}}
     with pytest.raises(helm.HelmRenderError, match="kvTiers.disk.volume.type=pvc"):
@@ -612,10 +684,12 @@ BAD_VALUES = {
         {"redis": {"bundled": {"enabled": False}, "external": {"url": "redis://:hunter2@r:6379/0"}}},
         "/redis/external/url"),
     "negative GPUs": ({"prefill": {"gpus": -1}}, "/prefill/gpus"),
+    "a Ray resource name with a quote": ({"prefill": {"rayResource": 'pre"fill'}}, "/prefill/rayResource"),
     "pvc model without a claim": ({"model": {"source": "pvc", "path": "m"}}, "/model/pvc/claimName"),
     "UCX_TLS for the tcp backend": ({"kvTransport": {"backend": "tcp", "ucxTls": "rc"}}, "/kvTransport/ucxTls"),
     "negative UCX polling": ({"kvTransport": {"ucxPollUs": -1}}, "/kvTransport/ucxPollUs"),
     "unknown admission policy": ({"admission": {"policy": "lottery"}}, "/admission/policy"),
+    "unknown role placement": ({"placement": {"separateRoles": "sometimes"}}, "/placement/separateRoles"),
     "negative class objective": ({"admission": {"classes": {"batch": {"tbtMs": -1}}}},
                                  "/admission/classes/batch/tbtMs"),
 }
@@ -671,6 +745,9 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--decode": HelmValue("decode.replicas", 2, "2"),
     "--prefill-gpus": HelmValue("prefill.gpus", 1, "1"),
     "--decode-gpus": HelmValue("decode.gpus", 1, "1"),
+    "--prefill-resource": HelmValue("prefill.rayResource", "probe-prefill", "probe-prefill"),
+    "--decode-resource": HelmValue("decode.rayResource", "probe-decode", "probe-decode"),
+    "--no-remote-fetch": HelmValue("kvTiers.remoteFetch", False, None),
     "--worker-threads": HelmValue("conductor.workerThreads", 2, "2"),
     "--grpc-port": HelmValue("conductor.grpcPort", 50052, "50052"),
     "--http-port": HelmValue("conductor.httpPort", 8001, "8001"),
@@ -748,6 +825,7 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--no-redis": "the chart always runs a block index (bundled or external Redis)",
     "--dashboard": "on by default; conductor.dashboard=false gives --no-dashboard",
     "--no-tracing": "off by default; tracing.enabled=true gives --tracing",
+    "--remote-fetch": "on by default; kvTiers.remoteFetch=false gives --no-remote-fetch",
 }
 # What the samples need besides themselves: an external Redis instead of the bundled one.
 SAMPLE_EXTRAS = {"redis": {"bundled": {"enabled": False}}}

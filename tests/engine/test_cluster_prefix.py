@@ -4,14 +4,17 @@ Redis index (real redis-server) and the in-process remote reader; Redis down -> 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Iterator, Sequence
 
 import pytest
 
 from engine.engine import Engine
 from core.params import SamplingParams
 from kvpool.redis_server import EmbeddedRedis
-from kvpool.remote import InProcessReader
+from kvpool.cluster_index import HolderId
+from kvpool.remote import InProcessReader, RemoteBlockReader
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -67,3 +70,77 @@ def test_redis_down_means_local_only_serving_with_a_loud_log(pair: tuple[Engine,
     assert out_b == out_a
     assert not b.tiers.index.healthy and b.tiers.index.stats.redis_errors > 0
     assert any("redis" in r.getMessage().lower() for r in caplog.records if r.levelno >= logging.WARNING)
+
+
+class GatedReader(RemoteBlockReader):
+    """The in-process reader of the holders behind a gate: a pull waits until the test opens it,
+    as a pull from a slow or hung holder would."""
+
+    def __init__(self, inner: InProcessReader) -> None:
+        self.inner = inner
+        self.gate = threading.Event()
+        self.pulls = 0
+
+    def fetch(self, holder: HolderId, hashes: Sequence[bytes], dst) -> int:
+        self.pulls += 1
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.inner.fetch(holder, hashes, dst)
+
+
+@pytest.fixture
+def gated(make_engine, redis: EmbeddedRedis) -> Iterator[tuple[Engine, Engine, GatedReader]]:
+    reader = InProcessReader()
+    gate = GatedReader(reader)
+    a = make_engine(remote=reader, num_blocks=32, redis_url=redis.url, worker_id="holder", node_id="node-a")
+    b = make_engine(remote=gate, num_blocks=32, redis_url=redis.url, worker_id="puller", node_id="node-b")
+    yield a, b, gate
+    gate.gate.set()
+    for engine in (a, b):
+        engine.close()
+
+
+def steps_until(engine: Engine, done, timeout_s: float = 60.0) -> list:
+    """Step `engine` (at least once: new requests enter at a step) until `done()`; its chunks.
+    A step with every request fetching returns at once: the bound is time, not steps."""
+    chunks = []
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        chunks += engine.step()
+        if done():
+            return chunks
+    raise AssertionError(f"not done within {timeout_s:g} s")
+
+
+def test_a_request_waiting_for_its_prefix_does_not_stop_the_others(gated) -> None:
+    """While B pulls a prefix from A (a hung holder, here), B's other requests keep running; the
+    pulled blocks are used once they arrive (the request computes only its suffix)."""
+    a, b, gate = gated
+    ids = prompt(a)
+    out_a, _ = serve(a, ids)
+    other = a.tokenizer.encode("An unrelated question about the sea.")
+    waiting = b.add_request(ids, PARAMS, cache_salt="cluster")
+    running = b.add_request(other, PARAMS, cache_salt="cluster")
+    chunks = steps_until(b, lambda: running not in b.scheduler.requests)
+    assert gate.pulls == 1 and waiting in b.scheduler.fetching  # still waiting for A's blocks ...
+    assert sum(len(c.token_ids) for c in chunks if c.request_id == running) == PARAMS.max_tokens  # ... B ran on
+    assert b.only_fetching()
+    before = b.scheduler.stats.prompt_tokens_computed
+    gate.gate.set()
+    chunks = steps_until(b, lambda: waiting not in b.scheduler.requests)
+    assert [t for c in chunks if c.request_id == waiting for t in c.token_ids] == out_a
+    assert b.scheduler.stats.prompt_tokens_computed - before == len(ids) - 5 * 16
+    assert b.tiers.traffic.fetched_remote == 5
+    b.pool.check_integrity()
+
+
+def test_a_request_aborted_while_fetching_leaves_nothing_behind(gated) -> None:
+    a, b, gate = gated
+    ids = prompt(a)
+    serve(a, ids)
+    rid = b.add_request(ids, PARAMS, cache_salt="cluster")
+    steps_until(b, lambda: rid in b.scheduler.fetching)
+    b.abort(rid)
+    steps_until(b, lambda: not b.has_unfinished())
+    gate.gate.set()  # the pull ends after its request: its rows are dropped
+    assert b.scheduler.requests == {} and b.pool.num_free() == b.pool.num_blocks
+    b.pool.check_integrity()

@@ -8,6 +8,9 @@ import pytest
 
 from engine.engine import Engine
 from core.params import SamplingParams
+from kvpool.redis_server import EmbeddedRedis
+from kvpool.remote import InProcessReader
+from kvpool.tiers import Tier
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2 fp32, block_size 16
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -71,6 +74,41 @@ def test_prefix_pushed_down_to_disk_still_hits(tiered: Engine) -> None:
     assert warm == cold
     assert tiered.tiers.traffic.promoted_from_disk >= 3
     tiered.tiers.disk.check_integrity()
+
+
+def test_spilled_blocks_are_found_by_the_index_served_to_another_node_and_promoted_on_a_hit(
+        make_engine, tmp_path: Path) -> None:
+    """Issue 24, tier spill: device -> host -> disk, each move announced to the cluster index; a
+    worker on another node finds the blocks there and pulls them from the holder's lower tiers;
+    the holder's own hit promotes them back to its device (the index says DEVICE again)."""
+    with EmbeddedRedis() as redis:
+        reader = InProcessReader()
+        holder = make_engine(remote=reader, num_blocks=16, host_cache_gb=gb(2), disk_cache_dir=str(tmp_path / "disk"),
+                             disk_cache_gb=gb(64), redis_url=redis.url, worker_id="holder", node_id="node-a")
+        other = make_engine(remote=reader, num_blocks=32, redis_url=redis.url, worker_id="other", node_id="node-b")
+        try:
+            ids = prompt(holder)
+            cold, _, _ = serve(holder, ids)
+            hashes, index = _hashes(holder, ids)[:5], holder.tiers.index
+            assert index.lookup(hashes).match(index.holder).blocks_per_tier == (5, 0, 0)
+            flood(holder, 6)
+            spilled = index.lookup(hashes).match(index.holder)
+            assert spilled.length == 5 and spilled.blocks_per_tier[0] == 0 and spilled.blocks_per_tier[2] >= 3
+            assert spilled.tier is Tier.DISK
+            before = other.scheduler.stats.prompt_tokens_computed
+            assert other.generate([ids], PARAMS, cache_salt="tiers")[0].output_ids == cold
+            assert other.tiers.traffic.fetched_remote == 5
+            assert other.scheduler.stats.prompt_tokens_computed - before == len(ids) - 5 * 16
+            warm, computed, promoted = serve(holder, ids)
+            assert (warm, computed, promoted) == (cold, len(ids) - 5 * 16, 5 * 16)
+            assert index.lookup(hashes).match(index.holder).blocks_per_tier[0] == 5
+            for engine in (holder, other):
+                engine.pool.check_integrity()
+            holder.tiers.host.check_integrity()
+            holder.tiers.disk.check_integrity()
+        finally:
+            other.close()
+            holder.close()
 
 
 def _hashes(engine: Engine, ids: list[int]) -> list[bytes]:

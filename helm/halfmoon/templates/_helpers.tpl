@@ -141,6 +141,10 @@ argparse parser, so a flag that does not exist fails the tests).
 - {{ $v.prefill.gpus | int | quote }}
 - --decode-gpus
 - {{ $v.decode.gpus | int | quote }}
+- --prefill-resource
+- {{ $v.prefill.rayResource | quote }}
+- --decode-resource
+- {{ $v.decode.rayResource | quote }}
 - --host
 - 0.0.0.0
 - --grpc-port
@@ -177,6 +181,9 @@ argparse parser, so a flag that does not exist fails the tests).
 {{- end }}
 {{- if not $v.conductor.dashboard }}
 - --no-dashboard
+{{- end }}
+{{- if not $v.kvTiers.remoteFetch }}
+- --no-remote-fetch
 {{- end }}
 {{- $t := $v.tracing }}
 {{- if $t.enabled }}
@@ -495,7 +502,7 @@ Ray's start flags of a worker pod (plain: on the command line; KubeRay: rayStart
 One unit of the role's custom resource per pod: the Conductor places one actor per pod.
 */}}
 {{- define "halfmoon.workerResourcesJson" -}}
-{{- dict .role 1 | toJson }}
+{{- dict (index .root.Values .role).rayResource 1 | toJson }}
 {{- end }}
 
 {{/* Init containers of a worker pod (same context as halfmoon.workerPodSpec). */}}
@@ -556,6 +563,33 @@ One unit of the role's custom resource per pod: the Conductor places one actor p
 {{- end }}
 
 {{/*
+A worker pod's affinity: the group's own, plus (placement.separateRoles) one pod anti-affinity
+term (appended to the group's own terms) against the other role's pods on the same Kubernetes
+node, "preferred" (spread when nodes allow; one node still runs both) or "required" (never
+together). Same context as halfmoon.workerPodSpec.
+*/}}
+{{- define "halfmoon.workerAffinity" -}}
+{{- $root := .root }}
+{{- $mode := $root.Values.placement.separateRoles }}
+{{- $affinity := deepCopy ((index $root.Values .role).affinity | default dict) }}
+{{- if ne $mode "off" }}
+{{- $other := ternary "decode" "prefill" (eq .role "prefill") }}
+{{- $labels := include "halfmoon.componentSelector" (dict "root" $root "component" $other) | fromYaml }}
+{{- $term := dict "labelSelector" (dict "matchLabels" $labels) "topologyKey" "kubernetes.io/hostname" }}
+{{- $anti := $affinity.podAntiAffinity | default dict }}
+{{- if eq $mode "required" }}
+{{- $_ := set $anti "requiredDuringSchedulingIgnoredDuringExecution" (append ($anti.requiredDuringSchedulingIgnoredDuringExecution | default list) $term) }}
+{{- else }}
+{{- $_ := set $anti "preferredDuringSchedulingIgnoredDuringExecution" (append ($anti.preferredDuringSchedulingIgnoredDuringExecution | default list) (dict "weight" 100 "podAffinityTerm" $term)) }}
+{{- end }}
+{{- $_ := set $affinity "podAntiAffinity" $anti }}
+{{- end }}
+{{- if $affinity }}
+{{- toYaml $affinity }}
+{{- end }}
+{{- end }}
+
+{{/*
 A worker pod's spec: (dict "root" $ "role" "prefill"|"decode" "kuberay" bool).
 */}}
 {{- define "halfmoon.workerPodSpec" -}}
@@ -573,7 +607,7 @@ nodeSelector:
 tolerations:
   {{- toYaml . | nindent 2 }}
 {{- end }}
-{{- with $g.affinity }}
+{{- with (include "halfmoon.workerAffinity" . | fromYaml) }}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}

@@ -1,0 +1,192 @@
+"""`halfmoon bench serve --nodes K --prefill N --decode M`: cluster-wide prefix hits across Ray
+nodes (issue 24), with the local-only baseline and the workload's infinite-cache bound.
+
+One multi-node Ray cluster on this machine (bench/ray_nodes.py: a head and K-1 more raylets, the
+prefill workers spread over the nodes by their `prefill` resource, the decode workers on the
+head) serves the same replay twice, each time a fresh `halfmoon serve --ray-address` (fresh
+workers, fresh embedded Redis index, admission off: every request is served):
+
+    cluster-wide   a prefix held by any worker, on any node and tier, is pulled over the KV
+                   transport (Mooncake Algorithm 1 prices the pull against recomputing it)
+    local-only     the same with --no-remote-fetch: each worker reuses only its own tiers (the
+                   router still sends a prompt to a worker that holds its prefix, when it pays)
+
+Per system: prefix hit rate (cached / prompt tokens, what the server reported per request),
+prefill tokens saved (the cached tokens), TTFT p50 / p90, blocks the prefill workers pulled from
+another worker (the server's /metrics). The bound is the replay's infinite-cache hit rate: each
+prompt's leading 16-token blocks that any earlier prompt had (the last token always computed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import shlex
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Sequence
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.ray_nodes import LocalRayNodes
+from bench.report import Progress, machine_info, utc_now
+from bench.serve_bench import ReplayOptions, System, replay, serving, workloads
+from bench.serve_metrics import Slo, summarize
+from bench.workload import Workload
+from kvpool.block_hash import block_hashes, root_hash
+
+BLOCK_SIZE = 16  # `halfmoon serve`'s default --block-size: the bound counts blocks like the server
+CLUSTER_WIDE, LOCAL_ONLY = "cluster-wide", "local-only"
+BOUND_TARGET = 0.95  # issue 24: cluster-wide hit rate >= 95% of the single-pool bound
+SERVE_ARGS = "--worker-threads 1 --admission none"
+_FETCHED = re.compile(r'^halfmoon_worker_prefix_blocks_total\{[^}]*tier="remote"[^}]*\}\s+(\S+)', re.M)
+_SERVED = re.compile(r'^halfmoon_worker_blocks_served_total\{[^}]*\}\s+(\S+)', re.M)
+HEALTH_WAIT_S = 2.5  # the Conductor refreshes the workers' counters every second
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """Ray nodes and workers: `prefill` workers spread over `nodes`, the decode workers on the head."""
+
+    nodes: int
+    prefill: int
+    decode: int
+
+    def __post_init__(self) -> None:
+        if self.nodes < 1 or self.prefill < 1 or self.decode < 1:
+            raise ValueError(f"--nodes, --prefill and --decode must be >= 1, got {self}")
+        if self.nodes > self.prefill + self.decode:
+            raise ValueError(f"{self.nodes} nodes for {self.prefill + self.decode} workers: a node would be empty")
+
+    def resources(self) -> list[dict[str, float]]:
+        """Each node's Ray resources: prefill workers round-robin from the last node (so with
+        more nodes than one, the head is not the only prefill node), decode ones on the head."""
+        nodes: list[dict[str, float]] = [{} for _ in range(self.nodes)]
+        for i in range(self.prefill):
+            node = nodes[(self.nodes - 1 - i) % self.nodes]
+            node["prefill"] = node.get("prefill", 0) + 1
+        nodes[0]["decode"] = self.decode
+        return nodes
+
+
+def infinite_cache_bound(workload: Workload, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
+    """Hit rate with one pool of unbounded size: per request in arrival order, its leading
+    reusable blocks ((len - 1) // block_size at most) already seen in an earlier request."""
+    root = root_hash("bound", "float32", block_size, None)
+    seen: set[bytes] = set()
+    hit = total = 0
+    for request in workload.requests:
+        hashes = block_hashes(list(request.prompt_ids), block_size, root)
+        usable = hashes[: (len(request.prompt_ids) - 1) // block_size]
+        lead = next((i for i, h in enumerate(usable) if h not in seen), len(usable))
+        hit += lead * block_size
+        total += len(request.prompt_ids)
+        seen.update(hashes)
+    return {"hit_rate": hit / total if total else None, "cached_tokens": hit, "prompt_tokens": total}
+
+
+def system_args(base: str, address: str, shape: Shape, local_only: bool) -> str:
+    """`halfmoon serve` flags of one system (later flags win over `base`'s)."""
+    args = f"{base} {SERVE_ARGS} --ray-address {address} --prefill {shape.prefill} --decode {shape.decode}"
+    return args + (" --no-remote-fetch" if local_only else "")
+
+
+def remote_blocks(http_url: str) -> tuple[float, float]:
+    """(blocks the workers pulled from other workers, blocks they served to others), from the
+    server's /metrics once the Conductor's health loop has seen the replay's last fetches."""
+    time.sleep(HEALTH_WAIT_S)
+    with urllib.request.urlopen(f"{http_url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return sum(float(v) for v in _FETCHED.findall(text)), sum(float(v) for v in _SERVED.findall(text))
+
+
+def run_one(name: str, serve_args: str, workload: Workload, opts: ReplayOptions, log_dir: Path,
+            say: Progress) -> dict[str, Any]:
+    with serving(System(name, None, serve_args), log_dir, say) as (target, http_url):
+        say(f"{name}: replaying {len(workload.requests)} requests over {workload.duration_s:.1f} s")
+        records, makespan = asyncio.run(replay(target, workload, opts))
+        assert http_url is not None
+        fetched, served = remote_blocks(http_url)
+    metrics = summarize(records, workload.duration_s, makespan, opts.slo)
+    cached = sum(r.cached_tokens for r in records if r.status == "ok")
+    say(f"{name}: {metrics['completed']}/{metrics['requests']} completed, hit rate "
+        f"{_pct(metrics['prefix_hit_rate'])}, TTFT p50 {metrics['ttft_ms']['p50']} ms")
+    return {"system": name, "serve_args": serve_args, "completed": metrics["completed"], "errors": metrics["errors"],
+            "prefix_hit_rate": metrics["prefix_hit_rate"], "prefill_tokens_saved": cached,
+            "blocks_fetched_remote": fetched, "blocks_served_remote": served, "ttft_ms": metrics["ttft_ms"], "metrics": metrics}
+
+
+def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    say = Progress()
+    shape = Shape(args.nodes, args.prefill, args.decode)
+    ((_, workload),) = workloads(args)
+    bound = infinite_cache_bound(workload)
+    say(f"infinite-cache bound of the replay: {_pct(bound['hit_rate'])}")
+    opts = ReplayOptions(Slo(args.ttft_slo_ms, args.tbt_slo_ms), args.send_slo, args.warmup, args.request_timeout,
+                         not args.no_progress)
+    log_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="halfmoon-prefix-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    with LocalRayNodes(shape.resources(), Path(tempfile.mkdtemp(prefix="hm-ray-")), num_cpus=2) as nodes:
+        say(f"Ray: {shape.nodes} nodes at {nodes.address}: {shape.resources()}")
+        for name, local in ((CLUSTER_WIDE, False), (LOCAL_ONLY, True)):
+            serve_args = system_args(args.cluster_args, nodes.address, shape, local)
+            runs.append(run_one(name, serve_args, workload, replace(opts, label=name), log_dir, say))
+    result = summary(args, argv, shape, workload, bound, runs)
+    print(json.dumps(result) if args.json else render(result))
+    return 0 if all(r["errors"] == 0 and r["completed"] > 0 for r in runs) else 1
+
+
+def summary(args: argparse.Namespace, argv: Sequence[str] | None, shape: Shape, workload: Workload,
+            bound: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {r["system"]: r for r in runs}
+    wide, local = by[CLUSTER_WIDE], by[LOCAL_ONLY]
+    limit = bound["hit_rate"]
+    return {"bench": "serve-prefix", "date": utc_now(),
+            "command": "halfmoon bench serve " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "machine": machine_info(1), "workload": workload.summary(),
+            "shape": {"nodes": shape.nodes, "prefill": shape.prefill, "decode": shape.decode,
+                      "node_resources": shape.resources()},
+            "infinite_cache_bound": bound,
+            "systems": {r["system"]: {k: v for k, v in r.items() if k != "metrics"} for r in runs},
+            "cluster_wide_vs_bound": _ratio(wide["prefix_hit_rate"], limit), "bound_target": BOUND_TARGET,
+            "local_only_vs_bound": _ratio(local["prefix_hit_rate"], limit),
+            "ttft_p50_cluster_wide_over_local_only": _ratio(wide["ttft_ms"]["p50"], local["ttft_ms"]["p50"]),
+            "ttft_p90_cluster_wide_over_local_only": _ratio(wide["ttft_ms"]["p90"], local["ttft_ms"]["p90"])}
+
+
+def render(result: dict[str, Any]) -> str:
+    b, s = result["infinite_cache_bound"], result["systems"]
+    lines = [f"halfmoon bench serve (cluster-wide prefix hits): {result['workload']['name']}, "
+             f"{result['workload']['requests']} requests; {result['shape']['nodes']} Ray nodes "
+             f"{result['shape']['node_resources']}",
+             f"infinite-cache bound: hit rate {_pct(b['hit_rate'])} ({b['cached_tokens']} of {b['prompt_tokens']} "
+             "prompt tokens)",
+             f"{'system':<14}{'done':>6}{'hit%':>8}{'of bound':>10}{'saved tok':>11}{'fetched':>9}"
+             f"{'TTFT p50':>10}{'TTFT p90':>10}"]
+    for name in (CLUSTER_WIDE, LOCAL_ONLY):
+        r = s[name]
+        lines.append(f"{name:<14}{r['completed']:>6}{_pct(r['prefix_hit_rate']):>8}"
+                     f"{_fmt(_ratio(r['prefix_hit_rate'], b['hit_rate']), 3):>10}{r['prefill_tokens_saved']:>11}"
+                     f"{r['blocks_fetched_remote']:>9g}{_fmt(r['ttft_ms']['p50']):>10}{_fmt(r['ttft_ms']['p90']):>10}")
+    lines.append(f"TTFT p50 cluster-wide / local-only: {_fmt(result['ttft_p50_cluster_wide_over_local_only'], 3)}; "
+                 f"cluster-wide hit / bound {_fmt(result['cluster_wide_vs_bound'], 3)} (target >= {BOUND_TARGET:g}; "
+                 "reported, not asserted)")
+    return "\n".join(lines)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _fmt(x: float | None, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
