@@ -23,12 +23,12 @@ import pytest
 import torch
 
 import engine.runner as runner_module
-from engine.engine import Engine
 from core.messages import TokenChunk
+from core.params import FinishReason, SamplingParams
+from engine.engine import Engine
 from engine.outputs import CompletionResult, completion_result
-from core.params import FinishReason
+from engine.quality import prefill_logits  # one prefill, logits at every position
 from engine.request import Request
-from core.params import SamplingParams
 from engine.scheduler import ScheduledRequest
 from tests.conftest import EngineFactory, assert_engine_idle
 
@@ -128,22 +128,6 @@ def hf_greedy(model: Any, prompt: list[int]) -> OracleRun:
                     use_cache=True)
     full = model(torch.tensor([prompt + tokens])).logits[0].float()
     return OracleRun(prompt, tokens, margins, full)
-
-
-def prefill_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Our logits at every position: one prefill of `ids` into a scratch paged cache.
-
-    The step's inputs come from the engine's own runner (one request owning scratch blocks
-    0..k-1, prefilled whole); only the rows to project to logits are widened to all of them.
-    """
-    n, cfg, bs = len(ids), engine.model_config, engine.config.block_size
-    num_blocks = -(-n // bs)
-    cache = torch.zeros(cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim,
-                        dtype=engine.config.torch_dtype)
-    req = Request("logits", list(ids), SamplingParams(), n, torch.Generator())
-    req.block_table = list(range(num_blocks))
-    step = engine.runner.prepare([ScheduledRequest(req, n, True)])
-    return engine.model.forward(step.input_ids, step.positions, cache, step.meta, torch.arange(n))
 
 
 @pytest.fixture
