@@ -47,9 +47,10 @@ class Histogram:
         return out
 
 
-MIN_SAMPLE_GAPS = 4  # fewer gaps say little of a stream's TBT: in 1P1D its first two tokens arrive
-# together (~2 ms apart: the first comes with the decode's join step), so a 2-token stream's one gap is
-# ~0 and, learned from, pulls the TBT calibration down to its floor (sim-vs-live run 2's probes)
+# Admission learns no TBT from a stream of fewer gaps (Dispatcher.finished): in 1P1D a stream's first
+# two tokens arrive together (~2 ms apart), so a 2-token stream's one gap is ~0 and, learned from,
+# pulls the TBT calibration down to its floor (sim-vs-live run 2's probes).
+MIN_SAMPLE_GAPS = 4
 
 
 class TopGaps:
@@ -84,10 +85,6 @@ class TopGaps:
             return None
         top = heapq.nlargest(min(max(1, self.gaps // 10), len(self._heap)), self._heap)
         return sum(top) / len(top)
-
-    def sample_s(self) -> float | None:
-        """`mean_s` for admission to learn from: None under MIN_SAMPLE_GAPS gaps (see there)."""
-        return self.mean_s() if self.gaps >= MIN_SAMPLE_GAPS else None
 
 
 @dataclass(slots=True)

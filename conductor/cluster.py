@@ -379,7 +379,7 @@ class ClusterBackend(GenerationBackend):
         """An admitted request finished: what it generated and how far off the predictions were."""
         assert last.end is not None and self.dispatcher is not None
         self.dispatcher.finished(route.booking, last.end.usage.completion_tokens, inp.params.max_tokens,
-                                 last.end.timings.ttft_ms / 1e3, gaps.sample_s())
+                                 last.end.timings.ttft_ms / 1e3, gaps.mean_s())
 
     # ------------------------------------------------------------------ routing
 

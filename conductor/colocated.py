@@ -153,7 +153,7 @@ class ColocatedBackend(GenerationBackend):
         end = chunk.end
         assert end is not None and self.dispatcher is not None
         self.dispatcher.finished(stream.booking, end.usage.completion_tokens, inp.params.max_tokens,
-                                 end.timings.ttft_ms / 1e3, stream.gaps.sample_s())
+                                 end.timings.ttft_ms / 1e3, stream.gaps.mean_s())
         if inp.span.recording:
             self._trace_engine(inp.span, stream.added_ns, end.timings)
         return replace(chunk, end=replace(end, prediction=stream.booking.decision.prediction,

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from conductor.admission import Admission, AdmissionConfig, Candidate, Decision, Objective, Reason, resolve
-from conductor.admission_stats import AdmissionStats
+from conductor.admission_stats import MIN_SAMPLE_GAPS, AdmissionStats
 from conductor.backend import Slo
 from conductor.cost_model import CostModel
 from conductor.errors import OverloadedError
@@ -197,8 +197,11 @@ class Dispatcher:
 
     def finished(self, booking: Booking, completion_tokens: int, max_tokens: int, ttft_s: float,
                  tbt_s: float | None) -> None:
-        """An admitted request ended with its result: what it measured corrects later predictions."""
+        """An admitted request ended with its result: what it measured corrects later predictions
+        (its TBT only from MIN_SAMPLE_GAPS gaps up: see there)."""
         self.admission.outputs.observe(booking.objective.slo_class.name, completion_tokens, max_tokens)
+        if completion_tokens - 1 < MIN_SAMPLE_GAPS:
+            tbt_s = None
         p = booking.decision.prediction
         self.stats.measured(p.predicted_ttft_ms, ttft_s, p.predicted_tbt_ms, tbt_s)
         self.admission.observe(booking.decision, ttft_s, tbt_s)

@@ -20,7 +20,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from conductor.admission import AdmissionConfig
-from conductor.admission_stats import MIN_SAMPLE_GAPS
 from conductor.backend import Slo
 from conductor.cost_model import CostModel
 from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
@@ -273,9 +272,8 @@ class Simulator:
         ledger = self.bound if self.config.colocated else self.decode_ledgers[booking.decode_id]
         ledger.release(booking.request_id)
         assert record.ttft_s is not None
-        sample = record.tbt_s if flight.request.output_len - 1 >= MIN_SAMPLE_GAPS else None  # as the backends
         self.dispatcher.finished(booking, flight.request.output_len, flight.request.output_len,
-                                 record.ttft_s, sample)
+                                 record.ttft_s, record.tbt_s)
 
     # ------------------------------------------------------------------ checks
 

@@ -76,3 +76,18 @@ def test_finished_feeds_the_calibration_and_the_output_estimate() -> None:
         decode[0].ledger.release(f"r{i}")
     assert dispatcher.admission.calibration.ttft.scale == pytest.approx(2.0)
     assert dispatcher.admission.outputs.expected("standard", 20) < 20  # they stopped at half
+
+
+def test_a_stream_of_few_gaps_teaches_admission_nothing_of_tbt() -> None:
+    """1P1D streams its first two tokens together: a 2-token stream's one gap is ~2 ms, which as a
+    TBT sample would drag the calibration's scale to its floor."""
+    dispatcher = Dispatcher(AdmissionConfig(), COST, 16, clock=lambda: NOW)
+    prefill, decode = sides()
+    for i, tokens in enumerate([2, 2, 2, 3, 5, 5, 5]):  # 1, 2 and 4 gaps
+        booking = dispatcher.dispatch(Ask(f"r{i}", 500, 20), PrefixMatch(), prefill, decode, NOW)
+        tbt_s = 0.002 if tokens < 5 else 2 * booking.decision.raw_tbt_ms / 1e3
+        dispatcher.finished(booking, tokens, 20, ttft_s=booking.decision.raw_ttft_ms / 1e3, tbt_s=tbt_s)
+        for side in prefill:
+            side.ledger.finish(f"r{i}", NOW)
+        decode[0].ledger.release(f"r{i}")
+    assert dispatcher.admission.calibration.tbt.scale == pytest.approx(2.0)  # the three 4-gap streams only
