@@ -7,6 +7,8 @@ only when their own parser is built.
 
 from __future__ import annotations
 
+import dataclasses
+
 from conductor.admission import AdmissionConfig, Policy
 from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
@@ -33,6 +35,17 @@ ENGINE = Component(
         "worker_id": "the cluster names each worker",
         "node_id": "the worker's node (hostname) in the cluster",
     })
+
+# `serve` keeps a host DRAM tier by default (vLLM's --swap-space and SGLang's hierarchical cache
+# do alike): blocks the device tier evicts spill there and are hits again. The engine commands
+# (generate, profile) serve one request and keep the field's default, no host tier.
+DEFAULT_HOST_CACHE_GB = 4.0
+SERVE_ENGINE = dataclasses.replace(ENGINE, flags={
+    **ENGINE.flags,
+    "host_cache_gb": Flag(default=DEFAULT_HOST_CACHE_GB,
+                          help="host DRAM KV tier in GiB, one shared-memory arena per node (default 4; 0 = off): the "
+                               "device tier's evicted blocks spill there and are hits again"),
+})
 
 TRANSPORT = Component(
     TransportConfig, "KV transport (cluster mode)",
@@ -106,4 +119,4 @@ LOGGING = Component(
     flags={"log_format": Flag(choices=FORMATS), "log_level": Flag(choices=LEVELS)})
 
 # The components whose flags `halfmoon serve` has, and the one the engine commands share.
-SERVE = (SERVER, ADMISSION, CLUSTER, ENGINE, TRACING, LOGGING)
+SERVE = (SERVER, ADMISSION, CLUSTER, SERVE_ENGINE, TRACING, LOGGING)

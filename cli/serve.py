@@ -84,7 +84,7 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cli.components import ADMISSION, ENGINE, LOGGING, SERVER, TRACING
+    from cli.components import ADMISSION, LOGGING, SERVE_ENGINE, SERVER, TRACING
     from cli.flags import build
     from core.logs import configure_logging
 
@@ -97,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     announce_tracing(tracing)
     redis_url, redis_server = start_index(args)
     try:
-        return _serve(args, config, build(ENGINE, args, redis_url=redis_url), admission, (tracing, log))
+        return _serve(args, config, build(SERVE_ENGINE, args, redis_url=redis_url), admission, (tracing, log))
     finally:
         if redis_server is not None:
             redis_server.stop()

@@ -76,10 +76,7 @@ def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool,
     if config.host_cache_gb > 0:
         slots = max(1, int(config.host_cache_gb * 2**30) // block_bytes)
         name = config.host_cache_name or f"halfmoon-{os.getpid()}-{id(kv_cache):x}"
-        try:
-            host = HostArena.create(name, slots, block_bytes)
-        except FileExistsError:
-            host = HostArena.attach(name)  # another worker of this node made it
+        host = _create_or_attach(name, slots, block_bytes)
     disk = None
     if config.disk_cache_dir is not None:
         slots = max(1, int(config.disk_cache_gb * 2**30) // block_bytes)
@@ -94,6 +91,21 @@ def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool,
     if index is not None and isinstance(remote, InProcessReader):
         remote.register(index.holder, tiers)
     return tiers
+
+
+def _create_or_attach(name: str, slots: int, block_bytes: int, tries: int = 3) -> HostArena:
+    """The node's arena `name`: made by the first engine, attached by the others. An arena
+    its last engine is removing as we arrive is gone by our next try."""
+    for _ in range(tries - 1):
+        try:
+            return HostArena.create(name, slots, block_bytes)
+        except FileExistsError:
+            pass
+        try:
+            return HostArena.attach(name)  # another worker of this node made it
+        except FileNotFoundError:
+            continue
+    return HostArena.create(name, slots, block_bytes)
 
 
 class Engine:
@@ -257,14 +269,12 @@ class Engine:
                 f"exceeds the whole KV cache ({capacity} tokens); raise --kv-cache-gb")
 
     def close(self) -> None:
-        """Release the host arena (unlinked if this engine made a private one) and the disk tier."""
+        """Release the host arena (removed when this engine was the last attached) and the disk tier."""
         if self.tiers is None:
             return
         self.tiers.close()
         if self.tiers.host is not None:
-            self.tiers.host.close()
-            if self.config.host_cache_name is None:
-                self.tiers.host.unlink()
+            self.tiers.host.release()  # the last engine attached to a node's arena removes it
         if self.tiers.disk is not None:
             self.tiers.disk.close()
         if self.tiers.index is not None:

@@ -76,6 +76,33 @@ def lock_path(name: str, lock_dir: str | None) -> str:
     return os.path.join(lock_dir, f"{name}.halfmoon.lock")
 
 
+def users_path(lock_file: str) -> str:
+    """The file whose shared `flock`s count the handles attached to an arena (see `ArenaUsers`)."""
+    return lock_file.removesuffix(".lock") + ".users"
+
+
+class ArenaUsers:
+    """Which handles are attached to a node's arena: each holds a shared `flock` on the users
+    file for its lifetime (the kernel drops it when the process dies, however it dies), so a
+    handle that can take the lock exclusively is the last one attached. Both calls run under
+    the arena's `ArenaLock`, which orders attaches against the last handle's unlink."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_SH)
+
+    def leave(self) -> bool:
+        """Drop this handle's hold; True when no other handle (of any process) holds one."""
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(self._fd)
+
+
 def open_shm(name: str, size: int = 0) -> SharedMemory:
     """Create (size > 0) or attach a segment whose lifetime `unlink()` owns explicitly.
 

@@ -49,10 +49,12 @@ from kvpool.host_segment import (
     VERSION,
     ArenaLayout,
     ArenaLock,
+    ArenaUsers,
     check_geometry,
     lock_path,
     open_shm,
     read_layout,
+    users_path,
 )
 from kvpool.tier_base import (
     BlockRows,
@@ -102,6 +104,7 @@ class HostArena(BlockTier):
                  on_evict: EvictCallback | None) -> None:
         """Use `create` or `attach`."""
         self._shm, self._layout, self._lock = shm, layout, lock
+        self._users: ArenaUsers | None = ArenaUsers(users_path(lock.path))  # under `lock`: see callers
         self.on_evict = on_evict
         self.stats = TierStats()
         self._closed = False
@@ -144,21 +147,42 @@ class HostArena(BlockTier):
         if self._closed:
             return
         self._closed = True
+        if self._users is not None:
+            self._users.leave()
+            self._users = None
         self._map_views(detach=True)
         self._shm.close()
         self._lock.close()
 
     def unlink(self) -> None:
-        """Destroy the arena and its lock file, for every process; call once, when the node's
+        """Destroy the arena and its lock files, for every process; call once, when the node's
         workers are done with it. Closes this handle first."""
         self.close()
+        self._remove()
+
+    def release(self) -> bool:
+        """Detach this handle and destroy the arena when no other handle, in any process, is
+        still attached (a worker's shutdown: the node's last worker to stop removes the node's
+        arena; a worker that died holds nothing). True when it was destroyed."""
+        if self._closed:
+            return False
+        with self._lock:  # no attach can slip in between the count and the removal
+            assert self._users is not None
+            last, self._users = self._users.leave(), None
+            if last:
+                self._remove()
+        self.close()
+        return last
+
+    def _remove(self) -> None:
         if sys.version_info < (3, 13):
             resource_tracker.register("/" + self._shm.name, "shared_memory")  # balance unlink()
         self._shm.unlink()
-        try:
-            os.unlink(self._lock.path)
-        except FileNotFoundError:
-            pass  # another handle already removed it
+        for path in (self._lock.path, users_path(self._lock.path)):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass  # another handle already removed it
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"free={self.num_free()}"

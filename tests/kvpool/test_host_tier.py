@@ -408,8 +408,53 @@ def test_unlink_removes_the_segment_and_its_lock_file() -> None:
     arena = HostArena.create(name, 4, SLOT_BYTES)
     assert os.path.exists(f"/dev/shm/{name}")
     arena.unlink()
-    assert not os.path.exists(f"/dev/shm/{name}")
-    assert not os.path.exists(f"/dev/shm/{name}.halfmoon.lock")
+    assert _arena_files(name) == []
+
+
+def _arena_files(name: str) -> list[str]:
+    return [f for f in (f"/dev/shm/{name}", f"/dev/shm/{name}.halfmoon.lock", f"/dev/shm/{name}.halfmoon.users")
+            if os.path.exists(f)]
+
+
+def test_release_removes_the_arena_only_when_the_last_handle_leaves() -> None:
+    name = f"hm-test-{uuid.uuid4().hex[:12]}"
+    first = HostArena.create(name, 4, SLOT_BYTES)
+    second = HostArena.attach(name)
+    assert len(_arena_files(name)) == 3
+    assert first.release() is False  # `second` is still attached
+    assert len(_arena_files(name)) == 3
+    assert HostArena.attach(name).release() is False  # a third comes and goes; `second` stays
+    assert second.release() is True
+    assert _arena_files(name) == []
+    assert second.release() is False  # idempotent on a closed handle
+
+
+def test_a_killed_attacher_does_not_keep_the_arena_alive() -> None:
+    """A worker that died never releases; the kernel drops its hold, so the survivor's release
+    still removes the node's arena."""
+    name = f"hm-test-{uuid.uuid4().hex[:12]}"
+    arena = HostArena.create(name, 4, SLOT_BYTES)
+    hold = textwrap.dedent("""
+        import sys
+        from kvpool.host_tier import HostArena
+        HostArena.attach(sys.argv[1])
+        print("attached", flush=True)
+        sys.stdin.read()
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    child = subprocess.Popen([sys.executable, "-c", hold, name], cwd=REPO_ROOT, env=env, text=True,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "attached"
+        other = HostArena.attach(name)
+        assert other.release() is False  # the child holds it
+        child.kill()
+        child.wait(timeout=30)
+        assert arena.release() is True
+    finally:
+        child.kill()
+        child.wait(timeout=30)
+    assert _arena_files(name) == []
 
 
 # --- two processes, one arena ---------------------------------------------------------------

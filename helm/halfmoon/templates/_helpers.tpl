@@ -240,10 +240,9 @@ argparse parser, so a flag that does not exist fails the tests).
 - --attention-backend
 - {{ . | quote }}
 {{- end }}
-{{- if gt (float64 $v.kvTiers.hostGb) 0.0 }}
+{{- /* always given: 0 must turn off the tier `serve` keeps by default */}}
 - --host-cache-gb
 - {{ include "halfmoon.num" $v.kvTiers.hostGb | quote }}
-{{- end }}
 {{- if gt (float64 $v.kvTiers.disk.sizeGb) 0.0 }}
 - --disk-cache-dir
 - {{ $v.kvTiers.disk.mountPath | quote }}
