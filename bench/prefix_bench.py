@@ -15,6 +15,12 @@ Per system: prefix hit rate (cached / prompt tokens, what the server reported pe
 prefill tokens saved (the cached tokens), TTFT p50 / p90, blocks the prefill workers pulled from
 another worker (the server's /metrics). The bound is the replay's infinite-cache hit rate: each
 prompt's leading 16-token blocks that any earlier prompt had (the last token always computed).
+
+`--spill` (issue 24, point 3) is the tiers' experiment instead, on one node: the same replay
+against `halfmoon serve` with its default tier sizes (the device tier of --kv-cache-gb, the host
+tier of --host-cache-gb that the device tier's evictions spill to) and against the device tier
+alone (`--host-cache-gb 0`), with the replay's working set (distinct 16-token blocks) next to the
+device tier's size and the blocks each tier gave back.
 """
 
 from __future__ import annotations
@@ -26,9 +32,9 @@ import re
 import shlex
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Sequence
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -42,10 +48,12 @@ from kvpool.block_hash import block_hashes, root_hash
 
 BLOCK_SIZE = 16  # `halfmoon serve`'s default --block-size: the bound counts blocks like the server
 CLUSTER_WIDE, LOCAL_ONLY = "cluster-wide", "local-only"
+DEFAULT_TIERS, DEVICE_ONLY = "default tiers", "device only"
 BOUND_TARGET = 0.95  # issue 24: cluster-wide hit rate >= 95% of the single-pool bound
+SPILL_TARGET = 0.90  # issue 24: serve's default tiers, spill on: >= 90% of the infinite-cache bound
 SERVE_ARGS = "--worker-threads 1 --admission none"
-_FETCHED = re.compile(r'^halfmoon_worker_prefix_blocks_total\{[^}]*tier="remote"[^}]*\}\s+(\S+)', re.M)
-_SERVED = re.compile(r'^halfmoon_worker_blocks_served_total\{[^}]*\}\s+(\S+)', re.M)
+_SAMPLE = re.compile(r'^(halfmoon_worker_\w+)\{([^}]*)\}\s+(\S+)$', re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
 HEALTH_WAIT_S = 2.5  # the Conductor refreshes the workers' counters every second
 
 
@@ -87,7 +95,8 @@ def infinite_cache_bound(workload: Workload, block_size: int = BLOCK_SIZE) -> di
         hit += lead * block_size
         total += len(request.prompt_ids)
         seen.update(hashes)
-    return {"hit_rate": hit / total if total else None, "cached_tokens": hit, "prompt_tokens": total}
+    return {"hit_rate": hit / total if total else None, "cached_tokens": hit, "prompt_tokens": total,
+            "working_set_tokens": len(seen) * block_size}
 
 
 def system_args(base: str, address: str, shape: Shape, local_only: bool) -> str:
@@ -96,13 +105,32 @@ def system_args(base: str, address: str, shape: Shape, local_only: bool) -> str:
     return args + (" --no-remote-fetch" if local_only else "")
 
 
-def remote_blocks(http_url: str) -> tuple[float, float]:
-    """(blocks the workers pulled from other workers, blocks they served to others), from the
-    server's /metrics once the Conductor's health loop has seen the replay's last fetches."""
+def tier_counters(http_url: str) -> dict[str, float]:
+    """From the server's /metrics once the Conductor's health loop has seen the replay's last
+    steps: blocks the workers pulled from other workers (`fetched`) and served to them
+    (`served`), prefix blocks they found in their host and disk tiers, and the largest device
+    tier of a worker in blocks (`device_blocks`)."""
     time.sleep(HEALTH_WAIT_S)
     with urllib.request.urlopen(f"{http_url}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    return sum(float(v) for v in _FETCHED.findall(text)), sum(float(v) for v in _SERVED.findall(text))
+        return worker_counters(response.read().decode())
+
+
+def worker_counters(text: str) -> dict[str, float]:
+    """`tier_counters` of a Prometheus exposition (labels in any order)."""
+    out = {"fetched": 0.0, "served": 0.0, "from_host": 0.0, "from_disk": 0.0}
+    device: dict[str, float] = {}
+    for name, labels, value in _SAMPLE.findall(text):
+        label = dict(_LABEL.findall(labels))
+        if name == "halfmoon_worker_prefix_blocks_total" and label.get("tier") == "remote":
+            out["fetched"] += float(value)
+        elif name == "halfmoon_worker_prefix_blocks_total" and label.get("tier") in ("host", "disk"):
+            out[f"from_{label['tier']}"] += float(value)
+        elif name == "halfmoon_worker_blocks_served_total":
+            out["served"] += float(value)
+        elif name == "halfmoon_worker_kv_blocks" and label.get("tier") == "device" and label.get("state") in ("used", "free"):
+            device[label["worker"]] = device.get(label["worker"], 0.0) + float(value)
+    out["device_blocks"] = max(device.values(), default=0.0)
+    return out
 
 
 def run_one(name: str, serve_args: str, workload: Workload, opts: ReplayOptions, log_dir: Path,
@@ -111,17 +139,22 @@ def run_one(name: str, serve_args: str, workload: Workload, opts: ReplayOptions,
         say(f"{name}: replaying {len(workload.requests)} requests over {workload.duration_s:.1f} s")
         records, makespan = asyncio.run(replay(target, workload, opts))
         assert http_url is not None
-        fetched, served = remote_blocks(http_url)
+        counters = tier_counters(http_url)
     metrics = summarize(records, workload.duration_s, makespan, opts.slo)
     cached = sum(r.cached_tokens for r in records if r.status == "ok")
     say(f"{name}: {metrics['completed']}/{metrics['requests']} completed, hit rate "
         f"{_pct(metrics['prefix_hit_rate'])}, TTFT p50 {metrics['ttft_ms']['p50']} ms")
     return {"system": name, "serve_args": serve_args, "completed": metrics["completed"], "errors": metrics["errors"],
             "prefix_hit_rate": metrics["prefix_hit_rate"], "prefill_tokens_saved": cached,
-            "blocks_fetched_remote": fetched, "blocks_served_remote": served, "ttft_ms": metrics["ttft_ms"], "metrics": metrics}
+            "blocks_fetched_remote": counters["fetched"], "blocks_served_remote": counters["served"],
+            "blocks_from_host": counters["from_host"], "blocks_from_disk": counters["from_disk"],
+            "device_tier_tokens": counters["device_blocks"] * BLOCK_SIZE,
+            "ttft_ms": metrics["ttft_ms"], "metrics": metrics}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    if args.spill:
+        return run_spill(args, argv)
     say = Progress()
     shape = Shape(args.nodes, args.prefill, args.decode)
     ((_, workload),) = workloads(args)
@@ -140,6 +173,64 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     result = summary(args, argv, shape, workload, bound, runs)
     print(json.dumps(result) if args.json else render(result))
     return 0 if all(r["errors"] == 0 and r["completed"] > 0 for r in runs) else 1
+
+
+def run_spill(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """Serve's default tiers (spill on) vs the device tier alone, one node (module doc)."""
+    say = Progress()
+    ((_, workload),) = workloads(args)
+    bound = infinite_cache_bound(workload)
+    say(f"infinite-cache bound of the replay: {_pct(bound['hit_rate'])}; working set "
+        f"{bound['working_set_tokens']:,} tokens")
+    opts = ReplayOptions(Slo(args.ttft_slo_ms, args.tbt_slo_ms), args.send_slo, args.warmup, args.request_timeout,
+                         not args.no_progress)
+    log_dir = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="halfmoon-spill-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    base = f"{args.cluster_args} {SERVE_ARGS} --prefill {args.prefill or 1} --decode {args.decode or 1}"
+    runs = [run_one(name, base + extra, workload, replace(opts, label=name), log_dir, say)
+            for name, extra in ((DEFAULT_TIERS, ""), (DEVICE_ONLY, " --host-cache-gb 0"))]
+    result = spill_summary(args, argv, workload, bound, runs)
+    (log_dir / "spill_bench.json").write_text(json.dumps({**result, "runs": runs}, indent=1, default=str))
+    print(json.dumps(result) if args.json else render_spill(result))
+    return 0 if all(r["errors"] == 0 and r["completed"] > 0 for r in runs) else 1
+
+
+def spill_summary(args: argparse.Namespace, argv: Sequence[str] | None, workload: Workload,
+                  bound: dict[str, Any], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    by = {r["system"]: r for r in runs}
+    limit = bound["hit_rate"]
+    device_tokens = by[DEFAULT_TIERS]["device_tier_tokens"]
+    return {"bench": "serve-spill", "date": utc_now(),
+            "command": "halfmoon bench serve " + shlex.join(sys.argv[1:] if argv is None else argv),
+            "machine": machine_info(1), "workload": workload.summary(), "infinite_cache_bound": bound,
+            "device_tier_tokens": device_tokens,
+            "working_set_over_device_tier": _ratio(bound["working_set_tokens"], device_tokens),
+            "systems": {r["system"]: {k: v for k, v in r.items() if k != "metrics"} for r in runs},
+            "default_tiers_vs_bound": _ratio(by[DEFAULT_TIERS]["prefix_hit_rate"], limit),
+            "device_only_vs_bound": _ratio(by[DEVICE_ONLY]["prefix_hit_rate"], limit), "spill_target": SPILL_TARGET,
+            "ttft_p50_default_over_device_only": _ratio(by[DEFAULT_TIERS]["ttft_ms"]["p50"],
+                                                        by[DEVICE_ONLY]["ttft_ms"]["p50"])}
+
+
+def render_spill(result: dict[str, Any]) -> str:
+    b, s = result["infinite_cache_bound"], result["systems"]
+    lines = [f"halfmoon bench serve --spill: {result['workload']['name']}, {result['workload']['requests']} requests",
+             f"infinite-cache bound: hit rate {_pct(b['hit_rate'])} ({b['cached_tokens']} of {b['prompt_tokens']} "
+             f"prompt tokens); working set {b['working_set_tokens']:,} tokens = "
+             f"{_fmt(result['working_set_over_device_tier'], 2)}x a worker's device tier "
+             f"({result['device_tier_tokens']:,.0f} tokens)",
+             f"{'system':<15}{'done':>6}{'hit%':>8}{'of bound':>10}{'saved tok':>11}{'host blk':>10}"
+             f"{'TTFT p50':>10}{'TTFT p90':>10}"]
+    for name in (DEFAULT_TIERS, DEVICE_ONLY):
+        r = s[name]
+        lines.append(f"{name:<15}{r['completed']:>6}{_pct(r['prefix_hit_rate']):>8}"
+                     f"{_fmt(_ratio(r['prefix_hit_rate'], b['hit_rate']), 3):>10}{r['prefill_tokens_saved']:>11}"
+                     f"{r['blocks_from_host']:>10g}{_fmt(r['ttft_ms']['p50']):>10}{_fmt(r['ttft_ms']['p90']):>10}")
+    ratio = result["default_tiers_vs_bound"]
+    verdict = "-" if ratio is None else ("met" if ratio >= result["spill_target"] else "MISSED")
+    lines.append(f"default tiers hit / bound {_fmt(ratio, 3)} (target >= {result['spill_target']:g}: {verdict}); "
+                 f"TTFT p50 default / device only {_fmt(result['ttft_p50_default_over_device_only'], 3)}")
+    return "\n".join(lines)
 
 
 def summary(args: argparse.Namespace, argv: Sequence[str] | None, shape: Shape, workload: Workload,

@@ -48,6 +48,7 @@ import numpy as np
 from bench.report import Figure, Progress, machine_info, render_table, ruled, utc_now
 from bench.serve_metrics import RequestRecord, Slo, predicted_ms, request_rows, summarize
 from bench.workload import Caps, Request, Workload, chat_workload, trace_workload
+from sim.conversations import ConversationShape, conversation_trace, write_trace
 
 DEFAULT_SERVE_ARGS = "--colocated --threads 2 --no-redis"
 BASELINE_ARGS = "--colocated --threads 2"
@@ -63,8 +64,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", default=None, help="a Mooncake trace (JSON lines) to replay")
-    src.add_argument("--synthetic", choices=["chat"], default=None,
-                     help="a synthetic workload (the default: chat)")
+    src.add_argument("--synthetic", choices=["chat", "conversation"], default=None,
+                     help="a synthetic workload (the default: chat); conversation: a generated Mooncake "
+                          "trace of multi-turn sessions (sim/conversations.py), replayed as a trace")
     w.add_argument("--speed", type=float, default=1.0, help="trace: timestamps are divided by this")
     w.add_argument("--max-requests", type=int, default=None, help="trace: replay only the first N")
     w.add_argument("--rate", type=float, default=1.0, help="synthetic: Poisson arrivals, req/s")
@@ -73,6 +75,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     w.add_argument("--seed", type=int, default=0)
     w.add_argument("--max-input-tokens", type=int, default=None, help="truncate longer prompts")
     w.add_argument("--max-output-tokens", type=int, default=None, help="cap each output")
+    c = p.add_argument_group("synthetic conversation trace (--synthetic conversation)")
+    c.add_argument("--requests", type=int, default=200, help="requests in the trace")
+    c.add_argument("--sessions-per-s", type=float, default=2.0, help="Poisson session starts per second")
+    c.add_argument("--turns", default="1,1,2,3,4", help="a session's turn count is drawn from these")
+    c.add_argument("--think-s", default="5,30", help="LO,HI: seconds between a session's turns (uniform)")
+    c.add_argument("--save-trace", default=None,
+                   help="write the generated trace here (replay it with --trace, or `halfmoon sim`)")
     s = p.add_argument_group("SLOs")
     s.add_argument("--ttft-slo-ms", type=float, default=2000.0)
     s.add_argument("--tbt-slo-ms", type=float, default=200.0)
@@ -93,6 +102,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     n.add_argument("--nodes", type=int, default=None, help="Ray nodes started on this machine (head + raylets)")
     n.add_argument("--prefill", type=int, default=None, help="prefill workers, spread over the nodes")
     n.add_argument("--decode", type=int, default=None, help="decode workers, on the head node")
+    n.add_argument("--spill", action="store_true",
+                   help="instead: serve's default tiers (the host tier the device tier spills to) vs the "
+                        "device tier alone, on one node (--prefill/--decode: workers, default 1 each)")
     r = p.add_argument_group("replay and output")
     r.add_argument("--warmup", type=int, default=2, help="short requests sent before each replay")
     r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
@@ -102,10 +114,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.compare and args.target:
         p.error("--compare starts both servers itself; it takes no --target")
-    if args.trace and args.rates:
-        p.error("--rates sweeps the synthetic workload; a trace is scaled with --speed")
+    if (args.trace or args.synthetic == "conversation") and args.rates:
+        p.error("--rates sweeps the synthetic chat workload; a trace is scaled with --speed")
+    if args.synthetic == "conversation":
+        try:
+            args.shape = conversation_shape(args)
+        except ValueError as e:
+            p.error(str(e))
     shape = (args.nodes, args.prefill, args.decode)
-    if any(x is not None for x in shape) and (None in shape or args.compare or args.target or args.rates):
+    if args.spill and (args.nodes is not None or args.compare or args.target or args.rates):
+        p.error("--spill starts its own one-node servers: no --nodes, --compare, --target or --rates")
+    if any(x is not None for x in shape) and not args.spill and (None in shape or args.compare or args.target
+                                                                 or args.rates):
         p.error("--nodes, --prefill and --decode go together (the cluster-wide prefix bench starts its "
                 "own servers), without --compare, --target or --rates")
     return args
@@ -264,10 +284,33 @@ def systems(args: argparse.Namespace, otlp_endpoint: str | None = None) -> list[
 def workloads(args: argparse.Namespace) -> list[tuple[float | None, Workload]]:
     """(rate, workload) per replay: one per --rates entry, else one (rate None for a trace)."""
     caps = Caps(args.max_input_tokens, args.max_output_tokens)
+    if args.synthetic == "conversation":
+        return [(None, trace_workload(conversation_file(args), args.speed, caps, args.max_requests))]
     if args.trace:
         return [(None, trace_workload(args.trace, args.speed, caps, args.max_requests))]
     rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
     return [(rate, chat_workload(rate, args.duration, args.seed, caps)) for rate in rates]
+
+
+def conversation_shape(args: argparse.Namespace) -> ConversationShape:
+    """The --sessions-per-s / --turns / --think-s of a conversation trace (ValueError: bad flag)."""
+    try:
+        turns = tuple(int(x) for x in args.turns.split(","))
+        lo, hi = (float(x) for x in args.think_s.split(","))
+    except ValueError:
+        raise ValueError(f"--turns takes counts like 1,2,3 and --think-s LO,HI; got {args.turns!r}, "
+                         f"{args.think_s!r}") from None
+    if args.requests < 1:
+        raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    return ConversationShape(args.sessions_per_s, turns, (lo, hi))
+
+
+def conversation_file(args: argparse.Namespace) -> Path:
+    """The generated trace, written to --save-trace (else a temporary file): a file, so the
+    replay is the same code path as --trace and the run can be replayed or simulated again."""
+    name = f"conversation-{args.requests}req-seed{args.seed}.jsonl"
+    path = Path(args.save_trace) if args.save_trace else Path(tempfile.mkdtemp(prefix="halfmoon-trace-")) / name
+    return write_trace(conversation_trace(args.requests, args.seed, args.shape), path)
 
 
 def run_system(system: System, plan: list[tuple[float | None, Workload]], opts: ReplayOptions,
@@ -536,7 +579,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return admission_bench.main(words)
     args = parse_args(argv)
-    if args.nodes is not None:
+    if args.nodes is not None or args.spill:
         from bench import prefix_bench
 
         return prefix_bench.run(args, argv)
@@ -586,7 +629,7 @@ def summary(args: argparse.Namespace, argv: Sequence[str] | None, plan: list[tup
 
 
 def _workload_name(args: argparse.Namespace, plan: list[tuple[float | None, Workload]]) -> str:
-    if args.trace:
+    if args.trace or args.synthetic == "conversation":
         return plan[0][1].name + f", {len(plan[0][1].requests)} requests"
     rates = ",".join(f"{rate:g}" for rate, _ in plan)
     return f"synthetic chat at {rates} req/s for {args.duration:g} s (seed {args.seed})"

@@ -1,6 +1,6 @@
 """`halfmoon bench sim`: how fast the simulator replays, against issue 20's targets.
 
-Three measurements on synthetic conversation traces in the Mooncake format (`conversation_trace`:
+Three measurements on synthetic conversation traces in the Mooncake format (sim/conversations.py:
 sessions opening on one of a few shared system prompts, each turn extending its conversation, so
 prefixes are reused as in the FAST'25 trace):
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import tempfile
 import time
@@ -26,42 +25,12 @@ from typing import Any
 
 from conductor.cost_model import CostModel
 from sim.cluster import SimConfig, simulate
+from sim.conversations import conversation_trace, write_trace
 from sim.sweep import Grid, sweep
-from sim.trace import HASH_BLOCK_TOKENS
 from sim.workload import load
 
 PROFILE = Path(__file__).resolve().parents[1] / "sim" / "profiles" / "llama3-8b-h100.json"
 TARGETS = {"shape_12k": 10.0, "shape_100k": 60.0, "sweep_16x12k": 120.0}
-
-
-def conversation_trace(n_requests: int, seed: int = 0, sessions_per_s: float = 2.0) -> list[dict[str, Any]]:
-    """Mooncake-format rows: Poisson session starts, 1-4 turns 5-30 s apart, each turn's prompt
-    = the conversation so far (its hash ids) + a new user message, on one of 4 system prompts."""
-    rng = random.Random(seed)
-    counter = iter(range(1 << 62))
-    systems = [[next(counter) for _ in range(rng.choice((1, 2)))] for _ in range(4)]
-    rows: list[dict[str, Any]] = []
-    t = 0.0
-    while len(rows) < n_requests:
-        t += rng.expovariate(sessions_per_s)
-        ids, length, at = list(rng.choice(systems)), 0, t
-        length = len(ids) * HASH_BLOCK_TOKENS
-        for _ in range(rng.choice((1, 1, 2, 3, 4))):
-            total = length + rng.randint(40, 600)
-            ids = ids[: length // HASH_BLOCK_TOKENS]
-            ids += [next(counter) for _ in range(-(-total // HASH_BLOCK_TOKENS) - len(ids))]
-            output = rng.randint(16, 160)
-            rows.append({"timestamp": int(at * 1000), "input_length": total, "output_length": output,
-                         "hash_ids": list(ids)})
-            length = total + output
-            at += rng.uniform(5, 30)
-    rows.sort(key=lambda r: r["timestamp"])
-    return rows[:n_requests]
-
-
-def write_trace(rows: Sequence[dict[str, Any]], path: Path) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def timed_shape(path: Path, cost: CostModel) -> dict[str, Any]:

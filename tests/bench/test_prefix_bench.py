@@ -1,14 +1,20 @@
-"""`halfmoon bench serve --nodes` (bench/prefix_bench.py): the node layout, the infinite-cache
-bound and the flags; the replay itself is run by the bench (docs/BENCHMARKS.md, issue 24) and
-its path end to end by tests/e2e/test_multinode.py."""
+"""`halfmoon bench serve --nodes` and `--spill` (bench/prefix_bench.py): the node layout, the
+infinite-cache bound, the counters read from /metrics, the conversation workload and the flags;
+the replay itself is run by the bench (docs/BENCHMARKS.md, issue 24) and its path end to end by
+tests/e2e/test_multinode.py."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.prefix_bench import Shape, infinite_cache_bound, system_args
-from bench.serve_bench import parse_args
+from prometheus_client import generate_latest
+
+from bench.prefix_bench import Shape, infinite_cache_bound, system_args, worker_counters
+from bench.serve_bench import parse_args, workloads
 from bench.workload import Request, Workload
+from conductor.backend import BackendStats, WorkerView
+from conductor.metrics import Metrics
+from core.messages import WorkerLoad
 
 
 def _workload(*prompts: list[int]) -> Workload:
@@ -31,6 +37,8 @@ def test_the_bound_counts_leading_blocks_seen_before_never_the_last_token() -> N
     assert bound["cached_tokens"] == 32 + 16
     assert bound["prompt_tokens"] == 35 + 34 + 32 + 40
     assert bound["hit_rate"] == pytest.approx(48 / 141)
+    # distinct full 16-token blocks (a partial block is never cached): the shared two, the fourth's two
+    assert bound["working_set_tokens"] == 16 * (2 + 2)
 
 
 def test_the_local_only_system_is_the_same_serve_without_remote_fetch() -> None:
@@ -47,3 +55,30 @@ def test_nodes_prefill_and_decode_go_together_and_alone() -> None:
     for bad in (["--nodes", "2"], ["--nodes", "2", "--prefill", "2", "--decode", "1", "--compare"]):
         with pytest.raises(SystemExit):
             parse_args(["--trace", "t.jsonl", *bad])
+
+
+def test_the_counters_come_from_the_conductors_own_metrics_page() -> None:
+    """The exposition the Conductor serves (labels sorted by prometheus_client), not a hand-written one."""
+    loads = {"prefill-0": WorkerLoad(True, 9, 1000, 1456, 0, host_blocks_used=5, host_blocks_total=50,
+                                     blocks_from_host=7, blocks_from_disk=2, blocks_fetched_remote=3),
+             "prefill-1": WorkerLoad(True, 9, 100, 728, 0, blocks_from_host=1, blocks_served_remote=4)}
+    views = tuple(WorkerView(wid, "prefill", True, 0, 0, load, 0.0) for wid, load in loads.items())
+    metrics = Metrics(lambda: BackendStats(0, 0, 0, 0, 0, workers=views))
+    counters = worker_counters(generate_latest(metrics.registry).decode())
+    assert counters == {"fetched": 3.0, "served": 4.0, "from_host": 8.0, "from_disk": 2.0, "device_blocks": 1456.0}
+
+
+def test_spill_runs_one_node_and_takes_a_generated_conversation_trace(tmp_path) -> None:
+    saved = tmp_path / "conv.jsonl"
+    args = parse_args(["--synthetic", "conversation", "--requests", "12", "--turns", "2,3", "--think-s", "1,2",
+                       "--spill", "--save-trace", str(saved)])
+    ((rate, workload),) = workloads(args)
+    assert rate is None and len(workload.requests) == 12 and saved.exists()
+    assert len(saved.read_text().splitlines()) == 12  # replayable with --trace or `halfmoon sim`
+    again = workloads(parse_args(["--trace", str(saved)]))[0][1]
+    assert [r.prompt_ids for r in again.requests] == [r.prompt_ids for r in workload.requests]
+    for bad in (["--spill", "--nodes", "2", "--prefill", "2", "--decode", "1"], ["--spill", "--compare"],
+                ["--synthetic", "conversation", "--think-s", "5"], ["--synthetic", "conversation", "--turns", "0"],
+                ["--synthetic", "conversation", "--rates", "1,2"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
