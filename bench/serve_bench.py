@@ -69,6 +69,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                           "trace of multi-turn sessions (sim/conversations.py), replayed as a trace")
     w.add_argument("--speed", type=float, default=1.0, help="trace: timestamps are divided by this")
     w.add_argument("--max-requests", type=int, default=None, help="trace: replay only the first N")
+    w.add_argument("--scale-tokens", type=int, default=512,
+                   help="trace: tokens per 512-token trace block (e.g. 64: prompts 1/8 as long, the same "
+                        "prefixes shared; a long trace on a CPU)")
     w.add_argument("--rate", type=float, default=1.0, help="synthetic: Poisson arrivals, req/s")
     w.add_argument("--rates", default=None, help="synthetic: a sweep, e.g. 0.5,1,2 (one replay each)")
     w.add_argument("--duration", type=float, default=60.0, help="synthetic: seconds of arrivals")
@@ -114,6 +117,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.compare and args.target:
         p.error("--compare starts both servers itself; it takes no --target")
+    if not 0 < args.scale_tokens <= 512:
+        p.error(f"--scale-tokens must be in 1..512, got {args.scale_tokens}")
     if (args.trace or args.synthetic == "conversation") and args.rates:
         p.error("--rates sweeps the synthetic chat workload; a trace is scaled with --speed")
     if args.synthetic == "conversation":
@@ -284,10 +289,9 @@ def systems(args: argparse.Namespace, otlp_endpoint: str | None = None) -> list[
 def workloads(args: argparse.Namespace) -> list[tuple[float | None, Workload]]:
     """(rate, workload) per replay: one per --rates entry, else one (rate None for a trace)."""
     caps = Caps(args.max_input_tokens, args.max_output_tokens)
-    if args.synthetic == "conversation":
-        return [(None, trace_workload(conversation_file(args), args.speed, caps, args.max_requests))]
-    if args.trace:
-        return [(None, trace_workload(args.trace, args.speed, caps, args.max_requests))]
+    if args.synthetic == "conversation" or args.trace:
+        path = conversation_file(args) if args.synthetic == "conversation" else args.trace
+        return [(None, trace_workload(path, args.speed, caps, args.max_requests, scale_tokens=args.scale_tokens))]
     rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
     return [(rate, chat_workload(rate, args.duration, args.seed, caps)) for rate in rates]
 

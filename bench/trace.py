@@ -49,8 +49,16 @@ def block_tokens(hash_id: int, vocab_size: int = DEFAULT_VOCAB_SIZE) -> np.ndarr
     return (z % np.uint64(vocab_size)).astype(np.uint32)
 
 
-def synthesize_tokens(request: TraceRequest, vocab_size: int = DEFAULT_VOCAB_SIZE) -> np.ndarray:
-    """The request's prompt: its hash ids' blocks concatenated, truncated to input_length."""
-    blocks = [block_tokens(h, vocab_size) for h in request.hash_ids]
+def synthesize_tokens(request: TraceRequest, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                      scale_tokens: int = HASH_BLOCK_TOKENS) -> np.ndarray:
+    """The request's prompt: its hash ids' blocks concatenated, truncated to input_length.
+
+    `scale_tokens` < 512 shrinks the trace: each hash id's block is its first `scale_tokens`
+    tokens and the prompt ceil(input_length * scale_tokens / 512) long, so requests share exactly
+    the prefixes they share in the trace at a fraction of the compute (a long trace on a CPU).
+    """
+    if not 0 < scale_tokens <= HASH_BLOCK_TOKENS:
+        raise ValueError(f"scale_tokens must be in 1..{HASH_BLOCK_TOKENS}, got {scale_tokens}")
+    blocks = [block_tokens(h, vocab_size)[:scale_tokens] for h in request.hash_ids]
     tokens = np.concatenate(blocks) if blocks else np.empty(0, dtype=np.uint32)
-    return tokens[: request.input_length]
+    return tokens[: -(-request.input_length * scale_tokens // HASH_BLOCK_TOKENS)]

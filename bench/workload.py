@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.trace import DEFAULT_VOCAB_SIZE, read_trace, synthesize_tokens
+from bench.trace import DEFAULT_VOCAB_SIZE, HASH_BLOCK_TOKENS, read_trace, synthesize_tokens
 
 MIN_TOKEN_ID = 100  # below this SmolLM2 keeps its special tokens; prompts never use them
 
@@ -85,9 +85,11 @@ class Caps:
 
 
 def trace_workload(path: str | Path, speed: float = 1.0, caps: Caps | None = None,
-                   max_requests: int | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Workload:
+                   max_requests: int | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
+                   scale_tokens: int = HASH_BLOCK_TOKENS) -> Workload:
     """The requests of a Mooncake trace, arriving at timestamp / speed (the trace's own clock,
-    so a trace starting at t=150 ms sends its first request 150 ms / speed in)."""
+    so a trace starting at t=150 ms sends its first request 150 ms / speed in); `scale_tokens`
+    tokens per trace block (bench.trace.synthesize_tokens: 512 = the trace as written)."""
     if not speed > 0:
         raise ValueError(f"speed must be > 0, got {speed}")
     caps = caps or Caps()
@@ -95,11 +97,12 @@ def trace_workload(path: str | Path, speed: float = 1.0, caps: Caps | None = Non
     for number, entry in enumerate(read_trace(path)):
         if max_requests is not None and number >= max_requests:
             break
-        prompt = synthesize_tokens(entry, vocab_size - MIN_TOKEN_ID) + MIN_TOKEN_ID
+        prompt = synthesize_tokens(entry, vocab_size - MIN_TOKEN_ID, scale_tokens) + MIN_TOKEN_ID
         requests.append(caps.apply(entry.timestamp / 1e3 / speed, prompt, entry.output_length))
     requests.sort(key=lambda r: r.arrival_s)  # stable: equal timestamps keep file order
     duration = requests[-1].arrival_s if requests else 0.0
-    return Workload(f"trace {Path(path).name} x{speed:g}", tuple(requests), duration)
+    scaled = "" if scale_tokens == HASH_BLOCK_TOKENS else f", {scale_tokens} tokens per trace block"
+    return Workload(f"trace {Path(path).name} x{speed:g}{scaled}", tuple(requests), duration)
 
 
 def chat_workload(rate: float, duration_s: float, seed: int = 0, caps: Caps | None = None,

@@ -83,6 +83,11 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
                                  labels=["worker", "tier"])
     served = CounterMetricFamily("halfmoon_worker_blocks_served", "KV blocks the worker's block server sent "
                                  "to other workers (their remote prefix hits).", labels=["worker"])
+    fetching = GaugeMetricFamily("halfmoon_worker_fetches_in_flight", "Remote prefix pulls the worker is "
+                                 "waiting on now (their requests are in the fetching state).", labels=["worker"])
+    fetch_failed = CounterMetricFamily("halfmoon_worker_fetch_failures", "Remote prefix pulls that failed (holder "
+                                       "gone, timeout, corrupt block): their prefixes were recomputed.",
+                                       labels=["worker"])
     for w in workers:
         up.add_metric([w.worker_id, w.role], float(w.alive))
         restarts.add_metric([w.worker_id], w.restarts)
@@ -101,12 +106,14 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
             blocks.add_metric([w.worker_id, tier, state], n)
         received.add_metric([w.worker_id], load.kv_bytes_received)
         served.add_metric([w.worker_id], load.blocks_served_remote)
+        fetching.add_metric([w.worker_id], load.fetches_in_flight)
+        fetch_failed.add_metric([w.worker_id], load.fetch_failures)
         prompt.add_metric([w.worker_id, "computed"], load.prompt_tokens_computed)
         prompt.add_metric([w.worker_id, "cached"], load.prompt_tokens_cached)
         for tier, n in (("host", load.blocks_from_host), ("disk", load.blocks_from_disk),
                         ("remote", load.blocks_fetched_remote)):
             prefix.add_metric([w.worker_id, tier], n)
-    yield from (up, restarts, running, steps, blocks, received, prompt, prefix, served)
+    yield from (up, restarts, running, steps, blocks, received, prompt, prefix, served, fetching, fetch_failed)
 
 
 def _index_metrics(health: Mapping[str, tuple[float, int]]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

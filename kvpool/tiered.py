@@ -6,6 +6,11 @@
 
 A block's bytes are `kv_cache[:, :, b]` ([layers, 2, block_size, kv_heads, head_dim]) made
 contiguous: the same bytes on every tier, keyed by the block's chained hash.
+
+Spills and cluster-index announcements are written behind (kvpool/write_behind.py): the engine
+thread copies an evicted block's bytes to a staging row and goes on; one thread of its own puts
+them in the host arena (or disk) and tells the index, in the order the engine queued them.
+Promotion stays on the engine thread: the request needs the blocks before its step.
 """
 
 from __future__ import annotations
@@ -25,8 +30,26 @@ from kvpool.host_tier import HostArena
 from kvpool.remote import RemoteBlockReader
 from kvpool.tier_base import EvictedBlocks
 from kvpool.tiers import Tier
+from kvpool.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Spill:
+    """Evicted device blocks on their way down: `rows[i]` (a staged copy) holds `hashes[i]`."""
+
+    hashes: list[bytes]
+    rows: torch.Tensor
+
+
+@dataclass(slots=True)
+class _Announce:
+    """A cluster-index call: `index.<verb>(hashes, *tiers)`."""
+
+    verb: str
+    hashes: list[bytes]
+    tiers: tuple[Tier, ...]
 
 
 @dataclass(slots=True)
@@ -75,7 +98,9 @@ class KVTiers:
 
     def __init__(self, kv_cache: torch.Tensor, pool: BlockPool, host: HostArena | None,
                  disk: DiskTier | None, index: ClusterIndex | None = None,
-                 remote: RemoteBlockReader | None = None) -> None:
+                 remote: RemoteBlockReader | None = None, write_behind: bool = True) -> None:
+        """`write_behind`: spills and index announcements on a thread of their own (module doc);
+        False applies them on the caller's thread at once (tests of exact tier states)."""
         self.kv_cache = kv_cache
         self.block_bytes = kv_block_bytes(kv_cache)
         for tier in (host, disk):
@@ -86,6 +111,7 @@ class KVTiers:
         self.index, self.remote = index, remote
         self.traffic = TierTraffic()
         self._puller: ThreadPoolExecutor | None = None  # remote pulls, off the engine thread
+        self._writer = WriteBehind(self._apply) if write_behind and (host or disk or index) else None
         pool.on_evict = self._demote_device_block
         if host is not None and disk is not None:
             host.on_evict = self._demote_host_blocks
@@ -108,18 +134,46 @@ class KVTiers:
     # ------------------------------------------------------------ demotion
 
     def _demote_device_block(self, block_id: int, block_hash: bytes) -> None:
-        """BlockPool.on_evict: the block's bytes are still intact; keep them one tier down."""
-        data = self.read_blocks([block_id])
-        target = self.host if self.host is not None else self.disk
-        stored = target is not None and target.put([block_hash], data).stored[0]
-        if stored and target is self.host:
-            self.traffic.demoted_to_host += 1
-            self._announce("move", [block_hash], Tier.DEVICE, Tier.HOST)
-        elif stored:
-            self.traffic.demoted_to_disk += 1
-            self._announce("move", [block_hash], Tier.DEVICE, Tier.DISK)
-        else:
+        """BlockPool.on_evict: the block's bytes are intact only until the engine reuses the
+        block, so they are copied now; the put one tier down is written behind."""
+        if self.host is None and self.disk is None:
             self._announce("remove", [block_hash], Tier.DEVICE)
+            return
+        spill = _Spill([block_hash], self.read_blocks([block_id]))
+        if self._writer is None:
+            self._spill(spill)
+        else:
+            self._writer.submit(spill, staged_blocks=1)
+
+    def _spill(self, spill: _Spill) -> None:
+        """Put evicted blocks in the host arena (else the disk tier) and tell the index."""
+        target = self.host if self.host is not None else self.disk
+        assert target is not None
+        stored = target.put(spill.hashes, spill.rows).stored
+        kept = [h for h, ok in zip(spill.hashes, stored) if ok]
+        if target is self.host:
+            self.traffic.demoted_to_host += len(kept)
+        else:
+            self.traffic.demoted_to_disk += len(kept)
+        self._announce("move", kept, Tier.DEVICE, Tier.HOST if target is self.host else Tier.DISK)
+        self._announce("remove", [h for h, ok in zip(spill.hashes, stored) if not ok], Tier.DEVICE)
+
+    def _apply(self, ops: list[object]) -> None:
+        """The write-behind's batch, in order; runs of spills become one put, runs of the same
+        announcement one index call. A failing run is logged and skipped (cache misses later)."""
+        for run in _runs(ops):
+            try:
+                if isinstance(run[0], _Spill):
+                    self._spill(_Spill([h for op in run for h in op.hashes], torch.cat([op.rows for op in run])))
+                else:
+                    first = run[0]
+                    self._announce(first.verb, [h for op in run for h in op.hashes], *first.tiers)
+            except Exception:
+                log.exception("write-behind: %d %s ops failed; skipped", len(run), type(run[0]).__name__)
+
+    def flush(self, timeout_s: float | None = 30.0) -> bool:
+        """Wait for the spills and announcements queued so far; False on timeout."""
+        return self._writer is None or self._writer.flush(timeout_s)
 
     def _demote_host_blocks(self, evicted: EvictedBlocks) -> None:
         """HostArena.on_evict: the views are valid only now, so the disk write is synchronous."""
@@ -139,7 +193,11 @@ class KVTiers:
 
     def _announce(self, verb: str, hashes: list[bytes], *tiers: Tier) -> None:
         # The index degrades by itself when Redis is down (logs once, counts, republishes later).
-        if self.index is not None and hashes:
+        if self.index is None or not hashes:
+            return
+        if self._writer is not None and not self._writer.on_thread():
+            self._writer.submit(_Announce(verb, list(hashes), tiers))
+        else:
             getattr(self.index, verb)(hashes, *tiers)
 
     def plan(self, usable: Sequence[bytes], device_hit: int, prefer: str | None = None) -> TierPlan:
@@ -188,7 +246,10 @@ class KVTiers:
         return TierPlan(lower, remote, None, pre.rows[offset : offset + remote])
 
     def close(self) -> None:
-        """Stop pulling: a pull in flight finishes on its own thread, its result unused."""
+        """Finish what is written behind, then stop pulling: a pull in flight finishes on its
+        own thread, its result unused."""
+        if self._writer is not None:
+            self._writer.close()
         if self._puller is not None:
             self._puller.shutdown(wait=False, cancel_futures=True)
 
@@ -281,3 +342,18 @@ class KVTiers:
             if not flag:
                 return i
         return len(flags)
+
+
+def _runs(ops: list[object]) -> list[list]:
+    """Consecutive ops of one kind: spills together, announcements of the same verb and tiers."""
+    runs: list[list] = []
+    for op in ops:
+        last = runs[-1][-1] if runs else None
+        same = (isinstance(op, _Spill) and isinstance(last, _Spill)) or (
+            isinstance(op, _Announce) and isinstance(last, _Announce)
+            and (op.verb, op.tiers) == (last.verb, last.tiers))
+        if same:
+            runs[-1].append(op)
+        else:
+            runs.append([op])
+    return runs

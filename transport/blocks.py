@@ -62,13 +62,20 @@ class BlockServer:
                  timeout: float = 30.0, faults: FaultInjector | None = None) -> None:
         self.serve, self.layout, self.block_bytes = serve, layout, block_bytes
         self.secret, self.timeout, self.faults = secret, timeout, faults
-        self.served_blocks = 0
+        self._served = 0
+        self._served_lock = threading.Lock()  # one thread per connection adds to it
         self._acceptor = Acceptor(backend.listen(host, port), self._serve_channel, "kv-block-server")
         self.address = self._acceptor.address
 
     def start(self) -> BlockServer:
         self._acceptor.start()
         return self
+
+    @property
+    def served_blocks(self) -> int:
+        """Blocks sent to clients since start (all connections)."""
+        with self._served_lock:
+            return self._served
 
     def close(self) -> None:
         self._acceptor.close()
@@ -93,7 +100,8 @@ class BlockServer:
         finish = post_payload(channel, head, views, self.timeout, corrupt)
         if finish is not None:
             finish(self.timeout)
-        self.served_blocks += n
+        with self._served_lock:
+            self._served += n
 
 
 class BlockClient:

@@ -82,3 +82,21 @@ def test_spill_runs_one_node_and_takes_a_generated_conversation_trace(tmp_path) 
                 ["--synthetic", "conversation", "--rates", "1,2"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_a_scaled_trace_shares_the_same_prefixes_at_a_fraction_of_the_tokens(tmp_path) -> None:
+    saved = tmp_path / "conv.jsonl"
+    full = workloads(parse_args(["--synthetic", "conversation", "--requests", "40", "--save-trace", str(saved)]))[0][1]
+    small = workloads(parse_args(["--trace", str(saved), "--scale-tokens", "64"]))[0][1]
+    for a, b in zip(full.requests, small.requests, strict=True):
+        assert len(b.prompt_ids) == -(-len(a.prompt_ids) * 64 // 512)
+    # the same requests share a prefix, of 1/8 the length (to a block)
+    for (a1, a2), (b1, b2) in zip(zip(full.requests, full.requests[1:]), zip(small.requests, small.requests[1:])):
+        shared = next((i for i, (x, y) in enumerate(zip(a1.prompt_ids, a2.prompt_ids)) if x != y),
+                      min(len(a1.prompt_ids), len(a2.prompt_ids)))
+        scaled = next((i for i, (x, y) in enumerate(zip(b1.prompt_ids, b2.prompt_ids)) if x != y),
+                      min(len(b1.prompt_ids), len(b2.prompt_ids)))
+        assert scaled // 64 == shared // 512
+    assert "64 tokens per trace block" in small.name
+    with pytest.raises(SystemExit):
+        parse_args(["--trace", str(saved), "--scale-tokens", "0"])

@@ -38,6 +38,7 @@ def pair(make_engine, redis: EmbeddedRedis) -> Iterator[tuple[Engine, Engine]]:
 def serve(engine: Engine, ids: list[int]) -> tuple[list[int], int]:
     before = engine.scheduler.stats.prompt_tokens_computed
     out = engine.generate([ids], PARAMS, cache_salt="cluster")[0].output_ids
+    assert engine.tiers.flush(30)  # its index announcements are written behind
     return out, engine.scheduler.stats.prompt_tokens_computed - before
 
 

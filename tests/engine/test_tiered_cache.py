@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ def serve(engine: Engine, ids: list[int]) -> tuple[list[int], int, int]:
     stats = engine.scheduler.stats
     computed, promoted = stats.prompt_tokens_computed, stats.prompt_tokens_promoted
     out = engine.generate([ids], PARAMS, cache_salt="tiers")[0].output_ids
+    assert engine.tiers.flush(30), "the write-behind did not drain"  # spills and index calls landed
     return out, stats.prompt_tokens_computed - computed, stats.prompt_tokens_promoted - promoted
 
 
@@ -32,6 +34,7 @@ def flood(engine: Engine, n: int) -> None:
     """Serve unrelated prompts until the device cache has recycled every block."""
     for i in range(n):
         engine.generate([[2000 + 97 * i + j for j in range(100)]], PARAMS, cache_salt=f"flood-{i}")
+    assert engine.tiers.flush(30), "the write-behind did not drain"
 
 
 def prompt(engine: Engine) -> list[int]:
@@ -61,6 +64,36 @@ def test_evicted_prefix_hits_in_host_and_matches_a_cold_run(tiered: Engine) -> N
     assert warm == cold
     assert tiered.tiers.traffic.promoted_from_host == 5
     tiered.pool.check_integrity()
+    tiered.tiers.host.check_integrity()
+
+
+@pytest.mark.parametrize("tiered", [(64, 0)], indirect=True)
+def test_the_engine_thread_does_not_wait_for_the_spill(tiered: Engine) -> None:
+    """Issue 24, write-back off the hot path: with the host arena's puts held, the engine still
+    serves and evicts; the spills land once the puts go through, and then hit."""
+    ids = prompt(tiered)
+    cold, _, _ = serve(tiered, ids)
+    host, gate, entered = tiered.tiers.host, threading.Event(), threading.Event()
+    put = host.put
+
+    def held_put(*args, **kwargs):
+        entered.set()
+        assert gate.wait(60), "never released"
+        return put(*args, **kwargs)
+
+    host.put = held_put
+    try:
+        for i in range(4):  # as flood(), without its flush
+            tiered.generate([[2000 + 97 * i + j for j in range(100)]], PARAMS, cache_salt=f"flood-{i}")
+        assert entered.is_set() and tiered.tiers.traffic.demoted_to_host == 0  # evicted, not yet put
+        assert tiered.pool.get_computed_blocks(_hashes(tiered, ids)) == []
+    finally:
+        gate.set()
+        host.__dict__.pop("put", None)
+    assert tiered.tiers.flush(30)
+    assert tiered.tiers.traffic.demoted_to_host > 0
+    warm, computed, promoted = serve(tiered, ids)
+    assert (warm, promoted, computed) == (cold, 5 * 16, len(ids) - 5 * 16)
     tiered.tiers.host.check_integrity()
 
 
