@@ -42,7 +42,7 @@ from typing import Any
 from bench.ray_nodes import LocalRayNodes
 from bench.report import Progress, machine_info, utc_now
 from bench.serve_bench import ReplayOptions, System, replay, serving, workloads
-from bench.serve_metrics import Slo, summarize
+from bench.serve_metrics import Slo, request_rows, summarize
 from bench.workload import Workload
 from kvpool.block_hash import block_hashes, root_hash
 
@@ -149,7 +149,7 @@ def run_one(name: str, serve_args: str, workload: Workload, opts: ReplayOptions,
             "blocks_fetched_remote": counters["fetched"], "blocks_served_remote": counters["served"],
             "blocks_from_host": counters["from_host"], "blocks_from_disk": counters["from_disk"],
             "device_tier_tokens": counters["device_blocks"] * BLOCK_SIZE,
-            "ttft_ms": metrics["ttft_ms"], "metrics": metrics}
+            "ttft_ms": metrics["ttft_ms"], "metrics": metrics, "requests": request_rows(records)}
 
 
 def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
@@ -171,6 +171,7 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             serve_args = system_args(args.cluster_args, nodes.address, shape, local)
             runs.append(run_one(name, serve_args, workload, replace(opts, label=name), log_dir, say))
     result = summary(args, argv, shape, workload, bound, runs)
+    (log_dir / "prefix_bench.json").write_text(json.dumps({**result, "runs": runs}, indent=1, default=str))
     print(json.dumps(result) if args.json else render(result))
     return 0 if all(r["errors"] == 0 and r["completed"] > 0 for r in runs) else 1
 
@@ -205,7 +206,7 @@ def spill_summary(args: argparse.Namespace, argv: Sequence[str] | None, workload
             "machine": machine_info(1), "workload": workload.summary(), "infinite_cache_bound": bound,
             "device_tier_tokens": device_tokens,
             "working_set_over_device_tier": _ratio(bound["working_set_tokens"], device_tokens),
-            "systems": {r["system"]: {k: v for k, v in r.items() if k != "metrics"} for r in runs},
+            "systems": {r["system"]: {k: v for k, v in r.items() if k not in ("metrics", "requests")} for r in runs},
             "default_tiers_vs_bound": _ratio(by[DEFAULT_TIERS]["prefix_hit_rate"], limit),
             "device_only_vs_bound": _ratio(by[DEVICE_ONLY]["prefix_hit_rate"], limit), "spill_target": SPILL_TARGET,
             "ttft_p50_default_over_device_only": _ratio(by[DEFAULT_TIERS]["ttft_ms"]["p50"],
@@ -244,7 +245,7 @@ def summary(args: argparse.Namespace, argv: Sequence[str] | None, shape: Shape, 
             "shape": {"nodes": shape.nodes, "prefill": shape.prefill, "decode": shape.decode,
                       "node_resources": shape.resources()},
             "infinite_cache_bound": bound,
-            "systems": {r["system"]: {k: v for k, v in r.items() if k != "metrics"} for r in runs},
+            "systems": {r["system"]: {k: v for k, v in r.items() if k not in ("metrics", "requests")} for r in runs},
             "cluster_wide_vs_bound": _ratio(wide["prefix_hit_rate"], limit), "bound_target": BOUND_TARGET,
             "local_only_vs_bound": _ratio(local["prefix_hit_rate"], limit),
             "ttft_p50_cluster_wide_over_local_only": _ratio(wide["ttft_ms"]["p50"], local["ttft_ms"]["p50"]),

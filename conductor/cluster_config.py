@@ -42,6 +42,9 @@ class ClusterConfig:
     prefill_resource: the Ray custom resource a prefill worker's actor asks one unit of: it lands
         only on Ray nodes that advertise it (`ray start --resources='{"prefill": 1}'`).
     decode_resource: the same for a decode worker (the embedded Ray advertises both).
+    ray_wait_s: how long a joined Ray cluster may take to advertise one unit of each role's
+        resource per worker (worker pods start in any order) before `serve` exits naming what
+        is missing.
     """
 
     prefill: int = 1
@@ -62,10 +65,11 @@ class ClusterConfig:
     migration_stall_s: float = 30.0
     prefill_resource: str = "prefill"
     decode_resource: str = "decode"
+    ray_wait_s: float = 300.0
 
     def __post_init__(self) -> None:
         check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",
-                       "migration_stall_s")
+                       "migration_stall_s", "ray_wait_s")
         if self.migration_attempts < 0:
             raise ConfigError(f"migration_attempts must be >= 0, got {self.migration_attempts}")
         for name in ("prefill_resource", "decode_resource"):

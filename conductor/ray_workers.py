@@ -35,7 +35,6 @@ log = logging.getLogger(__name__)
 
 NAMESPACE = "halfmoon"
 NODE_ID_CHARS = 12  # of Ray's 56 hex digits: the node's name in the index and the worker's load
-RESOURCE_WAIT_S = 300.0  # a joined cluster's worker nodes may come up after the head (pods)
 RESOURCE_POLL_S = 1.0
 RAY_START_ATTEMPTS = 3  # CI saw Ray's GCS and raylet miss their own 30 s start-up waits
 
@@ -126,7 +125,7 @@ class RayWorkers(WorkerGroup):
         import ray
 
         self.init_ray()
-        self.await_resources()
+        self.await_resources(self.config.ray_wait_s)
         for spec in self.config.specs(redis_url):
             handle = self._actor(spec)
             api = RayPrefill(spec.worker_id, handle) if spec.role == "prefill" else RayDecode(spec.worker_id, handle)
@@ -150,7 +149,7 @@ class RayWorkers(WorkerGroup):
         self._start_embedded_ray()
         self._owns_ray = True
 
-    def await_resources(self, timeout_s: float = RESOURCE_WAIT_S) -> None:
+    def await_resources(self, timeout_s: float) -> None:
         """Wait until the cluster advertises each role's resource once per worker of the role
         (worker nodes may join after the head: pods start in any order); past `timeout_s`,
         `ConfigError` naming what is missing (the actors would wait for nodes forever)."""
