@@ -127,13 +127,14 @@ class ModelRunner:
         The scheduler consumes the sampled tokens in its own order, so `logits_rows`/`sampled`
         follow `scheduled`, not the flat layout.
         """
-        if all(s.num_tokens == 1 for s in scheduled):
+        if all(s.num_tokens == 1 and s.sample for s in scheduled):
             return self._prepare_decodes(scheduled)
         return self._prepare_mixed(scheduled)
 
     def _prepare_decodes(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
-        """The all-decode step: one pass over the batch, every row sampled in scheduler order
-        (a decode always reaches the end of its known tokens)."""
+        """The all-decode step (one token each, every one sampled): one pass over the batch, flat
+        order = scheduler order. A one-token prompt chunk that samples nothing (the budget's
+        last token) takes the general path."""
         bs = self.block_size
         requests = [s.request for s in scheduled]
         positions = [r.num_computed_tokens for r in requests]
