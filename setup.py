@@ -1,12 +1,14 @@
 """Only the native part of the build; everything else is in pyproject.toml.
 
-Two small C extensions, each `optional`: without a C compiler and the Python headers the
+Three small C extensions, each `optional`: without a C compiler and the Python headers the
 install still succeeds and the module that would use one logs a warning at import:
 - kvpool._copysum (kvpool/_copysum.c): a fused copy + checksum of KV blocks; without it the
   tiers run on the slower numpy path.
 - transport._ucxspin (transport/_ucxspin.c): progresses the UCX worker without the GIL while
   transfers are in flight; without it the ucxx backend sleeps on the worker's event fd between
   fragments (about half the throughput).
+- kernels._paged_attn (kernels/_paged_attn.c): decode attention that reads the paged KV cache in
+  place; without it the torch backend gathers every request's blocks into a copy first (slower).
 """
 
 from setuptools import Extension, setup
@@ -16,4 +18,7 @@ setup(ext_modules=[
               optional=True),
     Extension("transport._ucxspin", ["transport/_ucxspin.c"],
               extra_compile_args=["-O2", "-std=gnu11"], optional=True),
+    Extension("kernels._paged_attn", ["kernels/_paged_attn.c"],
+              extra_compile_args=["-O3", "-std=gnu11", "-fopenmp"], extra_link_args=["-fopenmp"],
+              optional=True),
 ])

@@ -47,7 +47,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from bench.report import Figure, Progress, machine_info, render_table, utc_now
-from bench.step_profile import decode_step_profile
+from bench.step_profile import decode_step_profile, overhead_line
 from engine.config import EngineConfig, torch_dtype
 from engine import quality
 from engine.config import QUANTIZATIONS
@@ -401,6 +401,7 @@ def render_system(name: str, sec: dict[str, Any], dtype: str) -> list[str]:
                      f"{q['greedy_token_fraction']:.0%} of {q['greedy_tokens']}-token continuations")
     lines.append("where a batch-1 decode step goes (ms, torch profiler): " + ", ".join(
         f"{key} {v:.2f}" for key, v in sec["decode_step_profile_ms"].items()))
+    lines.append(overhead_line(sec["decode_step_profile_ms"]))
     return [*lines, ""]
 
 

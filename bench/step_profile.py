@@ -1,25 +1,42 @@
 """Where one decode step's time goes: torch profiler over real engine steps, ops grouped.
 
-Used by `halfmoon bench engine` to back the roofline line with a breakdown.
+Used by `halfmoon bench engine` to back the roofline line with a breakdown. Two passes over the
+same request's decode steps:
+
+    unprofiled:  | step wall                                                              |
+                 | outside the forward (scheduler, runner, sampler, detokenizer) | forward |
+    profiled:    ops by category (torch profiler self time, the native attention call included)
+
+`python + scheduling` = unprofiled step wall - the profiled ops: the Python glue between ops,
+torch's dispatch and everything outside the forward. The profiler records every op and its
+nested ops, and part of that cost lands in the ops' self time, so this figure is a lower bound
+(0 when the inflation exceeds it, as it does for bf16 on an AVX2 CPU); `python + scheduling
+(profiled)` = profiled wall - ops is the upper bound (the figure this line used to print).
+`per-step overhead (outside the forward)` is measured directly, without the profiler: step wall
+minus the forward's wall (the runner times its forward): scheduler, runner inputs, sampler,
+detokenizer. That one is held against the issue-23 target of < 1 ms.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import defaultdict
 
 from torch.profiler import ProfilerActivity, profile
 
-from engine.engine import Engine
 from core.params import SamplingParams
+from engine.engine import Engine
 
 # Op name fragments -> category; the first match wins.
 CATEGORIES = (
-    ("linear (weights)", ("linear", "mm", "addmm", "matmul")),
-    ("attention kernel", ("scaled_dot_product", "flash_attention")),
+    ("linear (weights)", ("linear", "mm", "addmm", "matmul", "weight_int")),
+    ("attention kernel", ("scaled_dot_product", "flash_attention", "paged_attention")),
     ("KV gather/scatter", ("index_select", "index_copy", "index")),
     ("norms/rope/act", ("rms_norm", "pow", "rsqrt", "mean", "silu", "addcmul", "flip", "mul", "add")),
 )
+# The issue-23 target for `python + scheduling` and for the per-step overhead (ms per step).
+OVERHEAD_TARGET_MS = 1.0
 
 
 def categorize(op_name: str) -> str:
@@ -30,21 +47,53 @@ def categorize(op_name: str) -> str:
 
 
 def decode_step_profile(engine: Engine, prompt: list[int], steps: int = 16) -> dict[str, float]:
-    """ms per decode step by category (plus `python + scheduling`: wall time no op accounts for)."""
-    engine.add_request(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True), request_id="profile")
-    while engine.scheduler.running == [] or engine.scheduler.running[0].num_output_tokens < 4:
-        engine.step()  # past prefill and the first decodes
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
+    """ms per batch-1 decode step: ops by category, `python + scheduling` (unprofiled wall minus
+    ops), `per-step overhead` (unprofiled wall minus forward), and the walls themselves."""
+    engine.add_request(prompt, SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True), request_id="profile")
+    try:
+        while engine.scheduler.running == [] or engine.scheduler.running[0].num_output_tokens < 4:
+            engine.step()  # past prefill and the first decodes
+        walls, forwards = _timed_steps(engine, steps)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            profiled_ms = (time.perf_counter() - start) * 1e3 / steps
+    finally:
+        engine.abort("profile")
+        while engine.has_unfinished():
             engine.step()
-        wall_ms = (time.perf_counter() - start) * 1e3 / steps
     per_step: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
         per_step[categorize(event.key)] += event.self_cpu_time_total / 1e3 / steps
-    engine.abort("profile")
-    while engine.has_unfinished():
-        engine.step()
-    per_step["python + scheduling"] = max(0.0, wall_ms - sum(per_step.values()))
-    per_step["step (wall, profiled)"] = wall_ms
+    wall_ms = statistics.median(walls)
+    ops_ms = sum(per_step.values())
+    per_step["python + scheduling"] = max(0.0, wall_ms - ops_ms)
+    per_step["python + scheduling (profiled)"] = max(0.0, profiled_ms - ops_ms)
+    per_step["per-step overhead (outside the forward)"] = statistics.median(
+        w - f for w, f in zip(walls, forwards))
+    per_step["step (wall)"] = wall_ms
+    per_step["step (wall, profiled)"] = profiled_ms
     return {k: round(v, 3) for k, v in per_step.items()}
+
+
+def _timed_steps(engine: Engine, steps: int) -> tuple[list[float], list[float]]:
+    """ms of each step's wall and of its forward pass, without the profiler."""
+    walls, forwards = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        walls.append((time.perf_counter() - start) * 1e3)
+        forwards.append(engine.runner.last_forward_s * 1e3)
+    return walls, forwards
+
+
+def overhead_line(profile_ms: dict[str, float]) -> str:
+    """The per-step overhead against the issue-23 target, for the bench's text output."""
+    outside = profile_ms["per-step overhead (outside the forward)"]
+    verdict = "met" if outside < OVERHEAD_TARGET_MS else "MISSED"
+    return (f"per-step overhead outside the forward (scheduler, runner inputs, sampler, detokenizer; "
+            f"no profiler): {outside:.2f} ms (target < {OVERHEAD_TARGET_MS:g} ms: {verdict}); python + "
+            f"scheduling incl. the glue between ops: {profile_ms['python + scheduling']:.2f} ms "
+            f"(unprofiled wall - ops) to {profile_ms['python + scheduling (profiled)']:.2f} ms "
+            f"(profiled wall - ops); step {profile_ms['step (wall)']:.2f} ms")

@@ -3,12 +3,20 @@
 Flat layout of a step (decodes first so they share one batched attention call):
 
     | d_0 | d_1 | ... | d_{B-1} | prefill chunk 0 ...... | prefill chunk 1 .. |
+
+A step's integer inputs (token ids, positions, KV slots, decode block tables and context lengths,
+logits rows) are filled into persistent host buffers (`StepBuffers`), never built as new tensors
+token by token; an all-decode step (the common one) fills them in one Python pass over the batch.
+The decode block tables remember which table each row holds and only append the blocks it
+gained, so a steady decode batch copies no block table at all.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from core.blocks import cdiv
@@ -31,6 +39,67 @@ class StepInputs:
         self.sampled = sampled
 
 
+class StepBuffers:
+    """Host int64 buffers reused by every step; they grow (never shrink) to the largest step.
+
+    Each buffer is a CPU tensor with a numpy view over the same memory (numpy fills from Python
+    lists faster than torch builds tensors). `device` is where the model runs: on CPU a step's
+    inputs are views of these buffers; elsewhere they are copied there once per step.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._tensors: dict[str, torch.Tensor] = {}
+        self._arrays: dict[str, np.ndarray] = {}
+        # Decode block tables: row i holds the first `_row_len[i]` entries of the list object
+        # `_row_table[i]` (a request's `block_table`). The scheduler only ever appends to a table
+        # or replaces the list (admission, preemption, a prefilled request), so the same object
+        # means those entries are still right. Entries past them are stale block ids: valid
+        # indices, never read past a request's ctx_len.
+        self._row_table: list[list[int] | None] = []
+        self._row_len: list[int] = []
+
+    def array(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """The numpy view of buffer `name`, grown to at least `shape` (contents kept on growth)."""
+        arr = self._arrays.get(name)
+        if arr is None or any(have < want for have, want in zip(arr.shape, shape)):
+            grown = tuple(max(want, 2 * have if arr is not None else want)
+                          for have, want in zip(arr.shape if arr is not None else shape, shape))
+            tensor = torch.zeros(grown, dtype=torch.int64, device="cpu")
+            new = tensor.numpy()
+            if arr is not None:
+                new[tuple(slice(0, n) for n in arr.shape)] = arr
+            self._tensors[name], self._arrays[name] = tensor, new
+            arr = new
+        return arr
+
+    def tensor(self, name: str, *sizes: int) -> torch.Tensor:
+        """The first `sizes` of buffer `name` as a tensor on the model's device."""
+        view = self._tensors[name][tuple(slice(0, n) for n in sizes)]
+        return view if self.device.type == "cpu" else view.to(self.device)
+
+    def fill(self, name: str, values: list[int]) -> torch.Tensor:
+        self.array(name, (len(values),))[: len(values)] = values
+        return self.tensor(name, len(values))
+
+    def decode_tables(self, requests: Sequence[Request], max_blocks: int) -> torch.Tensor:
+        """[len(requests), max_blocks] block tables: rows whose request is unchanged only get the
+        blocks appended since the last step."""
+        rows = self.array("tables", (len(requests), max_blocks))
+        if len(self._row_table) < rows.shape[0]:
+            grow = rows.shape[0] - len(self._row_table)
+            self._row_table += [None] * grow
+            self._row_len += [0] * grow
+        for i, req in enumerate(requests):
+            table = req.block_table
+            n = min(len(table), rows.shape[1])
+            start = self._row_len[i] if self._row_table[i] is table else 0
+            if start < n:
+                rows[i, start:n] = table[start:n]
+            self._row_table[i], self._row_len[i] = table, max(n, start)
+        return self.tensor("tables", len(requests), max_blocks)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
         self.model = model
@@ -38,12 +107,16 @@ class ModelRunner:
         self.block_size = block_size
         self._offsets = torch.arange(block_size)
         self.layer_hook: LayerHook | None = None
+        self.buffers = StepBuffers(kv_cache.device)
+        self.last_forward_s = 0.0  # wall time of the last step's forward pass (for the profiler)
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> list[int]:
         """One forward pass over the batch; returns a token per request whose `sample` is set."""
         inputs = self.prepare(scheduled)
+        start = time.perf_counter()
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
                                     inputs.meta, inputs.logits_rows, self.layer_hook)
+        self.last_forward_s = time.perf_counter() - start
         if not inputs.sampled:
             return []
         return sample(logits, inputs.sampled)
@@ -54,13 +127,34 @@ class ModelRunner:
         The scheduler consumes the sampled tokens in its own order, so `logits_rows`/`sampled`
         follow `scheduled`, not the flat layout.
         """
+        if all(s.num_tokens == 1 and s.sample for s in scheduled):
+            return self._prepare_decodes(scheduled)
+        return self._prepare_mixed(scheduled)
+
+    def _prepare_decodes(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
+        """The all-decode step (one token each, every one sampled): one pass over the batch, flat
+        order = scheduler order. A one-token prompt chunk that samples nothing (the budget's
+        last token) takes the general path."""
+        bs = self.block_size
+        requests = [s.request for s in scheduled]
+        positions = [r.num_computed_tokens for r in requests]
+        ids = [r.token_ids[p] for r, p in zip(requests, positions)]
+        slots = [r.block_table[p // bs] * bs + p % bs for r, p in zip(requests, positions)]
+        b = len(requests)
+        buf = self.buffers
+        decode = self._decode_batch(requests, [p + 1 for p in positions])
+        meta = AttentionMetadata(slot_mapping=buf.fill("slots", slots), decode=decode, prefills=[], num_tokens=b)
+        rows = buf.fill("rows", list(range(b)))
+        return StepInputs(buf.fill("ids", ids), buf.fill("positions", positions), meta, rows, requests)
+
+    def _prepare_mixed(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
         decodes = [s for s in scheduled if s.num_tokens == 1]
         prefills = [s for s in scheduled if s.num_tokens > 1]
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         last_row: dict[str, int] = {}
-        # Each block table becomes a tensor once per step; slots and attention metadata share it.
+        # Each block table becomes a tensor once per step; slots and prefill metadata share it.
         tables = {s.request.request_id: torch.tensor(s.request.block_table) for s in scheduled}
         for s in decodes + prefills:
             start = s.request.num_computed_tokens
@@ -71,9 +165,13 @@ class ModelRunner:
             last_row[s.request.request_id] = len(ids) - 1
         sampled = [s.request for s in scheduled if s.sample]
         rows = [last_row[r.request_id] for r in sampled]
+        decode = None
+        if decodes:
+            decode = self._decode_batch([s.request for s in decodes],
+                                        [s.request.num_computed_tokens + 1 for s in decodes])
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots),
-            decode=self._decode_batch(decodes, tables) if decodes else None,
+            decode=decode,
             prefills=self._prefill_segments(prefills, len(decodes), tables),
             num_tokens=len(ids),
         )
@@ -85,19 +183,16 @@ class ModelRunner:
         all_slots = (table.unsqueeze(1) * self.block_size + self._offsets).flatten()
         return all_slots[start:end]
 
-    def _decode_batch(self, decodes: list[ScheduledRequest], tables: dict[str, torch.Tensor]) -> DecodeBatch:
-        ctx = [s.request.num_computed_tokens + 1 for s in decodes]
+    def _decode_batch(self, requests: list[Request], ctx: list[int]) -> DecodeBatch:
         max_ctx = max(ctx)
-        max_blocks = cdiv(max_ctx, self.block_size)
-        padded = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
-        for i, s in enumerate(decodes):
-            table = tables[s.request.request_id][:max_blocks]
-            padded[i, : len(table)] = table
-        lengths = torch.tensor(ctx)
+        buf = self.buffers
+        tables = buf.decode_tables(requests, cdiv(max_ctx, self.block_size))
+        lengths = buf.fill("ctx_lens", ctx)
         mask = None
         if min(ctx) != max_ctx:
-            mask = (torch.arange(max_ctx).unsqueeze(0) < lengths.unsqueeze(1)).view(len(decodes), 1, 1, max_ctx)
-        return DecodeBatch(len(decodes), padded, lengths, max_ctx, mask)
+            mask = (torch.arange(max_ctx, device=lengths.device).unsqueeze(0)
+                    < lengths.unsqueeze(1)).view(len(requests), 1, 1, max_ctx)
+        return DecodeBatch(len(requests), tables, lengths, max_ctx, mask)
 
     def _prefill_segments(self, prefills: list[ScheduledRequest], q_start: int,
                           tables: dict[str, torch.Tensor]) -> list[PrefillSegment]:

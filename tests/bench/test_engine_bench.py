@@ -113,6 +113,12 @@ def test_quick_json_report_is_complete_and_consistent(capsys: pytest.CaptureFixt
     fraction = roof["weights_gbps"] / roof["copy_bandwidth_gbps"]
     assert math.isclose(roof["fraction"], fraction, rel_tol=2e-3)
 
+    prof = report["decode_step_profile_ms"]
+    assert {"linear (weights)", "attention kernel", "python + scheduling", "python + scheduling (profiled)",
+            "per-step overhead (outside the forward)", "step (wall)", "step (wall, profiled)"} <= prof.keys()
+    assert 0 < prof["per-step overhead (outside the forward)"] < prof["step (wall)"]
+    assert prof["python + scheduling"] <= prof["step (wall)"]
+
     checks = report["checks"]
     assert checks["w1_output_tokens"] == QUICK.w1_output and checks["w2_rows"] == QUICK.w2_batch
     assert 0 <= checks["w1_matching_prefix"] <= QUICK.w1_output

@@ -1,0 +1,274 @@
+/*
+ * kernels._paged_attn: decode attention that reads the paged KV cache in place.
+ *
+ * The torch backend's decode path gathers every request's K/V blocks into a contiguous copy
+ * (`index_select`) and then runs SDPA over the copy: the whole context is read twice and written
+ * once per layer. Here each (request, KV head) walks its block table and reads K/V where they
+ * lie, with an online softmax over chunks of tokens (flash-decoding without the split):
+ *
+ *     for each chunk of <= CHUNK tokens inside one block:
+ *         s[g][t] = scale * q_g . k_t            (the query heads g sharing this KV head)
+ *         m' = max(m, max_t s);  acc *= e^(m - m');  l *= e^(m - m')
+ *         p = e^(s - m');  l += sum_t p;  acc += sum_t p[t] v_t
+ *     out_g = acc_g / l_g
+ *
+ * Accumulation is fp32 whatever the cache dtype (fp32 or bf16, converted on load). The query
+ * heads that share a KV head are adjacent (head = kv_head * group + g), as in HF's GQA layout.
+ *
+ *   decode(q, q_row_stride, kv, tables, table_stride, ctx_lens, out, out_row_stride,
+ *          num_seqs, heads, kv_heads, head_dim, num_blocks, block_size, bf16, scale, threads)
+ *       q, kv, tables, ctx_lens, out: addresses (tensor.data_ptr()). q rows [heads, head_dim]
+ *       at q + i * q_row_stride elements; kv: one layer's cache, contiguous
+ *       [2, num_blocks, block_size, kv_heads, head_dim]; tables: int64 [num_seqs, table_stride];
+ *       ctx_lens: int64 [num_seqs] (>= 1); out rows [heads * head_dim] at out + i *
+ *       out_row_stride. bf16: q, kv and out are bfloat16 (else float32). The GIL is released;
+ *       work items (request, KV head) are spread over `threads` OpenMP threads (torch's pool)
+ *       when there is enough of it.
+ *
+ * AVX-512, or AVX2 + FMA, when the CPU has them (the same C compiled for each and chosen at
+ * import); plain C otherwise.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 16
+#define CHUNK 32
+/* Below this many context tokens in the whole batch one thread is faster than a fork/join. */
+#define PARALLEL_MIN_TOKENS 2048
+
+typedef struct {
+    const char *q;
+    int64_t q_row_stride;
+    const char *kv;
+    const int64_t *tables;
+    int64_t table_stride;
+    const int64_t *ctx_lens;
+    char *out;
+    int64_t out_row_stride;
+    int64_t num_seqs, heads, kv_heads, head_dim, num_blocks, block_size;
+    int bf16;
+    float scale;
+} Args;
+
+static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)h << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* quiet NaN */
+    c.u += 0x7fffu + ((c.u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(c.u >> 16);
+}
+
+/* e^x for x <= 0 (scores minus their running max), vectorizable: Cephes' expf polynomial after
+ * x = n ln2 + r, |r| <= ln2 / 2 (relative error ~2e-7); e^x = 0 below -87 (and for -inf). */
+static inline __attribute__((always_inline)) float exp_nonpos(float x) {
+    const float c = x < -87.0f ? -87.0f : x;
+    const float n = floorf(c * 1.44269504088896341f + 0.5f);
+    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    const float y = p * r * r + r + 1.0f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return x < -87.0f ? 0.0f : y * scale.f;
+}
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < n; d++) s += a[d] * b[d];
+    return s;
+}
+
+INLINE void axpy(float *restrict y, float p, const float *restrict x, int64_t n) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) y[d] += p * x[d];
+}
+
+INLINE void scale_row(float *restrict y, float alpha, int64_t n) {
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) y[d] *= alpha;
+}
+
+/* One token's K or V row of one KV head as fp32: where it lies (fp32), or converted into `row`
+ * (bf16; once per token, then reused by every query head of the group). */
+INLINE const float *load_row(float *restrict row, const char *kv, int64_t off, int bf16, int64_t n) {
+    if (!bf16) return (const float *)kv + off;
+    const uint16_t *restrict src = (const uint16_t *)kv + off;
+#pragma omp simd
+    for (int64_t d = 0; d < n; d++) row[d] = bf16_to_f32(src[d]);
+    return row;
+}
+
+/* Online softmax over one chunk's scores s[0..n) of one query head: rescales acc and l. */
+INLINE void softmax_chunk(float *restrict s, int64_t n, float *m, float *l, float *restrict acc,
+                          int64_t hd) {
+    float mx = *m;
+    for (int64_t t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    const float alpha = exp_nonpos(*m - mx); /* 0 on the first chunk (m = -inf) */
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; t++) {
+        s[t] = exp_nonpos(s[t] - mx);
+        sum += s[t];
+    }
+    *l = *l * alpha + sum;
+    *m = mx;
+    scale_row(acc, alpha, hd);
+}
+
+/* One (request, KV head) with head_dim `hd` (a constant where the wrappers below inline it). */
+INLINE void item_body(const Args *a, int64_t seq, int64_t kvh, const int64_t hd) {
+    const int64_t group = a->heads / a->kv_heads, bs = a->block_size;
+    const int64_t esz = a->bf16 ? 2 : 4, tok_stride = a->kv_heads * hd;
+    const int64_t half = a->num_blocks * bs * tok_stride; /* elements of K (then V) */
+    float q[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float s[MAX_GROUP][CHUNK], m[MAX_GROUP], l[MAX_GROUP];
+    float row[MAX_HEAD_DIM] __attribute__((aligned(64)));
+    const char *qrow = a->q + (seq * a->q_row_stride + kvh * group * hd) * esz;
+    for (int64_t g = 0; g < group; g++) {
+        const float *src = load_row(q[g], qrow, g * hd, a->bf16, hd);
+        for (int64_t d = 0; d < hd; d++) q[g][d] = a->scale * src[d];
+        memset(acc[g], 0, (size_t)hd * sizeof(float));
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int64_t ctx = a->ctx_lens[seq];
+    const int64_t *table = a->tables + seq * a->table_stride;
+    for (int64_t t0 = 0; t0 < ctx;) {
+        const int64_t block = table[t0 / bs], in_block = t0 % bs;
+        int64_t n = bs - in_block;
+        if (n > CHUNK) n = CHUNK;
+        if (n > ctx - t0) n = ctx - t0;
+        const int64_t first = (block * bs + in_block) * tok_stride + kvh * hd;
+        for (int64_t t = 0; t < n; t++) {
+            const float *k = load_row(row, a->kv, first + t * tok_stride, a->bf16, hd);
+            for (int64_t g = 0; g < group; g++) s[g][t] = dot(q[g], k, hd);
+        }
+        for (int64_t g = 0; g < group; g++) softmax_chunk(s[g], n, &m[g], &l[g], acc[g], hd);
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = load_row(row, a->kv, half + first + t * tok_stride, a->bf16, hd);
+            for (int64_t g = 0; g < group; g++) axpy(acc[g], s[g][t], v, hd);
+        }
+        t0 += n;
+    }
+    char *orow = a->out + (seq * a->out_row_stride + kvh * group * hd) * esz;
+    for (int64_t g = 0; g < group; g++) {
+        scale_row(acc[g], 1.0f / l[g], hd);
+        if (a->bf16) {
+            for (int64_t d = 0; d < hd; d++) ((uint16_t *)orow)[g * hd + d] = f32_to_bf16(acc[g][d]);
+        } else {
+            memcpy((float *)orow + g * hd, acc[g], (size_t)hd * sizeof(float));
+        }
+    }
+}
+
+/* The body compiled once per instruction set, head_dim 64 and 128 (most models) specialised. */
+#define KERNEL(NAME, ATTR)                                                                      \
+    ATTR static void NAME(const Args *a, int64_t seq, int64_t kvh) {                            \
+        if (a->head_dim == 64) item_body(a, seq, kvh, 64);                                      \
+        else if (a->head_dim == 128) item_body(a, seq, kvh, 128);                               \
+        else item_body(a, seq, kvh, a->head_dim);                                               \
+    }
+
+typedef void (*item_fn)(const Args *, int64_t, int64_t);
+
+KERNEL(item_plain, )
+#if defined(__x86_64__) && defined(__GNUC__)
+KERNEL(item_avx2, __attribute__((target("avx2,fma"))))
+KERNEL(item_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))))
+#endif
+
+static item_fn pick_kernel(const char **name) {
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl")) {
+        *name = "avx512";
+        return item_avx512;
+    }
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+        *name = "avx2";
+        return item_avx2;
+    }
+#endif
+    *name = "plain";
+    return item_plain;
+}
+
+static item_fn KERNEL_FN; /* chosen once at import, read-only afterwards */
+
+static void run_items(const Args *a, int threads) {
+    const int64_t items = a->num_seqs * a->kv_heads;
+    int64_t tokens = 0;
+    for (int64_t i = 0; i < a->num_seqs; i++) tokens += a->ctx_lens[i];
+    if (threads <= 1 || items < 2 || tokens < PARALLEL_MIN_TOKENS) {
+        for (int64_t i = 0; i < items; i++) KERNEL_FN(a, i / a->kv_heads, i % a->kv_heads);
+        return;
+    }
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t i = 0; i < items; i++) KERNEL_FN(a, i / a->kv_heads, i % a->kv_heads);
+}
+
+static PyObject *decode(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long q, kv, tables, ctx_lens, out;
+    long long q_row_stride, table_stride, out_row_stride, num_seqs, heads, kv_heads, head_dim,
+        num_blocks, block_size;
+    int bf16, threads;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KLKKLKKLLLLLLLpfi", &q, &q_row_stride, &kv, &tables,
+                          &table_stride, &ctx_lens, &out, &out_row_stride, &num_seqs, &heads,
+                          &kv_heads, &head_dim, &num_blocks, &block_size, &bf16, &scale, &threads))
+        return NULL;
+    if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP
+        || head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || num_seqs < 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "paged decode attention supports head_dim <= %d and <= %d query heads per "
+                     "KV head (got heads=%lld kv_heads=%lld head_dim=%lld block_size=%lld)",
+                     MAX_HEAD_DIM, MAX_GROUP, heads, kv_heads, head_dim, block_size);
+        return NULL;
+    }
+    Args a = {(const char *)(uintptr_t)q, q_row_stride, (const char *)(uintptr_t)kv,
+              (const int64_t *)(uintptr_t)tables, table_stride,
+              (const int64_t *)(uintptr_t)ctx_lens, (char *)(uintptr_t)out, out_row_stride,
+              num_seqs, heads, kv_heads, head_dim, num_blocks, block_size, bf16, scale};
+    Py_BEGIN_ALLOW_THREADS
+    run_items(&a, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"decode", decode, METH_VARARGS, "Paged decode attention over one layer's cache, in place."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_paged_attn", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__paged_attn(void) {
+    const char *isa;
+    KERNEL_FN = pick_kernel(&isa);
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddStringConstant(m, "ISA", isa) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
