@@ -36,6 +36,10 @@ TOP_KEYS = {"benchmark", "command", "date", "machine", "config", "workloads", "f
 
 # ---------------------------------------------------------------- pieces, no model
 
+# A decode-step profile as bench/step_profile.py returns it (ms).
+PROFILE = {"linear (weights)": 20.0, "python + scheduling": 1.0, "python + scheduling (profiled)": 3.0,
+           "per-step overhead (outside the forward)": 0.5, "step (wall)": 30.0, "step (wall, profiled)": 34.0}
+
 
 def test_synthetic_ids_are_deterministic_in_range_and_distinct_per_row() -> None:
     a = synthetic_ids(4, 64, 49152, seed=2)
@@ -139,7 +143,7 @@ def test_one_section_per_quantization_with_its_targets_and_quality() -> None:
                                  "greedy_prompts": 8, "greedy_token_fraction": 0.5, "greedy_tokens": 32}}
     res = Results({"halfmoon": measured(30.0), "halfmoon int4": measured(80.0)}, measured(20.0),
                   {"halfmoon": "none", "halfmoon int4": "int4"}, {"halfmoon": 538_000_000, "halfmoon int4": 95_000_000},
-                  20.0, {"halfmoon": {"step": 1.0}, "halfmoon int4": {"step": 1.0}}, quality)
+                  20.0, {"halfmoon": PROFILE, "halfmoon int4": PROFILE}, quality)
     report, sections = build_report(args, "cmd", QUICK, engine_config("float32", QUICK, 1, 2048), res)
     assert list(report["systems"]) == ["halfmoon", "halfmoon int4"]
     assert report["figures"] == report["systems"]["halfmoon"]["figures"]
