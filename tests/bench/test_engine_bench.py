@@ -154,5 +154,6 @@ def test_one_section_per_quantization_with_its_targets_and_quality() -> None:
     assert int4["roofline"]["weight_bytes_per_step"] == 95_000_000
     assert report["targets_met"] is False  # fp32's own targets are missed, and int4's quality bound
     text = render_text(report, sections)
+    assert "per-step overhead outside the forward" in text and "0.50 ms (target < 1 ms: met)" in text
     assert "== halfmoon int4 (float32, quantization int4)" in text and "(bound 3%: MISSED)" in text
 
