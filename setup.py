@@ -1,12 +1,15 @@
 """Only the native part of the build; everything else is in pyproject.toml.
 
-Two small C extensions, each `optional`: without a C compiler and the Python headers the
+Three small C extensions, each `optional`: without a C compiler and the Python headers the
 install still succeeds and the module that would use one logs a warning at import:
 - kvpool._copysum (kvpool/_copysum.c): a fused copy + checksum of KV blocks; without it the
   tiers run on the slower numpy path.
 - transport._ucxspin (transport/_ucxspin.c): progresses the UCX worker without the GIL while
   transfers are in flight; without it the ucxx backend sleeps on the worker's event fd between
   fragments (about half the throughput).
+- kernels._qgemv (kernels/_qgemv.c): int4 (Q4_1) / int8 weight-only products for decode's few
+  rows with integer dot products; without it `--quantization int4|int8` runs torch's slower
+  kernels (kernels/quant_linear.py).
 """
 
 from setuptools import Extension, setup
@@ -16,4 +19,6 @@ setup(ext_modules=[
               optional=True),
     Extension("transport._ucxspin", ["transport/_ucxspin.c"],
               extra_compile_args=["-O2", "-std=gnu11"], optional=True),
+    Extension("kernels._qgemv", ["kernels/_qgemv.c"], extra_compile_args=["-O3", "-std=c11", "-fno-math-errno", "-fopenmp"],
+              extra_link_args=["-fopenmp"], optional=True),
 ])
