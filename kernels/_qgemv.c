@@ -33,8 +33,9 @@
  * pool (torch.set_num_threads applies) instead of a second pool fighting it for the cores.
  * The GIL is released while the kernel runs.
  *
- *   q4_mm(x, x_bf16, x_stride, M, K, w, N, y, y_bf16, y_stride) -> None      (addresses as ints)
- *   q8_mm(x, x_bf16, x_stride, M, K, w, scale, N, y, y_bf16, y_stride) -> None
+ *   q4_mm(x, x_bf16, x_stride, M, K, w, N, y, y_bf16, y_stride[, plain]) -> None  (addresses as ints)
+ *   q8_mm(x, x_bf16, x_stride, M, K, w, scale, N, y, y_bf16, y_stride[, plain]) -> None
+ *   (plain=True runs the plain C kernel even where AVX2 is there: tests compare the two)
  *   kernel() -> 'avx2' or 'plain'
  */
 #define PY_SSIZE_T_CLEAN
@@ -301,6 +302,7 @@ typedef struct {
     void *y;
     int y_bf16;
     int64_t y_stride;
+    int plain; /* 1: the plain C kernel even where AVX2 is there (tests compare the two) */
 } Problem;
 
 /* Quantize all M rows into one allocation; returns NULL when out of memory. */
@@ -329,7 +331,7 @@ static void run(const Problem *p, int q4) {
         free(rows);
         abort();
     }
-    const int avx2 = use_avx2();
+    const int avx2 = use_avx2() && !p->plain;
     const int64_t row_bytes = q4 ? nb * Q4_BYTES : p->k;
 #pragma omp parallel for schedule(static) if (p->n * p->k >= PAR_MIN)
     for (int64_t n = 0; n < p->n; n++) {
@@ -380,8 +382,8 @@ static int check(const Problem *p) {
 static PyObject *py_q4_mm(PyObject *self, PyObject *args) {
     Problem p = {0};
     unsigned long long x, w, y;
-    if (!PyArg_ParseTuple(args, "KiLLLKLKiL", &x, &p.x_bf16, &p.x_stride, &p.m, &p.k, &w, &p.n, &y, &p.y_bf16,
-                          &p.y_stride))
+    if (!PyArg_ParseTuple(args, "KiLLLKLKiL|p", &x, &p.x_bf16, &p.x_stride, &p.m, &p.k, &w, &p.n, &y, &p.y_bf16,
+                          &p.y_stride, &p.plain))
         return NULL;
     p.x = (const void *)(uintptr_t)x;
     p.w = (const void *)(uintptr_t)w;
@@ -397,8 +399,8 @@ static PyObject *py_q4_mm(PyObject *self, PyObject *args) {
 static PyObject *py_q8_mm(PyObject *self, PyObject *args) {
     Problem p = {0};
     unsigned long long x, w, s, y;
-    if (!PyArg_ParseTuple(args, "KiLLLKKLKiL", &x, &p.x_bf16, &p.x_stride, &p.m, &p.k, &w, &s, &p.n, &y, &p.y_bf16,
-                          &p.y_stride))
+    if (!PyArg_ParseTuple(args, "KiLLLKKLKiL|p", &x, &p.x_bf16, &p.x_stride, &p.m, &p.k, &w, &s, &p.n, &y,
+                          &p.y_bf16, &p.y_stride, &p.plain))
         return NULL;
     p.x = (const void *)(uintptr_t)x;
     p.w = (const void *)(uintptr_t)w;

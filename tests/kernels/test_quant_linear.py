@@ -248,3 +248,21 @@ def test_quantize_q4_stores_fp16_scales_as_q4_1_does() -> None:
     groups = quantize_q4(torch.randn(8, 64, generator=torch.Generator().manual_seed(18)))
     for t in (groups.scale, groups.minimum):
         assert torch.equal(t.half().float(), t)
+
+
+@native_only
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_the_plain_c_kernel_gives_what_the_avx2_one_gives(n: int, k: int) -> None:
+    """The portable path (CPUs without AVX2) runs the same arithmetic in another order."""
+    from kernels import _qgemv
+
+    groups = random_groups(n, k, seed=19)
+    int4 = Int4Linear(groups, native=True)
+    int8 = Int8Linear(groups.dequantize(), native=True)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(20))
+    for call, weight in ((_qgemv.q4_mm, (int4._blocks.data_ptr(),)),
+                         (_qgemv.q8_mm, (int8._weight.data_ptr(), int8._scale.data_ptr()))):
+        ys = [torch.empty(3, n) for _ in range(2)]
+        for y, plain in zip(ys, (False, True)):
+            call(x.data_ptr(), False, k, 3, k, *weight, n, y.data_ptr(), False, n, plain)
+        torch.testing.assert_close(ys[1], ys[0], rtol=1e-5, atol=1e-5)
