@@ -55,7 +55,7 @@ INT4_ZERO_POINT = 8  # torch's int4 kernel subtracts this from every q
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 # From this many rows on, a layer multiplies by its dequantized fp32 weight (packed GEMM): the
 # crossover measured by `halfmoon bench linear --quantized` (docs/BENCHMARKS.md).
-DENSE_MIN_ROWS = 16
+DENSE_MIN_ROWS = 32
 
 
 class Q4Groups(NamedTuple):
@@ -145,10 +145,14 @@ class _DenseCopy:
 
 def _native(x: torch.Tensor, out_features: int, call: Callable[..., None], *weight: int) -> torch.Tensor:
     """y = x @ W.T by a kernels._qgemv product; x [M, K] fp32/bf16 with unit column stride."""
-    if x.dtype not in (torch.float32, torch.bfloat16) or x.stride(-1) != 1:
-        x = x.float().contiguous()
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        return _native(x.float(), out_features, call, *weight).to(x.dtype)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     m, k = x.shape
     y = torch.empty(m, out_features, dtype=x.dtype)
+    if m == 0:
+        return y
     bf16 = x.dtype == torch.bfloat16
     args = (x.data_ptr(), bf16, x.stride(0), m, k, *weight, out_features, y.data_ptr(), bf16, out_features)
     if torch.autograd._profiler_enabled():  # not a torch op: name it for the profiler ("linear" in it)

@@ -266,3 +266,13 @@ def test_the_plain_c_kernel_gives_what_the_avx2_one_gives(n: int, k: int) -> Non
         for y, plain in zip(ys, (False, True)):
             call(x.data_ptr(), False, k, 3, k, *weight, n, y.data_ptr(), False, n, plain)
         torch.testing.assert_close(ys[1], ys[0], rtol=1e-5, atol=1e-5)
+
+
+@native_only
+def test_native_edge_inputs_empty_batch_and_fp16() -> None:
+    layer = Int4Linear(random_groups(16, 64, seed=21), native=True)
+    assert layer(torch.empty(0, 64)).shape == (0, 16)
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(22))
+    got = layer(x.half())
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.float(), layer(x.half().float()), atol=1e-2, rtol=1e-3)
