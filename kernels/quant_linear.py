@@ -147,14 +147,17 @@ def _native(x: torch.Tensor, out_features: int, call: Callable[..., None], *weig
     """y = x @ W.T by a kernels._qgemv product; x [M, K] fp32/bf16 with unit column stride."""
     if x.dtype not in (torch.float32, torch.bfloat16):
         return _native(x.float(), out_features, call, *weight).to(x.dtype)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    if not x.is_cpu:
+        raise ValueError(f"the native int8/int4 kernel runs on CPU; the activations are on {x.device}")
     m, k = x.shape
+    if x.stride(-1) != 1 or (m > 1 and x.stride(0) < k):  # e.g. an expanded row
+        x = x.contiguous()
     y = torch.empty(m, out_features, dtype=x.dtype)
     if m == 0:
         return y
     bf16 = x.dtype == torch.bfloat16
-    args = (x.data_ptr(), bf16, x.stride(0), m, k, *weight, out_features, y.data_ptr(), bf16, out_features)
+    stride = x.stride(0) if m > 1 else k  # a single row's stride can be anything
+    args = (x.data_ptr(), bf16, stride, m, k, *weight, out_features, y.data_ptr(), bf16, out_features)
     if torch.autograd._profiler_enabled():  # not a torch op: name it for the profiler ("linear" in it)
         with torch.profiler.record_function("quant_linear_native"):
             call(*args)

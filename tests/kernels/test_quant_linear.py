@@ -276,3 +276,7 @@ def test_native_edge_inputs_empty_batch_and_fp16() -> None:
     got = layer(x.half())
     assert got.dtype == torch.float16
     torch.testing.assert_close(got.float(), layer(x.half().float()), atol=1e-2, rtol=1e-3)
+    row = torch.randn(64, generator=torch.Generator().manual_seed(23))
+    expanded = row.expand(3, 64)  # row stride 0
+    torch.testing.assert_close(layer(expanded), layer(expanded.contiguous()), atol=0, rtol=0)
+    torch.testing.assert_close(layer(expanded[:1]), layer(row.unsqueeze(0)), atol=0, rtol=0)
