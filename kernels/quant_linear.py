@@ -56,6 +56,11 @@ Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
 # From this many rows on, a layer multiplies by its dequantized fp32 weight (packed GEMM): the
 # crossover measured by `halfmoon bench linear --quantized` (docs/BENCHMARKS.md).
 DENSE_MIN_ROWS = 32
+# int8 layers keep torch's kernel unless asked (`Int8Linear(native=True)`): int8 weights with the
+# native kernel's int8 activations measured worse greedy agreement with fp32 (0/8 prompts
+# identical, 28% of tokens, vs 2/8 and 44%) and failed tests/engine/test_quantization.py's int8
+# bounds (docs/BENCHMARKS.md, fourteenth session). int4 weights with it measured as before.
+INT8_NATIVE_DEFAULT = False
 
 
 class Q4Groups(NamedTuple):
@@ -174,13 +179,13 @@ class Int8Linear:
 
     def __init__(self, weight: torch.Tensor, act_dtype: torch.dtype = torch.bfloat16, native: bool | None = None) -> None:
         """Quantize a float weight [out, in]: scale = max |w| of the row / 127 (symmetric).
-        `native`: the C kernel for few rows (default: when built); `act_dtype`: the activation
-        dtype of torch's kernel (the fallback)."""
+        `native`: the C kernel for few rows and the dequantized copy for many (default: off,
+        `INT8_NATIVE_DEFAULT`); `act_dtype`: the activation dtype of torch's kernel."""
         _check_cpu(weight, "int8")
         if weight.dim() != 2:
             raise ValueError(f"Linear weight must be 2-D, got shape {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
-        self.native = _want_native(native, self.in_features)
+        self.native = _want_native(INT8_NATIVE_DEFAULT if native is None else native, self.in_features)
         w = weight.float()
         scale = w.abs().amax(dim=1) / INT8_MAX
         inverse = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
@@ -192,10 +197,12 @@ class Int8Linear:
         self.kind = "int8"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_rows(x) if x.shape[0] >= DENSE_MIN_ROWS else self.few_rows(x)
+        if self.native and x.shape[0] >= DENSE_MIN_ROWS:
+            return self.dense_rows(x)
+        return self.few_rows(x)
 
     def dense_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """The dequantized fp32 copy at any row count (what `__call__` runs from DENSE_MIN_ROWS)."""
+        """The dequantized fp32 copy at any row count (what a native layer runs from DENSE_MIN_ROWS)."""
         return self._dense(x, self.dequantized)
 
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
