@@ -1,6 +1,6 @@
 """Only the native part of the build; everything else is in pyproject.toml.
 
-Three small C extensions, each `optional`: without a C compiler and the Python headers the
+Four small C extensions, each `optional`: without a C compiler and the Python headers the
 install still succeeds and the module that would use one logs a warning at import:
 - kvpool._copysum (kvpool/_copysum.c): a fused copy + checksum of KV blocks; without it the
   tiers run on the slower numpy path.
@@ -9,6 +9,9 @@ install still succeeds and the module that would use one logs a warning at impor
   fragments (about half the throughput).
 - kernels._paged_attn (kernels/_paged_attn.c): decode attention that reads the paged KV cache in
   place; without it the torch backend gathers every request's blocks into a copy first (slower).
+- kernels._qgemv (kernels/_qgemv.c): int4 (Q4_1) / int8 weight-only products for decode's few
+  rows with integer dot products; without it `--quantization int4|int8` runs torch's slower
+  kernels (kernels/quant_linear.py).
 """
 
 from setuptools import Extension, setup
@@ -21,4 +24,6 @@ setup(ext_modules=[
     Extension("kernels._paged_attn", ["kernels/_paged_attn.c"],
               extra_compile_args=["-O3", "-std=gnu11", "-fopenmp"], extra_link_args=["-fopenmp"],
               optional=True),
+    Extension("kernels._qgemv", ["kernels/_qgemv.c"], extra_compile_args=["-O3", "-std=c11", "-fno-math-errno", "-fopenmp"],
+              extra_link_args=["-fopenmp"], optional=True),
 ])

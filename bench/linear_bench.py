@@ -4,8 +4,10 @@ SmolLM2's fused gate/up shape ([3072, 576]) x 20 weights, for batch sizes 1..512
 both kernels in the same run; prints GB/s of weights read, GFLOP/s and the ratio.
 
 `--quantized` (issue 23): the same weights as the weight-only kernels of kernels/quant_linear.py
-(int8 per channel, int4 in groups of 32), each with bf16 and with fp32 activations, next to the
-packed fp32 and plain bf16 layers: microseconds per weight (all 20) and weight GB/s.
+(int8 per channel, int4 in groups of 32; torch's kernels and the native kernels._qgemv, bf16
+activations, each at every row count), the int4 layer's dequantized fp32 copy (what a layer
+runs from DENSE_MIN_ROWS rows on, here at every row count) and the packed
+fp32 layer: microseconds per weight (all 20) and GB/s of the weight bytes a call reads.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.linear import Linear, onednn_available
-from kernels.quant_linear import Int4Linear, Int8Linear
+from kernels.quant_linear import NATIVE_KERNEL, Int4Linear, Int8Linear
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 
@@ -48,28 +50,36 @@ def measure(dtype: torch.dtype, batch: int, weights: list[torch.Tensor], repeats
             "speedup": plain_ms / packed_ms}
 
 
-QUANTIZED_BATCH_SIZES = (1, 4, 16, 64, 256)
-SLOW_KIND_MAX_BATCH = 16  # the fp32-activation kernels take ~0.5 s a call at 256 rows
+QUANTIZED_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)
+
+
+def quantized_kinds(weights: list[torch.Tensor]) -> dict[str, tuple[list[Callable[[torch.Tensor], torch.Tensor]],
+                                                                      torch.dtype, int]]:
+    """name -> (the 20 layers' calls, activation dtype, bytes of weight one call reads)."""
+    int8 = {native: [Int8Linear(w, native=native) for w in weights] for native in (False, True) if native <= NATIVE_KERNEL}
+    int4 = {native: [Int4Linear.from_float(w, native=native) for w in weights]
+            for native in (False, True) if native <= NATIVE_KERNEL}
+    dense = [Linear(w) for w in weights]
+    kinds = {"fp32 packed": ([lin.__call__ for lin in dense], torch.float32, sum(lin.nbytes() for lin in dense))}
+    for name, layers in (("int8", int8), ("int4", int4)):
+        for native, group in layers.items():
+            label = f"{name} {'native' if native else 'torch'}"
+            kinds[label] = ([lin.few_rows for lin in group], torch.bfloat16, sum(lin.nbytes() for lin in group))
+    # the dequantized copy as the layers keep it (built at the first many-row call)
+    kinds["int4 dense copy"] = ([lambda x, lin=lin: lin.dense_rows(x) for lin in int4[max(int4)]], torch.bfloat16,
+                                sum(lin.nbytes() for lin in dense))
+    return kinds
 
 
 def quantized_rows(weights: list[torch.Tensor], repeats: int) -> list[dict[str, object]]:
-    """us per call and weight GB/s of each kind of layer, per batch size."""
-    kinds: dict[str, tuple[list[Callable[[torch.Tensor], torch.Tensor]], torch.dtype]] = {
-        "fp32 packed": ([Linear(w) for w in weights], torch.float32),
-        "bf16 plain": ([Linear(w.bfloat16(), "plain") for w in weights], torch.bfloat16),
-        **{f"{name} {act_name}": ([cls(w, act) if cls is Int8Linear else Int4Linear.from_float(w, act)
-                                  for w in weights], act)
-           for name, cls in (("int8", Int8Linear), ("int4", Int4Linear))
-           for act_name, act in (("bf16-act", torch.bfloat16), ("fp32-act", torch.float32))},
-    }
+    """us per call and weight GB/s of each kind of layer, per batch size (bf16 activations for
+    the quantized layers, as the engine runs them)."""
+    kinds = quantized_kinds(weights)
     rows: list[dict[str, object]] = []
     for batch in QUANTIZED_BATCH_SIZES:
-        for kind, (layers, act) in kinds.items():
-            if kind.endswith("fp32-act") and batch > SLOW_KIND_MAX_BATCH:
-                continue
+        for kind, (layers, act, nbytes) in kinds.items():
             x = torch.randn(batch, weights[0].shape[1], dtype=act)
             ms = best_ms(lambda: [lin(x) for lin in layers], repeats)  # noqa: B023 (called here)
-            nbytes = sum(lin.nbytes() for lin in layers)  # type: ignore[attr-defined]
             rows.append({"kind": kind, "batch": batch, "us_per_weight": ms * 1e3 / len(layers),
                          "gbps": nbytes / ms / 1e6})
     return rows

@@ -84,7 +84,7 @@ def load_weights(model: str, dtype: torch.dtype = torch.float32, q4_blocks: bool
     path = resolve_model_path(model)
     if path.is_dir():
         return _load_hf_folder(path, dtype)
-    loaded = _load_gguf(path, dtype)
+    loaded = _load_gguf(path, dtype, q4_blocks)
     if q4_blocks:
         loaded.q4.update(read_q4_1(path, loaded.gguf_reader, loaded.config))
     return loaded
@@ -177,16 +177,18 @@ def _dequantize(tensor: Any, path: Path) -> np.ndarray:
     return array.reshape(shape)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedWeights:
+def _load_gguf(path: Path, dtype: torch.dtype, q4_blocks: bool = False) -> LoadedWeights:
     """The header is parsed every time, fast (engine/gguf_header.py: config, tokenizer); the
     tensors come dequantized from the weights cache when it has them (engine/weights_cache.py),
-    else from gguf's reader."""
+    else from gguf's reader. With `q4_blocks` the Q4_1 tensors' dequantized copies are left
+    unread (the int4 layers use the blocks): the cache does not page them in."""
     from engine.gguf_header import read_header
     from engine.weights_cache import cached_weights
 
     header = read_header(path)
     config = _gguf_config(header, path)
-    weights = cached_weights(path, dtype, lambda: _dequantize_all(open_gguf(path), config, path, dtype))
+    lazy = frozenset(_gguf_tensor_name(t.name) for t in header.tensors if q4_blocks and t.ggml_type == GGML_Q4_1)
+    weights = cached_weights(path, dtype, lambda: _dequantize_all(open_gguf(path), config, path, dtype), lazy)
     _check_complete(weights, config, path)
     return LoadedWeights(config, weights, path, "gguf", header)
 

@@ -56,13 +56,16 @@ def entry_path(source: Path, dtype: torch.dtype) -> Path:
     return cache_root() / "weights" / f"{cache_key(shape)}.pt"
 
 
-def cached_weights(source: Path, dtype: torch.dtype, build: Callable[[], Weights]) -> Weights:
-    """The weights of `source` from the cache (memory-mapped), else `build()` and store them."""
+def cached_weights(source: Path, dtype: torch.dtype, build: Callable[[], Weights],
+                   lazy: frozenset[str] = frozenset()) -> Weights:
+    """The weights of `source` from the cache (memory-mapped), else `build()` and store them.
+    `lazy`: names the caller will not read (an int4 engine's layers come from the file's own
+    4-bit blocks): their pages are not prefaulted, so they stay on disk unless touched."""
     if not enabled():
         return build()
     path = entry_path(source, dtype)
     if path.exists():
-        weights = _read(path)
+        weights = _read(path, lazy)
         if weights is not None:
             return weights
     weights = build()
@@ -70,7 +73,7 @@ def cached_weights(source: Path, dtype: torch.dtype, build: Callable[[], Weights
     return weights
 
 
-def _read(path: Path) -> Weights | None:
+def _read(path: Path, lazy: frozenset[str]) -> Weights | None:
     t0 = time.perf_counter()
     try:
         weights = torch.load(path, mmap=True, weights_only=True)
@@ -80,9 +83,9 @@ def _read(path: Path) -> Weights | None:
         log.warning("weights cache: unreadable entry %s (%s): removing it and dequantizing again", path, e)
         path.unlink(missing_ok=True)
         return None
-    _prefault(weights)
-    log.info("weights cache: %d tensors memory-mapped from %s in %.2f s", len(weights), path,
-             time.perf_counter() - t0)
+    _prefault({name: t for name, t in weights.items() if name not in lazy})
+    log.info("weights cache: %d tensors memory-mapped from %s in %.2f s (%d not prefaulted)", len(weights), path,
+             time.perf_counter() - t0, len(lazy & weights.keys()))
     _touch(path)
     return weights
 

@@ -114,3 +114,25 @@ def test_the_real_model_loads_from_the_cache_as_dequantized(smollm2_weights: Loa
     assert loaded.weights.keys() == smollm2_weights.weights.keys()
     for name, tensor in smollm2_weights.weights.items():
         assert torch.equal(loaded.weights[name], tensor), name
+
+
+def test_names_the_caller_will_not_read_are_not_prefaulted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    src, build = source(tmp_path), Builder()
+    cached_weights(src, torch.float32, build)
+    prefaulted: list[str] = []
+    monkeypatch.setattr(weights_cache, "_prefault", lambda w: prefaulted.extend(w))
+    loaded = cached_weights(src, torch.float32, build, lazy=frozenset({"a.weight"}))
+    assert prefaulted == ["b.weight"]
+    assert torch.equal(loaded["a.weight"], build()["a.weight"])  # still there, paged in when read
+
+
+@pytest.mark.slow
+def test_an_int4_load_leaves_the_q4_1_tensors_unread(smollm2_weights: LoadedWeights,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The int4 layers use the file's own blocks: their dequantized copies stay on disk."""
+    weights_cache._write(entry_path(smollm2_weights.path, torch.float32), smollm2_weights.weights)
+    prefaulted: list[str] = []
+    monkeypatch.setattr(weights_cache, "_prefault", lambda w: prefaulted.extend(w))
+    loaded = load_weights(str(smollm2_weights.path), torch.float32, q4_blocks=True)
+    assert set(prefaulted) == loaded.weights.keys() - loaded.q4.keys()
+    assert "model.embed_tokens.weight" in prefaulted and len(loaded.q4) == 7 * loaded.config.num_layers
