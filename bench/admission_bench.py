@@ -42,7 +42,8 @@ from bench.admission_metrics import (POLICIES, Calibration, best_goodput, goodpu
                                      run_metrics, scaled, search_speed, trace_rate, verdict, windowed)
 from bench.admission_report import plot, render
 from bench.report import Progress, machine_info, utc_now
-from bench.serve_bench import BASELINE_ARGS, CLUSTER_ARGS, ReplayOptions, System, replay, serving
+from bench.serve_args import BASELINE_ARGS, CLUSTER_ARGS
+from bench.serve_bench import ReplayOptions, System, replay, serving
 from bench.serve_metrics import RequestRecord, Slo, request_rows, summarize
 from bench.workload import Caps, Workload, trace_workload
 

@@ -41,7 +41,8 @@ from typing import Any
 
 from bench.ray_nodes import LocalRayNodes
 from bench.report import Progress, machine_info, utc_now
-from bench.serve_bench import ReplayOptions, System, replay, serving, workloads
+from bench.serve_args import workloads
+from bench.serve_bench import ReplayOptions, System, replay, serving
 from bench.serve_metrics import Slo, request_rows, summarize
 from bench.workload import Workload
 from kvpool.block_hash import block_hashes, root_hash

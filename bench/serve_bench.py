@@ -46,94 +46,13 @@ from typing import Any
 import numpy as np
 
 from bench.report import Figure, Progress, machine_info, render_table, ruled, utc_now
+from bench.serve_args import parse_args, workloads
 from bench.serve_metrics import RequestRecord, Slo, predicted_ms, request_rows, summarize
-from bench.workload import Caps, Request, Workload, chat_workload, trace_workload
-from sim.conversations import ConversationShape, conversation_trace, write_trace
+from bench.workload import Request, Workload
 
-DEFAULT_SERVE_ARGS = "--colocated --threads 2 --no-redis"
-BASELINE_ARGS = "--colocated --threads 2"
-CLUSTER_ARGS = "--prefill 1 --decode 1 --worker-threads 1"
 BASELINE_NAME, CLUSTER_NAME = "co-located", "cluster"
 GOODPUT_TARGET = 2.0  # cluster / baseline goodput where the baseline starts missing its SLOs
 WARMUP_PROMPT_TOKENS, WARMUP_MAX_TOKENS = 32, 4
-
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="halfmoon bench serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    w = p.add_argument_group("workload")
-    src = w.add_mutually_exclusive_group()
-    src.add_argument("--trace", default=None, help="a Mooncake trace (JSON lines) to replay")
-    src.add_argument("--synthetic", choices=["chat", "conversation"], default=None,
-                     help="a synthetic workload (the default: chat); conversation: a generated Mooncake "
-                          "trace of multi-turn sessions (sim/conversations.py), replayed as a trace")
-    w.add_argument("--speed", type=float, default=1.0, help="trace: timestamps are divided by this")
-    w.add_argument("--max-requests", type=int, default=None, help="trace: replay only the first N")
-    w.add_argument("--scale-tokens", type=int, default=512,
-                   help="trace: tokens per 512-token trace block (e.g. 64: prompts 1/8 as long, the same "
-                        "prefixes shared; a long trace on a CPU)")
-    w.add_argument("--rate", type=float, default=1.0, help="synthetic: Poisson arrivals, req/s")
-    w.add_argument("--rates", default=None, help="synthetic: a sweep, e.g. 0.5,1,2 (one replay each)")
-    w.add_argument("--duration", type=float, default=60.0, help="synthetic: seconds of arrivals")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--max-input-tokens", type=int, default=None, help="truncate longer prompts")
-    w.add_argument("--max-output-tokens", type=int, default=None, help="cap each output")
-    c = p.add_argument_group("synthetic conversation trace (--synthetic conversation)")
-    c.add_argument("--requests", type=int, default=200, help="requests in the trace")
-    c.add_argument("--sessions-per-s", type=float, default=2.0, help="Poisson session starts per second")
-    c.add_argument("--turns", default="1,1,2,3,4", help="a session's turn count is drawn from these")
-    c.add_argument("--think-s", default="5,30", help="LO,HI: seconds between a session's turns (uniform)")
-    c.add_argument("--save-trace", default=None,
-                   help="write the generated trace here (replay it with --trace, or `halfmoon sim`)")
-    s = p.add_argument_group("SLOs")
-    s.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    s.add_argument("--tbt-slo-ms", type=float, default=200.0)
-    s.add_argument("--send-slo", action=argparse.BooleanOptionalAction, default=True,
-                   help="send the SLOs with each request (the server may then reject early)")
-    s.add_argument("--attainment-target", type=float, default=90.0,
-                   help="compare: the baseline 'starts missing' at the first rate below this %%")
-    t = p.add_argument_group("targets")
-    t.add_argument("--target", default=None, help="an existing server's gRPC HOST:PORT")
-    t.add_argument("--serve-args", default=DEFAULT_SERVE_ARGS, help="flags of the `halfmoon serve` we start")
-    t.add_argument("--compare", action="store_true", help="baseline vs cluster, each started by the bench")
-    t.add_argument("--baseline-args", default=BASELINE_ARGS, help="compare: the co-located baseline")
-    t.add_argument("--cluster-args", default=CLUSTER_ARGS, help="compare: the disaggregated cluster")
-    t.add_argument("--otlp-sink", action="store_true",
-                   help="receive the started servers' traces here (OTLP/gRPC on 127.0.0.1): appends "
-                        "--otlp-endpoint to their flags; with --tracing in them, every span is exported")
-    n = p.add_argument_group("cluster-wide prefix hits (bench/prefix_bench.py; all three given: that bench)")
-    n.add_argument("--nodes", type=int, default=None, help="Ray nodes started on this machine (head + raylets)")
-    n.add_argument("--prefill", type=int, default=None, help="prefill workers, spread over the nodes")
-    n.add_argument("--decode", type=int, default=None, help="decode workers, on the head node")
-    n.add_argument("--spill", action="store_true",
-                   help="instead: serve's default tiers (the host tier the device tier spills to) vs the "
-                        "device tier alone, on one node (--prefill/--decode: workers, default 1 each)")
-    r = p.add_argument_group("replay and output")
-    r.add_argument("--warmup", type=int, default=2, help="short requests sent before each replay")
-    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    r.add_argument("--out", default=None, help="write serve_bench.json and PNG plots here")
-    args = p.parse_args(argv)
-    if args.compare and args.target:
-        p.error("--compare starts both servers itself; it takes no --target")
-    if not 0 < args.scale_tokens <= 512:
-        p.error(f"--scale-tokens must be in 1..512, got {args.scale_tokens}")
-    if (args.trace or args.synthetic == "conversation") and args.rates:
-        p.error("--rates sweeps the synthetic chat workload; a trace is scaled with --speed")
-    if args.synthetic == "conversation":
-        try:
-            args.shape = conversation_shape(args)
-        except ValueError as e:
-            p.error(str(e))
-    shape = (args.nodes, args.prefill, args.decode)
-    if args.spill and (args.nodes is not None or args.compare or args.target or args.rates):
-        p.error("--spill starts its own one-node servers: no --nodes, --compare, --target or --rates")
-    if any(x is not None for x in shape) and not args.spill and (None in shape or args.compare or args.target
-                                                                 or args.rates):
-        p.error("--nodes, --prefill and --decode go together (the cluster-wide prefix bench starts its "
-                "own servers), without --compare, --target or --rates")
-    return args
 
 
 # ---------------------------------------------------------------------------- replay
@@ -284,37 +203,6 @@ def systems(args: argparse.Namespace, otlp_endpoint: str | None = None) -> list[
     if args.target:
         return [System("halfmoon", args.target, None)]
     return [System("halfmoon", None, args.serve_args + extra)]
-
-
-def workloads(args: argparse.Namespace) -> list[tuple[float | None, Workload]]:
-    """(rate, workload) per replay: one per --rates entry, else one (rate None for a trace)."""
-    caps = Caps(args.max_input_tokens, args.max_output_tokens)
-    if args.synthetic == "conversation" or args.trace:
-        path = conversation_file(args) if args.synthetic == "conversation" else args.trace
-        return [(None, trace_workload(path, args.speed, caps, args.max_requests, scale_tokens=args.scale_tokens))]
-    rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
-    return [(rate, chat_workload(rate, args.duration, args.seed, caps)) for rate in rates]
-
-
-def conversation_shape(args: argparse.Namespace) -> ConversationShape:
-    """The --sessions-per-s / --turns / --think-s of a conversation trace (ValueError: bad flag)."""
-    try:
-        turns = tuple(int(x) for x in args.turns.split(","))
-        lo, hi = (float(x) for x in args.think_s.split(","))
-    except ValueError:
-        raise ValueError(f"--turns takes counts like 1,2,3 and --think-s LO,HI; got {args.turns!r}, "
-                         f"{args.think_s!r}") from None
-    if args.requests < 1:
-        raise ValueError(f"--requests must be >= 1, got {args.requests}")
-    return ConversationShape(args.sessions_per_s, turns, (lo, hi))
-
-
-def conversation_file(args: argparse.Namespace) -> Path:
-    """The generated trace, written to --save-trace (else a temporary file): a file, so the
-    replay is the same code path as --trace and the run can be replayed or simulated again."""
-    name = f"conversation-{args.requests}req-seed{args.seed}.jsonl"
-    path = Path(args.save_trace) if args.save_trace else Path(tempfile.mkdtemp(prefix="halfmoon-trace-")) / name
-    return write_trace(conversation_trace(args.requests, args.seed, args.shape), path)
 
 
 def run_system(system: System, plan: list[tuple[float | None, Workload]], opts: ReplayOptions,

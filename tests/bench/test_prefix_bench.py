@@ -6,11 +6,10 @@ tests/e2e/test_multinode.py."""
 from __future__ import annotations
 
 import pytest
-
 from prometheus_client import generate_latest
 
 from bench.prefix_bench import Shape, infinite_cache_bound, system_args, worker_counters
-from bench.serve_bench import parse_args, workloads
+from bench.serve_args import parse_args, workloads
 from bench.workload import Request, Workload
 from conductor.backend import BackendStats, WorkerView
 from conductor.metrics import Metrics

@@ -12,6 +12,7 @@ import pytest
 
 from bench import serve_bench as sb
 from bench import serve_metrics as sm
+from bench.serve_args import BASELINE_ARGS
 from bench.trace import HASH_BLOCK_TOKENS
 from bench.workload import (MIN_TOKEN_ID, SYSTEM_PROMPT_TOKENS, Caps, chat_workload, trace_workload)
 from tests.bench.records import record, timeline, write_trace
@@ -218,6 +219,6 @@ def test_the_otlp_sink_reaches_every_server_the_bench_starts() -> None:
     args = sb.parse_args(["--compare", "--otlp-sink", "--cluster-args", "--prefill 1 --decode 1 --tracing"])
     started = sb.systems(args, "http://127.0.0.1:4317")
     assert [s.serve_args for s in started] == [
-        sb.BASELINE_ARGS + " --otlp-endpoint http://127.0.0.1:4317",
+        BASELINE_ARGS + " --otlp-endpoint http://127.0.0.1:4317",
         "--prefill 1 --decode 1 --tracing --otlp-endpoint http://127.0.0.1:4317"]
     assert sb.systems(sb.parse_args(["--target", "h:1"]), "http://x:1")[0].serve_args is None

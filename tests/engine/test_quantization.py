@@ -1,13 +1,15 @@
 """`--quantization int8|int4` on the real SmolLM2 weights: the source's own 4-bit blocks, and the
 quality bounds of issue 23 against the fp32 engine.
 
-Measured here (1 thread, engine/quality.py's text of 191 tokens and 8 prompts, 16 greedy
-tokens each): perplexity fp32 28.58; int8 +0.56%, int4 +0.40% (its lm head is int8: the tied
-embedding is Q8_0 in the file, no 4-bit source). The first greedy token equals fp32's on 8/8
-prompts for both; over 16 tokens the matching prefixes cover 59% (int8) and 63% (int4) of the
-tokens, where bf16 without quantization covers about the same: near-tied logits flip, and a
-greedy path never rejoins. So the bounds asserted are the issue's perplexity bounds, every first
-token, and half of the tokens.
+Measured here (1 thread, engine/quality.py's text of 191 tokens and 8 prompts, 16 greedy tokens
+each; after the native int4 kernel and the in-place decode attention): perplexity fp32 28.58;
+int8 +0.56%, int4 +0.19% (its lm head is int8: the tied embedding is Q8_0 in the file, no 4-bit
+source). The next-token argmax at each position of the text (teacher-forced) equals fp32's at
+96.3% (int8) and 97.4% (int4) of the positions, and the first greedy token on 8/8 prompts. Free
+greedy continuations are no measure: near-tied logits flip and a greedy path never rejoins, so
+over 16 tokens the matching prefixes cover 48-59% of the tokens and move with any change of
+rounding (bf16 without quantization covers about the same). So the bounds asserted are the
+issue's perplexity bounds, every first token and >= 90% teacher-forced top-1 agreement.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from kernels.quant_linear import Int4Linear, Int8Linear
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 PERPLEXITY_BOUND = {"int8": 0.01, "int4": 0.03}
-MIN_TOKEN_AGREEMENT = 0.5
+MIN_TOP1_AGREEMENT = 0.9
 GREEDY_TOKENS = 16
 
 
@@ -47,12 +49,14 @@ def build(weights: LoadedWeights, quantization: str) -> Engine:
 
 
 @pytest.fixture(scope="module")
-def reference(shared_engine: Engine) -> tuple[float, list[list[int]]]:
-    """fp32: perplexity of the text, greedy outputs of the prompts."""
+def reference(shared_engine: Engine) -> tuple[float, list[list[int]], torch.Tensor]:
+    """fp32: perplexity of the text, greedy outputs of the prompts, next-token argmax at every
+    position of the text."""
     text = shared_engine.tokenizer.encode(quality.QUALITY_TEXT)
     prompts = quality.encode_prompts(shared_engine)
     return (quality.perplexity(shared_engine, text),
-            quality.greedy_outputs(shared_engine, prompts, GREEDY_TOKENS))
+            quality.greedy_outputs(shared_engine, prompts, GREEDY_TOKENS),
+            quality.prefill_logits(shared_engine, text).argmax(-1))
 
 
 def test_every_q4_1_tensor_is_read_as_its_own_blocks(q4_weights: LoadedWeights) -> None:
@@ -64,21 +68,24 @@ def test_every_q4_1_tensor_is_read_as_its_own_blocks(q4_weights: LoadedWeights) 
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quality_against_fp32(q4_weights: LoadedWeights, reference: tuple[float, list[list[int]]],
+def test_quality_against_fp32(q4_weights: LoadedWeights, reference: tuple[float, list[list[int]], torch.Tensor],
                               quantization: str) -> None:
-    ppl_fp32, outputs_fp32 = reference
+    ppl_fp32, outputs_fp32, top1_fp32 = reference
     engine = build(q4_weights, quantization)
     kind = {"int8": Int8Linear, "int4": Int4Linear}[quantization]
     assert all(isinstance(getattr(lw, n), kind) for lw in engine.model.layers for n in ("qkv", "o", "gate_up", "down"))
     assert isinstance(engine.model.lm_head, Int8Linear)
 
-    ppl = quality.perplexity(engine, engine.tokenizer.encode(quality.QUALITY_TEXT))
+    text = engine.tokenizer.encode(quality.QUALITY_TEXT)
+    ppl = quality.perplexity(engine, text)
     assert abs(ppl / ppl_fp32 - 1) < PERPLEXITY_BOUND[quantization], (ppl, ppl_fp32)
+    top1 = (quality.prefill_logits(engine, text).argmax(-1) == top1_fp32).float().mean().item()
 
     outputs = quality.greedy_outputs(engine, quality.encode_prompts(engine), GREEDY_TOKENS)
     agreement = quality.agreement(outputs, outputs_fp32)
+    print(f"{quantization}: perplexity {ppl / ppl_fp32 - 1:+.2%}, top-1 {top1:.3f}, {agreement}")
     assert [o[0] for o in outputs] == [o[0] for o in outputs_fp32]
-    assert agreement.token_fraction >= MIN_TOKEN_AGREEMENT, agreement
+    assert top1 >= MIN_TOP1_AGREEMENT, top1
 
 
 def test_int4_streams_a_fifth_of_the_fp32_weight_bytes(q4_weights: LoadedWeights, shared_engine: Engine) -> None:
