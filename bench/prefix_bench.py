@@ -221,13 +221,7 @@ def render_spill(result: dict[str, Any]) -> str:
              f"prompt tokens); working set {b['working_set_tokens']:,} tokens = "
              f"{_fmt(result['working_set_over_device_tier'], 2)}x a worker's device tier "
              f"({result['device_tier_tokens']:,.0f} tokens)",
-             f"{'system':<15}{'done':>6}{'hit%':>8}{'of bound':>10}{'saved tok':>11}{'host blk':>10}"
-             f"{'TTFT p50':>10}{'TTFT p90':>10}"]
-    for name in (DEFAULT_TIERS, DEVICE_ONLY):
-        r = s[name]
-        lines.append(f"{name:<15}{r['completed']:>6}{_pct(r['prefix_hit_rate']):>8}"
-                     f"{_fmt(_ratio(r['prefix_hit_rate'], b['hit_rate']), 3):>10}{r['prefill_tokens_saved']:>11}"
-                     f"{r['blocks_from_host']:>10g}{_fmt(r['ttft_ms']['p50']):>10}{_fmt(r['ttft_ms']['p90']):>10}")
+             *_table(s, (DEFAULT_TIERS, DEVICE_ONLY), b["hit_rate"], ("host blk", "blocks_from_host"))]
     ratio = result["default_tiers_vs_bound"]
     verdict = "-" if ratio is None else ("met" if ratio >= result["spill_target"] else "MISSED")
     lines.append(f"default tiers hit / bound {_fmt(ratio, 3)} (target >= {result['spill_target']:g}: {verdict}); "
@@ -260,17 +254,26 @@ def render(result: dict[str, Any]) -> str:
              f"{result['shape']['node_resources']}",
              f"infinite-cache bound: hit rate {_pct(b['hit_rate'])} ({b['cached_tokens']} of {b['prompt_tokens']} "
              "prompt tokens)",
-             f"{'system':<14}{'done':>6}{'hit%':>8}{'of bound':>10}{'saved tok':>11}{'fetched':>9}"
-             f"{'TTFT p50':>10}{'TTFT p90':>10}"]
-    for name in (CLUSTER_WIDE, LOCAL_ONLY):
-        r = s[name]
-        lines.append(f"{name:<14}{r['completed']:>6}{_pct(r['prefix_hit_rate']):>8}"
-                     f"{_fmt(_ratio(r['prefix_hit_rate'], b['hit_rate']), 3):>10}{r['prefill_tokens_saved']:>11}"
-                     f"{r['blocks_fetched_remote']:>9g}{_fmt(r['ttft_ms']['p50']):>10}{_fmt(r['ttft_ms']['p90']):>10}")
+             *_table(s, (CLUSTER_WIDE, LOCAL_ONLY), b["hit_rate"], ("fetched", "blocks_fetched_remote"))]
     lines.append(f"TTFT p50 cluster-wide / local-only: {_fmt(result['ttft_p50_cluster_wide_over_local_only'], 3)}; "
                  f"cluster-wide hit / bound {_fmt(result['cluster_wide_vs_bound'], 3)} (target >= {BOUND_TARGET:g}; "
                  "reported, not asserted)")
     return "\n".join(lines)
+
+
+def _table(systems: dict[str, dict[str, Any]], names: tuple[str, ...], bound: float | None,
+           blocks: tuple[str, str]) -> list[str]:
+    """One row per system: hits against the bound, tokens saved, a block counter (its column
+    title and key), TTFT."""
+    title, key = blocks
+    rows = [f"{'system':<15}{'done':>6}{'hit%':>8}{'of bound':>10}{'saved tok':>11}{title:>10}"
+            f"{'TTFT p50':>10}{'TTFT p90':>10}"]
+    for name in names:
+        r = systems[name]
+        rows.append(f"{name:<15}{r['completed']:>6}{_pct(r['prefix_hit_rate']):>8}"
+                    f"{_fmt(_ratio(r['prefix_hit_rate'], bound), 3):>10}{r['prefill_tokens_saved']:>11}"
+                    f"{r[key]:>10g}{_fmt(r['ttft_ms']['p50']):>10}{_fmt(r['ttft_ms']['p90']):>10}")
+    return rows
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

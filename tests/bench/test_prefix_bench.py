@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from bench.prefix_bench import Shape, infinite_cache_bound, system_args, worker_counters
+from bench.prefix_bench import (Shape, infinite_cache_bound, render_spill, spill_summary, system_args,
+                                 worker_counters)
 from bench.serve_args import parse_args, workloads
 from bench.workload import Request, Workload
 from conductor.backend import BackendStats, WorkerView
@@ -99,3 +100,25 @@ def test_a_scaled_trace_shares_the_same_prefixes_at_a_fraction_of_the_tokens(tmp
     assert "64 tokens per trace block" in small.name
     with pytest.raises(SystemExit):
         parse_args(["--trace", str(saved), "--scale-tokens", "0"])
+
+
+def _run(system: str, hit: float, **counters: float) -> dict:
+    return {"system": system, "completed": 10, "errors": 0, "prefix_hit_rate": hit, "prefill_tokens_saved": 100,
+            "blocks_fetched_remote": 0.0, "blocks_served_remote": 0.0, "blocks_from_host": 0.0, "blocks_from_disk": 0.0,
+            "device_tier_tokens": 1600.0, "ttft_ms": {"p50": 10.0, "p90": 20.0}, "metrics": {}, "requests": [],
+            **counters}
+
+
+def test_the_spill_report_rates_default_tiers_against_the_bound() -> None:
+    args = parse_args(["--synthetic", "conversation", "--spill"])
+    workload = _workload(list(range(100, 132)) + [1], list(range(100, 132)) + [2])
+    bound = infinite_cache_bound(workload)  # 32 of 66 tokens: 0.485; working set 32 tokens
+    runs = [_run("default tiers", 0.47, blocks_from_host=7.0), _run("device only", 0.30)]
+    result = spill_summary(args, [], workload, bound, runs)
+    assert result["default_tiers_vs_bound"] == pytest.approx(0.47 / bound["hit_rate"])
+    assert result["working_set_over_device_tier"] == pytest.approx(32 / 1600)
+    assert "requests" not in result["systems"]["default tiers"]
+    text = render_spill(result)
+    assert "(target >= 0.9: met)" in text and "device only" in text
+    low = render_spill(spill_summary(args, [], workload, bound, [_run("default tiers", 0.2), runs[1]]))
+    assert "MISSED" in low
