@@ -42,7 +42,7 @@ from bench.admission_metrics import (POLICIES, Calibration, best_goodput, goodpu
                                      run_metrics, scaled, search_speed, trace_rate, verdict, windowed)
 from bench.admission_report import plot, render
 from bench.report import Progress, machine_info, utc_now
-from bench.serve_args import BASELINE_ARGS, CLUSTER_ARGS
+from bench.serve_args import BASELINE_ARGS, CLUSTER_ARGS, add_replay_flags
 from bench.serve_bench import ReplayOptions, System, replay, serving
 from bench.serve_metrics import RequestRecord, Slo, request_rows, summarize
 from bench.workload import Caps, Workload, trace_workload
@@ -81,12 +81,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t = p.add_argument_group("servers")
     t.add_argument("--cluster-args", default=CLUSTER_ARGS, help="`halfmoon serve` flags of the cluster")
     t.add_argument("--colocated-args", default=BASELINE_ARGS, help="`halfmoon serve` flags of co-located")
-    r = p.add_argument_group("replay and output")
-    r.add_argument("--warmup", type=int, default=2, help="short requests sent before each replay")
-    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    r.add_argument("--no-progress", action="store_true", help="no progress bars")
-    r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    r.add_argument("--out", default=None, help="write admission_bench.json and PNG plots here")
+    add_replay_flags(p, "admission_bench.json")
     args = p.parse_args(argv)
     args.policies = _names(p, args.admission, POLICIES, "--admission")
     args.mode_list = _names(p, args.modes, MODES, "--modes")

@@ -16,6 +16,16 @@ BASELINE_ARGS = "--colocated --threads 2"
 CLUSTER_ARGS = "--prefill 1 --decode 1 --worker-threads 1"
 
 
+def add_replay_flags(p: argparse.ArgumentParser, json_name: str) -> None:
+    """The replay-and-output flags every serving bench shares (serve, admission)."""
+    r = p.add_argument_group("replay and output")
+    r.add_argument("--warmup", type=int, default=2, help="short requests sent before each replay")
+    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    r.add_argument("--no-progress", action="store_true", help="no progress bars")
+    r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    r.add_argument("--out", default=None, help=f"write {json_name} and PNG plots here")
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="halfmoon bench serve", description=_serve_bench_doc(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -66,12 +76,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     n.add_argument("--spill", action="store_true",
                    help="instead: serve's default tiers (the host tier the device tier spills to) vs the "
                         "device tier alone, on one node (--prefill/--decode: workers, default 1 each)")
-    r = p.add_argument_group("replay and output")
-    r.add_argument("--warmup", type=int, default=2, help="short requests sent before each replay")
-    r.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    r.add_argument("--out", default=None, help="write serve_bench.json and PNG plots here")
+    add_replay_flags(p, "serve_bench.json")
     args = p.parse_args(argv)
     if args.compare and args.target:
         p.error("--compare starts both servers itself; it takes no --target")
