@@ -43,8 +43,10 @@ except ImportError as e:  # pragma: no cover - depends on the install
 
 NATIVE_KERNEL = qgemv is not None
 # From this many rows on a "bf16-native" layer multiplies by its packed fp32 copy: the crossover
-# measured by `halfmoon bench linear --quantized` (docs/BENCHMARKS.md, issue 23).
-BF16_DENSE_MIN_ROWS = 32
+# on an AVX2 EPYC, 2 threads (`halfmoon bench linear --quantized`, issue 23): the C kernel was
+# 1.03-1.29x the copy's speed at 16 rows, 0.85-1.14x at 20, 0.85-0.92x at 24, 0.72-0.77x at 32
+# (it does M x N x K fp32 FMAs like the GEMM, at about half of oneDNN's efficiency).
+BF16_DENSE_MIN_ROWS = 20
 KINDS = ("auto", "onednn", "bf16-native", "plain")
 
 
