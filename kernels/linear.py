@@ -12,11 +12,13 @@ AVX-NE-CONVERT; e.g. an AVX2-only EPYC) gets kind "bf16-native":
                              streamed once per call, widened to fp32 in registers, x used
                              exactly, fp32 accumulation.
     M >= BF16_DENSE_MIN_ROWS an fp32 copy of the weight packed for oneDNN, built at the first
-                             such call and kept: 2x the bf16 weight's memory (SmolLM2-135M: +540
-                             MB with its tied head) for oneDNN's fp32 GEMM speed at prefill.
+                             such call and kept: 2x the bf16 weight's memory (SmolLM2-135M: +425
+                             MB for the layers at the first prefill, +113 MB for the tied head
+                             once a step samples that many rows) for the fp32 GEMM's speed.
 
-There `F.linear` on the bf16 weight (kind "plain") runs at ~11 GB/s at one row and ~8x slower
-than the packed fp32 GEMM at 256 rows. Kind "plain" is what CUDA gets (this torch build lacks the
+There `F.linear` on the bf16 weight (kind "plain") streams ~11-14 GB/s at one row (the C kernel
+~16-17) and is 4x slower than the C kernel at 16 rows, 8x slower than the packed fp32 GEMM at
+256 (`halfmoon bench linear --quantized`). Kind "plain" is what CUDA gets (this torch build lacks the
 oneDNN ops there), and what a bf16 weight gets without the C extension (logged loudly). `kind`
 says which; the choice for bf16 is logged once.
 """
@@ -156,14 +158,13 @@ class Linear:
             raise ValueError(f"unknown linear kind {kind!r} ({', '.join(KINDS)})")
         self.out_features, self.in_features = weight.shape
         self.kind = auto_kind(weight) if kind == "auto" else kind
-        self._dense = DenseCopy()
-        if self.kind == "onednn":
-            self._weight = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
-        elif self.kind == "bf16-native":
+        if self.kind == "bf16-native":
             _check_bf16_native(weight)
-            self._weight = weight.contiguous()
-        else:
-            self._weight = weight.contiguous()
+        self._dense = DenseCopy()  # "bf16-native"'s, built at its first many-row call
+        # a tied head's weight stays the embedding's own storage (contiguous already)
+        self._weight = weight.contiguous()
+        if self.kind == "onednn":
+            self._weight = torch.ops.mkldnn._reorder_linear_weight(self._weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "onednn":
@@ -190,4 +191,5 @@ def _check_bf16_native(weight: torch.Tensor) -> None:
     if not NATIVE_KERNEL:
         raise ValueError("linear kind 'bf16-native' needs kernels._qgemv, which is not built")
     if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
-        raise ValueError(f"linear kind 'bf16-native' takes a bf16 CPU weight, got {weight.dtype} on {weight.device}")
+        raise ValueError(f"linear kind 'bf16-native' takes a bf16 CPU weight, "
+                         f"got {weight.dtype} on {weight.device}")

@@ -14,8 +14,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.linear import (BF16_DENSE_MIN_ROWS, NATIVE_KERNEL, Linear, auto_kind, onednn_available,
-                            qgemv)
+from kernels.linear import (
+    BF16_DENSE_MIN_ROWS,
+    NATIVE_KERNEL,
+    Linear,
+    auto_kind,
+    onednn_available,
+    qgemv,
+)
 
 native_only = pytest.mark.skipif(not NATIVE_KERNEL, reason="kernels._qgemv is not built")
 fp32_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear ops in this torch")
