@@ -319,7 +319,8 @@ bf16_tile_avx2_n(const uint16_t *w, int64_t k, const float *x, int64_t xs, const
     for (int64_t i = 0; i < k16; i += 16) {
         __m256 even[BF_NR], odd[BF_NR];
         for (int j = 0; j < nr; j++) {
-            _mm_prefetch((const char *)(w + (nr + j) * k + i), _MM_HINT_T0); /* the next tile's (a hint: never faults) */
+            /* the next tile's row j (past the last tile: a prefetch never faults) */
+            _mm_prefetch((const char *)(w + (nr + j) * k + i), _MM_HINT_T0);
             const __m256i v = _mm256_loadu_si256((const __m256i *)(w + j * k + i));
             even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
             odd[j] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
@@ -454,13 +455,13 @@ static float *widen_rows(const Problem *p, int64_t xs, int interleave) {
     return buf;
 }
 
-/* Weight tiles of nr rows split across threads; each tile is read once per BF_MR activation rows
-   (from L1: 2 rows of K <= 4096 bf16), the activations from L2. */
+/* Weight tiles of nr rows split across threads; each tile is read from memory once and from L1
+   once per BF_MR activation rows, the activations from L1/L2. */
 static void run_bf16(const Problem *p) {
     const int avx2 = use_avx2() && !p->plain;
     const int64_t xs = (p->k + 7) & ~(int64_t)7;
     float *x = widen_rows(p, xs, avx2);
-    if (x == NULL) /* M < a few dozen rows: as in run(), out of memory here means the process is dying */
+    if (x == NULL) /* M x K floats (KBs at decode): as in run(), the process is dying */
         abort();
     const int nr = p->m == 1 ? 4 : 2; /* one row: more weight rows in flight; more: more activations */
     const int64_t tiles = (p->n + nr - 1) / nr;
