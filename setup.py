@@ -10,8 +10,9 @@ install still succeeds and the module that would use one logs a warning at impor
 - kernels._paged_attn (kernels/_paged_attn.c): decode attention that reads the paged KV cache in
   place; without it the torch backend gathers every request's blocks into a copy first (slower).
 - kernels._qgemv (kernels/_qgemv.c): int4 (Q4_1) / int8 weight-only products for decode's few
-  rows with integer dot products; without it `--quantization int4|int8` runs torch's slower
-  kernels (kernels/quant_linear.py).
+  rows with integer dot products, and bf16-weight ones; without it `--quantization int4|int8`
+  runs torch's slower kernels (kernels/quant_linear.py), and bf16 on a CPU without oneDNN's
+  bf16 path `F.linear` (kernels/linear.py).
 """
 
 from setuptools import Extension, setup

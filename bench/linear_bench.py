@@ -7,7 +7,10 @@ both kernels in the same run; prints GB/s of weights read, GFLOP/s and the ratio
 (int8 per channel, int4 in groups of 32; torch's kernels and the native kernels._qgemv, bf16
 activations, each at every row count), the int4 layer's dequantized fp32 copy (what a layer
 runs from DENSE_MIN_ROWS rows on, here at every row count) and the packed
-fp32 layer: microseconds per weight (all 20) and GB/s of the weight bytes a call reads.
+fp32 layer: microseconds per weight (all 20) and GB/s of the weight bytes a call reads. With
+them the bf16 weights as a CPU without oneDNN's bf16 path runs them (kernels/linear.py): `F.linear`
+on the plain weight ("bf16 plain"), the "bf16-native" layer's C kernel and its packed fp32 copy
+(what it runs below / from BF16_DENSE_MIN_ROWS rows), each at every row count.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import Linear, onednn_available
-from kernels.quant_linear import NATIVE_KERNEL, Int4Linear, Int8Linear
+from kernels.linear import NATIVE_KERNEL, Linear, onednn_available
+from kernels.quant_linear import Int4Linear, Int8Linear
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 512)
 
@@ -50,7 +53,7 @@ def measure(dtype: torch.dtype, batch: int, weights: list[torch.Tensor], repeats
             "speedup": plain_ms / packed_ms}
 
 
-QUANTIZED_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 256)
+QUANTIZED_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 64, 256)
 
 
 def quantized_kinds(weights: list[torch.Tensor]) -> dict[str, tuple[list[Callable[[torch.Tensor], torch.Tensor]],
@@ -68,6 +71,13 @@ def quantized_kinds(weights: list[torch.Tensor]) -> dict[str, tuple[list[Callabl
     # the dequantized copy as the layers keep it (built at the first many-row call)
     kinds["int4 dense copy"] = ([lambda x, lin=lin: lin.dense_rows(x) for lin in int4[max(int4)]], torch.bfloat16,
                                 sum(lin.nbytes() for lin in dense))
+    bf16 = [w.bfloat16() for w in weights]
+    nbytes = sum(w.numel() * 2 for w in bf16)
+    kinds["bf16 plain"] = ([lambda x, w=w: F.linear(x, w) for w in bf16], torch.bfloat16, nbytes)
+    if NATIVE_KERNEL:
+        native = [Linear(w, "bf16-native") for w in bf16]
+        kinds["bf16 native"] = ([lin.few_rows for lin in native], torch.bfloat16, nbytes)
+        kinds["bf16 dense copy"] = ([lin.dense_rows for lin in native], torch.bfloat16, 2 * nbytes)  # fp32
     return kinds
 
 
@@ -101,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quantized", action="store_true", help="int8/int4 weight-only kernels (issue 23)")
+    p.add_argument("--quantized", action="store_true",
+                   help="int8/int4 weight-only kernels and the bf16 kinds (issue 23)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     if not onednn_available():
         print("halfmoon bench linear: this torch build has no oneDNN linear ops", file=sys.stderr)

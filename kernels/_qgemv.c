@@ -24,8 +24,19 @@
  *       nibble (GGUF's order). The runs let 8 blocks' scales load as one vector: the integer
  *       sums of 8 blocks are reduced into one vector (hadd) and scaled by one multiply-add.
  *   q8: int8 [N, K] row-major, fp32 scale [N].
+ *   bf16: bf16 [N, K] row-major (any K).
  *   x:  M rows of K fp32 or bf16, row stride x_stride elements (a strided view is fine).
  *   y:  M rows of N fp32 or bf16, row stride y_stride elements.
+ *
+ * bf16 weights (kernels/linear.py, kind "bf16-native", for CPUs whose oneDNN has no bf16 path):
+ * no quantization of the activations. They are copied once per call to fp32 (bf16 ones exactly),
+ * and each weight is widened to fp32 in registers (a bf16 is the high half of its fp32) and
+ * multiplied in fp32 FMAs: the only roundings are fp32 accumulation and, for a bf16 output, its
+ * round to nearest even. AVX2 widens 16 weights with two integer ops and no shuffle: read as 8
+ * 32-bit lanes, `lane << 16` is the even element and `lane & 0xFFFF0000` the odd one, so the
+ * activation copy is stored in the same order, per 16: | x0 x2 .. x14 | x1 x3 .. x15 |. A weight
+ * tile of NR rows is read once for MR activation rows (registers: MR x NR accumulators, 2 x NR
+ * widened weights, 2 activations).
  *
  * Output rows are split across OpenMP threads. The extension is linked against libgomp.so.1, the
  * soname torch's wheel ships its own libgomp under, and is imported after torch: the dynamic
@@ -35,6 +46,7 @@
  *
  *   q4_mm(x, x_bf16, x_stride, M, K, w, N, y, y_bf16, y_stride[, plain]) -> None  (addresses as ints)
  *   q8_mm(x, x_bf16, x_stride, M, K, w, scale, N, y, y_bf16, y_stride[, plain]) -> None
+ *   bf16_mm(x, x_bf16, x_stride, M, K, w, N, y, y_bf16, y_stride[, plain]) -> None
  *   (plain=True runs the plain C kernel even where AVX2 is there: tests compare the two)
  *   kernel() -> 'avx2' or 'plain'
  */
@@ -58,6 +70,8 @@
 #define Q4_BYTES 20   /* fp16 d, fp16 m, 16 bytes of nibbles */
 #define MR 4          /* activation rows one pass over a weight row serves */
 #define PAR_MIN 32768 /* fewer weights than this: one thread (the fork costs more) */
+#define BF_MR 4       /* bf16: activation rows one pass over a weight tile serves */
+#define BF_NR 4       /* bf16: most weight rows in a tile (4 for one activation row, else 2) */
 
 /* ---------------------------------------------------------------- scalar helpers */
 
@@ -164,6 +178,18 @@ static void q8_row_plain(const int8_t *w, float scale, int64_t nb, const QRow *x
         }
         out[r] = acc * scale;
     }
+}
+
+/* out[r * BF_NR + j] = x row r . w row j, for mr activation rows (fp32, natural order, row
+   stride xs) and nr bf16 weight rows of k. */
+static void bf16_tile_plain(const uint16_t *w, int64_t k, const float *x, int64_t xs, int mr, int nr, float *out) {
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nr; j++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < k; i++)
+                acc += bf16_to_float(w[j * k + i]) * x[r * xs + i];
+            out[r * BF_NR + j] = acc;
+        }
 }
 
 /* ---------------------------------------------------------------- AVX2 kernels */
@@ -277,6 +303,55 @@ HM_AVX2 static void q8_row_avx2(const int8_t *w, float scale, int64_t nb, const 
     default: q8_row_avx2_n(w, scale, nb, xr, 4, out); break;
     }
 }
+
+/* bf16_tile_plain's product with x in the even/odd order (header), mr and nr compile-time
+   constants at every call site. The last k % 16 elements (natural order) go one by one. The
+   next tile's rows are prefetched: a tile is nr short rows (1-3 KB) read side by side, which the
+   hardware prefetcher follows poorly (measured 11.5 -> 16 GB/s at one activation row). */
+HM_AVX2 static inline __attribute__((always_inline)) void
+bf16_tile_avx2_n(const uint16_t *w, int64_t k, const float *x, int64_t xs, const int mr, const int nr, float *out) {
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    const int64_t k16 = k & ~(int64_t)15;
+    __m256 acc[BF_MR][BF_NR];
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nr; j++)
+            acc[r][j] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k16; i += 16) {
+        __m256 even[BF_NR], odd[BF_NR];
+        for (int j = 0; j < nr; j++) {
+            /* the next tile's row j (past the last tile: a prefetch never faults) */
+            _mm_prefetch((const char *)(w + (nr + j) * k + i), _MM_HINT_T0);
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(w + j * k + i));
+            even[j] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+            odd[j] = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+        }
+        for (int r = 0; r < mr; r++) {
+            const __m256 xe = _mm256_loadu_ps(x + r * xs + i), xo = _mm256_loadu_ps(x + r * xs + i + 8);
+            for (int j = 0; j < nr; j++)
+                acc[r][j] = _mm256_fmadd_ps(odd[j], xo, _mm256_fmadd_ps(even[j], xe, acc[r][j]));
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < nr; j++) {
+            float t = hsum(acc[r][j]);
+            for (int64_t i = k16; i < k; i++)
+                t += bf16_to_float(w[j * k + i]) * x[r * xs + i];
+            out[r * BF_NR + j] = t;
+        }
+}
+
+#define BF16_TILE(mr, nr) \
+    case (mr) * 8 + (nr): bf16_tile_avx2_n(w, k, x, xs, mr, nr, out); break
+HM_AVX2 static void bf16_tile_avx2(const uint16_t *w, int64_t k, const float *x, int64_t xs, int mr, int nr,
+                                   float *out) {
+    switch (mr * 8 + nr) { /* the tiles run_bf16 asks for: nr 1..4 with mr 1, 1..2 otherwise */
+    BF16_TILE(1, 1); BF16_TILE(1, 2); BF16_TILE(1, 3); BF16_TILE(1, 4);
+    BF16_TILE(2, 1); BF16_TILE(2, 2); BF16_TILE(3, 1); BF16_TILE(3, 2);
+    BF16_TILE(4, 1); BF16_TILE(4, 2);
+    default: abort(); /* a tile run_bf16 never asks for */
+    }
+}
+#undef BF16_TILE
 #endif
 
 static int use_avx2(void) {
@@ -362,10 +437,61 @@ static void run(const Problem *p, int q4) {
     free(rows);
 }
 
-static int check(const Problem *p) {
-    if (p->m <= 0 || p->n <= 0 || p->k <= 0 || p->k % QK != 0) {
+/* The M activation rows as fp32 (bf16 ones exactly), row stride xs, in the AVX2 kernel's
+   even/odd order per 16 elements (header) when `interleave`; NULL when out of memory. */
+static float *widen_rows(const Problem *p, int64_t xs, int interleave) {
+    float *buf = malloc(sizeof(float) * (size_t)xs * (size_t)p->m);
+    if (buf == NULL)
+        return NULL;
+    const int64_t k16 = interleave ? p->k & ~(int64_t)15 : 0;
+    for (int64_t r = 0; r < p->m; r++) {
+        const char *src = (const char *)p->x + (size_t)(r * p->x_stride) * (p->x_bf16 ? 2 : 4);
+        float *dst = buf + r * xs;
+        for (int64_t i = 0; i < p->k; i++) {
+            const float v = p->x_bf16 ? bf16_to_float(((const uint16_t *)src)[i]) : ((const float *)src)[i];
+            dst[i < k16 ? (i & ~(int64_t)15) + (i & 1) * 8 + ((i & 15) >> 1) : i] = v;
+        }
+    }
+    return buf;
+}
+
+/* Weight tiles of nr rows split across threads; each tile is read from memory once and from L1
+   once per BF_MR activation rows, the activations from L1/L2. */
+static void run_bf16(const Problem *p) {
+    const int avx2 = use_avx2() && !p->plain;
+    const int64_t xs = (p->k + 7) & ~(int64_t)7;
+    float *x = widen_rows(p, xs, avx2);
+    if (x == NULL) /* M x K floats (KBs at decode): as in run(), the process is dying */
+        abort();
+    const int nr = p->m == 1 ? 4 : 2; /* one row: more weight rows in flight; more: more activations */
+    const int64_t tiles = (p->n + nr - 1) / nr;
+#pragma omp parallel for schedule(static) if (p->n * p->k >= PAR_MIN)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * nr;
+        const int nt = (int)(p->n - n0 < nr ? p->n - n0 : nr);
+        const uint16_t *w = (const uint16_t *)p->w + n0 * p->k;
+        float out[BF_MR * BF_NR];
+        for (int64_t m0 = 0; m0 < p->m; m0 += BF_MR) {
+            const int mr = (int)(p->m - m0 < BF_MR ? p->m - m0 : BF_MR);
+#ifdef HM_X86
+            if (avx2)
+                bf16_tile_avx2(w, p->k, x + m0 * xs, xs, mr, nt, out);
+            else
+#endif
+                bf16_tile_plain(w, p->k, x + m0 * xs, xs, mr, nt, out);
+            for (int r = 0; r < mr; r++)
+                for (int j = 0; j < nt; j++)
+                    store_out(p->y, p->y_bf16, (m0 + r) * p->y_stride + n0 + j, out[r * BF_NR + j]);
+        }
+    }
+    free(x);
+}
+
+/* k_multiple: what K must be a multiple of (QK for the block formats, 1 for bf16). */
+static int check(const Problem *p, int k_multiple) {
+    if (p->m <= 0 || p->n <= 0 || p->k <= 0 || p->k % k_multiple != 0) {
         PyErr_Format(PyExc_ValueError, "bad shape: M=%lld N=%lld K=%lld (K a multiple of %d)",
-                     (long long)p->m, (long long)p->n, (long long)p->k, QK);
+                     (long long)p->m, (long long)p->n, (long long)p->k, k_multiple);
         return -1;
     }
     if (p->x_stride < p->k || p->y_stride < p->n) {
@@ -388,7 +514,7 @@ static PyObject *py_q4_mm(PyObject *self, PyObject *args) {
     p.x = (const void *)(uintptr_t)x;
     p.w = (const void *)(uintptr_t)w;
     p.y = (void *)(uintptr_t)y;
-    if (check(&p) != 0)
+    if (check(&p, QK) != 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     run(&p, 1);
@@ -406,7 +532,7 @@ static PyObject *py_q8_mm(PyObject *self, PyObject *args) {
     p.w = (const void *)(uintptr_t)w;
     p.scale = (const float *)(uintptr_t)s;
     p.y = (void *)(uintptr_t)y;
-    if (check(&p) != 0)
+    if (check(&p, QK) != 0)
         return NULL;
     if (!p.scale) {
         PyErr_SetString(PyExc_ValueError, "null scale pointer");
@@ -414,6 +540,23 @@ static PyObject *py_q8_mm(PyObject *self, PyObject *args) {
     }
     Py_BEGIN_ALLOW_THREADS
     run(&p, 0);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_bf16_mm(PyObject *self, PyObject *args) {
+    Problem p = {0};
+    unsigned long long x, w, y;
+    if (!PyArg_ParseTuple(args, "KiLLLKLKiL|p", &x, &p.x_bf16, &p.x_stride, &p.m, &p.k, &w, &p.n, &y, &p.y_bf16,
+                          &p.y_stride, &p.plain))
+        return NULL;
+    p.x = (const void *)(uintptr_t)x;
+    p.w = (const void *)(uintptr_t)w;
+    p.y = (void *)(uintptr_t)y;
+    if (check(&p, 1) != 0)
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    run_bf16(&p);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -429,13 +572,17 @@ static PyMethodDef methods[] = {
     {"q8_mm", py_q8_mm, METH_VARARGS,
      "q8_mm(x, x_bf16, x_stride, M, K, w, scale, N, y, y_bf16, y_stride): y = x @ (scale[:, None] * "
      "W).T, W int8 [N, K]."},
+    {"bf16_mm", py_bf16_mm, METH_VARARGS,
+     "bf16_mm(x, x_bf16, x_stride, M, K, w, N, y, y_bf16, y_stride): y[M, N] = x[M, K] @ W.T, W bf16 [N, K] "
+     "widened to fp32, fp32 accumulation, x used exactly."},
     {"kernel", py_kernel, METH_NOARGS, "kernel() -> 'avx2' or 'plain': the path this CPU runs."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kernels._qgemv",
-    "Weight-only int4/int8 products for a few activation rows (see kernels/quant_linear.py).", -1, methods,
+    "Weight-only int4/int8 and bf16-weight products for a few activation rows (kernels/quant_linear.py, "
+    "kernels/linear.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__qgemv(void) { return PyModule_Create(&module); }

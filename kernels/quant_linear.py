@@ -17,10 +17,11 @@ Which kernel a call runs depends on its row count M (`Backend`):
                         on an AVX2 CPU (docs/BENCHMARKS.md, issue 23, fourteenth session).
 
 Without the native extension (no C compiler at install) the few-row path is torch's CPU kernels
-(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), logged loudly at import. Those convert
-every weight to float (~6 GB/s of packed weights on AVX2) and run ~10x slower with fp32
-activations than with bf16, so they take bf16 activations, scales and zeros (bf16 keeps 8 of the
-fp16 scale's 11 significant bits). torch's int4 kernel dequantizes a group as
+(`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`), logged loudly at import (by
+kernels/linear.py, which loads the extension and holds the call wrapper and dense copy this file
+shares with bf16 layers). Those convert every weight to float (~6 GB/s of packed weights on AVX2)
+and run ~10x slower with fp32 activations than with bf16, so they take bf16 activations, scales
+and zeros (bf16 keeps 8 of the fp16 scale's 11 significant bits). torch's int4 kernel dequantizes a group as
 `(q - 8) * scale + zero`: `zero = minimum + 8 * scale` maps the two exactly.
 
 The native kernel's only approximation is the activation's int8 rounding: per element at most
@@ -30,24 +31,12 @@ is CPU-only: a weight on another device is a `ValueError`, never a silent fallba
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
-from kernels.linear import Linear
+from kernels.linear import NATIVE_KERNEL, DenseCopy, native_mm, qgemv
 
-log = logging.getLogger(__name__)
-
-try:  # after torch: the extension then shares torch's OpenMP runtime (kernels/_qgemv.c)
-    from kernels import _qgemv
-except ImportError as e:  # pragma: no cover - depends on the install
-    _qgemv = None
-    log.warning("kernels._qgemv is not built (%s): int8/int4 layers fall back to torch's CPU kernels, "
-                "~2-3x slower at decode; reinstall with a C compiler (pip install -e .)", e)
-
-NATIVE_KERNEL = _qgemv is not None
 GROUP = 32  # Q4_1's block: the int4 group along the input dimension
 INT8_MAX = 127
 INT4_MAX = 15
@@ -131,46 +120,6 @@ def _check_cpu(weight: torch.Tensor, kind: str) -> None:
                          f"the weight is on {weight.device}: use --quantization none there")
 
 
-class _DenseCopy:
-    """The layer's weight dequantized to fp32 and packed, built at the first many-row call."""
-
-    __slots__ = ("_linear",)
-
-    def __init__(self) -> None:
-        self._linear: Linear | None = None
-
-    def __call__(self, x: torch.Tensor, dequantize: Callable[[], torch.Tensor]) -> torch.Tensor:
-        if self._linear is None:
-            self._linear = Linear(dequantize())
-        return self._linear(x.float()).to(x.dtype)
-
-    def nbytes(self) -> int:
-        return 0 if self._linear is None else self._linear.nbytes()
-
-
-def _native(x: torch.Tensor, out_features: int, call: Callable[..., None], *weight: int) -> torch.Tensor:
-    """y = x @ W.T by a kernels._qgemv product; x [M, K] fp32/bf16 with unit column stride."""
-    if x.dtype not in (torch.float32, torch.bfloat16):
-        return _native(x.float(), out_features, call, *weight).to(x.dtype)
-    if not x.is_cpu:
-        raise ValueError(f"the native int8/int4 kernel runs on CPU; the activations are on {x.device}")
-    m, k = x.shape
-    if x.stride(-1) != 1 or (m > 1 and x.stride(0) < k):  # e.g. an expanded row
-        x = x.contiguous()
-    y = torch.empty(m, out_features, dtype=x.dtype)
-    if m == 0:
-        return y
-    bf16 = x.dtype == torch.bfloat16
-    stride = x.stride(0) if m > 1 else k  # a single row's stride can be anything
-    args = (x.data_ptr(), bf16, stride, m, k, *weight, out_features, y.data_ptr(), bf16, out_features)
-    if torch.autograd._profiler_enabled():  # not a torch op: name it for the profiler ("linear" in it)
-        with torch.profiler.record_function("quant_linear_native"):
-            call(*args)
-    else:
-        call(*args)
-    return y
-
-
 class Int8Linear:
     """y = x @ dequant(w).T with w int8 per output channel."""
 
@@ -193,7 +142,7 @@ class Int8Linear:
         self._scale = scale.contiguous()
         self._scale_act = scale.to(act_dtype)
         self.act_dtype = act_dtype
-        self._dense = _DenseCopy()
+        self._dense = DenseCopy()
         self.kind = "int8"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -208,7 +157,8 @@ class Int8Linear:
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The quantized kernel at any row count (what `__call__` runs below DENSE_MIN_ROWS)."""
         if self.native:
-            return _native(x, self.out_features, _qgemv.q8_mm, self._weight.data_ptr(), self._scale.data_ptr())
+            return native_mm(x, self.in_features, self.out_features, qgemv.q8_mm, self._weight.data_ptr(),
+                             self._scale.data_ptr())
         # The kernels read A as contiguous without checking (int8) or refuse it (int4): the
         # gate half of a fused gate-up output is a strided view.
         y = torch.ops.aten._weight_int8pack_mm(x.to(self.act_dtype).contiguous(), self._weight, self._scale_act)
@@ -247,7 +197,7 @@ class Int4Linear:
             zero = groups.minimum.float() + INT4_ZERO_POINT * groups.scale.float()
             # [in // GROUP, out, 2]: the kernel's layout of (scale, zero) pairs
             self._scale_zero = torch.stack([groups.scale.float(), zero], dim=-1).transpose(0, 1).contiguous().to(act_dtype)
-        self._dense = _DenseCopy()
+        self._dense = DenseCopy()
         self.kind = "int4"
 
     @classmethod
@@ -266,7 +216,7 @@ class Int4Linear:
     def few_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The quantized kernel at any row count (what `__call__` runs below DENSE_MIN_ROWS)."""
         if self._blocks is not None:
-            return _native(x, self.out_features, _qgemv.q4_mm, self._blocks.data_ptr())
+            return native_mm(x, self.in_features, self.out_features, qgemv.q4_mm, self._blocks.data_ptr())
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.act_dtype).contiguous(), self._packed, GROUP,
                                                        self._scale_zero)
         return y.to(x.dtype)

@@ -12,6 +12,7 @@ from safetensors.torch import save_file
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.loader import LoadedWeights, load_weights
+from kernels.linear import BF16_DENSE_MIN_ROWS, auto_kind
 from core.params import SamplingParams
 from tests.conftest import NUM_THREADS
 
@@ -80,6 +81,13 @@ def test_bf16_is_selectable_and_agrees_with_fp32_on_a_clear_prompt() -> None:
     ids = engine_bf16.tokenizer.encode("The capital of France is")
     out = engine_bf16.generate([ids], SamplingParams(max_tokens=4, ignore_eos=True))[0]
     assert out.output_ids[:2] == [7042, 30]  # " Paris." as in fp32 and transformers
+    model = engine_bf16.model
+    kind = auto_kind(model.embed)  # "bf16-native" on a CPU without oneDNN bf16 (kernels/linear.py)
+    layers = [d for lw in model.layers for d in (lw.qkv, lw.o, lw.gate_up, lw.down)]
+    assert {d.kind for d in [*layers, model.lm_head]} == {kind}
+    # a batch decoding BF16_DENSE_MIN_ROWS rows at once: a "bf16-native" layer's fp32 copy
+    batch = engine_bf16.generate([ids] * BF16_DENSE_MIN_ROWS, SamplingParams(max_tokens=2, ignore_eos=True))
+    assert all(o.output_ids == [7042, 30] for o in batch)
 
 
 def test_load_weights_rejects_a_folder_without_safetensors(tmp_path: Path) -> None:
