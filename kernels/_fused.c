@@ -10,15 +10,17 @@
  *       when delta != 0:  x[r] += delta[r]           (rounded to the dtype: torch's `x += delta`)
  *       out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight
  *       (fp32 math, one rounding at the end: what F.rms_norm does for bf16 inputs)
- *   silu_mul(gate_up, gu_stride, out, out_stride, rows, n, bf16, threads)
+ *   silu_mul(gate_up, gu_stride, out, out_stride, rows, n, bf16)
  *       out[r] = silu(gate_up[r, :n]) * gate_up[r, n:2n]
  *       (silu rounded to the dtype before the product: F.silu(gate) then mul_(up))
+ *       ~2x cheaper than the torch ops for one or two rows of 1536, dearer from ~4 (bf16) or ~8
+ *       (fp32) rows on: ATen's e^x loop is faster than this one, so kernels/fused.py calls it
+ *       only for a few rows.
  *
  * Arguments are addresses (tensor.data_ptr()) and element strides of rows; bf16: every tensor is
  * bfloat16 (else float32). The sum of squares and e^x are this file's own (a different order and
  * polynomial than ATen's), so fp32 results agree with torch to a few ulp, bf16 ones to the bf16
- * rounding of those (occasionally one bf16 ulp). The GIL is released; silu_mul spreads rows over
- * `threads` OpenMP threads when there are enough elements to pay for the fork.
+ * rounding of those (occasionally one bf16 ulp). The GIL is released; one thread (a few rows).
  *
  * AVX-512, or AVX2 + FMA, when the CPU has them (the same C compiled for each and chosen at
  * import, as in _paged_attn.c); plain C otherwise.
@@ -27,9 +29,6 @@
 #include <Python.h>
 #include <math.h>
 #include <stdint.h>
-
-/* Below this many elements one thread is faster than an OpenMP fork/join (measured on 2 cores). */
-#define PARALLEL_MIN_ELEMENTS 65536
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -42,9 +41,10 @@ INLINE float bf16_to_f32(uint16_t h) {
 INLINE uint16_t f32_to_bf16(float f) {
     union { uint32_t u; float f; } c;
     c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40); /* quiet NaN */
-    c.u += 0x7fffu + ((c.u >> 16) & 1u); /* round to nearest even, as torch */
-    return (uint16_t)(c.u >> 16);
+    const uint32_t rounded = (c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16; /* to nearest even */
+    const uint32_t quiet_nan = (c.u >> 16) | 0x40u;
+    /* a select, not a branch, so that loops over rows vectorize */
+    return (uint16_t)((c.u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 INLINE float load(const void *p, int64_t i, int bf16) {
@@ -92,9 +92,9 @@ typedef struct {
     float eps;
 } NormArgs;
 
-INLINE void add_rms_norm_body(const NormArgs *a) {
-    const int64_t esz = a->bf16 ? 2 : 4, n = a->n;
-    const int bf16 = a->bf16;
+/* `bf16` is a constant where add_rms_norm_body inlines this: each dtype gets its own loops. */
+INLINE void add_rms_norm_typed(const NormArgs *a, const int bf16) {
+    const int64_t esz = bf16 ? 2 : 4, n = a->n;
     for (int64_t r = 0; r < a->rows; r++) {
         char *x = a->x + r * a->x_stride * esz;
         float ss = 0.0f;
@@ -121,6 +121,11 @@ INLINE void add_rms_norm_body(const NormArgs *a) {
     }
 }
 
+INLINE void add_rms_norm_body(const NormArgs *a) {
+    if (a->bf16) add_rms_norm_typed(a, 1);
+    else add_rms_norm_typed(a, 0);
+}
+
 typedef struct {
     const char *gate_up;
     int64_t gu_stride;
@@ -129,9 +134,8 @@ typedef struct {
     int bf16;
 } ActArgs;
 
-INLINE void silu_mul_row(const ActArgs *a, int64_t r) {
-    const int64_t esz = a->bf16 ? 2 : 4, n = a->n;
-    const int bf16 = a->bf16;
+INLINE void silu_mul_typed(const ActArgs *a, int64_t r, const int bf16) {
+    const int64_t esz = bf16 ? 2 : 4, n = a->n;
     const char *g = a->gate_up + r * a->gu_stride * esz, *u = g + n * esz;
     char *o = a->out + r * a->out_stride * esz;
 #pragma omp simd
@@ -141,6 +145,11 @@ INLINE void silu_mul_row(const ActArgs *a, int64_t r) {
         if (bf16) s = bf16_to_f32(f32_to_bf16(s));
         store(o, i, s * load(u, i, bf16), bf16);
     }
+}
+
+INLINE void silu_mul_row(const ActArgs *a, int64_t r) {
+    if (a->bf16) silu_mul_typed(a, r, 1);
+    else silu_mul_typed(a, r, 0);
 }
 
 /* Each body compiled once per instruction set and picked at import. */
@@ -210,20 +219,15 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
     (void)self;
     unsigned long long gate_up, out;
     long long gu_stride, out_stride, rows, n;
-    int bf16, threads;
-    if (!PyArg_ParseTuple(args, "KLKLLLpi", &gate_up, &gu_stride, &out, &out_stride, &rows, &n,
-                          &bf16, &threads)
+    int bf16;
+    if (!PyArg_ParseTuple(args, "KLKLLLp", &gate_up, &gu_stride, &out, &out_stride, &rows, &n,
+                          &bf16)
         || check_shape(rows, n) < 0)
         return NULL;
     ActArgs a = {(const char *)(uintptr_t)gate_up, gu_stride, (char *)(uintptr_t)out, out_stride,
                  rows, n, bf16};
     Py_BEGIN_ALLOW_THREADS
-    if (threads <= 1 || rows < 2 || rows * n < PARALLEL_MIN_ELEMENTS) {
-        for (int64_t r = 0; r < rows; r++) ACT_FN(&a, r);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t r = 0; r < rows; r++) ACT_FN(&a, r);
-    }
+    for (int64_t r = 0; r < rows; r++) ACT_FN(&a, r);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }

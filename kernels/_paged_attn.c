@@ -224,7 +224,8 @@ INLINE void rope_write_item(const Args *a, int64_t seq, int64_t kvh) {
     const int64_t esz = a->bf16 ? 2 : 4, tok_stride = a->kv_heads * hd;
     const int64_t half = a->num_blocks * a->block_size * tok_stride;
     char *row = (char *)a->q + seq * a->q_row_stride * esz; /* [heads + 2 kv_heads, hd] */
-    const char *cos = a->cos + a->positions[seq] * hd * esz, *sin = a->sin + a->positions[seq] * hd * esz;
+    const int64_t table_row = a->positions[seq] * hd * esz;
+    const char *cos = a->cos + table_row, *sin = a->sin + table_row;
     for (int64_t g = 0; g < group; g++) {
         char *head = row + (kvh * group + g) * hd * esz;
         rope_head(head, head, cos, sin, a->bf16, hd);
@@ -232,7 +233,8 @@ INLINE void rope_write_item(const Args *a, int64_t seq, int64_t kvh) {
     char *kv = (char *)a->kv;
     const int64_t at = (a->slots[seq] * a->kv_heads + kvh) * hd * esz;
     rope_head(kv + at, row + (a->heads + kvh) * hd * esz, cos, sin, a->bf16, hd);
-    memcpy(kv + half * esz + at, row + (a->heads + a->kv_heads + kvh) * hd * esz, (size_t)(hd * esz));
+    const char *v = row + (a->heads + a->kv_heads + kvh) * hd * esz;
+    memcpy(kv + half * esz + at, v, (size_t)(hd * esz));
 }
 
 /* The body compiled once per instruction set, head_dim 64 and 128 (most models) specialised. */
@@ -300,11 +302,11 @@ static int parse_args(PyObject *args, Args *a, int *threads, int rope) {
                            &kv_heads, &head_dim, &num_blocks, &block_size, &bf16, &scale, threads);
     if (!ok) return -1;
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP
-        || head_dim <= 0 || head_dim > MAX_HEAD_DIM || (rope && head_dim % 2 != 0) || block_size <= 0
-        || num_seqs < 0) {
+        || head_dim <= 0 || head_dim > MAX_HEAD_DIM || (rope && head_dim % 2 != 0)
+        || block_size <= 0 || num_seqs < 0) {
         PyErr_Format(PyExc_ValueError,
-                     "paged decode attention supports a head_dim <= %d (even with RoPE) and <= %d query "
-                     "heads per KV head (got heads=%lld kv_heads=%lld head_dim=%lld "
+                     "paged decode attention supports a head_dim <= %d (even with RoPE) and <= "
+                     "%d query heads per KV head (got heads=%lld kv_heads=%lld head_dim=%lld "
                      "block_size=%lld)", MAX_HEAD_DIM, MAX_GROUP, heads, kv_heads, head_dim,
                      block_size);
         return -1;
