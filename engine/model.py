@@ -85,10 +85,9 @@ class LlamaModel:
         self.final_norm = weights["model.norm.weight"]
         self.layers = [self._fuse_layer(weights, i) for i in range(cfg.num_layers)]
         self.cos, self.sin = rope_tables(cfg, dtype)
+        norms = [self.final_norm, *(w for lw in self.layers for w in (lw.input_norm, lw.post_norm))]
         # False: every step takes the torch path (the tests compare the two)
-        self.fused_decode = fused.AVAILABLE
-        self._norms = [self.final_norm,
-                       *(w for lw in self.layers for w in (lw.input_norm, lw.post_norm))]
+        self.fused_decode = fused.weights_supported(norms, dtype)
 
     def _dense(self, quantization: str, parts: list[torch.Tensor], names: list[str]) -> DenseLayer:
         """One layer of `parts` stacked along the output dimension (fused QKV / gate-up)."""
@@ -134,8 +133,7 @@ class LlamaModel:
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
         rope = (self.cos, self.sin)
-        if self.fused_decode and fused.supported(x, kv_cache, meta, cfg.num_heads, rope,
-                                                 self._norms):
+        if self.fused_decode and fused.supported(x, kv_cache, meta, cfg.num_heads, rope):
             return self._forward_decode(x, positions, kv_cache, meta, logits_rows, layer_hook)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)

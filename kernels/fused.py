@@ -52,15 +52,23 @@ MAX_HEAD_DIM, MAX_GROUP = 256, 16
 NATIVE_ACT_MAX_ELEMENTS = 4096
 
 
+def weights_supported(weights: list[torch.Tensor], dtype: torch.dtype) -> bool:
+    """Whether the native calls can read these norm weights: contiguous CPU `dtype` (fp32 or
+    bf16) vectors. Checked once per model; `supported` checks each step's tensors."""
+    return AVAILABLE and dtype in _DTYPES and all(
+        w.device.type == "cpu" and w.dtype == dtype and w.dim() == 1 and w.is_contiguous()
+        for w in weights)
+
+
 def supported(x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-              rope: tuple[torch.Tensor, torch.Tensor], weights: list[torch.Tensor]) -> bool:
+              rope: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """Whether this step can run natively: an all-decode CPU step, fp32/bf16 throughout, the
-    cache, RoPE tables and norm weights contiguous, int64 step inputs."""
+    cache and RoPE tables contiguous, int64 step inputs (the norm weights: `weights_supported`)."""
     dec = meta.decode
     if not AVAILABLE or dec is None or dec.num != meta.num_tokens or meta.prefills:
         return False
     head_dim, kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
-    tensors = (x, kv_cache, *rope, *weights)
+    tensors = (x, kv_cache, *rope)
     return (x.device.type == "cpu" and x.dtype in _DTYPES and x.is_contiguous()
             and all(t.dtype == x.dtype and t.device == x.device and t.is_contiguous()
                     for t in tensors)

@@ -121,3 +121,11 @@ def test_decode_step_silu_mul_for_few_and_many_rows(rows: int) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     want = F.silu(gate) * up
     torch.testing.assert_close(step.silu_mul(gate_up), want, atol=1e-5, rtol=2e-6)
+
+
+def test_norm_weights_of_another_dtype_or_layout_turn_the_native_step_off() -> None:
+    ones = torch.ones(8)
+    assert fused.weights_supported([ones, ones], torch.float32)
+    assert not fused.weights_supported([ones, ones.bfloat16()], torch.float32)
+    assert not fused.weights_supported([torch.ones(8, 2)[:, 0]], torch.float32)  # strided
+    assert not fused.weights_supported([ones.half()], torch.float16)
