@@ -1,6 +1,6 @@
 """Only the native part of the build; everything else is in pyproject.toml.
 
-Four small C extensions, each `optional`: without a C compiler and the Python headers the
+Five small C extensions, each `optional`: without a C compiler and the Python headers the
 install still succeeds and the module that would use one logs a warning at import:
 - kvpool._copysum (kvpool/_copysum.c): a fused copy + checksum of KV blocks; without it the
   tiers run on the slower numpy path.
@@ -8,7 +8,11 @@ install still succeeds and the module that would use one logs a warning at impor
   transfers are in flight; without it the ucxx backend sleeps on the worker's event fd between
   fragments (about half the throughput).
 - kernels._paged_attn (kernels/_paged_attn.c): decode attention that reads the paged KV cache in
-  place; without it the torch backend gathers every request's blocks into a copy first (slower).
+  place, and for all-decode steps RoPE + the KV write in the same call; without it the torch
+  backend gathers every request's blocks into a copy first (slower).
+- kernels._fused (kernels/_fused.c): a decode step's residual add + RMSNorm and SiLU(gate) * up,
+  one call each; without it (or without _paged_attn) every decode step runs the torch ops of
+  engine/model.py's `_layer` (about 3x the per-layer calls; kernels/fused.py).
 - kernels._qgemv (kernels/_qgemv.c): int4 (Q4_1) / int8 weight-only products for decode's few
   rows with integer dot products, and bf16-weight ones; without it `--quantization int4|int8`
   runs torch's slower kernels (kernels/quant_linear.py), and bf16 on a CPU without oneDNN's
@@ -25,6 +29,11 @@ setup(ext_modules=[
     Extension("kernels._paged_attn", ["kernels/_paged_attn.c"],
               extra_compile_args=["-O3", "-std=gnu11", "-fopenmp"], extra_link_args=["-fopenmp"],
               optional=True),
+    # no-trapping-math lets the vectorizer if-convert e^x's clamp (no change to any result)
+    Extension("kernels._fused", ["kernels/_fused.c"],
+              extra_compile_args=["-O3", "-std=gnu11", "-fno-math-errno", "-fno-trapping-math",
+                                  "-fopenmp"],
+              extra_link_args=["-fopenmp"], optional=True),
     Extension("kernels._qgemv", ["kernels/_qgemv.c"], extra_compile_args=["-O3", "-std=c11", "-fno-math-errno", "-fopenmp"],
               extra_link_args=["-fopenmp"], optional=True),
 ])

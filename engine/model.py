@@ -3,7 +3,9 @@
 Weights are plain tensors (q/k/v and gate/up fused at load time so each layer does four
 matmuls), or int8/int4 weight-only layers (`quantization`; int4 from a Q4_1 GGUF's own blocks when
 the loader gives them). `forward` takes one step's flat batch of tokens and returns logits only for
-the rows that will be sampled.
+the rows that will be sampled. An all-decode step on CPU runs each layer's norms, RoPE, KV write,
+attention and activation as native calls (`_decode_layer`, kernels/fused.py); other steps, and
+any step without the extensions, run the torch ops of `_layer`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model_config import ModelConfig
+from kernels import fused
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.linear import DenseLayer, Linear
 from kernels.quant_linear import Int4Linear, Int8Linear, Q4Groups, quantize_q4
@@ -82,6 +85,9 @@ class LlamaModel:
         self.final_norm = weights["model.norm.weight"]
         self.layers = [self._fuse_layer(weights, i) for i in range(cfg.num_layers)]
         self.cos, self.sin = rope_tables(cfg, dtype)
+        norms = [self.final_norm, *(w for lw in self.layers for w in (lw.input_norm, lw.post_norm))]
+        # False: every step takes the torch path (the tests compare the two)
+        self.fused_decode = fused.weights_supported(norms, dtype)
 
     def _dense(self, quantization: str, parts: list[torch.Tensor], names: list[str]) -> DenseLayer:
         """One layer of `parts` stacked along the output dimension (fused QKV / gate-up)."""
@@ -126,6 +132,9 @@ class LlamaModel:
         """input_ids/positions: [T]; returns logits [len(logits_rows), vocab] in fp32."""
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
+        rope = (self.cos, self.sin)
+        if self.fused_decode and fused.supported(x, kv_cache, meta, cfg.num_heads, rope):
+            return self._forward_decode(x, positions, kv_cache, meta, logits_rows, layer_hook)
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         attn_out = torch.empty(x.shape[0], cfg.q_size, dtype=x.dtype)
@@ -137,6 +146,31 @@ class LlamaModel:
             return torch.empty(0, cfg.vocab_size)
         h = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)
         return self.lm_head(h).float()
+
+    def _forward_decode(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                        meta: AttentionMetadata, logits_rows: torch.Tensor,
+                        layer_hook: LayerHook | None) -> torch.Tensor:
+        """`forward` for an all-decode step: each layer's MLP output is added to the residual by
+        the next layer's first norm (the last one's by the final norm)."""
+        step = fused.DecodeStep(x, positions, (self.cos, self.sin), kv_cache, meta,
+                                self.cfg.num_heads, self.cfg.rms_norm_eps)
+        delta = None
+        for i, lw in enumerate(self.layers):
+            delta = self._decode_layer(step, i, lw, delta)
+            if layer_hook is not None:  # layer i's K/V are in the cache: decode_rope wrote them
+                layer_hook(i)
+        h = step.add_rms_norm(delta, self.final_norm)
+        if logits_rows.numel() == 0:
+            return torch.empty(0, self.cfg.vocab_size)
+        return self.lm_head(h[logits_rows]).float()
+
+    @staticmethod
+    def _decode_layer(step: fused.DecodeStep, i: int, lw: LayerWeights,
+                      delta: torch.Tensor | None) -> torch.Tensor:
+        """`_layer` in native calls; returns the MLP output, not yet added to the residual."""
+        step.attend(i, lw.qkv(step.add_rms_norm(delta, lw.input_norm)))
+        h = step.add_rms_norm(lw.o(step.attn_out), lw.post_norm)
+        return lw.down(step.silu_mul(lw.gate_up(h)))
 
     def _layer(self, x: torch.Tensor, lw: LayerWeights, cache: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, meta: AttentionMetadata, attn_out: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,18 @@
  *       work items (request, KV head) are spread over `threads` OpenMP threads (torch's pool)
  *       when there is enough of it.
  *
+ *   decode_rope(qkv, qkv_row_stride, kv, tables, table_stride, ctx_lens, out, out_row_stride,
+ *               num_seqs, heads, kv_heads, head_dim, num_blocks, block_size, bf16, scale, threads,
+ *               positions, cos, sin, slots)
+ *       The same, for rows of a fused QKV projection ([heads + 2 kv_heads, head_dim] each, q
+ *       first) whose q and k are not rotated yet and whose k and v are not in the cache yet: each
+ *       work item first applies RoPE to its query heads (in place, in qkv) and its K head, writes
+ *       K and V to the request's new slot, then attends (so the whole step's KV is written when
+ *       the call returns). positions, slots: int64 [num_seqs]; cos, sin: [max_position,
+ *       head_dim] tables in the q dtype, sin signed as in engine/model.py's `rope_tables`:
+ *       rope(x) = x * cos + swap_halves(x) * sin, computed as torch does (each product rounded,
+ *       then the sum), so the rotated q and k are bit-identical to the torch composition.
+ *
  * AVX-512, or AVX2 + FMA, when the CPU has them (the same C compiled for each and chosen at
  * import); plain C otherwise.
  */
@@ -52,6 +64,9 @@ typedef struct {
     int64_t num_seqs, heads, kv_heads, head_dim, num_blocks, block_size;
     int bf16;
     float scale;
+    /* decode_rope only (positions == NULL for decode): */
+    const int64_t *positions, *slots;
+    const char *cos, *sin;
 } Args;
 
 static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t h) {
@@ -179,9 +194,53 @@ INLINE void item_body(const Args *a, int64_t seq, int64_t kvh, const int64_t hd)
     }
 }
 
+/* x * cos + swap_halves(x) * sin of one head, from `src` into `dst` (may alias: read first),
+ * rounded as torch's `x * cos` then `addcmul`: the first product stored in the dtype, then one
+ * fused multiply-add (ATen's fp32 addcmul is an FMA; for bf16 the product is exact either way). */
+INLINE void rope_head(char *dst, const char *src, const char *cos, const char *sin, int bf16,
+                      int64_t hd) {
+    float x[MAX_HEAD_DIM], c[MAX_HEAD_DIM], s[MAX_HEAD_DIM];
+    const int64_t half = hd / 2;
+    for (int64_t d = 0; d < hd; d++) {
+        x[d] = bf16 ? bf16_to_f32(((const uint16_t *)src)[d]) : ((const float *)src)[d];
+        c[d] = bf16 ? bf16_to_f32(((const uint16_t *)cos)[d]) : ((const float *)cos)[d];
+        s[d] = bf16 ? bf16_to_f32(((const uint16_t *)sin)[d]) : ((const float *)sin)[d];
+    }
+    for (int64_t d = 0; d < hd; d++) {
+        const float swapped = x[d < half ? d + half : d - half];
+        if (bf16) {
+            const float xc = bf16_to_f32(f32_to_bf16(x[d] * c[d]));
+            ((uint16_t *)dst)[d] = f32_to_bf16(fmaf(swapped, s[d], xc));
+        } else {
+            ((float *)dst)[d] = fmaf(swapped, s[d], x[d] * c[d]);
+        }
+    }
+}
+
+/* decode_rope's part of one (request, KV head): rotate the group's query heads in place, rotate
+ * K into the request's new slot, copy V there. */
+INLINE void rope_write_item(const Args *a, int64_t seq, int64_t kvh) {
+    const int64_t group = a->heads / a->kv_heads, hd = a->head_dim;
+    const int64_t esz = a->bf16 ? 2 : 4, tok_stride = a->kv_heads * hd;
+    const int64_t half = a->num_blocks * a->block_size * tok_stride;
+    char *row = (char *)a->q + seq * a->q_row_stride * esz; /* [heads + 2 kv_heads, hd] */
+    const int64_t table_row = a->positions[seq] * hd * esz;
+    const char *cos = a->cos + table_row, *sin = a->sin + table_row;
+    for (int64_t g = 0; g < group; g++) {
+        char *head = row + (kvh * group + g) * hd * esz;
+        rope_head(head, head, cos, sin, a->bf16, hd);
+    }
+    char *kv = (char *)a->kv;
+    const int64_t at = (a->slots[seq] * a->kv_heads + kvh) * hd * esz;
+    rope_head(kv + at, row + (a->heads + kvh) * hd * esz, cos, sin, a->bf16, hd);
+    const char *v = row + (a->heads + a->kv_heads + kvh) * hd * esz;
+    memcpy(kv + half * esz + at, v, (size_t)(hd * esz));
+}
+
 /* The body compiled once per instruction set, head_dim 64 and 128 (most models) specialised. */
 #define KERNEL(NAME, ATTR)                                                                      \
     ATTR static void NAME(const Args *a, int64_t seq, int64_t kvh) {                            \
+        if (a->positions != NULL) rope_write_item(a, seq, kvh);                                 \
         if (a->head_dim == 64) item_body(a, seq, kvh, 64);                                      \
         else if (a->head_dim == 128) item_body(a, seq, kvh, 128);                               \
         else item_body(a, seq, kvh, a->head_dim);                                               \
@@ -226,37 +285,65 @@ static void run_items(const Args *a, int threads) {
     for (int64_t i = 0; i < items; i++) KERNEL_FN(a, i / a->kv_heads, i % a->kv_heads);
 }
 
-static PyObject *decode(PyObject *self, PyObject *args) {
-    (void)self;
-    unsigned long long q, kv, tables, ctx_lens, out;
+/* Parses decode's 17 arguments (and decode_rope's 4 more) into `a`; 0 on success. */
+static int parse_args(PyObject *args, Args *a, int *threads, int rope) {
+    unsigned long long q, kv, tables, ctx_lens, out, positions = 0, cos = 0, sin = 0, slots = 0;
     long long q_row_stride, table_stride, out_row_stride, num_seqs, heads, kv_heads, head_dim,
         num_blocks, block_size;
-    int bf16, threads;
+    int bf16;
     float scale;
-    if (!PyArg_ParseTuple(args, "KLKKLKKLLLLLLLpfi", &q, &q_row_stride, &kv, &tables,
-                          &table_stride, &ctx_lens, &out, &out_row_stride, &num_seqs, &heads,
-                          &kv_heads, &head_dim, &num_blocks, &block_size, &bf16, &scale, &threads))
-        return NULL;
+    const int ok = rope
+        ? PyArg_ParseTuple(args, "KLKKLKKLLLLLLLpfiKKKK", &q, &q_row_stride, &kv, &tables,
+                           &table_stride, &ctx_lens, &out, &out_row_stride, &num_seqs, &heads,
+                           &kv_heads, &head_dim, &num_blocks, &block_size, &bf16, &scale, threads,
+                           &positions, &cos, &sin, &slots)
+        : PyArg_ParseTuple(args, "KLKKLKKLLLLLLLpfi", &q, &q_row_stride, &kv, &tables,
+                           &table_stride, &ctx_lens, &out, &out_row_stride, &num_seqs, &heads,
+                           &kv_heads, &head_dim, &num_blocks, &block_size, &bf16, &scale, threads);
+    if (!ok) return -1;
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP
-        || head_dim <= 0 || head_dim > MAX_HEAD_DIM || block_size <= 0 || num_seqs < 0) {
+        || head_dim <= 0 || head_dim > MAX_HEAD_DIM || (rope && head_dim % 2 != 0)
+        || block_size <= 0 || num_seqs < 0) {
         PyErr_Format(PyExc_ValueError,
-                     "paged decode attention supports head_dim <= %d and <= %d query heads per "
-                     "KV head (got heads=%lld kv_heads=%lld head_dim=%lld block_size=%lld)",
-                     MAX_HEAD_DIM, MAX_GROUP, heads, kv_heads, head_dim, block_size);
-        return NULL;
+                     "paged decode attention supports a head_dim <= %d (even with RoPE) and <= "
+                     "%d query heads per KV head (got heads=%lld kv_heads=%lld head_dim=%lld "
+                     "block_size=%lld)", MAX_HEAD_DIM, MAX_GROUP, heads, kv_heads, head_dim,
+                     block_size);
+        return -1;
     }
-    Args a = {(const char *)(uintptr_t)q, q_row_stride, (const char *)(uintptr_t)kv,
-              (const int64_t *)(uintptr_t)tables, table_stride,
-              (const int64_t *)(uintptr_t)ctx_lens, (char *)(uintptr_t)out, out_row_stride,
-              num_seqs, heads, kv_heads, head_dim, num_blocks, block_size, bf16, scale};
+    *a = (Args){(const char *)(uintptr_t)q, q_row_stride, (const char *)(uintptr_t)kv,
+                (const int64_t *)(uintptr_t)tables, table_stride,
+                (const int64_t *)(uintptr_t)ctx_lens, (char *)(uintptr_t)out, out_row_stride,
+                num_seqs, heads, kv_heads, head_dim, num_blocks, block_size, bf16, scale,
+                (const int64_t *)(uintptr_t)positions, (const int64_t *)(uintptr_t)slots,
+                (const char *)(uintptr_t)cos, (const char *)(uintptr_t)sin};
+    return 0;
+}
+
+static PyObject *run(PyObject *args, int rope) {
+    Args a;
+    int threads;
+    if (parse_args(args, &a, &threads, rope) < 0) return NULL;
     Py_BEGIN_ALLOW_THREADS
     run_items(&a, threads);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
+static PyObject *decode(PyObject *self, PyObject *args) {
+    (void)self;
+    return run(args, 0);
+}
+
+static PyObject *decode_rope(PyObject *self, PyObject *args) {
+    (void)self;
+    return run(args, 1);
+}
+
 static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS, "Paged decode attention over one layer's cache, in place."},
+    {"decode_rope", decode_rope, METH_VARARGS,
+     "RoPE on q and k, k and v into their slots, then paged decode attention (one layer)."},
     {NULL, NULL, 0, NULL},
 };
 
