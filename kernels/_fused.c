@@ -30,6 +30,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "_expf.h"
+
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE float bf16_to_f32(uint16_t h) {
@@ -62,22 +64,10 @@ INLINE float store(void *p, int64_t i, float v, int bf16) {
     return bf16_to_f32(h);
 }
 
-/* e^x, vectorizable: Cephes' expf polynomial after x = n ln2 + r (relative error ~2e-7); x is
- * clamped to [-87, 88], so e^x never overflows to inf nor goes denormal. */
+/* e^x, vectorizable (kernels/_expf.h); x is clamped to [-87, 88], so e^x never overflows to inf
+ * nor goes denormal. */
 INLINE float exp_clamped(float x) {
-    const float c = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    const float n = floorf(c * 1.44269504088896341f + 0.5f);
-    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return y * scale.f;
+    return hm_exp_in_range(x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x));
 }
 
 typedef struct {

@@ -46,6 +46,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "_expf.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 16
 #define CHUNK 32
@@ -83,22 +85,11 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(c.u >> 16);
 }
 
-/* e^x for x <= 0 (scores minus their running max), vectorizable: Cephes' expf polynomial after
- * x = n ln2 + r, |r| <= ln2 / 2 (relative error ~2e-7); e^x = 0 below -87 (and for -inf). */
+/* e^x for x <= 0 (scores minus their running max), vectorizable (kernels/_expf.h); e^x = 0
+ * below -87 (and for -inf). */
 static inline __attribute__((always_inline)) float exp_nonpos(float x) {
-    const float c = x < -87.0f ? -87.0f : x;
-    const float n = floorf(c * 1.44269504088896341f + 0.5f);
-    const float r = c - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    const float y = p * r * r + r + 1.0f;
-    union { uint32_t u; float f; } scale;
-    scale.u = (uint32_t)((int32_t)n + 127) << 23;
-    return x < -87.0f ? 0.0f : y * scale.f;
+    const float e = hm_exp_in_range(x < -87.0f ? -87.0f : x);
+    return x < -87.0f ? 0.0f : e;
 }
 
 #define INLINE static inline __attribute__((always_inline))

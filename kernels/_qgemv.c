@@ -505,16 +505,22 @@ static int check(const Problem *p, int k_multiple) {
     return 0;
 }
 
+/* The arguments q4_mm and bf16_mm share (x, x_bf16, x_stride, M, K, w, N, y, y_bf16, y_stride
+ * [, plain]) into p, checked with K a multiple of k_multiple; -1 with the Python error set. */
+static int parse_xwy(PyObject *args, Problem *p, int k_multiple) {
+    unsigned long long x, w, y;
+    if (!PyArg_ParseTuple(args, "KiLLLKLKiL|p", &x, &p->x_bf16, &p->x_stride, &p->m, &p->k, &w, &p->n, &y,
+                          &p->y_bf16, &p->y_stride, &p->plain))
+        return -1;
+    p->x = (const void *)(uintptr_t)x;
+    p->w = (const void *)(uintptr_t)w;
+    p->y = (void *)(uintptr_t)y;
+    return check(p, k_multiple);
+}
+
 static PyObject *py_q4_mm(PyObject *self, PyObject *args) {
     Problem p = {0};
-    unsigned long long x, w, y;
-    if (!PyArg_ParseTuple(args, "KiLLLKLKiL|p", &x, &p.x_bf16, &p.x_stride, &p.m, &p.k, &w, &p.n, &y, &p.y_bf16,
-                          &p.y_stride, &p.plain))
-        return NULL;
-    p.x = (const void *)(uintptr_t)x;
-    p.w = (const void *)(uintptr_t)w;
-    p.y = (void *)(uintptr_t)y;
-    if (check(&p, QK) != 0)
+    if (parse_xwy(args, &p, QK) != 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     run(&p, 1);
@@ -546,14 +552,7 @@ static PyObject *py_q8_mm(PyObject *self, PyObject *args) {
 
 static PyObject *py_bf16_mm(PyObject *self, PyObject *args) {
     Problem p = {0};
-    unsigned long long x, w, y;
-    if (!PyArg_ParseTuple(args, "KiLLLKLKiL|p", &x, &p.x_bf16, &p.x_stride, &p.m, &p.k, &w, &p.n, &y, &p.y_bf16,
-                          &p.y_stride, &p.plain))
-        return NULL;
-    p.x = (const void *)(uintptr_t)x;
-    p.w = (const void *)(uintptr_t)w;
-    p.y = (void *)(uintptr_t)y;
-    if (check(&p, 1) != 0)
+    if (parse_xwy(args, &p, 1) != 0)
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     run_bf16(&p);
