@@ -38,7 +38,8 @@ TOP_KEYS = {"benchmark", "command", "date", "machine", "config", "workloads", "f
 
 # A decode-step profile as bench/step_profile.py returns it (ms).
 PROFILE = {"linear (weights)": 20.0, "python + scheduling": 1.0, "python + scheduling (profiled)": 3.0,
-           "per-step overhead (outside the forward)": 0.5, "step (wall)": 30.0, "step (wall, profiled)": 34.0}
+           "per-step overhead (outside the forward)": 0.5, "python + scheduling (timed kernels)": 2.0,
+           "step (wall)": 30.0, "step (wall, profiled)": 34.0}
 
 
 def test_synthetic_ids_are_deterministic_in_range_and_distinct_per_row() -> None:
@@ -119,8 +120,12 @@ def test_quick_json_report_is_complete_and_consistent(capsys: pytest.CaptureFixt
 
     prof = report["decode_step_profile_ms"]
     assert {"linear (weights)", "attention kernel", "python + scheduling", "python + scheduling (profiled)",
-            "per-step overhead (outside the forward)", "step (wall)", "step (wall, profiled)"} <= prof.keys()
+            "per-step overhead (outside the forward)", "python + scheduling (timed kernels)", "step (wall)",
+            "step (wall, profiled)"} <= prof.keys()
     assert 0 < prof["per-step overhead (outside the forward)"] < prof["step (wall)"]
+    # all of a step's Python is at least what it spends outside the forward, and less than the step
+    glue = prof["python + scheduling (timed kernels)"]
+    assert prof["per-step overhead (outside the forward)"] * 0.5 < glue < prof["step (wall)"]
     assert prof["python + scheduling"] <= prof["step (wall)"]
 
     checks = report["checks"]
