@@ -58,7 +58,7 @@ def categorize(op_name: str) -> str:
 def decode_step_profile(engine: Engine, prompt: list[int], steps: int = 16) -> dict[str, float]:
     """ms per batch-1 decode step: ops by category, `python + scheduling` (unprofiled wall minus
     ops), `per-step overhead` (unprofiled wall minus forward), and the walls themselves."""
-    engine.add_request(prompt, SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True), request_id="profile")
+    engine.add_request(prompt, SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True), request_id="profile")
     try:
         while engine.scheduler.running == [] or engine.scheduler.running[0].num_output_tokens < 4:
             engine.step()  # past prefill and the first decodes
