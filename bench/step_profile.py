@@ -35,7 +35,7 @@ import kernels.fused
 import kernels.torch_backend
 from core.params import SamplingParams
 from engine.engine import Engine
-from engine.model import LlamaModel
+from engine.model import DecoderModel
 
 # Op name fragments -> category; the first match wins.
 CATEGORIES = (
@@ -117,7 +117,7 @@ class KernelClock:
     `total_s`. Wraps at one level only (a dense layer's own native call is inside the layer's
     time), and puts everything back on exit."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: DecoderModel) -> None:
         self.model = model
         self.total_s = 0.0
         self._undo: list[Callable[[], None]] = []

@@ -26,7 +26,7 @@ from core.errors import InvalidRequestError
 from core.messages import TokenChunk
 from engine.kv_push import KVPushes
 from engine.loader import LoadedWeights, load_weights
-from engine.model import LlamaModel
+from engine.model import DecoderModel
 from engine.outputs import CompletionResult, TextState, completion_result, request_end
 from core.params import FinishReason
 from engine.request import Request
@@ -119,8 +119,8 @@ class Engine:
         self.tokenizer = load_tokenizer(weights)
         self.max_model_len = min(config.max_model_len or weights.config.max_position,
                                  weights.config.max_position)
-        self.model = LlamaModel(weights.config, weights.weights, get_backend(config.attention_backend),
-                                config.torch_dtype, config.quantization, weights.q4)
+        self.model = DecoderModel(weights.config, weights.weights, get_backend(config.attention_backend),
+                                  config.torch_dtype, config.quantization, weights.q4, self.max_model_len)
         num_blocks = config.num_blocks or max(1, int(config.kv_cache_gb * 2**30) // kv_block_bytes(weights, config))
         cfg = weights.config
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, config.block_size, cfg.num_kv_heads,

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.families import config_from_hf, family
 from engine.model_config import ModelConfig
 from kernels.quant_linear import GROUP, Q4Groups
 
@@ -243,33 +244,33 @@ def _q4_1_arrays(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.
 # ---------------------------------------------------------------- HF folder
 
 
-def _hf_config(folder: Path) -> ModelConfig:
+def _read_json(path: Path) -> dict[str, Any]:
     try:
-        raw = json.loads((folder / "config.json").read_text())
+        return json.loads(path.read_text())
     except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{folder}/config.json: invalid JSON ({e})") from e
-    arch = (raw.get("architectures") or ["?"])[0]
-    if raw.get("model_type") != "llama" and arch != "LlamaForCausalLM":
-        raise UnsupportedModelError(f"{folder}: model_type {raw.get('model_type')!r} not supported")
-    heads, hidden = int(raw["num_attention_heads"]), int(raw["hidden_size"])
-    eos = raw.get("eos_token_id", 2)
-    return ModelConfig(
-        architecture="llama",
-        num_layers=int(raw["num_hidden_layers"]),
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads", heads)),
-        head_dim=int(raw.get("head_dim") or hidden // heads),
-        intermediate_size=int(raw["intermediate_size"]),
-        vocab_size=int(raw["vocab_size"]),
-        rope_theta=float(raw.get("rope_theta", 10000.0)),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        max_position=int(raw.get("max_position_embeddings", 2048)),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_id=raw.get("bos_token_id"),
-        eos_id=int(eos[0] if isinstance(eos, list) else eos),
-        source_id=f"hf:{folder.name}:{raw.get('_name_or_path', '')}",
-    )
+        raise ModelLoadError(f"{path}: invalid JSON ({e})") from e
+
+
+def _hf_config(folder: Path) -> ModelConfig:
+    """config.json (+ generation_config.json's stop and start ids) through the family registry."""
+    generation = folder / "generation_config.json"
+    return config_from_hf(_read_json(folder / "config.json"), folder,
+                          _read_json(generation) if generation.is_file() else None)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    """The shards `model.safetensors.index.json` names (all present), else every *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ModelLoadError(f"{folder}: shards named by model.safetensors.index.json missing: {missing[:3]}")
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors files")
+    return files
 
 
 def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedWeights:
@@ -277,11 +278,8 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedWeights:
     from safetensors.torch import load_file
 
     config = _hf_config(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{folder}: no *.safetensors files")
     weights: dict[str, torch.Tensor] = {}
-    for file in files:
+    for file in _safetensors_files(folder):
         try:
             weights.update({k: v.to(dtype) for k, v in load_file(str(file)).items()})
         except (SafetensorError, OSError) as e:
@@ -292,8 +290,9 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> LoadedWeights:
 
 def _check_complete(weights: dict[str, torch.Tensor], config: ModelConfig, path: Path) -> None:
     needed = ["model.embed_tokens.weight", "model.norm.weight"]
+    per_layer = family(config.architecture).layer_weights(config)
     for i in range(config.num_layers):
-        needed += [f"model.layers.{i}.{n}.weight" for n in _GGUF_LAYER_NAMES.values()]
+        needed += [f"model.layers.{i}.{n}" for n in per_layer]
     if not config.tie_word_embeddings:
         needed.append("lm_head.weight")
     missing = [n for n in needed if n not in weights]

@@ -1,11 +1,21 @@
-"""Llama-family decoder over the paged KV cache, readable top to bottom.
+"""The decoder of every supported family over the paged KV cache, readable top to bottom.
+
+One layer definition with the families' switches (engine/model_config.py, engine/families.py):
+
+    h = norm(x)                                   input_layernorm
+    q, k, v = qkv(h) (+ bias: Qwen2)              one fused projection
+    q, k = norm(q), norm(k)                       per head (qk_norm: Qwen3, Gemma 3)
+    q, k = rope(q), rope(k)                       this layer's RoPE (Gemma 3 local layers: their own)
+    a = attention(q, cache) (window: sliding layers see the last W tokens), scale per family
+    x += norm(o(a)) or o(a)                       sandwich_norms: Gemma 3's post-attention norm
+    x += norm(down(act(gate(h')) * up(h'))) ...   h' = norm(x); act silu or gelu_tanh
 
 Weights are plain tensors (q/k/v and gate/up fused at load time so each layer does four
-matmuls), or int8/int4 weight-only layers (`quantization`; int4 from a Q4_1 GGUF's own blocks when
-the loader gives them). `forward` takes one step's flat batch of tokens and returns logits only for
-the rows that will be sampled. An all-decode step on CPU runs each layer's norms, RoPE, KV write,
-attention and activation as native calls (`_decode_layer`, kernels/fused.py); other steps, and
-any step without the extensions, run the torch ops of `_layer`.
+matmuls), or int8/int4 weight-only layers (`quantization`; int4 from a GGUF's own 4-bit blocks
+when the loader gives them). `forward` takes one step's flat batch of tokens and returns logits
+only for the rows that will be sampled. An all-decode step on CPU runs each layer's norms, RoPE,
+KV write, attention and activation as native calls (`_decode_layer`, kernels/fused.py); other
+steps, and any step without the extensions, run the torch ops of `_layer`.
 """
 
 from __future__ import annotations
@@ -16,6 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import rope as rope_mod
+from engine.families import family
 from engine.model_config import ModelConfig
 from kernels import fused
 from kernels.attention import AttentionBackend, AttentionMetadata
@@ -27,6 +39,7 @@ LayerHook = Callable[[int], None]
 # The lm head's quantization per model quantization. A tied head is the embedding, which a Q4_1
 # GGUF ships as Q8_0 (no 4-bit source), so int4 models keep an int8 head.
 LM_HEAD = {"none": "none", "int8": "int8", "int4": "int8"}
+RopeRows = tuple[torch.Tensor, torch.Tensor]  # cos, signed sin
 
 
 @dataclass(slots=True)
@@ -34,20 +47,26 @@ class LayerWeights:
     input_norm: torch.Tensor
     qkv: DenseLayer  # [q + 2 kv, hidden]
     o: DenseLayer
-    post_norm: torch.Tensor
+    ffn_norm: torch.Tensor  # the norm before the MLP (HF Llama's post_attention_layernorm)
     gate_up: DenseLayer  # [2 * intermediate, hidden]
     down: DenseLayer
+    window: int = 0  # sliding window (tokens); 0 = full attention
+    local_rope: bool = False  # this layer uses the local (sliding) RoPE tables
+    qkv_bias: torch.Tensor | None = None  # [q + 2 kv] (Qwen2)
+    q_norm: torch.Tensor | None = None  # [head_dim] (Qwen3, Gemma 3)
+    k_norm: torch.Tensor | None = None
+    post_attn_norm: torch.Tensor | None = None  # sandwich norms (Gemma 3)
+    post_ffn_norm: torch.Tensor | None = None
+
+    def norms(self) -> list[torch.Tensor]:
+        return [w for w in (self.input_norm, self.ffn_norm, self.q_norm, self.k_norm,
+                            self.post_attn_norm, self.post_ffn_norm) if w is not None]
 
 
 def rope_tables(cfg: ModelConfig, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and *signed* sin [max_position, head_dim] in HF's rotate_half layout (fp32 math).
-
-    The sign of rotate_half is folded into the table: `signed_sin = [-sin | sin]`, so that
-    `rope(x) = x * cos + swap_halves(x) * signed_sin`.
-    """
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim))
-    freqs = torch.outer(torch.arange(cfg.max_position, dtype=torch.float32), inv_freq)
-    return torch.cat((freqs, freqs), dim=-1).cos().to(dtype), torch.cat((-freqs, freqs), dim=-1).sin().to(dtype)
+    """Plain RoPE tables of `cfg.rope_theta` over `cfg.max_position` (engine/rope.py has every kind)."""
+    freq = rope_mod.inv_freq(rope_mod.RopeSpec(cfg.rope_theta), cfg.head_dim, cfg.max_position)
+    return rope_mod.tables_from(freq, torch.arange(cfg.max_position), 1.0, dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,29 +84,60 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return torch.addcmul(x * cos, swapped, signed_sin)
 
 
-class LlamaModel:
+def gated_act(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up of rows [gate | up], in place in gate_up's first half."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh").mul_(up)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
+class DecoderModel:
     """The decoder. Stateless between steps except for the KV cache passed in."""
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  backend: AttentionBackend, dtype: torch.dtype, quantization: str = "none",
-                 q4: Mapping[str, Q4Groups] | None = None) -> None:
+                 q4: Mapping[str, Q4Groups] | None = None, max_positions: int | None = None) -> None:
         """`quantization`: none, int8 or int4 for every dense layer but the lm head, which is int8
         when quantized (see `LM_HEAD`); `q4`: the source's own 4-bit blocks by name, used as
-        they are for int4 (other weights are quantized here)."""
+        they are for int4 (other weights are quantized here); `max_positions`: the RoPE tables'
+        length (the engine's max_model_len; default the model's)."""
         self.cfg = cfg
         self.backend = backend
         self.dtype = dtype
         self.quantization = quantization
         self._q4 = q4 or {}
+        self._norm_offset = family(cfg.architecture).norm_offset
         self.embed = weights["model.embed_tokens.weight"]
+        # HF multiplies by the scale cast to the weights' dtype (Gemma3TextScaledWordEmbedding)
+        self.embed_scale = torch.tensor(cfg.embed_scale).to(dtype) if cfg.embed_scale != 1.0 else None
         head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.lm_head = self._dense(LM_HEAD[quantization], [head], ["lm_head.weight"])
-        self.final_norm = weights["model.norm.weight"]
-        self.layers = [self._fuse_layer(weights, i) for i in range(cfg.num_layers)]
-        self.cos, self.sin = rope_tables(cfg, dtype)
-        norms = [self.final_norm, *(w for lw in self.layers for w in (lw.input_norm, lw.post_norm))]
+        self.final_norm = self._norm(weights["model.norm.weight"])
+        self.layers = [self._build_layer(weights, i) for i in range(cfg.num_layers)]
+        n = min(max_positions or cfg.max_position, cfg.max_position)
+        self.global_rope = cfg.global_rope
+        self.rope = rope_mod.rope_tables(self.global_rope, cfg, n, dtype)
+        self.local_rope = rope_mod.rope_tables(cfg.local_rope, cfg, n, dtype) if cfg.local_rope_theta else self.rope
+        # dynamic NTK: positions past the trained length need per-request frequencies (`rope_lens`)
+        self.dynamic_from = self.global_rope.original_max_position if self.global_rope.dynamic else None
+        norms = [self.final_norm, *(w for lw in self.layers for w in lw.norms())]
         # False: every step takes the torch path (the tests compare the two)
         self.fused_decode = fused.weights_supported(norms, dtype)
+
+    @property
+    def cos(self) -> torch.Tensor:  # the global RoPE tables (kept for the kernels' tests)
+        return self.rope[0]
+
+    @property
+    def sin(self) -> torch.Tensor:
+        return self.rope[1]
+
+    def _norm(self, w: torch.Tensor) -> torch.Tensor:
+        """A norm weight as applied: Gemma's (1 + w), computed in fp32 as HF does."""
+        if not self._norm_offset:
+            return w
+        return (w.float() + self._norm_offset).to(w.dtype)
 
     def _dense(self, quantization: str, parts: list[torch.Tensor], names: list[str]) -> DenseLayer:
         """One layer of `parts` stacked along the output dimension (fused QKV / gate-up)."""
@@ -101,89 +151,151 @@ class LlamaModel:
             raise ValueError(f"unknown quantization {quantization!r} (none, int8, int4)")
         return Linear(weight)
 
-    def _fuse_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
-        p = f"model.layers.{i}."
+    def _build_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
+        cfg, p, q = self.cfg, f"model.layers.{i}.", self.quantization
         qkv = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
         gate_up = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
         o, down = p + "self_attn.o_proj.weight", p + "mlp.down_proj.weight"
-        q = self.quantization
+        ffn_norm = p + ("pre_feedforward_layernorm" if cfg.sandwich_norms else "post_attention_layernorm")
+
+        def optional(name: str, needed: bool) -> torch.Tensor | None:
+            return self._norm(w[p + name]) if needed else None
+
+        bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.attention_bias else None
         return LayerWeights(
-            input_norm=w[p + "input_layernorm.weight"],
+            input_norm=self._norm(w[p + "input_layernorm.weight"]),
             qkv=self._dense(q, [w[n] for n in qkv], qkv),
             o=self._dense(q, [w[o]], [o]),
-            post_norm=w[p + "post_attention_layernorm.weight"],
+            ffn_norm=self._norm(w[ffn_norm + ".weight"]),
             gate_up=self._dense(q, [w[n] for n in gate_up], gate_up),
             down=self._dense(q, [w[down]], [down]),
+            window=cfg.window(i),
+            local_rope=cfg.window(i) > 0 and cfg.local_rope_theta is not None,
+            qkv_bias=bias,
+            q_norm=optional("self_attn.q_norm.weight", cfg.qk_norm),
+            k_norm=optional("self_attn.k_norm.weight", cfg.qk_norm),
+            post_attn_norm=optional("post_attention_layernorm.weight", cfg.sandwich_norms),
+            post_ffn_norm=optional("post_feedforward_layernorm.weight", cfg.sandwich_norms),
         )
 
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights one decode step reads (every layer + final norm + lm head)."""
         total = self.final_norm.numel() * self.final_norm.element_size() + self.lm_head.nbytes()
         for lw in self.layers:
-            norms = lw.input_norm.numel() + lw.post_norm.numel()
-            total += norms * lw.input_norm.element_size()
+            total += sum(t.numel() * t.element_size() for t in lw.norms())
+            if lw.qkv_bias is not None:
+                total += lw.qkv_bias.numel() * lw.qkv_bias.element_size()
             total += lw.qkv.nbytes() + lw.o.nbytes() + lw.gate_up.nbytes() + lw.down.nbytes()
         return total
+
+    @property
+    def needs_rope_lens(self) -> bool:
+        """Whether `forward` needs each token's sequence length (dynamic NTK RoPE)."""
+        return self.dynamic_from is not None
+
+    def _rope_rows(self, positions: torch.Tensor, rope_lens: torch.Tensor | None) -> tuple[RopeRows, RopeRows]:
+        """Per-token (cos, signed sin) of the global and local RoPE, [T, head_dim] each."""
+        local = (self.local_rope[0][positions], self.local_rope[1][positions])
+        if self.dynamic_from is not None and rope_lens is not None and bool((rope_lens > self.dynamic_from).any()):
+            rows = rope_mod.dynamic_rows(self.global_rope, self.cfg, positions, rope_lens, self.dtype)
+            return rows, (local if self.local_rope is not self.rope else rows)
+        glob = (self.rope[0][positions], self.rope[1][positions])
+        return glob, (local if self.local_rope is not self.rope else glob)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_rows: torch.Tensor,
-                layer_hook: LayerHook | None = None) -> torch.Tensor:
-        """input_ids/positions: [T]; returns logits [len(logits_rows), vocab] in fp32."""
+                layer_hook: LayerHook | None = None, rope_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids/positions: [T]; `rope_lens` [T]: the sequence length each token's RoPE is
+        for (dynamic NTK only, engine/rope.py); returns logits [len(logits_rows), vocab] in fp32."""
         cfg = self.cfg
         x = F.embedding(input_ids, self.embed)
-        rope = (self.cos, self.sin)
-        if self.fused_decode and fused.supported(x, kv_cache, meta, cfg.num_heads, rope):
-            return self._forward_decode(x, positions, kv_cache, meta, logits_rows, layer_hook)
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        tables = self._step_tables(positions, rope_lens)
+        if tables is not None and self.fused_decode and fused.supported(x, kv_cache, meta, cfg.num_heads, tables[0]):
+            return self._forward_decode(x, tables, kv_cache, meta, logits_rows, layer_hook)
+        glob, local = self._rope_rows(positions, rope_lens)
+        ropes = {False: tuple(t.unsqueeze(1) for t in glob), True: tuple(t.unsqueeze(1) for t in local)}
         attn_out = torch.empty(x.shape[0], cfg.q_size, dtype=x.dtype)
         for i, lw in enumerate(self.layers):
-            x = self._layer(x, lw, kv_cache[i], cos, sin, meta, attn_out)
+            x = self._layer(x, lw, kv_cache[i], ropes[lw.local_rope], meta, attn_out)
             if layer_hook is not None:
                 layer_hook(i)
         if logits_rows.numel() == 0:  # a step of mid-prompt chunks samples nothing
             return torch.empty(0, cfg.vocab_size)
-        h = rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps)
-        return self.lm_head(h).float()
+        return self._logits(rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps))
 
-    def _forward_decode(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
-                        meta: AttentionMetadata, logits_rows: torch.Tensor,
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(h).float()
+        cap = self.cfg.final_logit_softcap
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _step_tables(self, positions: torch.Tensor,
+                     rope_lens: torch.Tensor | None) -> tuple[tuple[RopeRows, RopeRows], torch.Tensor] | None:
+        """The native decode's RoPE inputs: (global, local) tables and the rows to read in them
+        (the positions, or, for dynamic NTK past the trained length, this step's own rows)."""
+        if not self.fused_decode:
+            return None
+        if self.dynamic_from is not None and rope_lens is not None and bool((rope_lens > self.dynamic_from).any()):
+            glob, local = self._rope_rows(positions, rope_lens)
+            rows = torch.arange(positions.shape[0])
+            return ((glob[0].contiguous(), glob[1].contiguous()),
+                    (local[0].contiguous(), local[1].contiguous())), rows
+        return (self.rope, self.local_rope), positions
+
+    def _forward_decode(self, x: torch.Tensor, tables: tuple[tuple[RopeRows, RopeRows], torch.Tensor],
+                        kv_cache: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor,
                         layer_hook: LayerHook | None) -> torch.Tensor:
         """`forward` for an all-decode step: each layer's MLP output is added to the residual by
         the next layer's first norm (the last one's by the final norm)."""
-        step = fused.DecodeStep(x, positions, (self.cos, self.sin), kv_cache, meta,
-                                self.cfg.num_heads, self.cfg.rms_norm_eps)
+        (glob, local), rows = tables
+        step = fused.DecodeStep(x, rows, glob, kv_cache, meta, self.cfg.num_heads,
+                                self.cfg.rms_norm_eps, scale=self.cfg.attention_scale)
         delta = None
         for i, lw in enumerate(self.layers):
-            delta = self._decode_layer(step, i, lw, delta)
+            delta = self._decode_layer(step, i, lw, delta, local if lw.local_rope else glob)
             if layer_hook is not None:  # layer i's K/V are in the cache: decode_rope wrote them
                 layer_hook(i)
         h = step.add_rms_norm(delta, self.final_norm)
         if logits_rows.numel() == 0:
             return torch.empty(0, self.cfg.vocab_size)
-        return self.lm_head(h[logits_rows]).float()
+        return self._logits(h[logits_rows])
 
-    @staticmethod
-    def _decode_layer(step: fused.DecodeStep, i: int, lw: LayerWeights,
-                      delta: torch.Tensor | None) -> torch.Tensor:
+    def _decode_layer(self, step: fused.DecodeStep, i: int, lw: LayerWeights,
+                      delta: torch.Tensor | None, rope: RopeRows) -> torch.Tensor:
         """`_layer` in native calls; returns the MLP output, not yet added to the residual."""
-        step.attend(i, lw.qkv(step.add_rms_norm(delta, lw.input_norm)))
-        h = step.add_rms_norm(lw.o(step.attn_out), lw.post_norm)
-        return lw.down(step.silu_mul(lw.gate_up(h)))
+        qkv = lw.qkv(step.add_rms_norm(delta, lw.input_norm))
+        if lw.qkv_bias is not None:
+            qkv += lw.qkv_bias
+        step.attend(i, qkv, rope=rope, window=lw.window, q_norm=lw.q_norm, k_norm=lw.k_norm)
+        o = lw.o(step.attn_out)
+        if lw.post_attn_norm is not None:
+            o = step.rms_norm(o, lw.post_attn_norm)
+        mlp = lw.down(step.act_mul(lw.gate_up(step.add_rms_norm(o, lw.ffn_norm)), self.cfg.activation))
+        return step.rms_norm(mlp, lw.post_ffn_norm) if lw.post_ffn_norm is not None else mlp
 
-    def _layer(self, x: torch.Tensor, lw: LayerWeights, cache: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, meta: AttentionMetadata, attn_out: torch.Tensor) -> torch.Tensor:
+    def _layer(self, x: torch.Tensor, lw: LayerWeights, cache: torch.Tensor, rope: tuple[torch.Tensor, ...],
+               meta: AttentionMetadata, attn_out: torch.Tensor) -> torch.Tensor:
         """One decoder layer; updates `x` (the residual stream, owned by forward) in place."""
         cfg = self.cfg
-        t, heads, kv_heads = x.shape[0], cfg.num_heads, cfg.num_kv_heads
-        qkv = lw.qkv(rms_norm(x, lw.input_norm, cfg.rms_norm_eps)).view(t, heads + 2 * kv_heads, cfg.head_dim)
-        qk = apply_rope(qkv[:, : heads + kv_heads], cos, sin)  # q and k rotated in one pass
+        t, heads, kv_heads, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        qkv = lw.qkv(rms_norm(x, lw.input_norm, eps))
+        if lw.qkv_bias is not None:
+            qkv += lw.qkv_bias
+        qkv = qkv.view(t, heads + 2 * kv_heads, cfg.head_dim)
+        qk = qkv[:, : heads + kv_heads]
+        if lw.q_norm is not None and lw.k_norm is not None:
+            qk = torch.cat((rms_norm(qk[:, :heads], lw.q_norm, eps), rms_norm(qk[:, heads:], lw.k_norm, eps)), dim=1)
+        qk = apply_rope(qk, rope[0], rope[1])  # q and k rotated in one pass
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         self.backend.write_kv(cache, k, v, meta.slot_mapping)
-        self.backend.forward(q, cache, meta, attn_out)
-        x += lw.o(attn_out)
-        gate_up = lw.gate_up(rms_norm(x, lw.post_norm, cfg.rms_norm_eps))
-        gate, up = gate_up.chunk(2, dim=-1)
-        x += lw.down(F.silu(gate, inplace=True).mul_(up))
+        self.backend.forward(q, cache, meta, attn_out, window=lw.window, scale=cfg.attention_scale)
+        o = lw.o(attn_out)
+        x += rms_norm(o, lw.post_attn_norm, eps) if lw.post_attn_norm is not None else o
+        mlp = lw.down(gated_act(lw.gate_up(rms_norm(x, lw.ffn_norm, eps)), cfg.activation))
+        x += rms_norm(mlp, lw.post_ffn_norm, eps) if lw.post_ffn_norm is not None else mlp
         return x
+

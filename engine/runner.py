@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from core.blocks import cdiv
-from engine.model import LayerHook, LlamaModel
+from engine.model import LayerHook, DecoderModel
 from engine.request import Request
 from engine.sampler import sample
 from engine.scheduler import ScheduledRequest
@@ -28,15 +28,18 @@ from kernels.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 
 
 class StepInputs:
-    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled")
+    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                 logits_rows: torch.Tensor, sampled: list[Request]) -> None:
+                 logits_rows: torch.Tensor, sampled: list[Request],
+                 rope_lens: torch.Tensor | None = None) -> None:
         self.input_ids = input_ids
         self.positions = positions
         self.meta = meta
         self.logits_rows = logits_rows
         self.sampled = sampled
+        # dynamic NTK RoPE only: the sequence length each token's frequencies are for
+        self.rope_lens = rope_lens
 
 
 class StepBuffers:
@@ -101,7 +104,7 @@ class StepBuffers:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -115,7 +118,7 @@ class ModelRunner:
         inputs = self.prepare(scheduled)
         start = time.perf_counter()
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
-                                    inputs.meta, inputs.logits_rows, self.layer_hook)
+                                    inputs.meta, inputs.logits_rows, self.layer_hook, inputs.rope_lens)
         self.last_forward_s = time.perf_counter() - start
         if not inputs.sampled:
             return []
@@ -128,8 +131,22 @@ class ModelRunner:
         follow `scheduled`, not the flat layout.
         """
         if all(s.num_tokens == 1 and s.sample for s in scheduled):
-            return self._prepare_decodes(scheduled)
-        return self._prepare_mixed(scheduled)
+            inputs = self._prepare_decodes(scheduled)
+        else:
+            inputs = self._prepare_mixed(scheduled)
+        if self.model.needs_rope_lens:
+            inputs.rope_lens = self._rope_lens(scheduled, inputs.positions)
+        return inputs
+
+    @staticmethod
+    def _rope_lens(scheduled: Sequence[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
+        """HF's dynamic-NTK sequence length per token (engine/rope.py): a prompt token's is the
+        prompt's length, a decoded token's its position + 1. Flat order: decodes, then prefills."""
+        order = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
+        if all(s.num_tokens == 1 and s.sample for s in scheduled):
+            order = list(scheduled)
+        prompt = torch.cat([torch.full((s.num_tokens,), s.request.num_prompt_tokens) for s in order])
+        return torch.maximum(positions.cpu() + 1, prompt)
 
     def _prepare_decodes(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
         """The all-decode step (one token each, every one sampled): one pass over the batch, flat

@@ -5,7 +5,7 @@
 * Batching, chunked prefill and preemption-by-recompute do not change a request's tokens.
 * Stop conditions (stop strings, stop token ids, EOS, max_tokens) and cancellation.
 
-Tolerance, measured on this machine (fp32, CPU): a single prefill through `LlamaModel.forward`
+Tolerance, measured on this machine (fp32, CPU): a single prefill through `DecoderModel.forward`
 matches HF's logits bit for bit (max |diff| = 0); the logits the engine samples from during
 decode (paged KV, batched and chunked) differ from HF's full forward by at most ~1e-4, with
 |logits| up to ~43. `LOGIT_ATOL` allows 10x that. Every prompt's HF greedy path keeps a top-1 vs

@@ -1,7 +1,7 @@
 """The model's native decode step (kernels/fused.py) against its torch step, on a tiny random model.
 
 The native path runs only for all-decode CPU steps with the extensions built; every other step,
-and every step without them, takes the torch ops of `LlamaModel._layer`.
+and every step without them, takes the torch ops of `DecoderModel._layer`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kernels
-from engine.model import LayerHook, LlamaModel
+from engine.model import LayerHook, DecoderModel
 from engine.model_config import ModelConfig
 from kernels import fused
 from kernels.attention import AttentionMetadata
@@ -30,7 +30,7 @@ BLOCK_SIZE = 4
 StepInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
 
 
-def tiny_model(dtype: torch.dtype) -> LlamaModel:
+def tiny_model(dtype: torch.dtype) -> DecoderModel:
     g = torch.Generator().manual_seed(0)
 
     def w(*shape: int, scale: float = 0.2) -> torch.Tensor:
@@ -47,7 +47,7 @@ def tiny_model(dtype: torch.dtype) -> LlamaModel:
         for name, shape in shapes.items():
             norm = len(shape) == 1
             weights[f"model.layers.{layer}.{name}.weight"] = 1 + w(*shape) if norm else w(*shape)
-    return LlamaModel(CFG, weights, TorchAttentionBackend(), dtype)
+    return DecoderModel(CFG, weights, TorchAttentionBackend(), dtype)
 
 
 def step_inputs(decode_ctx: list[int], prefills: list[tuple[int, int]],
@@ -66,7 +66,7 @@ def step_inputs(decode_ctx: list[int], prefills: list[tuple[int, int]],
     return ids, torch.tensor(positions), cache, meta, rows
 
 
-def run(model: LlamaModel, fused_decode: bool, inputs: StepInputs,
+def run(model: DecoderModel, fused_decode: bool, inputs: StepInputs,
         hook: LayerHook | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits and the cache after one forward on a copy of the inputs' cache."""
     ids, positions, cache, meta, rows = inputs
