@@ -256,12 +256,12 @@ def pipelining(lengths: Sequence[int], backend: str, threads: int, repeats: int,
                progress: Progress) -> list[dict[str, float]]:
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from transport import KVLayout, KVSender, get_backend
+    from transport import KVSender, get_backend
 
     blocks_max = cdiv(max(lengths), 16) + 1
     engine = Engine(EngineConfig(model="smollm2", dtype="float32", num_threads=threads, num_blocks=blocks_max))
     kv = engine.kv_cache
-    layout = KVLayout.of(kv, engine.model_config.fingerprint)
+    layout = engine.kv_layout()
     peer = Peer(["kv", "--backend", backend, "--shape", ",".join(map(str, kv.shape)),
                  "--fingerprint", layout.fingerprint])
     sender = KVSender(kv, layout, get_backend(backend), peer.first["address"], timeout=120.0)

@@ -108,7 +108,8 @@ class ClusterBackend(GenerationBackend):
         await asyncio.to_thread(self.manager.start, self.redis_url)
         first = self.manager.role("prefill")[0].api
         self.info = await first.engine_info()
-        self.model = ModelInfo(self.config.model_id, self.info.max_model_len, self.info.vocab_size)
+        self.model = ModelInfo(self.config.model_id, self.info.max_model_len, self.info.vocab_size,
+                               architecture=self.info.architecture, dtype=self.info.dtype)
         self.block_size = self.info.block_size
         self.cost = await self._cost_model(first)
         self.dispatcher = Dispatcher(self.admission_config, self.cost, self.info.block_size,

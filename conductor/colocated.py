@@ -30,7 +30,7 @@ from conductor.ledger import DecodeLedger, PrefillLedger
 from conductor.profile_cache import cached_cost_model, profile_key
 from conductor import spans
 from core.errors import InvalidRequestError
-from core.messages import EngineInfo, Timings, TokenChunk
+from core.messages import Timings, TokenChunk
 from core.tracing import NO_TRACER, Span, Tracer, now_ns
 from engine.engine import Engine
 from engine.loop import EngineLoop
@@ -60,7 +60,8 @@ class ColocatedBackend(GenerationBackend):
         self.engine = engine
         self.tracer = tracer
         self.tokenizer = engine.tokenizer
-        self.model = ModelInfo(model_id, engine.max_model_len, engine.model_config.vocab_size)
+        self.model = ModelInfo(model_id, engine.max_model_len, engine.model_config.vocab_size,
+                               architecture=engine.model_config.architecture, dtype=engine.config.kv_tag)
         # One bound on the queue: --max-waiting is this mode's name for max_queue_per_worker.
         cfg = admission or AdmissionConfig()
         self.admission_config = replace(cfg, max_queue_per_worker=min(cfg.max_queue_per_worker, max_waiting))
@@ -97,9 +98,7 @@ class ColocatedBackend(GenerationBackend):
         async def measure() -> CostModel:
             return await asyncio.to_thread(profile_engine, engine, quick=True)
 
-        info = EngineInfo(engine.max_model_len, engine.model_config.vocab_size, engine.model_config.fingerprint,
-                          engine.config.block_size, engine.config.kv_tag, 1)
-        return await cached_cost_model(profile_key(info, engine.config.num_threads), measure)
+        return await cached_cost_model(profile_key(engine.info(), engine.config.num_threads), measure)
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.loop.stop)

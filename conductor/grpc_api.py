@@ -187,8 +187,9 @@ class GenerationService:
         try:
             self.door.client(dict(context.invocation_metadata() or ()).get("authorization"), "")
             m = self.door.backend.model
-            return pb.ListModelsResponse(models=[pb.ModelInfo(id=m.id, max_model_len=m.max_model_len,
-                                                              vocab_size=m.vocab_size, owned_by=m.owned_by)])
+            return pb.ListModelsResponse(models=[pb.ModelInfo(
+                id=m.id, max_model_len=m.max_model_len, vocab_size=m.vocab_size, owned_by=m.owned_by,
+                architecture=m.architecture, dtype=m.dtype)])
         except Exception as e:
             await self._fail(context, e)
             raise AssertionError("unreachable: abort raises") from e

@@ -111,7 +111,7 @@ def build_app(door: FrontDoor) -> FastAPI:
         model = door.backend.model
         return JSONResponse({"object": "list", "data": [{
             "id": model.id, "object": "model", "created": 0, "owned_by": model.owned_by,
-            "max_model_len": model.max_model_len}]})
+            "max_model_len": model.max_model_len, "architecture": model.architecture, "dtype": model.dtype}]})
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

@@ -220,6 +220,7 @@ class EngineInfo:
     block_size: int
     dtype: str  # EngineConfig.kv_tag: the KV dtype, `+int8`/`+int4` for quantized weights
     kv_bytes_per_token: int
+    architecture: str = ""  # the model family (engine/families.py), e.g. "llama", "gemma3"
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,7 +45,9 @@ class LiveView:
         default = classes[config.default_class]
         s = snap.series
         return finite({
-            "now": time.time(), "model": backend.model.id, "mode": backend.mode, "ready": backend.ready(),
+            "now": time.time(), "model": backend.model.id, "model_info": {
+                "architecture": backend.model.architecture, "dtype": backend.model.dtype,
+                "max_model_len": backend.model.max_model_len}, "mode": backend.mode, "ready": backend.ready(),
             "admission": {"policy": config.admission, "default_class": config.default_class,
                           "classes": {c.name: {"ttft_ms": c.ttft_ms, "tbt_ms": c.tbt_ms} for c in classes.values()}},
             "slo": {"ttft_ms": default.ttft_ms, "tbt_ms": default.tbt_ms},

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import EngineConfig
-from core.blocks import cdiv
+from core.blocks import cdiv, first_visible_block
 from core.errors import InvalidRequestError
-from core.messages import TokenChunk
+from core.messages import EngineInfo, TokenChunk
 from engine.kv_push import KVPushes
 from engine.loader import LoadedWeights, load_weights
 from engine.model import DecoderModel
@@ -43,6 +43,7 @@ from kvpool.host_tier import HostArena
 from kvpool.remote import InProcessReader, RemoteBlockReader
 from kvpool.tiered import KVTiers
 from kvpool.tiered import kv_block_bytes as kv_tier_block_bytes
+from transport.layout import KVLayout
 from transport.sender import PushStream
 
 
@@ -117,6 +118,8 @@ class Engine:
         weights = load_weights(config.model, config.torch_dtype, q4_blocks=config.quantization == "int4")
         self.model_config = weights.config
         self.tokenizer = load_tokenizer(weights)
+        # EOS, the chat template's turn end, generation_config's other stop ids (Llama 3: <|eot_id|>)
+        self.stop_ids = frozenset({*self.tokenizer.stop_ids, *weights.config.stop_ids})
         self.max_model_len = min(config.max_model_len or weights.config.max_position,
                                  weights.config.max_position)
         self.model = DecoderModel(weights.config, weights.weights, get_backend(config.attention_backend),
@@ -136,7 +139,8 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._live_ids: set[str] = set()  # guarded by _lock; an id is live until its final output
-        self.pushes = KVPushes(self.pool, config.block_size)  # disaggregation, prefill side
+        self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # per layer, 0 = full attention
+        self.pushes = KVPushes(self.pool, config.block_size, self.windows)  # disaggregation, prefill side
 
     # ------------------------------------------------------------------ requests in
 
@@ -188,10 +192,29 @@ class Engine:
         req.token_ids.append(int(first_token))
         req.block_table = list(block_ids)
         req.num_computed_tokens = req.num_prompt_tokens
+        # sliding layers' dead blocks were not sent (engine/kv_push.py): not a cacheable prefix
+        req.cache_kv = not self.window_truncated(len(prompt_ids))
         with self._lock:
             req.request_id = request_id = self._claim_id(request_id)
             self._inbox.append(req)
         return request_id
+
+    def info(self) -> EngineInfo:
+        """What the Conductor needs to tokenize, hash blocks and size requests like this engine."""
+        return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.model_config.fingerprint,
+                          self.config.block_size, self.config.kv_tag,
+                          self.kv_cache[:, :, 0, 0].numel() * self.kv_cache.element_size(),
+                          self.model_config.architecture)
+
+    def kv_layout(self) -> KVLayout:
+        """What a KV transfer's two ends must agree on: shapes, dtype, model, layer windows."""
+        return KVLayout.of(self.kv_cache, self.model_config.fingerprint, self.windows)
+
+    def window_truncated(self, prompt_len: int) -> bool:
+        """Whether a prefilled prompt of this length arrives without some sliding layer's oldest
+        blocks (core.blocks.first_visible_block)."""
+        bs = self.config.block_size
+        return any(first_visible_block(prompt_len, w, bs) > 0 for w in self.windows)
 
     def reserve_blocks(self, num_tokens: int) -> list[int]:
         """Blocks for `num_tokens` tokens of KV (decode side: the prompt's, arriving from a
@@ -208,14 +231,23 @@ class Engine:
         """Prompt tokens this device's prefix cache holds now (an estimate for admission: the
         blocks may be evicted before the request runs; host/disk tiers are not counted)."""
         bs = self.config.block_size
-        root = root_hash(self.model_config.fingerprint, self.config.kv_tag, bs, cache_salt)
+        root = self._root_hash(len(prompt_ids), cache_salt)
         usable = list(prompt_ids[: (len(prompt_ids) - 1) // bs * bs])
         return len(self.pool.get_computed_blocks(block_hashes(usable, bs, root))) * bs
 
     def _new_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> Request:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        root = root_hash(self.model_config.fingerprint, self.config.kv_tag, self.config.block_size, cache_salt)
+        root = self._root_hash(len(prompt_ids), cache_salt)
         return Request("", prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed), root_hash=root)
+
+    def _root_hash(self, prompt_len: int, cache_salt: str | None) -> bytes:
+        """The request's block-hash root. Under dynamic NTK RoPE a prompt longer than the trained
+        context is rotated with frequencies of its own length (engine/rope.py): its blocks only
+        match prompts of that length, so the length joins the salt."""
+        start = self.model.dynamic_from
+        if start is not None and prompt_len > start:
+            cache_salt = f"{cache_salt or ''}|ntk-len:{prompt_len}"
+        return root_hash(self.model_config.fingerprint, self.config.kv_tag, self.config.block_size, cache_salt)
 
     def _check_prefilled_blocks(self, num_prompt_tokens: int, max_tokens: int, num_blocks: int) -> None:
         least = cdiv(num_prompt_tokens, self.config.block_size)
@@ -362,7 +394,7 @@ class Engine:
         p = req.params
         if stop_text is not None or token in p.stop_token_ids:
             return FinishReason.STOP
-        if not p.ignore_eos and token == self.tokenizer.eos_id:
+        if not p.ignore_eos and token in self.stop_ids:
             return FinishReason.STOP
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -11,6 +11,12 @@ ceil(end / block_size) on the step that completes the prompt:
 So every block is sent exactly once, after its KV is final: no later step writes it, and the
 sender thread may read it from the KV tensor while the model computes the next layers. The
 blocks stay referenced until their units have left (`Engine` holds them past the request's end).
+
+A sliding-window layer (Mistral, Gemma 3's local layers) skips the blocks no later query of the
+request can see (`core.blocks.first_visible_block`): for a prompt of P tokens and a window W,
+only blocks from (P - W + 1) // block_size on are sent for that layer. The decode side then holds
+stale data there for that layer, never read, and does not cache that request's prompt blocks
+(engine.Engine.add_prefilled).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from core.blocks import cdiv
+from core.blocks import cdiv, first_visible_block
 from core.messages import PrefilledKV
 from core.params import FinishReason
 from engine.request import Request
@@ -39,9 +45,12 @@ class LayerPusher:
     """The model's per-layer hook for one step: `plan()` before the forward, then the model calls
     it with each layer index."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, windows: Sequence[int] = ()) -> None:
+        """`windows`: each layer's sliding window (0 = full attention; () = every layer full)."""
         self.block_size = block_size
-        self._items: list[tuple[KVPush, list[int], list[int]]] = []
+        self.windows = tuple(windows)
+        # (push, first block index of this step's range, src ids, dst ids, prompt tokens)
+        self._items: list[tuple[KVPush, int, list[int], list[int], int]] = []
 
     def plan(self, scheduled: Sequence[ScheduledRequest], pushes: dict[str, KVPush]) -> bool:
         """Pick this step's (source, destination) block ranges; False when nothing is pushed."""
@@ -58,16 +67,18 @@ class LayerPusher:
             if last > push.pushed:
                 src = req.block_table[push.pushed : last]
                 dst = push.stream.dst_block_ids[push.pushed : last]
-                self._items.append((push, src, dst))
+                self._items.append((push, push.pushed, src, dst, req.num_prompt_tokens))
                 push.pushed = last
         return bool(self._items)
 
     def __call__(self, layer: int) -> None:
-        for push, src, dst in self._items:
+        window = self.windows[layer] if self.windows else 0
+        for push, first, src, dst, prompt_len in self._items:
             if push.error is not None:
                 continue
+            skip = max(0, first_visible_block(prompt_len, window, self.block_size) - first)
             try:
-                push.stream.send_layer(layer, src, dst)
+                push.stream.send_layer(layer, src[skip:], dst[skip:])
             except TransportError as e:  # fail this request, not the whole step
                 push.error = e
 
@@ -80,10 +91,10 @@ class KVPushes:
     and after it `failed_ids()`; when a request ends, `end(req, reason)`; `release_sent()`
     frees what has left (each step, and an idle engine's loop while `holding`)."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, windows: Sequence[int] = ()) -> None:
         self.pool = pool
         self.active: dict[str, KVPush] = {}
-        self.pusher = LayerPusher(block_size)
+        self.pusher = LayerPusher(block_size, windows)
         self._held: list[tuple[PushStream, list[int]]] = []
 
     def add(self, request_id: str, stream: PushStream) -> None:

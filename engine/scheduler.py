@@ -272,7 +272,7 @@ class Scheduler:
     def _register_full_blocks(self, req: Request) -> None:
         """Publish blocks whose every token's KV is now written to the device prefix cache."""
         full = req.num_computed_tokens // self.block_size
-        if full <= req.num_registered_blocks:
+        if full <= req.num_registered_blocks or not req.cache_kv:
             return
         req.block_hashes = block_hashes(req.token_ids, self.block_size, req.root_hash, req.block_hashes)
         start = req.num_registered_blocks

@@ -132,7 +132,7 @@ class EngineWorker:
         self._block_servers: Mapping[str, str] = {}
         remote = remote or TransportBlockReader(self._block_server_of, FETCH_TIMEOUT_S)
         self.engine = Engine(spec.engine_config(), remote=remote)
-        self.layout = KVLayout.of(self.engine.kv_cache, self.engine.model_config.fingerprint)
+        self.layout = self.engine.kv_layout()
         self.loop = EngineLoop(self.engine, name=f"{spec.role}-engine").start()
         self.remote = remote
         if isinstance(remote, TransportBlockReader):
@@ -224,10 +224,7 @@ class EngineWorker:
 
     async def engine_info(self) -> EngineInfo:
         """What the Conductor needs to tokenize, hash blocks and size requests like this worker."""
-        e = self.engine
-        return EngineInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
-                         e.config.block_size, e.config.kv_tag,
-                         e.kv_cache[:, :, 0, 0].numel() * e.kv_cache.element_size())
+        return self.engine.info()
 
     async def profile(self, quick: bool = True) -> Profile:
         """Measure this worker's engine (idle); the Conductor fits its cost model to it."""

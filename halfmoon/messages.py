@@ -115,4 +115,4 @@ class Collector:
 
 
 def model_info(m: pb.ModelInfo) -> ModelInfo:
-    return ModelInfo(m.id, m.max_model_len, m.vocab_size, m.owned_by)
+    return ModelInfo(m.id, m.max_model_len, m.vocab_size, m.owned_by, m.architecture, m.dtype)

@@ -45,3 +45,5 @@ class ModelInfo:
     max_model_len: int
     vocab_size: int
     owned_by: str = "halfmoon"
+    architecture: str = ""  # the model family: llama, mistral, qwen2, qwen3, gemma3
+    dtype: str = ""  # compute / KV dtype, `+int8` / `+int4` with quantized weights

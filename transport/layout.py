@@ -32,13 +32,19 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str  # canonical torch dtype name, e.g. "float32", "bfloat16"
+    # per layer: its sliding window in tokens, 0 = full attention (() = every layer full). A
+    # sliding layer's blocks before the window are not sent (core.blocks.first_visible_block).
+    windows: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor, fingerprint: str) -> KVLayout:
+    def of(cls, kv_cache: torch.Tensor, fingerprint: str, windows: Sequence[int] = ()) -> KVLayout:
         layers, two, _, block_size, heads, head_dim = kv_cache.shape
         if two != 2:
             raise ValueError(f"expected a [layers, 2, blocks, block_size, heads, head_dim] KV tensor, got {tuple(kv_cache.shape)}")
-        return cls(fingerprint, layers, block_size, heads, head_dim, str(kv_cache.dtype).removeprefix("torch."))
+        if windows and len(windows) != layers:
+            raise ValueError(f"{len(windows)} layer windows for a KV tensor of {layers} layers")
+        windows = tuple(int(w) for w in windows) if any(windows) else ()
+        return cls(fingerprint, layers, block_size, heads, head_dim, str(kv_cache.dtype).removeprefix("torch."), windows)
 
     @property
     def itemsize(self) -> int:
@@ -53,8 +59,13 @@ class KVLayout:
         """Payload bytes of a transfer unit of `num_blocks` blocks (K and V)."""
         return 2 * num_blocks * self.slab_bytes
 
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
+
     def as_dict(self) -> dict[str, object]:
-        return asdict(self)
+        d = asdict(self)
+        d["windows"] = list(self.windows)  # as it reads back from the handshake's JSON
+        return d
 
 
 class KVBytes:

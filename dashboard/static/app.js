@@ -103,7 +103,8 @@ const put = (name, text) => setText($(`[data-field="${name}"]`, live), text);
 
 function renderLive(d) {
   const c = d.cluster || {}, s = d.series || {}, slo = d.slo || {}, hits = c.prefix_hits || {};
-  put('model', d.model || DASH);
+  const mi = d.model_info || {};
+  put('model', d.model ? [d.model, mi.architecture, mi.dtype].filter(Boolean).join(' · ') : DASH);
   put('mode', d.mode || DASH);
   put('ready', d.ready ? 'ready' : 'not ready');
   $('[data-field="ready"]', live).classList.toggle('bad', !d.ready);

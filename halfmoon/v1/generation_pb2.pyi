@@ -153,16 +153,20 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "max_model_len", "vocab_size", "owned_by")
+    __slots__ = ("id", "max_model_len", "vocab_size", "owned_by", "architecture", "dtype")
     ID_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
+    ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     id: str
     max_model_len: int
     vocab_size: int
     owned_by: str
-    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., owned_by: _Optional[str] = ...) -> None: ...
+    architecture: str
+    dtype: str
+    def __init__(self, id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., owned_by: _Optional[str] = ..., architecture: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models",)

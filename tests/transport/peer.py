@@ -48,7 +48,7 @@ def run_receiver(args: argparse.Namespace) -> None:
         from engine.engine import Engine
 
         engine = Engine(EngineConfig(model="smollm2", dtype="float32", num_threads=1, num_blocks=256))
-        kv, layout = engine.kv_cache, KVLayout.of(engine.kv_cache, engine.model_config.fingerprint)
+        kv, layout = engine.kv_cache, engine.kv_layout()
     else:
         kv = raw_kv(None)
         layout = KVLayout.of(kv, RAW_FINGERPRINT)

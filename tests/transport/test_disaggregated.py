@@ -12,7 +12,7 @@ from engine.kv_push import LayerPusher
 from core.params import FinishReason
 from core.params import SamplingParams
 from tests.transport.helpers import peer_process
-from transport import KVLayout, KVReceiver, KVSender, get_backend
+from transport import KVReceiver, KVSender, get_backend
 from transport.errors import TransportError
 from transport.faults import FaultInjector
 
@@ -25,7 +25,7 @@ def pair(make_engine):  # noqa: ANN001, ANN201
     prefill = make_engine(num_blocks=96, max_num_batched_tokens=64)  # small chunks: several pushes per prompt
     decode = make_engine(num_blocks=96)
     backend = get_backend("local")
-    layout = KVLayout.of(prefill.kv_cache, prefill.model_config.fingerprint)
+    layout = prefill.kv_layout()
     receiver = KVReceiver(decode.kv_cache, layout, backend, timeout=10.0).start()
     sender = KVSender(prefill.kv_cache, layout, backend, receiver.address, timeout=10.0)
     yield prefill, decode, sender, receiver
@@ -107,7 +107,7 @@ def test_a_failed_push_aborts_the_request_and_frees_everything(make_engine) -> N
     prefill = make_engine(num_blocks=32)
     dst = torch.zeros_like(prefill.kv_cache)
     backend = get_backend("tcp")
-    layout = KVLayout.of(prefill.kv_cache, prefill.model_config.fingerprint)
+    layout = prefill.kv_layout()
     receiver = KVReceiver(dst, layout, backend, timeout=2.0).start()
     sender = KVSender(prefill.kv_cache, layout, backend, receiver.address, timeout=2.0)
     stream = sender.open("doomed", list(range(3)))
@@ -129,7 +129,7 @@ def test_two_processes_token_identical(name: str, make_engine, shared_engine) ->
     """Prefill here, decode in another process that loads its own engine."""
     peer = peer_process("receiver", "--backend", name, "--engine")
     prefill = make_engine(num_blocks=96, max_num_batched_tokens=64)
-    layout = KVLayout.of(prefill.kv_cache, prefill.model_config.fingerprint)
+    layout = prefill.kv_layout()
     sender = KVSender(prefill.kv_cache, layout, get_backend(name), peer.first["address"], timeout=30.0)
     try:
         params = SamplingParams(max_tokens=10, temperature=0)
@@ -157,7 +157,7 @@ def test_preempted_prefill_still_pushes_identical_kv(make_engine, shared_engine)
     prefill = make_engine(num_blocks=10, max_num_batched_tokens=64)
     decode = make_engine(num_blocks=96)
     backend = get_backend("local")
-    layout = KVLayout.of(prefill.kv_cache, prefill.model_config.fingerprint)
+    layout = prefill.kv_layout()
     slow = FaultInjector()
     slow.receive_delay = 0.03  # ~1 s for a chunk's 30 layer units: far longer than a step
     receiver = KVReceiver(decode.kv_cache, layout, backend, timeout=10.0, faults=slow).start()
@@ -178,7 +178,7 @@ def test_closing_the_sender_mid_prefill_aborts_and_frees(make_engine) -> None:  
     prefill = make_engine(num_blocks=32, max_num_batched_tokens=32)
     dst = torch.zeros_like(prefill.kv_cache)
     backend = get_backend("local")
-    layout = KVLayout.of(prefill.kv_cache, prefill.model_config.fingerprint)
+    layout = prefill.kv_layout()
     receiver = KVReceiver(dst, layout, backend, timeout=5.0).start()
     sender = KVSender(prefill.kv_cache, layout, backend, receiver.address, timeout=5.0)
     try:
