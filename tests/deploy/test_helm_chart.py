@@ -783,7 +783,7 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--kv-timeout-s": HelmValue("kvTransport.timeoutS", 45, "45"),
     "--kv-max-inflight-mb": HelmValue("kvTransport.maxInflightMb", 128, "128"),
     "--redis-url": HelmValue("redis.external.url", "redis://probe:6379/0", "redis://probe:6379/0"),
-    "--model": HelmValue("model.alias", "probe-model", "probe-model"),
+    "--model": HelmValue("model.alias", "gemma3-270m", "gemma3-270m"),
     "--dtype": HelmValue("model.dtype", "bfloat16", "bfloat16"),
     "--quantization": HelmValue("model.quantization", "int4", "int4"),
     "--kv-cache-gb": HelmValue("engine.kvCacheGb", 2.5, "2.5"),
