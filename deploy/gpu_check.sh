@@ -8,6 +8,8 @@
 #   1: tests/engine/test_cuda_engine.py (the engine on CUDA; flashinfer bf16, head_dim 64)
 #   2: the bf16 flashinfer kernel tests and write_kv (pytest-xdist: their JIT builds overlap)
 #   3: the rest of tests/kernels/test_flashinfer_backend.py (fp16 kernels, plans-once, CPU ones)
+#   4: every model family on CUDA (tests/engine/test_cuda_families.py: torch and flashinfer
+#      backends, sliding windows, per-layer RoPE, q/k norm, biases; head_dim 64)
 # all inside GPU_CHECK_BUDGET_S seconds (default 450): a phase still running at its share is
 # interrupted (its summary is kept) and a later phase with under 30 s left is skipped.
 # Everything goes to $OUT/gpu_log.txt, with JUnit XML per phase beside it (OUT: /tmp/gpu_check).
@@ -74,20 +76,22 @@ print("flashinfer", flashinfer.__version__, "tvm_ffi", tvm_ffi.__version__,
 EOF
 
   jit_monitor & local monitor=$!
-  local rc1 rc2 rc3
+  local rc1 rc2 rc3 rc4
   run_pytest 1 "$((BUDGET - $(elapsed) - 120))" 0 "$(nproc)" tests/engine/test_cuda_engine.py
   rc1=$?
   run_pytest 2 "$((BUDGET - $(elapsed) - 60))" 3 6 -k "dtype1 or write_kv" \
     tests/kernels/test_flashinfer_backend.py
   rc2=$?
-  run_pytest 3 "$((BUDGET - $(elapsed) - 10))" 6 4 -k "not (dtype1 or write_kv)" \
+  run_pytest 3 "$((BUDGET - $(elapsed) - 90))" 6 4 -k "not (dtype1 or write_kv)" \
     tests/kernels/test_flashinfer_backend.py
   rc3=$?
+  run_pytest 4 "$((BUDGET - $(elapsed) - 10))" 0 "$(nproc)" tests/engine/test_cuda_families.py
+  rc4=$?
   kill "$monitor" 2>/dev/null
   echo "== JIT modules built (time, bytes, path):"
   find ~/.cache/flashinfer -name '*.so' -printf '%TT %s %p\n' 2>/dev/null | sort
-  echo "== done in $(elapsed)s: phase exits $rc1 $rc2 $rc3"
-  return $((rc1 || rc2 || rc3))
+  echo "== done in $(elapsed)s: phase exits $rc1 $rc2 $rc3 $rc4"
+  return $((rc1 || rc2 || rc3 || rc4))
 }
 
 main 2>&1 | tee "$OUT/gpu_log.txt"
