@@ -16,6 +16,12 @@
  *       ~2x cheaper than the torch ops for one or two rows of 1536, dearer from ~4 (bf16) or ~8
  *       (fp32) rows on: ATen's e^x loop is faster than this one, so kernels/fused.py calls it
  *       only for a few rows.
+ *   gelu_tanh_mul(gate_up, gu_stride, out, out_stride, rows, n, bf16)
+ *       out[r] = gelu_tanh(gate_up[r, :n]) * gate_up[r, n:2n]   (Gemma's gated MLP)
+ *       gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), torch's
+ *       F.gelu(x, approximate="tanh"), computed as the identical x / (1 + e^(-2 sqrt(2/pi)
+ *       (x + 0.044715 x^3))) with the e^x below (rounded to the dtype before the product, as
+ *       F.gelu then mul_(up)); kernels/fused.py calls it, as silu_mul, only for a few rows.
  *
  * Arguments are addresses (tensor.data_ptr()) and element strides of rows; bf16: every tensor is
  * bfloat16 (else float32). The sum of squares and e^x are this file's own (a different order and
@@ -142,10 +148,33 @@ INLINE void silu_mul_row(const ActArgs *a, int64_t r) {
     else silu_mul_typed(a, r, 0);
 }
 
+/* 0.5 x (1 + tanh(y)) = x / (1 + e^(-2y)): the silu loop with the argument 2 y; e^x's clamp
+ * makes x^3's overflow harmless (-2y = -inf: e^-87, the result x; +inf: e^88, the result ~0). */
+INLINE void gelu_tanh_mul_typed(const ActArgs *a, int64_t r, const int bf16) {
+    const int64_t esz = bf16 ? 2 : 4, n = a->n;
+    const float two_beta = 2.0f * 0.7978845608028654f; /* 2 sqrt(2 / pi) */
+    const char *g = a->gate_up + r * a->gu_stride * esz, *u = g + n * esz;
+    char *o = a->out + r * a->out_stride * esz;
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
+        const float x = load(g, i, bf16);
+        const float y2 = two_beta * (x + 0.044715f * x * x * x);
+        float s = x / (1.0f + exp_clamped(-y2));
+        if (bf16) s = bf16_to_f32(f32_to_bf16(s));
+        store(o, i, s * load(u, i, bf16), bf16);
+    }
+}
+
+INLINE void gelu_tanh_mul_row(const ActArgs *a, int64_t r) {
+    if (a->bf16) gelu_tanh_mul_typed(a, r, 1);
+    else gelu_tanh_mul_typed(a, r, 0);
+}
+
 /* Each body compiled once per instruction set and picked at import. */
 #define KERNELS(SUFFIX, ATTR)                                                                   \
     ATTR static void norm_##SUFFIX(const NormArgs *a) { add_rms_norm_body(a); }                 \
-    ATTR static void act_##SUFFIX(const ActArgs *a, int64_t r) { silu_mul_row(a, r); }
+    ATTR static void act_##SUFFIX(const ActArgs *a, int64_t r) { silu_mul_row(a, r); }      \
+    ATTR static void gelu_##SUFFIX(const ActArgs *a, int64_t r) { gelu_tanh_mul_row(a, r); }
 
 typedef void (*norm_fn)(const NormArgs *);
 typedef void (*act_fn)(const ActArgs *, int64_t);
@@ -158,22 +187,22 @@ KERNELS(avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")
 
 /* chosen once at import, read-only afterwards */
 static norm_fn NORM_FN;
-static act_fn ACT_FN;
+static act_fn ACT_FN, GELU_FN;
 
 static const char *pick_kernels(void) {
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
         && __builtin_cpu_supports("avx512vl")) {
-        NORM_FN = norm_avx512, ACT_FN = act_avx512;
+        NORM_FN = norm_avx512, ACT_FN = act_avx512, GELU_FN = gelu_avx512;
         return "avx512";
     }
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-        NORM_FN = norm_avx2, ACT_FN = act_avx2;
+        NORM_FN = norm_avx2, ACT_FN = act_avx2, GELU_FN = gelu_avx2;
         return "avx2";
     }
 #endif
-    NORM_FN = norm_plain, ACT_FN = act_plain;
+    NORM_FN = norm_plain, ACT_FN = act_plain, GELU_FN = gelu_plain;
     return "plain";
 }
 
@@ -205,8 +234,8 @@ static PyObject *add_rms_norm(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *silu_mul(PyObject *self, PyObject *args) {
-    (void)self;
+/* silu_mul and gelu_tanh_mul: the same arguments, `fn` per row. */
+static PyObject *act_mul(PyObject *args, act_fn fn) {
     unsigned long long gate_up, out;
     long long gu_stride, out_stride, rows, n;
     int bf16;
@@ -217,15 +246,27 @@ static PyObject *silu_mul(PyObject *self, PyObject *args) {
     ActArgs a = {(const char *)(uintptr_t)gate_up, gu_stride, (char *)(uintptr_t)out, out_stride,
                  rows, n, bf16};
     Py_BEGIN_ALLOW_THREADS
-    for (int64_t r = 0; r < rows; r++) ACT_FN(&a, r);
+    for (int64_t r = 0; r < rows; r++) fn(&a, r);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
+}
+
+static PyObject *silu_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    return act_mul(args, ACT_FN);
+}
+
+static PyObject *gelu_tanh_mul(PyObject *self, PyObject *args) {
+    (void)self;
+    return act_mul(args, GELU_FN);
 }
 
 static PyMethodDef methods[] = {
     {"add_rms_norm", add_rms_norm, METH_VARARGS,
      "x += delta (when given); out = rmsnorm(x) * weight, per row, in place."},
     {"silu_mul", silu_mul, METH_VARARGS, "out = silu(gate) * up for rows [gate | up], in place."},
+    {"gelu_tanh_mul", gelu_tanh_mul, METH_VARARGS,
+     "out = gelu_tanh(gate) * up for rows [gate | up], in place."},
     {NULL, NULL, 0, NULL},
 };
 

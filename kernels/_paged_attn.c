@@ -15,19 +15,27 @@
  * Accumulation is fp32 whatever the cache dtype (fp32 or bf16, converted on load). The query
  * heads that share a KV head are adjacent (head = kv_head * group + g), as in HF's GQA layout.
  *
+ * A sliding window W (Mistral, Gemma 3's local layers; HF's `sliding_window_overlay`): the query
+ * at position ctx - 1 sees only the last W tokens, positions [max(0, ctx - W), ctx). The chunks
+ * start at the first visible token (mid-block, possibly); blocks wholly before it are not read.
+ *
+ *     | not read (ctx - W tokens) | visible: the last W tokens, the query's own included |
+ *
  *   decode(q, q_row_stride, kv, tables, table_stride, ctx_lens, out, out_row_stride,
- *          num_seqs, heads, kv_heads, head_dim, num_blocks, block_size, bf16, scale, threads)
+ *          num_seqs, heads, kv_heads, head_dim, num_blocks, block_size, bf16, scale, threads,
+ *          window=0)
  *       q, kv, tables, ctx_lens, out: addresses (tensor.data_ptr()). q rows [heads, head_dim]
  *       at q + i * q_row_stride elements; kv: one layer's cache, contiguous
  *       [2, num_blocks, block_size, kv_heads, head_dim]; tables: int64 [num_seqs, table_stride];
  *       ctx_lens: int64 [num_seqs] (>= 1); out rows [heads * head_dim] at out + i *
- *       out_row_stride. bf16: q, kv and out are bfloat16 (else float32). The GIL is released;
- *       work items (request, KV head) are spread over `threads` OpenMP threads (torch's pool)
- *       when there is enough of it.
+ *       out_row_stride. bf16: q, kv and out are bfloat16 (else float32). window: int64, the
+ *       sliding window in tokens (0 = full causal attention). The GIL is released; work items
+ *       (request, KV head) are spread over `threads` OpenMP threads (torch's pool) when there is
+ *       enough of it (counted in visible tokens).
  *
  *   decode_rope(qkv, qkv_row_stride, kv, tables, table_stride, ctx_lens, out, out_row_stride,
  *               num_seqs, heads, kv_heads, head_dim, num_blocks, block_size, bf16, scale, threads,
- *               positions, cos, sin, slots)
+ *               positions, cos, sin, slots, window=0, q_norm=0, k_norm=0, norm_eps=0.0)
  *       The same, for rows of a fused QKV projection ([heads + 2 kv_heads, head_dim] each, q
  *       first) whose q and k are not rotated yet and whose k and v are not in the cache yet: each
  *       work item first applies RoPE to its query heads (in place, in qkv) and its K head, writes
@@ -36,6 +44,13 @@
  *       head_dim] tables in the q dtype, sin signed as in engine/model.py's `rope_tables`:
  *       rope(x) = x * cos + swap_halves(x) * sin, computed as torch does (each product rounded,
  *       then the sum), so the rotated q and k are bit-identical to the torch composition.
+ *       q_norm, k_norm: addresses of [head_dim] weights in the q dtype (0 = none): each query
+ *       head (q_norm) and the K head (k_norm) is first RMS-normalised over head_dim, then scaled
+ *       by the weight, then rotated (Qwen3's and Gemma 3's q_norm / k_norm; Gemma's 1 + w is
+ *       folded into the weight by the loader): x * rsqrt(mean(x^2) + norm_eps) * w in fp32, one
+ *       rounding to the dtype, as _fused.add_rms_norm (and F.rms_norm) do. The sum of squares is
+ *       this file's order, so a normalised head differs from F.rms_norm's by a few fp32 ulp
+ *       (bf16: occasionally one bf16 ulp), and RoPE then rotates exactly what it is given.
  *
  * AVX-512, or AVX2 + FMA, when the CPU has them (the same C compiled for each and chosen at
  * import); plain C otherwise.
@@ -69,6 +84,9 @@ typedef struct {
     /* decode_rope only (positions == NULL for decode): */
     const int64_t *positions, *slots;
     const char *cos, *sin;
+    int64_t window; /* 0: full causal attention */
+    const char *q_norm, *k_norm; /* decode_rope: NULL = no q / k RMSNorm */
+    float norm_eps;
 } Args;
 
 static inline __attribute__((always_inline)) float bf16_to_f32(uint16_t h) {
@@ -157,7 +175,9 @@ INLINE void item_body(const Args *a, int64_t seq, int64_t kvh, const int64_t hd)
     }
     const int64_t ctx = a->ctx_lens[seq];
     const int64_t *table = a->tables + seq * a->table_stride;
-    for (int64_t t0 = 0; t0 < ctx;) {
+    /* the first visible token: the window's start, mid-block possibly */
+    const int64_t start = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    for (int64_t t0 = start; t0 < ctx;) {
         const int64_t block = table[t0 / bs], in_block = t0 % bs;
         int64_t n = bs - in_block;
         if (n > CHUNK) n = CHUNK;
@@ -208,8 +228,29 @@ INLINE void rope_head(char *dst, const char *src, const char *cos, const char *s
     }
 }
 
-/* decode_rope's part of one (request, KV head): rotate the group's query heads in place, rotate
- * K into the request's new slot, copy V there. */
+/* RMSNorm of one head from `src` into `dst` (may alias: read first): x * rsqrt(mean(x^2) + eps)
+ * * w, fp32 math, one rounding to the dtype, as _fused.add_rms_norm (torch's rsqrt as 1 / sqrt,
+ * then two fp32 products). */
+INLINE void rms_norm_head(char *dst, const char *src, const char *w, int bf16, float eps,
+                          int64_t hd) {
+    float x[MAX_HEAD_DIM] __attribute__((aligned(64))), ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t d = 0; d < hd; d++) {
+        x[d] = bf16 ? bf16_to_f32(((const uint16_t *)src)[d]) : ((const float *)src)[d];
+        ss += x[d] * x[d];
+    }
+    const float inv = 1.0f / sqrtf(ss / (float)hd + eps);
+    for (int64_t d = 0; d < hd; d++) {
+        const float wd = bf16 ? bf16_to_f32(((const uint16_t *)w)[d]) : ((const float *)w)[d];
+        const float y = (x[d] * inv) * wd;
+        if (bf16) ((uint16_t *)dst)[d] = f32_to_bf16(y);
+        else ((float *)dst)[d] = y;
+    }
+}
+
+/* decode_rope's part of one (request, KV head): normalise (q_norm, k_norm, when given) and
+ * rotate the group's query heads in place, normalise and rotate K into the request's new slot,
+ * copy V there. */
 INLINE void rope_write_item(const Args *a, int64_t seq, int64_t kvh) {
     const int64_t group = a->heads / a->kv_heads, hd = a->head_dim;
     const int64_t esz = a->bf16 ? 2 : 4, tok_stride = a->kv_heads * hd;
@@ -219,11 +260,18 @@ INLINE void rope_write_item(const Args *a, int64_t seq, int64_t kvh) {
     const char *cos = a->cos + table_row, *sin = a->sin + table_row;
     for (int64_t g = 0; g < group; g++) {
         char *head = row + (kvh * group + g) * hd * esz;
+        if (a->q_norm != NULL) rms_norm_head(head, head, a->q_norm, a->bf16, a->norm_eps, hd);
         rope_head(head, head, cos, sin, a->bf16, hd);
     }
     char *kv = (char *)a->kv;
     const int64_t at = (a->slots[seq] * a->kv_heads + kvh) * hd * esz;
-    rope_head(kv + at, row + (a->heads + kvh) * hd * esz, cos, sin, a->bf16, hd);
+    const char *k = row + (a->heads + kvh) * hd * esz;
+    float normed[MAX_HEAD_DIM] __attribute__((aligned(64))); /* hd elements of the dtype */
+    if (a->k_norm != NULL) {
+        rms_norm_head((char *)normed, k, a->k_norm, a->bf16, a->norm_eps, hd);
+        k = (const char *)normed; /* qkv's k stays as the projection left it */
+    }
+    rope_head(kv + at, k, cos, sin, a->bf16, hd);
     const char *v = row + (a->heads + a->kv_heads + kvh) * hd * esz;
     memcpy(kv + half * esz + at, v, (size_t)(hd * esz));
 }
@@ -266,8 +314,9 @@ static item_fn KERNEL_FN; /* chosen once at import, read-only afterwards */
 
 static void run_items(const Args *a, int threads) {
     const int64_t items = a->num_seqs * a->kv_heads;
-    int64_t tokens = 0;
-    for (int64_t i = 0; i < a->num_seqs; i++) tokens += a->ctx_lens[i];
+    int64_t tokens = 0; /* the tokens read: each request's visible ones */
+    for (int64_t i = 0; i < a->num_seqs; i++)
+        tokens += a->window > 0 && a->ctx_lens[i] > a->window ? a->window : a->ctx_lens[i];
     if (threads <= 1 || items < 2 || tokens < PARALLEL_MIN_TOKENS) {
         for (int64_t i = 0; i < items; i++) KERNEL_FN(a, i / a->kv_heads, i % a->kv_heads);
         return;
@@ -276,22 +325,30 @@ static void run_items(const Args *a, int threads) {
     for (int64_t i = 0; i < items; i++) KERNEL_FN(a, i / a->kv_heads, i % a->kv_heads);
 }
 
-/* Parses decode's 17 arguments (and decode_rope's 4 more) into `a`; 0 on success. */
+/* Parses decode's 17 arguments + window, or decode_rope's 21 + window, q_norm, k_norm, norm_eps
+ * (the trailing ones optional), into `a`; 0 on success. */
 static int parse_args(PyObject *args, Args *a, int *threads, int rope) {
-    unsigned long long q, kv, tables, ctx_lens, out, positions = 0, cos = 0, sin = 0, slots = 0;
+    unsigned long long q, kv, tables, ctx_lens, out, positions = 0, cos = 0, sin = 0, slots = 0,
+        q_norm = 0, k_norm = 0;
     long long q_row_stride, table_stride, out_row_stride, num_seqs, heads, kv_heads, head_dim,
-        num_blocks, block_size;
+        num_blocks, block_size, window = 0;
     int bf16;
-    float scale;
+    float scale, norm_eps = 0.0f;
     const int ok = rope
-        ? PyArg_ParseTuple(args, "KLKKLKKLLLLLLLpfiKKKK", &q, &q_row_stride, &kv, &tables,
+        ? PyArg_ParseTuple(args, "KLKKLKKLLLLLLLpfiKKKK|LKKf", &q, &q_row_stride, &kv, &tables,
                            &table_stride, &ctx_lens, &out, &out_row_stride, &num_seqs, &heads,
                            &kv_heads, &head_dim, &num_blocks, &block_size, &bf16, &scale, threads,
-                           &positions, &cos, &sin, &slots)
-        : PyArg_ParseTuple(args, "KLKKLKKLLLLLLLpfi", &q, &q_row_stride, &kv, &tables,
+                           &positions, &cos, &sin, &slots, &window, &q_norm, &k_norm, &norm_eps)
+        : PyArg_ParseTuple(args, "KLKKLKKLLLLLLLpfi|L", &q, &q_row_stride, &kv, &tables,
                            &table_stride, &ctx_lens, &out, &out_row_stride, &num_seqs, &heads,
-                           &kv_heads, &head_dim, &num_blocks, &block_size, &bf16, &scale, threads);
+                           &kv_heads, &head_dim, &num_blocks, &block_size, &bf16, &scale, threads,
+                           &window);
     if (!ok) return -1;
+    if (window < 0) {
+        PyErr_Format(PyExc_ValueError, "a sliding window is >= 0 tokens (0 = none), got %lld",
+                     window);
+        return -1;
+    }
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP
         || head_dim <= 0 || head_dim > MAX_HEAD_DIM || (rope && head_dim % 2 != 0)
         || block_size <= 0 || num_seqs < 0) {
@@ -307,7 +364,8 @@ static int parse_args(PyObject *args, Args *a, int *threads, int rope) {
                 (const int64_t *)(uintptr_t)ctx_lens, (char *)(uintptr_t)out, out_row_stride,
                 num_seqs, heads, kv_heads, head_dim, num_blocks, block_size, bf16, scale,
                 (const int64_t *)(uintptr_t)positions, (const int64_t *)(uintptr_t)slots,
-                (const char *)(uintptr_t)cos, (const char *)(uintptr_t)sin};
+                (const char *)(uintptr_t)cos, (const char *)(uintptr_t)sin, window,
+                (const char *)(uintptr_t)q_norm, (const char *)(uintptr_t)k_norm, norm_eps};
     return 0;
 }
 

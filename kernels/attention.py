@@ -13,12 +13,19 @@ A step's tokens are laid out flat, decodes first, then prefill chunks:
     | decode q (1 token per request) ... | prefill chunk 0 | prefill chunk 1 | ...
 
 Metadata is built once per step and reused by every layer.
+
+A layer may attend through a sliding window of W tokens (Mistral; Gemma 3's local layers), HF's
+`sliding_window_overlay`: the query at position p sees the keys at positions (p - W, p], the last
+W tokens including its own; window 0 is full causal attention. A backend builds what a window
+needs (masks, trimmed block tables, plans) once per (step, window) and every layer of that
+window reuses it: `AttentionMetadata.window_cache`.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -66,6 +73,9 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     prefills: list[PrefillSegment]
     num_tokens: int
+    # a backend's per-step derivations keyed by what they depend on (e.g. ("decode", window)):
+    # built by the first layer that needs one, reused by the rest of the step's layers
+    window_cache: dict[Any, Any] = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):
@@ -87,8 +97,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
-                out: torch.Tensor) -> torch.Tensor:
-        """q: [T, heads, head_dim] -> `out` [T, heads * head_dim] (written in place)."""
+                out: torch.Tensor, window: int = 0, scale: float | None = None) -> torch.Tensor:
+        """q: [T, heads, head_dim] -> `out` [T, heads * head_dim] (written in place).
+
+        `window`: the layer's sliding window in tokens (0 = full causal attention); `scale`: the
+        softmax scale of q . k (None = head_dim ** -0.5; Gemma 3: query_pre_attn_scalar ** -0.5).
+        """
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -9,6 +9,12 @@ planned once, and every layer only calls `run`:
 
 A request with context length `ctx` owns the first `ceil(ctx / block_size)` blocks of its block
 table, one page each; the last one holds `ctx - (pages - 1) * block_size` tokens.
+
+A plan fixes the sliding window (`window_left = window - 1`, -1 = none: FlashInfer counts the
+keys left of the query's own) and the softmax scale (`sm_scale`), so each distinct
+(window, scale) of a step has its own pair of wrappers, planned on the step's first layer with
+that pair (Gemma 3: one for the local layers, one for the global ones); the page tables are built
+once per step and shared by all plans.
 """
 
 from __future__ import annotations
@@ -93,12 +99,26 @@ def _require_flashinfer() -> ModuleType:
     return flashinfer
 
 
+class StepTables(NamedTuple):
+    """A step's page tables, shared by every (window, scale) plan of the step."""
+
+    decode: PageTable | None
+    prefill: PageTable | None
+    qo_indptr: torch.Tensor | None
+
+
+class Wrappers(NamedTuple):
+    decode: Any
+    prefill: Any
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     """K/V written by slot; attention by FlashInfer's paged decode / prefill wrappers.
 
-    The wrappers are planned on the first `forward` of a step and reused by every layer: the
-    runner passes one AttentionMetadata object to all layers of a step, so object identity
-    marks the step. The planned meta is held (not just its id) so its id cannot be reused.
+    Each (window, scale) pair's wrappers are planned on the first `forward` of a step that uses
+    it and reused by every layer with that pair: the runner passes one AttentionMetadata object
+    to all layers of a step, so object identity marks the step. The planned meta is held (not
+    just its id) so its id cannot be reused.
     """
 
     name = "flashinfer"
@@ -112,30 +132,38 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._fi = module if module is not None else _require_flashinfer()
         self._head_dims = self.SUPPORTED_HEAD_DIMS if module is None else None
         self._workspace: torch.Tensor | None = None  # allocated once, on the cache's device
-        self._decode: Any = None
-        self._prefill: Any = None
+        self._wrappers: dict[tuple[int, float | None], Wrappers] = {}  # by (window, scale)
         self._planned_for: AttentionMetadata | None = None
+        self._tables: StepTables | None = None  # the planned step's
+        self._planned: set[tuple[int, float | None]] = set()  # of the planned step
 
     def forward(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
-                out: torch.Tensor) -> torch.Tensor:
+                out: torch.Tensor, window: int = 0, scale: float | None = None) -> torch.Tensor:
+        if window < 0:
+            raise ValueError(f"a sliding window is >= 0 tokens (0 = none), got {window}")
         if meta is not self._planned_for:
-            self._plan(q, layer_cache, meta)
+            self._new_step(q, layer_cache, meta)
+        key = (window, scale)
+        if key not in self._planned:
+            self._plan(q, layer_cache, meta, key)
+        wrappers = self._wrappers[key]
         q = q.contiguous()
         heads, head_dim = q.shape[1:]
         paged_kv = (layer_cache[0], layer_cache[1])
         dec = meta.decode
         if dec is not None and dec.num:
-            self._decode.run(q[: dec.num], paged_kv,
-                             out=out[: dec.num].view(dec.num, heads, head_dim))
+            wrappers.decode.run(q[: dec.num], paged_kv,
+                                out=out[: dec.num].view(dec.num, heads, head_dim))
         if meta.prefills:
             start = meta.prefills[0].q_start
             end = meta.prefills[-1].q_start + meta.prefills[-1].q_len
-            self._prefill.run(q[start:end], paged_kv,
-                              out=out[start:end].view(end - start, heads, head_dim))
+            wrappers.prefill.run(q[start:end], paged_kv,
+                                 out=out[start:end].view(end - start, heads, head_dim))
         return out
 
-    def _plan(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Once per step: page tables from the metadata, then plan() on each wrapper used."""
+    def _new_step(self, q: torch.Tensor, layer_cache: torch.Tensor,
+                  meta: AttentionMetadata) -> None:
+        """Once per step: the checks, the workspace, the page tables; no plan is valid yet."""
         _, _, block_size, kv_heads, head_dim = layer_cache.shape
         heads = q.shape[1]
         if self._head_dims is not None and head_dim not in self._head_dims:
@@ -143,31 +171,50 @@ class FlashInferAttentionBackend(AttentionBackend):
                              f"{head_dim}: use --attention-backend torch")
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
-        self._ensure_wrappers(layer_cache.device, heads // kv_heads)
-        dtypes = {"q_data_type": q.dtype, "kv_data_type": layer_cache.dtype}
+        self._ensure_workspace(layer_cache.device)
         dec = meta.decode
-        if dec is not None and dec.num:
-            pt = decode_page_table(dec, block_size)
-            self._decode.plan(pt.indptr, pt.indices, pt.last_page_len, heads, kv_heads,
-                              head_dim, block_size, **dtypes)
-        if meta.prefills:
-            pt = prefill_page_table(meta.prefills, block_size)
-            # causal=True aligns each chunk's queries to the end of its keys, so a chunk after
-            # a cached prefix sees the whole prefix: exactly PrefillSegment.mask.
-            self._prefill.plan(prefill_qo_indptr(meta.prefills), pt.indptr, pt.indices,
-                               pt.last_page_len, heads, kv_heads, head_dim, block_size,
-                               causal=True, **dtypes)
+        self._tables = StepTables(
+            decode=decode_page_table(dec, block_size) if dec is not None and dec.num else None,
+            prefill=prefill_page_table(meta.prefills, block_size) if meta.prefills else None,
+            qo_indptr=prefill_qo_indptr(meta.prefills) if meta.prefills else None)
+        self._planned = set()
         self._planned_for = meta
 
-    def _ensure_wrappers(self, device: torch.device, group_size: int) -> None:
+    def _plan(self, q: torch.Tensor, layer_cache: torch.Tensor, meta: AttentionMetadata,
+              key: tuple[int, float | None]) -> None:
+        """Once per step and (window, scale): plan() on each wrapper the step uses."""
+        _, _, block_size, kv_heads, head_dim = layer_cache.shape
+        heads = q.shape[1]
+        window, scale = key
+        wrappers = self._wrappers.get(key)
+        if wrappers is None:
+            wrappers = self._wrappers[key] = self._make_wrappers(heads // kv_heads)
+        assert self._tables is not None
+        kw = {"q_data_type": q.dtype, "kv_data_type": layer_cache.dtype,
+              "window_left": window - 1 if window else -1, "sm_scale": scale}
+        if (pt := self._tables.decode) is not None:
+            wrappers.decode.plan(pt.indptr, pt.indices, pt.last_page_len, heads, kv_heads,
+                                 head_dim, block_size, **kw)
+        if (pt := self._tables.prefill) is not None:
+            # causal=True aligns each chunk's queries to the end of its keys, so a chunk after
+            # a cached prefix sees the whole prefix: exactly PrefillSegment.mask.
+            wrappers.prefill.plan(self._tables.qo_indptr, pt.indptr, pt.indices,
+                                  pt.last_page_len, heads, kv_heads, head_dim, block_size,
+                                  causal=True, **kw)
+        self._planned.add(key)
+
+    def _ensure_workspace(self, device: torch.device) -> None:
         if self._workspace is not None:
             if self._workspace.device != device:
                 raise ValueError(f"flashinfer backend was set up on {self._workspace.device}, "
                                  f"got a KV cache on {device}")
             return
-        # One float workspace for both wrappers, as vLLM does: their runs never overlap.
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+    def _make_wrappers(self, group_size: int) -> Wrappers:
+        # One float workspace for all wrappers, as vLLM does: their runs never overlap.
         # Tensor-core decode pays off for wide GQA groups (vLLM's threshold).
-        self._decode = self._fi.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, "NHD", use_tensor_cores=group_size > 4)
-        self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
+        return Wrappers(
+            self._fi.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD",
+                                                        use_tensor_cores=group_size > 4),
+            self._fi.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD"))
