@@ -47,7 +47,7 @@ _BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden
 
 CASES: tuple[FamilyCase, ...] = (
     FamilyCase("llama", "LlamaConfig", "LlamaForCausalLM", dict(rope_theta=10000.0)),
-    FamilyCase("llama3-rope", "LlamaConfig", "LlamaForCausalLM", dict(
+    FamilyCase("llama-llama3-rope", "LlamaConfig", "LlamaForCausalLM", dict(
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
         rope_theta=500000.0)),

@@ -6,6 +6,7 @@ Ray 1P1D cluster (`ClusterBackend` with Ray actors, as `halfmoon serve` runs it)
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import grpc
@@ -71,8 +72,7 @@ def test_colocated_server_is_token_identical(served: Served, cost: str) -> None:
 
 def test_1p1d_cluster_is_token_identical(served: Served, cost: str) -> None:
     config = cluster_config(cost_model=cost, max_num_batched_tokens=32)
-    config = config.__class__(**{**config.__dict__, "engine": EngineConfig(
-        **{**config.engine.__dict__, "model": str(served.folder)})})
+    config = dataclasses.replace(config, engine=dataclasses.replace(config.engine, model=str(served.folder)))
     workers = InProcessWorkers(config, load_weights(str(served.folder)))
     backend = ClusterBackend(config, redis_url=None, workers=workers, admission=CLIENT_SLOS_ONLY)
     api = run_api(backend, ServerConfig(grpc_port=0, http_port=0))
@@ -84,13 +84,15 @@ def test_1p1d_cluster_is_token_identical(served: Served, cost: str) -> None:
         api.stop()
 
 
-def test_ray_1p1d_cluster_serves_gemma3(tmp_path: Path, redis: EmbeddedRedis) -> None:
-    """Gemma 3 (local/global layers, windows shorter than the prompt) through Ray actors, as
-    `halfmoon serve` runs the cluster: KV between worker processes, windows cut in transit."""
+@pytest.mark.parametrize("name", ["gemma3", "qwen2", "llama-dynamic-rope"])
+def test_ray_1p1d_cluster_is_token_identical(name: str, tmp_path: Path, redis: EmbeddedRedis) -> None:
+    """Through Ray actors, as `halfmoon serve` runs the cluster (KV between worker processes):
+    Gemma 3 (local/global layers, windows cut in transit), Qwen2 (biases, yarn, sliding layers),
+    Llama with dynamic NTK (RoPE lengths agreed by both sides)."""
     from conductor.cluster_config import ClusterConfig  # noqa: PLC0415
     from transport.config import TransportConfig  # noqa: PLC0415
 
-    case = BY_NAME["gemma3"]
+    case = BY_NAME[name]
     model = build_checkpoint(case, tmp_path / "gemma3")
     ids = prompts(2)
     expected = [hf_greedy(model, p) for p in ids]
@@ -98,7 +100,7 @@ def test_ray_1p1d_cluster_serves_gemma3(tmp_path: Path, redis: EmbeddedRedis) ->
                                                                     max_num_batched_tokens=32),
                            transport=TransportConfig(backend="tcp", timeout_s=20.0), worker_threads=1,
                            object_store_mb=128, cost_model=cost_model_file(tmp_path / "cost.json"),
-                           request_timeout_s=60.0, model_id="gemma3-tiny")
+                           request_timeout_s=60.0, model_id=name)
     api = run_api(ClusterBackend(config, redis.url, admission=CLIENT_SLOS_ONLY), ServerConfig(grpc_port=0, http_port=0))
     try:
         assert generate_all(api.grpc_target, ids, [NEW] * len(ids)) == expected

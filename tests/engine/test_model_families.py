@@ -65,8 +65,9 @@ def test_disaggregated_over_the_transport_is_token_identical(checkpoint: Checkpo
     prefill, decode = checkpoint.engine(), checkpoint.engine()
     backend = get_backend("local")
     layout = prefill.kv_layout()
-    assert layout == decode.kv_layout() and list(layout.windows) == [prefill.model_config.window(i)
-                                                                      for i in range(layout.num_layers)]
+    assert layout == decode.kv_layout()
+    assert [layout.window(i) for i in range(layout.num_layers)] == [prefill.model_config.window(i)
+                                                                   for i in range(layout.num_layers)]
     receiver = KVReceiver(decode.kv_cache, layout, backend, timeout=10.0).start()
     sender = KVSender(prefill.kv_cache, layout, backend, receiver.address, timeout=10.0)
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
