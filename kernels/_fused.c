@@ -10,6 +10,8 @@
  *       when delta != 0:  x[r] += delta[r]           (rounded to the dtype: torch's `x += delta`)
  *       out[r] = x[r] * rsqrt(mean(x[r]^2) + eps) * weight
  *       (fp32 math, one rounding at the end: what F.rms_norm does for bf16 inputs)
+ *       with delta == 0, x is only read: a plain RMSNorm of x into out (kernels/fused.py's
+ *       DecodeStep.rms_norm)
  *   silu_mul(gate_up, gu_stride, out, out_stride, rows, n, bf16)
  *       out[r] = silu(gate_up[r, :n]) * gate_up[r, n:2n]
  *       (silu rounded to the dtype before the product: F.silu(gate) then mul_(up))

@@ -113,7 +113,7 @@ class DecodeStep:
 
     __slots__ = ("x", "h", "attn_out", "_act", "_normed", "_dtype", "_bf16", "_eps", "_threads",
                  "_profiling", "_attn_head", "_positions", "_slots", "_rope", "_cache",
-                 "_layer_bytes", "_qkv_width", "_head_dim")
+                 "_layer_bytes", "_qkv_width", "_head_dim", "_keep")
 
     def __init__(self, x: torch.Tensor, positions: torch.Tensor,
                  rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
@@ -138,6 +138,8 @@ class DecodeStep:
         self._qkv_width = (num_heads + 2 * kv_heads) * head_dim
         self._head_dim = head_dim
         cos, sin = rope
+        # the tensors whose addresses the calls pass: alive as long as the step
+        self._keep = (positions, cos, sin, kv_cache, meta)
         self._rope = (cos.data_ptr(), sin.data_ptr())
         self._positions, self._slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
         # decode_rope's arguments after (qkv, qkv_row_stride, layer cache) up to positions

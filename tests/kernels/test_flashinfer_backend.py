@@ -127,8 +127,10 @@ def test_block_table_too_short_for_its_context_is_rejected() -> None:
 
 def _paged_attention(q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor],
                      qo_indptr: list[int], plan: tuple[torch.Tensor, ...], causal: bool,
-                     out: torch.Tensor) -> None:
-    """FlashInfer's documented semantics: CSR pages, NHD, causal aligned to the end of the keys."""
+                     out: torch.Tensor, window_left: int = -1,
+                     sm_scale: float | None = None) -> None:
+    """FlashInfer's documented semantics: CSR pages, NHD, causal aligned to the end of the keys;
+    `window_left` >= 0: the query at (aligned) position p sees keys [p - window_left, p]."""
     indptr, indices, last_page_len = (t.tolist() for t in plan)
     k_cache, v_cache = paged_kv
     page_size = k_cache.shape[1]
@@ -141,25 +143,37 @@ def _paged_attention(q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor
         mask = None
         if causal:  # tril(diagonal=kv_len - qo_len), as in flashinfer's prefill docstring
             mask = torch.ones(qb.shape[1], kv_len, dtype=torch.bool).tril(kv_len - qb.shape[1])
-        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True)
+        if window_left >= 0:
+            pos = torch.arange(kv_len - qb.shape[1], kv_len).unsqueeze(1)
+            left = torch.arange(kv_len).unsqueeze(0) >= pos - window_left
+            mask = left if mask is None else mask & left
+        o = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True,
+                                           scale=sm_scale)
         out[qo_indptr[b] : qo_indptr[b + 1]] = o.transpose(0, 1)
 
 
 class _FakeDecode:
-    def __init__(self, log: list[str], workspace: torch.Tensor, kv_layout: str, **_: Any) -> None:
+    def __init__(self, log: list[str], params: list[tuple[str, int, float | None]],
+                 workspace: torch.Tensor, kv_layout: str, **_: Any) -> None:
         assert kv_layout == "NHD" and workspace.dtype == torch.uint8
-        self.log = log
+        self.log, self.params = log, params
+
+    def _planned(self, kind: str, kw: dict[str, Any]) -> None:
+        assert {"q_data_type", "kv_data_type", "window_left", "sm_scale"} <= kw.keys()
+        self.log.append(kind)
+        self.params.append((kind, kw["window_left"], kw["sm_scale"]))
+        self.window_left, self.sm_scale = kw["window_left"], kw["sm_scale"]
 
     def plan(self, indptr: torch.Tensor, indices: torch.Tensor, last_page_len: torch.Tensor,
              heads: int, kv_heads: int, head_dim: int, page_size: int, **kw: Any) -> None:
         assert indptr.dtype == indices.dtype == last_page_len.dtype == torch.int32
-        assert {"q_data_type", "kv_data_type"} <= kw.keys()
-        self.log.append("decode")
+        self._planned("decode", kw)
         self.tables = (indptr, indices, last_page_len)
 
     def run(self, q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor], *,
             out: torch.Tensor) -> torch.Tensor:
-        _paged_attention(q, paged_kv, list(range(q.shape[0] + 1)), self.tables, False, out)
+        _paged_attention(q, paged_kv, list(range(q.shape[0] + 1)), self.tables, False, out,
+                         self.window_left, self.sm_scale)
         return out
 
 
@@ -168,23 +182,26 @@ class _FakePrefill(_FakeDecode):
              last_page_len: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
              page_size: int, *, causal: bool, **kw: Any) -> None:
         assert qo_indptr.dtype == torch.int32
-        self.log.append("prefill")
+        self._planned("prefill", kw)
         self.qo_indptr, self.causal, self.tables = qo_indptr.tolist(), causal, (
             indptr, indices, last_page_len)
 
     def run(self, q: torch.Tensor, paged_kv: tuple[torch.Tensor, torch.Tensor], *,
             out: torch.Tensor) -> torch.Tensor:
         assert q.shape[0] == self.qo_indptr[-1]
-        _paged_attention(q, paged_kv, self.qo_indptr, self.tables, self.causal, out)
+        _paged_attention(q, paged_kv, self.qo_indptr, self.tables, self.causal, out,
+                         self.window_left, self.sm_scale)
         return out
 
 
 def fake_flashinfer() -> SimpleNamespace:
     log: list[str] = []
+    params: list[tuple[str, int, float | None]] = []  # (kind, window_left, sm_scale) per plan
     return SimpleNamespace(
         plan_log=log,
-        BatchDecodeWithPagedKVCacheWrapper=functools.partial(_FakeDecode, log),
-        BatchPrefillWithPagedKVCacheWrapper=functools.partial(_FakePrefill, log),
+        plan_params=params,
+        BatchDecodeWithPagedKVCacheWrapper=functools.partial(_FakeDecode, log, params),
+        BatchPrefillWithPagedKVCacheWrapper=functools.partial(_FakePrefill, log, params),
     )
 
 
@@ -222,6 +239,36 @@ def test_plans_once_per_step_not_per_layer() -> None:
     for _ in range(2):
         run_backend(backend, step2, step2.cache.clone())
     assert fi.plan_log == ["decode", "prefill", "decode"]
+    assert {window for _, window, _ in fi.plan_params} == {-1}, "window 0 plans no window"
+
+
+def _run(backend: Any, scene: Scene, cache: torch.Tensor, window: int,
+         scale: float | None) -> torch.Tensor:
+    out = torch.full((scene.meta.num_tokens, scene.q.shape[1] * scene.q.shape[2]), float("nan"))
+    backend.forward(scene.q, cache, scene.meta, out, window=window, scale=scale)
+    return out
+
+
+def test_window_and_scale_reach_plan_and_match_torch_backend() -> None:
+    """A Gemma 3 step: local layers (window 5) and global ones (none) interleaved, one scale.
+    One plan per wrapper and distinct (window, scale) a step, whatever the layer order."""
+    fi = fake_flashinfer()
+    backend = FlashInferAttentionBackend(module=fi)
+    scene = make_scene(decode_ctx=[9, 1, 13, 30], prefills=[(0, 12), (5, 6), (20, 1)], seed=5)
+    cache = scene.cache.clone()
+    backend.write_kv(cache, scene.k, scene.v, scene.meta.slot_mapping)
+    torch_cache = cache.clone()
+    for window in (5, 5, 0, 5, 0, 5):  # layers
+        got = _run(backend, scene, cache, window, 0.3)
+        want = _run(TorchAttentionBackend(), scene, torch_cache, window, 0.3)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert fi.plan_params == [("decode", 4, 0.3), ("prefill", 4, 0.3),
+                              ("decode", -1, 0.3), ("prefill", -1, 0.3)]
+    windowed = _run(backend, scene, cache, 5, 0.3)
+    assert not torch.allclose(windowed, _run(backend, scene, cache, 0, 0.3), atol=1e-3)
+    step2 = make_scene(decode_ctx=[3, 7], prefills=[], seed=2)  # a new step: planned again
+    _run(backend, step2, step2.cache.clone(), 5, 0.3)
+    assert fi.plan_params[-1] == ("decode", 4, 0.3) and len(fi.plan_params) == 5
 
 
 # ---------------------------------------------------------------- CUDA: the real kernels
@@ -250,6 +297,24 @@ class TestOnCuda:
                           scene.cache.float(), scene.meta)
         expected = run_backend(TorchAttentionBackend(), ref_scene, ref_scene.cache.clone())
         torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+    @pytest.mark.parametrize("window", [1, 8, 37])
+    def test_window_and_scale_match_torch_backend(self, window: int) -> None:
+        step = {"decode_ctx": [40, 1, 17, 130], "prefills": [(0, 37), (50, 20), (16, 1), (0, 5)]}
+        scene = make_scene(**step, heads=8, kv_heads=2, head_dim=128, block_size=16,
+                           dtype=torch.bfloat16, device="cuda", seed=8)
+        backend, cache = FlashInferAttentionBackend(), scene.cache.clone()
+        backend.write_kv(cache, scene.k, scene.v, scene.meta.slot_mapping)
+        got = torch.empty(scene.meta.num_tokens, 8 * 128, dtype=torch.bfloat16, device="cuda")
+        backend.forward(scene.q, cache, scene.meta, got, window=window, scale=0.05)
+        ref_scene = Scene(scene.q.float(), scene.k.float(), scene.v.float(),
+                          scene.cache.float(), scene.meta)
+        ref_cache = ref_scene.cache.clone()
+        ref = TorchAttentionBackend()
+        ref.write_kv(ref_cache, ref_scene.k, ref_scene.v, scene.meta.slot_mapping)
+        want = torch.empty(scene.meta.num_tokens, 8 * 128, device="cuda")
+        ref.forward(ref_scene.q, ref_cache, scene.meta, want, window=window, scale=0.05)
+        torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
     def test_write_kv_matches_torch_backend(self) -> None:
         scene = make_scene(**MIXED, dtype=torch.float16, device="cuda", seed=5)
