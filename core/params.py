@@ -34,6 +34,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = field(default=())
+    speculative: bool = True  # False: this request opts out of speculative decoding
 
     def __post_init__(self) -> None:
         # Accept lists from callers but keep the frozen object hashable and immutable.

@@ -20,6 +20,8 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 # Weight-only quantization of the dense layers (kernels/quant_linear.py): none, int8 per output
 # channel, int4 in groups of 32 (a Q4_1 GGUF's own blocks, loaded without re-quantizing).
 QUANTIZATIONS = ("none", "int8", "int4")
+# Speculative decoding's draft sources (engine/speculative.py)
+SPECULATIVE_MODES = ("off", "ngram")
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -54,6 +56,13 @@ class EngineConfig:
     remote_fetch: pull prefix blocks other workers hold (found in the index) over the KV
         transport; off = each worker reuses only its own tiers (the local-only baseline; its
         blocks are still served to workers that fetch).
+    speculative: speculative decoding on decoding requests: `off` or `ngram` (prompt lookup:
+        drafts what followed the latest earlier occurrence of the last tokens; greedy output
+        unchanged, sampled output distributed as without it). engine/speculative.py.
+    speculative_tokens: most tokens drafted per request and step (the policy picks fewer from
+        each request's measured acceptance).
+    speculative_max_batch: batch size from which speculation is off for the step; 0 = the
+        crossover this engine measures from its own step times (`halfmoon profile` prints it).
     """
 
     model: str = "smollm2"
@@ -75,6 +84,9 @@ class EngineConfig:
     worker_id: str | None = None
     node_id: str | None = None
     remote_fetch: bool = True
+    speculative: str = "off"
+    speculative_tokens: int = 4
+    speculative_max_batch: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -90,6 +102,10 @@ class EngineConfig:
             raise ConfigError("host_cache_gb and disk_cache_gb must be >= 0")
         if self.disk_cache_dir is not None and self.disk_cache_gb <= 0:
             raise ConfigError("disk_cache_dir is set but disk_cache_gb is 0")
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ConfigError(f"speculative {self.speculative!r} not supported; choose from {list(SPECULATIVE_MODES)}")
+        if not 1 <= self.speculative_tokens <= 16 or self.speculative_max_batch < 0:
+            raise ConfigError("speculative_tokens must be in 1..16 and speculative_max_batch >= 0")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -33,6 +33,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from core.params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
+from engine.speculative import SpeculativeConfig, Speculator
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.attention import get_backend
 from kvpool.block_hash import block_hashes, root_hash
@@ -130,8 +131,10 @@ class Engine:
                                     cfg.head_dim, dtype=config.torch_dtype)
         self.pool = BlockPool(num_blocks)
         self.tiers = build_tiers(config, self.kv_cache, self.pool, remote)
+        spec = SpeculativeConfig.of(config)
+        self.speculator = Speculator(spec, self.max_model_len) if spec.enabled else None
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
-                                   config.max_num_seqs, self.tiers)
+                                   config.max_num_seqs, self.tiers, self.speculator)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
         self._text: dict[str, TextState] = {}
         self._inbox: list[Request] = []
@@ -340,9 +343,11 @@ class Engine:
         self.pushes.flush(plan.preempted)
         self.runner.layer_hook = self.pushes.hook(plan.scheduled)
         sampled = self.runner.run(plan.scheduled)
+        if self.speculator is not None:
+            self.speculator.cost.observe(self.runner.last_rows, self.runner.last_forward_s)
         now = time.perf_counter()
-        for req in self.scheduler.update(plan, sampled):
-            outputs.append(self._postprocess(req, now))
+        for req, new in self.scheduler.update(plan, sampled):
+            outputs.append(self._postprocess(req, now, new))
         outputs.extend(self._abort_failed_pushes(now))
         return outputs
 
@@ -377,16 +382,23 @@ class Engine:
 
     # ------------------------------------------------------------------ outputs
 
-    def _postprocess(self, req: Request, now: float) -> TokenChunk:
-        token = req.token_ids[-1]
+    def _postprocess(self, req: Request, now: float, new: int = 1) -> TokenChunk:
+        """The request's `new` last tokens, one by one: the first that ends it drops the ones
+        after it (a verification may emit several tokens past a stop)."""
+        tokens = req.token_ids[-new:]
+        del req.token_ids[-new:]
         if req.first_token_time is None:
             req.first_token_time = now
-        stop_text = self._text[req.request_id].push(token)
-        reason = self._stop_reason(req, token, stop_text)
-        if reason is not None:
-            req.stop_text = stop_text
-            self._finish(req, reason, now)
-        return self._output(req, [token], final=reason is not None)
+        for i, token in enumerate(tokens):
+            req.token_ids.append(token)
+            stop_text = self._text[req.request_id].push(token)
+            reason = self._stop_reason(req, token, stop_text)
+            if reason is not None:
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                req.stop_text = stop_text
+                self._finish(req, reason, now)
+                return self._output(req, tokens[: i + 1], final=True)
+        return self._output(req, tokens, final=False)
 
     def _stop_reason(self, req: Request, token: int, stop_text: str | None) -> FinishReason | None:
         if self.pushes.failed(req.request_id):  # its KV never reached the decode side
@@ -404,6 +416,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         req.finish_time = now
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         if req.request_id in self.pushes:
             self.pushes.end(req, reason)
         self.scheduler.finish(req, reason)

@@ -23,21 +23,25 @@ from core.blocks import cdiv
 from engine.model import LayerHook, DecoderModel
 from engine.request import Request
 from engine.sampler import sample
+from engine.speculative import verify
 from engine.scheduler import ScheduledRequest
 from kernels.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 
 
 class StepInputs:
-    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens")
+    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens", "drafts")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits_rows: torch.Tensor, sampled: list[Request],
-                 rope_lens: torch.Tensor | None = None) -> None:
+                 rope_lens: torch.Tensor | None = None,
+                 drafts: list[tuple[int, ...]] | None = None) -> None:
         self.input_ids = input_ids
         self.positions = positions
         self.meta = meta
+        # one row per sampled request, or 1 + len(draft) consecutive rows for a verification
         self.logits_rows = logits_rows
         self.sampled = sampled
+        self.drafts = drafts  # per sampled request, its draft (None: no verification this step)
         # dynamic NTK RoPE only: the sequence length each token's frequencies are for
         self.rope_lens = rope_lens
 
@@ -112,17 +116,39 @@ class ModelRunner:
         self.layer_hook: LayerHook | None = None
         self.buffers = StepBuffers(kv_cache.device)
         self.last_forward_s = 0.0  # wall time of the last step's forward pass (for the profiler)
+        self.last_rows = 0  # tokens that forward pass computed (speculation's cost table)
 
-    def run(self, scheduled: Sequence[ScheduledRequest]) -> list[int]:
-        """One forward pass over the batch; returns a token per request whose `sample` is set."""
+    def run(self, scheduled: Sequence[ScheduledRequest]) -> list[list[int]]:
+        """One forward pass over the batch; returns the new tokens of each request whose
+        `sample` is set: one, or a verification's accepted drafts and its last token."""
         inputs = self.prepare(scheduled)
         start = time.perf_counter()
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
                                     inputs.meta, inputs.logits_rows, self.layer_hook, inputs.rope_lens)
         self.last_forward_s = time.perf_counter() - start
+        self.last_rows = inputs.meta.num_tokens
         if not inputs.sampled:
             return []
-        return sample(logits, inputs.sampled)
+        if inputs.drafts is None:
+            return [[t] for t in sample(logits, inputs.sampled)]
+        return self._verify(logits, inputs.sampled, inputs.drafts)
+
+    @staticmethod
+    def _verify(logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]) -> list[list[int]]:
+        """Plain rows sampled together; each verification's rows through `verify`."""
+        first = [0]
+        for d in drafts:
+            first.append(first[-1] + 1 + len(d))
+        plain = [i for i, d in enumerate(drafts) if not d]
+        out: list[list[int]] = [[] for _ in requests]
+        if plain:
+            tokens = sample(logits[[first[i] for i in plain]], [requests[i] for i in plain])
+            for i, t in zip(plain, tokens):
+                out[i] = [t]
+        for i, d in enumerate(drafts):
+            if d:
+                out[i] = verify(logits[first[i] : first[i + 1]], d, requests[i])
+        return out
 
     def prepare(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
         """Flat inputs in runner order (decodes first); sampled rows in *scheduler* order.
@@ -130,7 +156,7 @@ class ModelRunner:
         The scheduler consumes the sampled tokens in its own order, so `logits_rows`/`sampled`
         follow `scheduled`, not the flat layout.
         """
-        if all(s.num_tokens == 1 and s.sample for s in scheduled):
+        if all(s.num_tokens == 1 and s.sample and not s.draft for s in scheduled):
             inputs = self._prepare_decodes(scheduled)
         else:
             inputs = self._prepare_mixed(scheduled)
@@ -143,7 +169,7 @@ class ModelRunner:
         """HF's dynamic-NTK sequence length per token (engine/rope.py): a prompt token's is the
         prompt's length, a decoded token's its position + 1. Flat order: decodes, then prefills."""
         order = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
-        if all(s.num_tokens == 1 and s.sample for s in scheduled):
+        if all(s.num_tokens == 1 and s.sample and not s.draft for s in scheduled):
             order = list(scheduled)
         prompt = torch.cat([torch.full((s.num_tokens,), s.request.num_prompt_tokens) for s in order])
         return torch.maximum(positions.cpu() + 1, prompt)
@@ -176,12 +202,16 @@ class ModelRunner:
         for s in decodes + prefills:
             start = s.request.num_computed_tokens
             table = tables[s.request.request_id]
-            ids.extend(s.request.token_ids[start : start + s.num_tokens])
+            ids.extend(s.request.token_ids[start : start + s.num_tokens - len(s.draft)])
+            ids.extend(s.draft)
             positions.append(torch.arange(start, start + s.num_tokens))
             slots.append(self._slots(table, start, start + s.num_tokens))
             last_row[s.request.request_id] = len(ids) - 1
         sampled = [s.request for s in scheduled if s.sample]
-        rows = [last_row[r.request_id] for r in sampled]
+        drafts = [s.draft for s in scheduled if s.sample]
+        # a verification's logits: every one of its 1 + len(draft) rows
+        rows = [row for r, d in zip(sampled, drafts) for row in range(last_row[r.request_id] - len(d),
+                                                                      last_row[r.request_id] + 1)]
         decode = None
         if decodes:
             decode = self._decode_batch([s.request for s in decodes],
@@ -193,7 +223,8 @@ class ModelRunner:
             num_tokens=len(ids),
         )
         return StepInputs(torch.tensor(ids), torch.cat(positions), meta,
-                          torch.tensor(rows, dtype=torch.long), sampled)
+                          torch.tensor(rows, dtype=torch.long), sampled,
+                          drafts=drafts if any(drafts) else None)
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) for a request's block table."""

@@ -39,6 +39,27 @@ def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Ten
     return idx_sorted.gather(1, choice).squeeze(1)
 
 
+def probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """The distribution `sample` draws from, dense in vocabulary order: [R, vocab] fp32 (rows of
+    a greedy request are one-hot at the argmax). Speculative verification accepts and resamples
+    against it (engine/speculative.py)."""
+    probs = torch.zeros_like(logits, dtype=torch.float32)
+    greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+    if greedy:
+        probs[greedy, logits[greedy].argmax(dim=-1)] = 1.0
+    rows = [i for i, r in enumerate(requests) if not r.params.greedy]
+    if rows:
+        sub = [requests[i] for i in rows]
+        temps = torch.tensor([r.params.temperature for r in sub], dtype=torch.float32)
+        scaled = (logits[rows] - logits[rows].amax(dim=-1, keepdim=True)) / temps.unsqueeze(1)
+        sorted_logits, idx_sorted = torch.sort(scaled, dim=-1, descending=True)
+        sorted_probs = torch.softmax(_apply_top_k(sorted_logits, [r.params.top_k for r in sub]), dim=-1)
+        sorted_probs = _apply_top_p(sorted_probs, [r.params.top_p for r in sub])
+        sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
+        probs[rows] = torch.zeros_like(sorted_probs).scatter_(1, idx_sorted, sorted_probs)
+    return probs
+
+
 def _apply_top_k(sorted_logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor:
     if not any(top_ks):
         return sorted_logits

@@ -27,6 +27,7 @@ from core.blocks import cdiv
 from core.params import FinishReason
 
 from engine.request import Request, RequestStatus
+from engine.speculative import Speculator
 from kvpool.block_hash import block_hashes
 from kvpool.block_pool import BlockPool
 from kvpool.tiered import KVTiers, Prefetched, TierPlan
@@ -46,6 +47,9 @@ class ScheduledRequest(NamedTuple):
     request: Request
     num_tokens: int  # tokens computed this step, starting at request.num_computed_tokens
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
+    # speculative verification: drafted tokens computed after the last known one
+    # (num_tokens = 1 + len(draft)); the step emits the verified ones (engine/speculative.py)
+    draft: tuple[int, ...] = ()
 
 
 class SchedulerOutput(NamedTuple):
@@ -59,8 +63,10 @@ class SchedulerOutput(NamedTuple):
 
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
-                 max_num_seqs: int, tiers: KVTiers | None = None) -> None:
+                 max_num_seqs: int, tiers: KVTiers | None = None,
+                 speculator: Speculator | None = None) -> None:
         self.pool = pool
+        self.speculator = speculator  # drafts for decoding requests, when speculation is on
         self.tiers = tiers  # host/disk tiers below the device prefix cache, if configured
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -113,13 +119,15 @@ class Scheduler:
 
     def _schedule_running(self, batch: list[ScheduledRequest], preempted: list[Request],
                           budget: int) -> int:
+        drafts = self.speculator.drafts(self.running, budget) if self.speculator is not None else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            draft = drafts.get(req.request_id, ())[: max(0, budget - 1)]
+            n = min(req.num_tokens - req.num_computed_tokens + len(draft), budget)
             if not self._reserve_or_preempt(req, n, preempted):
                 break  # req itself was preempted (it was the last running request)
-            batch.append(self._entry(req, n))
+            batch.append(ScheduledRequest(req, n, True, draft) if draft else self._entry(req, n))
             budget -= n
             i += 1
         return budget
@@ -253,21 +261,26 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)
 
-    def update(self, output: SchedulerOutput, sampled: list[int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens (one per `sample` entry, in order).
+    def update(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Request, int]]:
+        """Advance computed counts, append sampled tokens (a list per `sample` entry, in order:
+        one token, or a verification's accepted drafts and its last token).
 
-        Returns the requests that received a token this step.
+        Returns the requests that received tokens this step, with how many.
         """
-        got_token: list[Request] = []
+        got_tokens: list[tuple[Request, int]] = []
         tokens = iter(sampled)
-        for req, n, do_sample in output.scheduled:
+        for req, n, do_sample, draft in output.scheduled:
             self.stats.prompt_tokens_computed += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
-            req.num_computed_tokens += n
+            new = next(tokens) if do_sample else []
+            # a verification computed 1 + len(draft) inputs; only the verified ones count
+            req.num_computed_tokens += n - len(draft) + (len(new) - 1 if draft else 0)
+            if draft and self.speculator is not None:
+                self.speculator.record(req, len(draft), len(new) - 1)
+            req.token_ids.extend(new)
             self._register_full_blocks(req)
-            if do_sample:
-                req.token_ids.append(next(tokens))
-                got_token.append(req)
-        return got_token
+            if new:
+                got_tokens.append((req, len(new)))
+        return got_tokens
 
     def _register_full_blocks(self, req: Request) -> None:
         """Publish blocks whose every token's KV is now written to the device prefix cache."""

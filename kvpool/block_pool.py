@@ -251,6 +251,10 @@ class BlockPool:
 
     # ------------------------------------------------------------ prefix cache
 
+    def cached_hashes(self) -> list[bytes]:
+        """The hashes the prefix cache holds (used blocks and cached-but-free ones)."""
+        return list(self._cached)
+
     def num_cached(self) -> int:
         """Blocks registered under a hash (used, or free but still holding their tokens)."""
         return len(self._cached)
