@@ -36,9 +36,9 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 16, shared:
                    torch.Generator().manual_seed(0))
 
 
-def fake_model_outputs(plan: SchedulerOutput, rng: random.Random) -> list[int]:
+def fake_model_outputs(plan: SchedulerOutput, rng: random.Random) -> list[list[int]]:
     """FAKE model: one arbitrary token per entry whose chunk reaches the end (`sample`)."""
-    return [rng.randrange(VOCAB) for s in plan.scheduled if s.sample]
+    return [[rng.randrange(VOCAB)] for s in plan.scheduled if s.sample]
 
 
 def step(sched: Scheduler, rng: random.Random | None = None) -> SchedulerOutput:
@@ -249,7 +249,7 @@ def test_no_block_leaks_after_1000_random_requests() -> None:
         plan = sched.schedule()
         pool.check_integrity()
         check_plan(sched, plan)
-        for req in sched.update(plan, fake_model_outputs(plan, rng)):
+        for req, _ in sched.update(plan, fake_model_outputs(plan, rng)):
             if req.num_output_tokens >= req.params.max_tokens:
                 reason = FinishReason.LENGTH
             elif rng.random() < 0.02:  # as if it sampled EOS
