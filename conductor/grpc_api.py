@@ -78,6 +78,7 @@ def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestS
         top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k if s.HasField("top_k") else None,
         seed=s.seed if s.HasField("seed") else None, stop=list(req.stop),
         stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        speculative=req.speculative if req.HasField("speculative") else True,
         ttft_ms=slo.ttft_ms if slo.HasField("ttft_ms") else None,
         tbt_ms=slo.tbt_ms if slo.HasField("tbt_ms") else None, priority=req.priority,
         priority_class=req.priority_class or None, cache_salt=req.cache_salt or None, request_id=req.request_id or None, deadline=deadline,

@@ -3,6 +3,7 @@
 Strict: a field of the wrong type, an unknown field, or an OpenAI feature Halfmoon does not
 implement (n > 1, logprobs, tools, penalties, echo, ...) is a 400 naming the field — never
 silently ignored. Extensions, as vLLM spells them: top_k, ignore_eos, stop_token_ids, seed,
+speculative (false: opt out of speculative decoding),
 cache_salt, priority, request_id, and `slo: {ttft_ms, tbt_ms}`; Halfmoon's own: `priority_class`
 (also the `X-Priority-Class` header; the body wins). Answers add `prediction` (what admission
 predicted, next to the objectives) to the response and to the stream's finish chunk; a rejection's
@@ -22,7 +23,7 @@ from core.messages import RequestEnd, SloPrediction, Usage
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
            "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
-           "ignore_eos", "stop_token_ids", "cache_salt", "priority", "priority_class", "request_id", "slo"}
+           "ignore_eos", "speculative", "stop_token_ids", "cache_salt", "priority", "priority_class", "request_id", "slo"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -118,6 +119,7 @@ def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
     spec.top_k, spec.seed = body.integer("top_k"), body.integer("seed")
     spec.stop, spec.stop_token_ids = _stops(body), body.int_list("stop_token_ids") or []
     spec.ignore_eos = body.boolean("ignore_eos")
+    spec.speculative = body.get("speculative", (bool,), "a boolean") is not False
     spec.cache_salt, spec.request_id = body.string("cache_salt"), body.string("request_id")
     spec.priority = body.integer("priority") or 0
     spec.priority_class = body.string("priority_class")

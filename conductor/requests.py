@@ -65,6 +65,7 @@ class RequestSpec:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    speculative: bool = True  # False: opt out of speculative decoding
     ttft_ms: float | None = None
     tbt_ms: float | None = None
     priority: int = 0
@@ -174,7 +175,7 @@ def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_l
     top_k = 0 if spec.top_k in (None, -1) else spec.top_k  # -1 = off, as vLLM spells it
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if spec.temperature is None else spec.temperature,
                             top_p=1.0 if spec.top_p is None else spec.top_p, top_k=top_k,
-                            seed=spec.seed, ignore_eos=spec.ignore_eos,
+                            seed=spec.seed, ignore_eos=spec.ignore_eos, speculative=spec.speculative,
                             stop_token_ids=tuple(spec.stop_token_ids), stop=tuple(spec.stop))
     try:  # the parameters' own rules, the same the engine checks: written once, in core.params
         params.validate(card.vocab_size)

@@ -37,6 +37,7 @@ class GenerateOptions(TypedDict, total=False):
     cache_salt: str | None
     request_id: str | None
     model: str
+    speculative: bool | None
 
 
 def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
@@ -46,11 +47,13 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
                      stop_token_ids: Sequence[int] = (), ignore_eos: bool = False,
                      ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
                      priority: int = 0, priority_class: str | None = None, cache_salt: str | None = None,
-                     request_id: str | None = None, model: str = "") -> pb.GenerateRequest:
+                     request_id: str | None = None, model: str = "",
+                     speculative: bool | None = None) -> pb.GenerateRequest:
     """The `GenerateRequest` for these arguments; None = the server's default. Give exactly one
     of `prompt`, `messages` (`{"role", "content"}` dicts) and `prompt_token_ids` (the server
     checks, naming the field). `priority_class`: interactive, standard or batch (the server's
-    classes; None = its default class), whose SLOs `ttft_slo_ms` / `tbt_slo_ms` override."""
+    classes; None = its default class), whose SLOs `ttft_slo_ms` / `tbt_slo_ms` override.
+    `speculative=False` opts the request out of the server's speculative decoding."""
     sampling = pb.SamplingParams(**_present(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
     return pb.GenerateRequest(
         model=model, messages=_chat(messages), prompt_token_ids=list(prompt_token_ids or ()),
@@ -58,7 +61,7 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
         priority=priority, priority_class=priority_class or "", cache_salt=cache_salt or "",
         request_id=request_id or "",
-        **_present(prompt=prompt, max_tokens=max_tokens))
+        **_present(prompt=prompt, max_tokens=max_tokens, speculative=speculative))
 
 
 def tokenize_request(text: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,

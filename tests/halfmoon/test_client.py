@@ -217,7 +217,7 @@ def test_tokenize_and_models(api: RunningApi) -> None:
         models = client.models()
     assert result.usage.prompt_tokens == len(chat_ids) and len(result.token_ids) == 2
     assert models == [ModelInfo("smollm2", api.engine.max_model_len, api.engine.model_config.vocab_size,
-                                "halfmoon")]
+                                "halfmoon", "llama", "float32")]
 
 
 # ---------------------------------------------------------------------------------- errors

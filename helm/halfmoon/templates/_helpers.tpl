@@ -240,6 +240,16 @@ argparse parser, so a flag that does not exist fails the tests).
 - --attention-backend
 - {{ . | quote }}
 {{- end }}
+{{- with $v.engine.speculative.mode }}
+- --speculative
+- {{ . | quote }}
+{{- end }}
+{{- range $flag, $value := dict "--speculative-tokens" $v.engine.speculative.tokens "--speculative-max-batch" $v.engine.speculative.maxBatch }}
+{{- if not (kindIs "invalid" $value) }}
+- {{ $flag }}
+- {{ include "halfmoon.num" $value | quote }}
+{{- end }}
+{{- end }}
 {{- /* always given: 0 must turn off the tier `serve` keeps by default */}}
 - --host-cache-gb
 - {{ include "halfmoon.num" $v.kvTiers.hostGb | quote }}
