@@ -221,7 +221,7 @@ def _read_raw(path: Path, header: Any, info: Any, dtype: Any) -> np.ndarray:
         data = np.frombuffer(f.read(count * np.dtype(dtype).itemsize), dtype=dtype)
     if data.size != count:
         raise ModelLoadError(f"{path}: tensor {info.name} runs past the end of the file")
-    return data
+    return data.copy()  # writable, not a view of the read buffer
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -81,8 +81,7 @@ def _gguf_fields(reader: Any) -> dict[str, Any]:
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             fields[key.removeprefix("tokenizer.").removeprefix("ggml.")] = field.contents()
-    needed = ("model", "tokens", "eos_token_id", *(("merges",) if fields.get("model") == "gpt2" else ()))
-    for key in needed:
+    for key in ("model", "tokens", "eos_token_id"):
         if key not in fields:
             raise TokenizerError(f"GGUF has no tokenizer.ggml.{key}; cannot build its tokenizer")
     arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
@@ -158,7 +157,8 @@ def _backend_from_gguf(fields: dict[str, Any]) -> BackendTokenizer:
     # Added tokens keep their text so AddedToken(text) lands on the same id, not a new one.
     vocab = {t if ty in (_CONTROL, _USER_DEFINED) else _respell(t): i
              for i, (t, ty) in enumerate(zip(tokens, types))}
-    merges = [tuple(m.split(" ", 1)) for m in fields["merges"]]
+    # absent: no merges (a GGUF cannot store an empty array)
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("merges", [])]
     backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = pre
     backend.decoder = decoders.ByteLevel()
@@ -188,7 +188,7 @@ def _hf_piece_bytes(backend: BackendTokenizer, folder: Path) -> Callable[[str], 
     parts = {d.get("type") for d in decoder.get("decoders", [])}
     if decoder.get("type") == "Sequence" and "ByteFallback" in parts:
         return _spm_bytes
-    raise UnsupportedTokenizerError(f"{folder}/tokenizer.json is neither byte-level BPE nor SentencePiece "
+    raise UnsupportedTokenizerError(f"{folder}/tokenizer.json is not byte-level BPE, nor SentencePiece "
                                     f"with byte fallback (decoder {decoder.get('type')!r})")
 
 
