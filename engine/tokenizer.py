@@ -29,7 +29,7 @@ from typing import Any
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from engine.errors import ChatTemplateError, TokenizerError, UnsupportedModelError, UnsupportedTokenizerError
@@ -62,6 +62,15 @@ def _spelled_bytes(token: str) -> bytes:
     return token.encode("utf-8")
 
 
+# The split regexes of llama.cpp's `tokenizer.ggml.pre` types (as transformers' GGUF converter
+# and the models' own tokenizer.json have them), applied before the byte-level alphabet
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+
+
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The pre-tokenizer the vocabulary's merges were learned with, from `tokenizer.ggml.pre`."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -70,9 +79,12 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre == "smollm":  # as in SmolLM2's own tokenizer.json
         digits = pre_tokenizers.Digits(individual_digits=True)
         return pre_tokenizers.Sequence([digits, byte_level])
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise UnsupportedTokenizerError(
         f"unsupported GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre); "
-        "supported: gpt2, smollm")
+        f"supported: gpt2, smollm, {', '.join(_SPLITS)}")
 
 
 def _gguf_fields(reader: Any) -> dict[str, Any]:

