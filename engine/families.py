@@ -55,6 +55,7 @@ class Family:
     parse: Callable[[Mapping[str, Any], str], dict[str, Any]]  # HF config -> family switches
     norm_offset: float = 0.0  # added to every RMSNorm weight at load (Gemma: 1)
     gguf_permute_qk: bool = False  # llama.cpp permutes q/k rows of the "llama" arch only
+    chat_template: str | None = None  # the family's template, for a source that ships none
 
     def layer_weights(self, cfg: ModelConfig) -> list[str]:
         """Every tensor (suffix after `model.layers.N.`) a layer of `cfg` must have."""
@@ -138,12 +139,57 @@ def _gemma3(raw: Mapping[str, Any], path: str) -> dict[str, Any]:
     }
 
 
+# Gemma 3's chat template as google/gemma-3-*-it ship it (tokenizer_config.json): its GGUFs carry
+# none. It writes <bos> itself (Tokenizer.encode adds no second one).
+GEMMA3_CHAT_TEMPLATE = r"""{{ bos_token }}
+{%- if messages[0]['role'] == 'system' -%}
+    {%- if messages[0]['content'] is string -%}
+        {%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}
+    {%- else -%}
+        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}
+    {%- endif -%}
+    {%- set loop_messages = messages[1:] -%}
+{%- else -%}
+    {%- set first_user_prefix = "" -%}
+    {%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}
+        {{ raise_exception("Conversation roles must alternate user/assistant/user/assistant/...") }}
+    {%- endif -%}
+    {%- if (message['role'] == 'assistant') -%}
+        {%- set role = "model" -%}
+    {%- else -%}
+        {%- set role = message['role'] -%}
+    {%- endif -%}
+    {{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else "") }}
+    {%- if message['content'] is string -%}
+        {{ message['content'] | trim }}
+    {%- elif message['content'] is iterable -%}
+        {%- for item in message['content'] -%}
+            {%- if item['type'] == 'image' -%}
+                {{ '<start_of_image>' }}
+            {%- elif item['type'] == 'text' -%}
+                {{ item['text'] | trim }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{ raise_exception("Invalid content type") }}
+    {%- endif -%}
+    {{ '<end_of_turn>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{'<start_of_turn>model\n'}}
+{%- endif -%}
+"""
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), ("LlamaForCausalLM",), ("llama",), _llama, gguf_permute_qk=True),
     Family("mistral", ("mistral",), ("MistralForCausalLM",), (), _mistral, gguf_permute_qk=True),
     Family("qwen2", ("qwen2",), ("Qwen2ForCausalLM",), ("qwen2",), _qwen2),
     Family("qwen3", ("qwen3",), ("Qwen3ForCausalLM",), ("qwen3",), _qwen3),
-    Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), ("gemma3",), _gemma3, norm_offset=1.0),
+    Family("gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",), ("gemma3",), _gemma3, norm_offset=1.0,
+           chat_template=GEMMA3_CHAT_TEMPLATE),
 )}
 SUPPORTED = ", ".join(f"{f.name} ({'/'.join(f.model_types)})" for f in FAMILIES.values())
 
@@ -271,3 +317,161 @@ def config_from_hf(raw: Mapping[str, Any], path: Path, generation: Mapping[str, 
         )
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"{where}/config.json: {type(e).__name__}: {e}") from e
+
+
+# ---------------------------------------------------------------- GGUF metadata
+
+# llama.cpp architectures that are mixtures of experts (a "llama" file with `llama.expert_count`,
+# Mixtral's, is caught by that key)
+_GGUF_MOE_ARCHS = ("qwen2moe", "qwen3moe", "deepseek2", "dbrx", "olmoe", "granitemoe", "llama4", "arctic",
+                   "grok", "phimoe", "gpt-oss", "mixtral")
+SUPPORTED_GGUF = ", ".join(sorted({a for f in FAMILIES.values() for a in f.gguf_archs}))
+# llama.cpp's Gemma 3 constants that its GGUFs do not store (src/llama-model.cpp)
+_GEMMA3_LOCAL_ROPE = 10000.0
+_GEMMA3_SLIDING_PATTERN = 6  # every 6th layer global
+_GEMMA3_27B_LAYERS = 62  # the 27B scales queries by hidden / heads, the others by head_dim
+
+
+def gguf_family(arch: str | None, path: str) -> Family:
+    """The family of a GGUF `general.architecture`, or the one clear refusal."""
+    if arch in _GGUF_MOE_ARCHS or "moe" in str(arch):
+        raise UnsupportedModelError(f"{path}: mixture-of-experts models are not supported (GGUF architecture {arch!r})")
+    for fam in FAMILIES.values():
+        if arch in fam.gguf_archs:
+            return fam
+    raise UnsupportedModelError(f"{path}: GGUF architecture {arch!r} not supported; supported: {SUPPORTED_GGUF}")
+
+
+class _Meta:
+    """`{arch}.*` metadata of one GGUF header, with the errors naming the key."""
+
+    def __init__(self, reader: Any, arch: str, path: str) -> None:
+        self.fields, self.arch, self.path = reader.fields, arch, path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.fields.get(f"{self.arch}.{key}")
+        return default if field is None else field.contents()
+
+    def req(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ModelLoadError(f"{self.path}: GGUF metadata {self.arch}.{key} missing")
+        return value
+
+    def one(self, key: str, default: Any = None) -> Any:
+        """A per-layer value some files store as a list: refused unless all layers agree."""
+        value = self.get(key, default)
+        if isinstance(value, list):
+            if len(set(value)) != 1:
+                raise UnsupportedModelError(f"{self.path}: per-layer {self.arch}.{key} {value[:4]}... not supported")
+            value = value[0]
+        return value
+
+
+def _gguf_rope(meta: _Meta, theta: float, max_position: int, rope_freqs: Any) -> RopeSpec | None:
+    """`{arch}.rope.scaling.*` (or Llama 3's `rope_freqs` tensor) -> the global layers' RopeSpec."""
+    kind = meta.get("rope.scaling.type")
+    if rope_freqs is not None:
+        return _llama3_from_factors(rope_freqs, theta, meta)
+    if kind in (None, "none") or (kind == "linear" and float(meta.get("rope.scaling.factor", 1.0)) == 1.0):
+        return None
+    params = {"rope_type": kind, "factor": meta.get("rope.scaling.factor"),
+              "original_max_position_embeddings": meta.get("rope.scaling.original_context_length"),
+              "beta_fast": meta.get("rope.scaling.yarn_beta_fast"), "beta_slow": meta.get("rope.scaling.yarn_beta_slow")}
+    attention = meta.get("rope.scaling.yarn_attn_factor") or meta.get("rope.scaling.attn_factor")
+    if kind == "yarn" and attention and float(attention) != 1.0:
+        params["attention_factor"] = float(attention)
+    return parse_rope({k: v for k, v in params.items() if v is not None}, theta, max_position, meta.path)
+
+
+def _llama3_from_factors(factors: Any, theta: float, meta: _Meta) -> RopeSpec:
+    """Llama 3.1+'s RoPE from the per-frequency divisors llama.cpp stores as `rope_freqs.weight`
+    (its converter drops the parameters): factor = the largest divisor, low/high_freq_factor 1
+    and 4 (every Llama 3.x), the original context solved from the first ramp dimension; the
+    divisors this spec gives must equal the file's, else the file is refused."""
+    import torch
+
+    from engine import rope as rope_mod
+
+    got = torch.as_tensor(factors, dtype=torch.float32).reshape(-1)
+    dim, factor = 2 * got.numel(), float(got.max())
+    base = rope_mod.inv_freq(RopeSpec(theta), dim, 0)
+    ramp = [i for i, f in enumerate(got.tolist()) if 1.0 < f < factor]
+    if factor > 1.0 and ramp:
+        wavelen = 2 * math.pi / float(base[ramp[0]])
+        smooth = (1.0 / float(got[ramp[0]]) - 1.0 / factor) / (1.0 - 1.0 / factor)
+        spec = RopeSpec(theta, "llama3", factor, round(wavelen * (3.0 * smooth + 1.0)))
+        if torch.allclose(base / rope_mod.inv_freq(spec, dim, 0), got, rtol=1e-4, atol=0.0):
+            return spec
+    raise UnsupportedModelError(f"{meta.path}: rope_freqs tensor {got[:4].tolist()}... is not Llama 3's RoPE "
+                                "scaling (low/high_freq_factor 1 and 4); not supported")
+
+
+def _gguf_switches(fam: Family, meta: _Meta, cfg: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """The family switches a GGUF implies: its tensors say bias / q-k norms, llama.cpp's
+    defaults give Gemma 3's rest."""
+    n, window = cfg["num_layers"], meta.get("attention.sliding_window")
+    out: dict[str, Any] = {"attention_bias": "blk.0.attn_q.bias" in names,
+                           "qk_norm": "blk.0.attn_q_norm.weight" in names}
+    if fam.name != "gemma3":
+        if window:  # a Mistral with its window, or a Qwen file that states one for every layer
+            out["layer_windows"] = (int(window),) * n
+        return out
+    pattern = meta.get("attention.sliding_window_pattern", _GEMMA3_SLIDING_PATTERN)
+    sliding = pattern if isinstance(pattern, list) else [(i + 1) % int(pattern) != 0 for i in range(n)]
+    scalar = cfg["hidden_size"] / cfg["num_heads"] if n == _GEMMA3_27B_LAYERS else cfg["head_dim"]
+    return {**out, "sandwich_norms": True, "activation": "gelu_tanh",
+            "embed_scale": float(cfg["hidden_size"]) ** 0.5, "query_scale": float(scalar) ** -0.5,
+            "final_logit_softcap": meta.get("final_logit_softcapping"),
+            "local_rope_theta": _GEMMA3_LOCAL_ROPE,
+            "layer_windows": tuple(int(window) if s else 0 for s in sliding) if window else ()}
+
+
+def config_from_gguf(reader: Any, path: Path, rope_freqs: Any = None) -> ModelConfig:
+    """A GGUF header's metadata (engine/gguf_header.py or gguf.GGUFReader) -> ModelConfig, or a
+    clear refusal. `rope_freqs`: the file's `rope_freqs.weight` values, when it has one."""
+    where = str(path)
+
+    def top(key: str, default: Any = None) -> Any:
+        field = reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    arch = top("general.architecture")
+    fam = gguf_family(arch, where)
+    meta = _Meta(reader, arch, where)
+    if meta.get("expert_count"):
+        raise UnsupportedModelError(f"{where}: mixture-of-experts models are not supported "
+                                    f"({arch}.expert_count = {meta.get('expert_count')})")
+    if meta.get("attn_logit_softcapping"):
+        raise UnsupportedModelError(f"{where}: attention logit softcapping is not supported")
+    names = {t.name for t in reader.tensors}
+    try:
+        hidden, heads = int(meta.req("embedding_length")), int(meta.one("attention.head_count"))
+        head_dim = meta.get("attention.key_length") or meta.get("rope.dimension_count") or hidden // heads
+        max_pos = int(meta.req("context_length"))
+        theta = float(meta.get("rope.freq_base", 1_000_000.0 if fam.name == "gemma3" else 10000.0))
+        rope = _gguf_rope(meta, theta, max_pos, rope_freqs)
+        vocab = meta.get("vocab_size") or len(top("tokenizer.ggml.tokens") or ())
+        shape = {"num_layers": int(meta.req("block_count")), "hidden_size": hidden, "num_heads": heads,
+                 "head_dim": int(head_dim)}
+        switches = _gguf_switches(fam, meta, shape, names)
+        bos = top("tokenizer.ggml.bos_token_id")
+        windowed = fam.name == "llama" and bool(switches.get("layer_windows"))
+        return ModelConfig(
+            architecture="mistral" if windowed else fam.name,
+            **shape,
+            num_kv_heads=int(meta.one("attention.head_count_kv", heads)),
+            intermediate_size=int(meta.one("feed_forward_length")),
+            vocab_size=int(vocab),
+            rope_theta=rope.theta if rope is not None else theta,
+            rope_scaling=rope,
+            rms_norm_eps=float(meta.req("attention.layer_norm_rms_epsilon")),
+            max_position=max_positions(max_pos, rope),
+            tie_word_embeddings="output.weight" not in names,
+            bos_id=int(bos) if bos is not None else None,
+            eos_id=int(top("tokenizer.ggml.eos_token_id", 2)),
+            source_id=f"gguf:{path.name}:{path.stat().st_size}",
+            **switches,
+        )
+    except (TypeError, ValueError) as e:
+        raise ModelLoadError(f"{where}: GGUF metadata: {type(e).__name__}: {e}") from e

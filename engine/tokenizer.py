@@ -1,7 +1,14 @@
-"""Text <-> token ids for a byte-level BPE model, its chat template, and streaming detokenization.
+"""Text <-> token ids, the chat template, and streaming detokenization.
 
 The HF `tokenizers` Rust library does the BPE work; this module only builds it from a GGUF's
-vocabulary (or loads a `tokenizer.json`) and adds what serving needs on top:
+vocabulary (or loads a `tokenizer.json`) and adds what serving needs on top. Two kinds of
+vocabulary, as GGUF's `tokenizer.ggml.model` names them:
+
+    gpt2    byte-level BPE with merges (SmolLM2, Llama 3, Qwen): every byte spelled by a printable
+            character (`_BYTE_TO_CHAR`)
+    llama   SentencePiece (Gemma 3): pieces with scores, spaces spelled "▁", bytes outside the
+            pieces as <0xNN> fallback tokens, no merges (derived from the vocabulary, as
+            transformers' GGUF converter derives them: `_spm_merges`)
 
     Tokenizer.encode / decode            prompt text <-> ids
     Tokenizer.apply_chat_template        messages -> prompt text (sandboxed jinja2, like HF)
@@ -12,7 +19,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -22,13 +29,17 @@ from typing import Any
 import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from engine.errors import ChatTemplateError, TokenizerError, UnsupportedTokenizerError
+from engine.errors import ChatTemplateError, TokenizerError, UnsupportedModelError, UnsupportedTokenizerError
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
-_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>")
+_CONTROL, _USER_DEFINED, _BYTE = 3, 4, 6  # llama.cpp token types
+# The control tokens that end a chat turn: generation stops at them as at EOS
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+_SPM_SPACE = "\u2581"  # "▁": SentencePiece's spelling of a space
+# GGUF architectures whose SentencePiece vocabulary Halfmoon builds (Gemma's conventions)
+_SPM_ARCHS = ("gemma3",)
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -51,6 +62,15 @@ def _spelled_bytes(token: str) -> bytes:
     return token.encode("utf-8")
 
 
+# The split regexes of llama.cpp's `tokenizer.ggml.pre` types (as transformers' GGUF converter
+# and the models' own tokenizer.json have them), applied before the byte-level alphabet
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}
+
+
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     """The pre-tokenizer the vocabulary's merges were learned with, from `tokenizer.ggml.pre`."""
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -59,9 +79,12 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     if pre == "smollm":  # as in SmolLM2's own tokenizer.json
         digits = pre_tokenizers.Digits(individual_digits=True)
         return pre_tokenizers.Sequence([digits, byte_level])
+    if pre in _SPLITS:
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise UnsupportedTokenizerError(
         f"unsupported GGUF pre-tokenizer type {pre!r} (tokenizer.ggml.pre); "
-        "supported: gpt2, smollm")
+        f"supported: gpt2, smollm, {', '.join(_SPLITS)}")
 
 
 def _gguf_fields(reader: Any) -> dict[str, Any]:
@@ -70,13 +93,72 @@ def _gguf_fields(reader: Any) -> dict[str, Any]:
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             fields[key.removeprefix("tokenizer.").removeprefix("ggml.")] = field.contents()
-    for key in ("model", "tokens", "merges", "eos_token_id"):
+    for key in ("model", "tokens", "eos_token_id"):
         if key not in fields:
             raise TokenizerError(f"GGUF has no tokenizer.ggml.{key}; cannot build its tokenizer")
-    if fields["model"] != "gpt2":
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    if fields["model"] == "llama" and arch not in _SPM_ARCHS:
         raise UnsupportedTokenizerError(
-            f"unsupported GGUF tokenizer model {fields['model']!r}; only byte-level BPE 'gpt2'")
+            f"GGUF SentencePiece tokenizer ('llama') of architecture {arch!r} is not supported "
+            f"(SentencePiece: {', '.join(_SPM_ARCHS)}; byte-level BPE 'gpt2': every architecture)")
+    if fields["model"] not in ("gpt2", "llama"):
+        raise UnsupportedTokenizerError(
+            f"unsupported GGUF tokenizer model {fields['model']!r}; supported: byte-level BPE 'gpt2', "
+            "SentencePiece 'llama' (Gemma 3)")
     return fields
+
+
+def _spm_backend_from_gguf(fields: dict[str, Any]) -> BackendTokenizer:
+    """A SentencePiece vocabulary as transformers builds Gemma's from a GGUF (GemmaTokenizer over
+    the file's pieces): BPE with byte fallback over the pieces, merges derived from the
+    vocabulary, spaces spelled "▁" by the normalizer, control tokens special, user-defined
+    ones (newline runs) matched whole. Gemma files spell a piece of 2+ spaces with real spaces:
+    respelled "▁▁" so the merges reach it."""
+    types: list[int] = fields.get("token_type") or [1] * len(fields["tokens"])
+    tokens = [_SPM_SPACE * len(t) if " " in t and not t.strip() else t for t in fields["tokens"]]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    backend = BackendTokenizer(models.BPE(vocab, _spm_merges(vocab), unk_token=tokens[int(fields.get("unknown_token_id", 3))],
+                                          fuse_unk=True, byte_fallback=True))
+    backend.normalizer = normalizers.Replace(" ", _SPM_SPACE)
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence([decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                                for t, ty in zip(fields["tokens"], types) if ty == _CONTROL])
+    backend.add_tokens([AddedToken(t, normalized=False, special=False)
+                        for t, ty in zip(fields["tokens"], types) if ty == _USER_DEFINED and t in vocab])
+    return backend
+
+
+def _spm_merges(vocab: Mapping[str, int]) -> list[tuple[str, str]]:
+    """Merges a BPE needs to rebuild each piece, best first: for every piece in vocabulary order
+    (Gemma's pieces are ordered by merge rank; their scores are not), each split into two pieces
+    of the vocabulary, the longest left part first. transformers' `generate_merges` with the
+    pieces' positions as scores gives exactly this order."""
+    merges = []
+    for piece in sorted(vocab, key=vocab.__getitem__):
+        for cut in range(len(piece) - 1, 0, -1):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((left, right))
+    return merges
+
+
+def _spm_bytes(token: str) -> bytes:
+    """Raw bytes of a SentencePiece piece: <0xNN> is byte NN, "▁" a space."""
+    if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+        return bytes([int(token[3:5], 16)])
+    return token.replace(_SPM_SPACE, " ").encode("utf-8")
+
+
+def _family_template(reader: Any) -> str | None:
+    """The family's chat template (Gemma 3's) for a GGUF whose metadata has none."""
+    from engine.families import gguf_family
+
+    arch = reader.fields["general.architecture"].contents() if "general.architecture" in reader.fields else None
+    try:
+        return gguf_family(arch, "").chat_template
+    except UnsupportedModelError:
+        return None
 
 
 def _backend_from_gguf(fields: dict[str, Any]) -> BackendTokenizer:
@@ -87,7 +169,8 @@ def _backend_from_gguf(fields: dict[str, Any]) -> BackendTokenizer:
     # Added tokens keep their text so AddedToken(text) lands on the same id, not a new one.
     vocab = {t if ty in (_CONTROL, _USER_DEFINED) else _respell(t): i
              for i, (t, ty) in enumerate(zip(tokens, types))}
-    merges = [tuple(m.split(" ", 1)) for m in fields["merges"]]
+    # absent: no merges (a GGUF cannot store an empty array)
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("merges", [])]
     backend = BackendTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     backend.pre_tokenizer = pre
     backend.decoder = decoders.ByteLevel()
@@ -106,6 +189,32 @@ def _respell(token: str) -> str:
     if all(c in _CHAR_TO_BYTE for c in token):
         return token
     return "".join(_BYTE_TO_CHAR[b] for b in token.encode("utf-8"))
+
+
+def _hf_piece_bytes(backend: BackendTokenizer, folder: Path) -> Callable[[str], bytes]:
+    """How a `tokenizer.json`'s pieces spell bytes, from its decoder: byte-level, or
+    SentencePiece with byte fallback (Gemma's Replace("▁", " ") + ByteFallback + Fuse)."""
+    if isinstance(backend.decoder, decoders.ByteLevel):
+        return _spelled_bytes
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    parts = {d.get("type") for d in decoder.get("decoders", [])}
+    if decoder.get("type") == "Sequence" and "ByteFallback" in parts:
+        return _spm_bytes
+    raise UnsupportedTokenizerError(f"{folder}/tokenizer.json is not byte-level BPE, nor SentencePiece "
+                                    f"with byte fallback (decoder {decoder.get('type')!r})")
+
+
+def _hf_family_template(folder: Path) -> str | None:
+    """The family's chat template (Gemma 3's) for a HF folder that ships none."""
+    from engine.families import hf_family
+
+    config = folder / "config.json"
+    if not config.is_file():
+        return None
+    try:
+        return hf_family(json.loads(config.read_text("utf-8")), str(folder)).chat_template
+    except (UnsupportedModelError, json.JSONDecodeError):
+        return None
 
 
 def _config_token(config: dict[str, Any], key: str) -> str | None:
@@ -148,10 +257,13 @@ def _check_messages(messages: list[dict[str, str]]) -> None:
 
 
 class Tokenizer:
-    """A byte-level BPE tokenizer with the model's special ids and chat template."""
+    """A BPE tokenizer (byte-level or SentencePiece) with the model's special ids and chat template."""
 
     def __init__(self, backend: BackendTokenizer, *, eos_id: int, bos_id: int | None,
-                 add_bos: bool, chat_template: str | None) -> None:
+                 add_bos: bool, chat_template: str | None,
+                 piece_bytes: Callable[[str], bytes] = _spelled_bytes) -> None:
+        """`piece_bytes`: a vocabulary token's raw bytes (byte-level: `_spelled_bytes`;
+        SentencePiece: `_spm_bytes`)."""
         if add_bos and bos_id is None:
             raise TokenizerError("add_bos_token is set but the model has no BOS token")
         self._backend = backend
@@ -166,7 +278,7 @@ class Tokenizer:
         # Precomputed so streaming detokenization is a list index per token.
         self._bytes = [b""] * self.vocab_size
         for text, i in backend.get_vocab(with_added_tokens=True).items():
-            self._bytes[i] = text.encode("utf-8") if i in added else _spelled_bytes(text)
+            self._bytes[i] = text.encode("utf-8") if i in added else piece_bytes(text)
         turn_ends = (backend.token_to_id(t) for t in _TURN_END_TOKENS)
         self.stop_ids = frozenset({eos_id, *(i for i in turn_ends if i in self._special)})
 
@@ -182,9 +294,14 @@ class Tokenizer:
         """Like `from_gguf`, from a header the weight loader already read (engine/gguf_header.py;
         a `gguf.GGUFReader` works too: both have `fields` with `contents()`)."""
         fields = _gguf_fields(reader)
-        return cls(_backend_from_gguf(fields), eos_id=int(fields["eos_token_id"]),
-                   bos_id=fields.get("bos_token_id"), add_bos=bool(fields.get("add_bos_token")),
-                   chat_template=fields.get("chat_template"))
+        spm = fields["model"] == "llama"
+        backend = _spm_backend_from_gguf(fields) if spm else _backend_from_gguf(fields)
+        # llama.cpp adds BOS to a SentencePiece vocabulary unless the file says otherwise
+        add_bos = fields.get("add_bos_token", spm)
+        return cls(backend, eos_id=int(fields["eos_token_id"]),
+                   bos_id=fields.get("bos_token_id"), add_bos=bool(add_bos),
+                   chat_template=fields.get("chat_template") or _family_template(reader),
+                   piece_bytes=_spm_bytes if spm else _spelled_bytes)
 
     @classmethod
     def from_hf_folder(cls, path: str | Path) -> Tokenizer:
@@ -193,8 +310,7 @@ class Tokenizer:
         if not (folder / "tokenizer.json").is_file():
             raise TokenizerError(f"{folder} has no tokenizer.json")
         backend = BackendTokenizer.from_file(str(folder / "tokenizer.json"))
-        if not isinstance(backend.decoder, decoders.ByteLevel):  # token_bytes() assumes it
-            raise UnsupportedTokenizerError(f"{folder}/tokenizer.json is not byte-level BPE")
+        piece_bytes = _hf_piece_bytes(backend, folder)
         config_file = folder / "tokenizer_config.json"
         config = json.loads(config_file.read_text("utf-8")) if config_file.is_file() else {}
         bos, eos = (_config_token(config, k) for k in ("bos_token", "eos_token"))
@@ -205,13 +321,16 @@ class Tokenizer:
         add_bos = config.get("add_bos_token")
         if not isinstance(add_bos, bool):  # unstated: does tokenizer.json's post-processor add it?
             add_bos = bos_id is not None and backend.encode("a").ids[:1] == [bos_id]
-        return cls(backend, eos_id=eos_id, bos_id=bos_id, add_bos=add_bos,
-                   chat_template=_hf_chat_template(folder, config))
+        template = _hf_chat_template(folder, config) or _hf_family_template(folder)
+        return cls(backend, eos_id=eos_id, bos_id=bos_id, add_bos=add_bos, chat_template=template,
+                   piece_bytes=piece_bytes)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; special tokens written in it become their single ids."""
+        """Token ids of `text`; special tokens written in it become their single ids. A text
+        that already starts with the BOS token (a chat template that writes it, as Gemma's does)
+        gets no second one."""
         ids = self._backend.encode(text, add_special_tokens=False).ids
-        if self.add_bos if add_bos is None else add_bos:
+        if (self.add_bos if add_bos is None else add_bos) and ids[:1] != [self.bos_id]:
             if self.bos_id is None:
                 raise TokenizerError("add_bos requested but the model has no BOS token")
             ids.insert(0, self.bos_id)

@@ -30,8 +30,9 @@ from core.cache_dir import cache_key, cache_root
 log = logging.getLogger(__name__)
 
 ENABLE_ENV = "HALFMOON_WEIGHTS_CACHE"
-# Bump when what the loader produces from the same file changes (names, layouts, unpermuting).
-LAYOUT_VERSION = 1
+# Bump when what the loader produces from the same file changes (names, layouts, unpermuting;
+# 2: per-arch names, Gemma norms stored as HF's w).
+LAYOUT_VERSION = 2
 # Entries kept (the least recently used beyond it are removed when one is stored): a model in a
 # dtype or two, and room for another file.
 MAX_ENTRIES = 4

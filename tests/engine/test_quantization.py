@@ -26,7 +26,7 @@ from core.errors import ConfigError
 from engine import quality
 from engine.config import EngineConfig
 from engine.engine import Engine
-from engine.loader import LoadedWeights, read_q4_1
+from engine.loader import LoadedWeights, read_q4_blocks
 from kernels.quant_linear import Int4Linear, Int8Linear
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -38,7 +38,7 @@ GREEDY_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def q4_weights(smollm2_weights: LoadedWeights, gguf_path: Path) -> LoadedWeights:
-    q4 = read_q4_1(gguf_path, smollm2_weights.gguf_reader, smollm2_weights.config)
+    q4 = read_q4_blocks(gguf_path, smollm2_weights.gguf_reader, smollm2_weights.config)
     return dataclasses.replace(smollm2_weights, q4=q4)
 
 
