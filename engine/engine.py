@@ -124,7 +124,8 @@ class Engine:
         self.max_model_len = min(config.max_model_len or weights.config.max_position,
                                  weights.config.max_position)
         self.model = DecoderModel(weights.config, weights.weights, get_backend(config.attention_backend),
-                                  config.torch_dtype, config.quantization, weights.q4, self.max_model_len)
+                                  config.torch_dtype, config.quantization, weights.q4, self.max_model_len,
+                                  weights.wide)
         num_blocks = config.num_blocks or max(1, int(config.kv_cache_gb * 2**30) // kv_block_bytes(weights, config))
         cfg = weights.config
         self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, config.block_size, cfg.num_kv_heads,

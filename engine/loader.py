@@ -90,6 +90,10 @@ class LoadedWeights:
     fmt: str  # "gguf" or "hf"
     gguf_reader: Any = None  # the GGUF header (engine/gguf_header.py), kept for the tokenizer
     q4: dict[str, Q4Groups] = field(default_factory=dict)  # HF name -> a Q4_1 tensor's own blocks
+    # HF names of tensors a GGUF stores with more than 4 bits (Q5_0, Q5_K, Q6_K, Q8_0: a Q4_K_M
+    # file's choice for its sensitive layers): `--quantization int4` keeps them int8
+    # (engine/model.py), not a second rounding to 4 bits.
+    wide: frozenset[str] = frozenset()
 
 
 def resolve_model_path(model: str) -> Path:
@@ -278,7 +282,27 @@ def _load_gguf(path: Path, dtype: torch.dtype, q4_blocks: bool = False) -> Loade
                      if q4_blocks and t.ggml_type in Q4_BLOCKS)
     weights = cached_weights(path, dtype, lambda: _dequantize_all(open_gguf(path), config, path, dtype), lazy)
     _check_complete(weights, config, path)
-    return LoadedWeights(config, weights, path, "gguf", header)
+    wide = frozenset(_gguf_tensor_name(t.name, config) for t in header.tensors
+                     if t.name != ROPE_FREQS and _bits_per_weight(t.ggml_type) > WIDE_BITS)
+    return LoadedWeights(config, weights, path, "gguf", header, wide=wide)
+
+
+# A GGUF tensor stored with more bits than this per weight (Q4_1's 5.0 included) counts as wide.
+WIDE_BITS = 5.0
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: not quantized
+
+
+def _bits_per_weight(ggml_type: int) -> float:
+    """Storage bits per weight of a quantized GGML type (0 for float types: not quantized)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    if ggml_type in _FLOAT_TYPES:
+        return 0.0
+    try:
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError):
+        return 0.0
+    return nbytes * 8 / block
 
 
 def _dequantize_all(reader: Any, config: ModelConfig, path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:

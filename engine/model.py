@@ -97,16 +97,19 @@ class DecoderModel:
 
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  backend: AttentionBackend, dtype: torch.dtype, quantization: str = "none",
-                 q4: Mapping[str, Q4Groups] | None = None, max_positions: int | None = None) -> None:
+                 q4: Mapping[str, Q4Groups] | None = None, max_positions: int | None = None,
+                 wide: frozenset[str] = frozenset()) -> None:
         """`quantization`: none, int8 or int4 for every dense layer but the lm head, which is int8
         when quantized (see `LM_HEAD`); `q4`: the source's own 4-bit blocks by name, used as
         they are for int4 (other weights are quantized here); `max_positions`: the RoPE tables'
-        length (the engine's max_model_len; default the model's)."""
+        length (the engine's max_model_len; default the model's); `wide`: weights the source
+        stores with more than 4 bits, which int4 keeps as int8 (a layer fusing one is int8)."""
         self.cfg = cfg
         self.backend = backend
         self.dtype = dtype
         self.quantization = quantization
         self._q4 = q4 or {}
+        self._wide = wide
         self._norm_offset = family(cfg.architecture).norm_offset
         self.embed = weights["model.embed_tokens.weight"]
         # HF multiplies by the scale cast to the weights' dtype (Gemma3TextScaledWordEmbedding)
@@ -141,6 +144,8 @@ class DecoderModel:
 
     def _dense(self, quantization: str, parts: list[torch.Tensor], names: list[str]) -> DenseLayer:
         """One layer of `parts` stacked along the output dimension (fused QKV / gate-up)."""
+        if quantization == "int4" and any(n in self._wide for n in names):
+            quantization = "int8"  # the source kept this layer wider than 4 bits: so do we
         if quantization == "int4":
             groups = [self._q4[n] if n in self._q4 else quantize_q4(w) for w, n in zip(parts, names)]
             return Int4Linear(groups[0] if len(groups) == 1 else Q4Groups.cat(groups))
