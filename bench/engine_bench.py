@@ -450,6 +450,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="timed repeats; figures are medians")
     p.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS,
                    help="Halfmoon's per-step token budget")
+    p.add_argument("--speculative", choices=["ngram"], default=None,
+                   help="instead: speculative decoding against the same engine with it off "
+                        "(quoting / open / batch-32 workloads, bench/spec_bench.py)")
     args = p.parse_args(argv)
     if args.threads <= 0 or args.repeats <= 0 or args.max_num_batched_tokens <= 0:
         p.error("--threads, --repeats and --max-num-batched-tokens must be > 0")
@@ -570,6 +573,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     command = shlex.join(["halfmoon", "bench", "engine", *argv])
     sizes = QUICK if args.quick else FULL
+    if args.speculative:
+        from bench import spec_bench
+
+        with process_settings(args.threads):
+            rep = spec_bench.run(args, engine_config(args.dtype, FULL, args.threads, args.max_num_batched_tokens,
+                                                     args.quantization[0], args.model), Progress())
+        rep["command"] = command
+        print(json.dumps(rep, indent=2) if args.json else spec_bench.render(rep), flush=True)
+        return 0 if rep["greedy_identical"] else 1
     configs = [engine_config(args.dtype, sizes, args.threads, args.max_num_batched_tokens, q, args.model)
                for q in args.quantization]
     with process_settings(args.threads):

@@ -47,7 +47,7 @@ import numpy as np
 
 from bench.report import Figure, Progress, machine_info, render_table, ruled, utc_now
 from bench.serve_args import parse_args, workloads
-from bench.serve_metrics import RequestRecord, Slo, predicted_ms, request_rows, summarize
+from bench.serve_metrics import RequestRecord, Slo, predicted_ms, request_rows, spread, summarize
 from bench.workload import Request, Workload
 
 BASELINE_NAME, CLUSTER_NAME = "co-located", "cluster"
@@ -122,7 +122,7 @@ async def send(client: Any, request: Request, record: RequestRecord, clock: Call
         async for chunk in client.stream(prompt_token_ids=request.prompt_ids, max_tokens=request.max_tokens,
                                          temperature=0.0, ignore_eos=True, cache_salt=opts.cache_salt, **slo):
             now = clock()
-            record.token_times.extend([now] * len(chunk.token_ids))
+            record.token_times.extend(spread(record.token_times, now, len(chunk.token_ids)))
             if chunk.result is not None:
                 record.cached_tokens = chunk.result.usage.cached_prompt_tokens
                 record.prediction = predicted_ms(chunk.result)

@@ -42,6 +42,16 @@ class Slo:
     tbt_ms: float
 
 
+def spread(token_times: Sequence[float], now: float, n: int) -> list[float]:
+    """Times to record for a chunk of `n` tokens arriving at `now`: evenly over the gap since
+    the previous token (a speculative verification's tokens pace the stream as n gaps of g / n;
+    the chunk's last token is at `now`). The first chunk's tokens are all at `now`."""
+    if not token_times or n <= 1:
+        return [now] * n
+    last = token_times[-1]
+    return [last + (now - last) * (i + 1) / n for i in range(n)]
+
+
 def tbt_s(token_times: Sequence[float]) -> float | None:
     """Mooncake's TBT: mean of the longest 10% of the gaps (at least one gap); None without gaps."""
     gaps = np.diff(np.asarray(token_times, dtype=np.float64))

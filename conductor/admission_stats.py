@@ -5,7 +5,8 @@
     ttft_error / tbt_error                predicted - measured, seconds, per admitted request
 
 Measured TBT is Mooncake's (as `halfmoon bench serve` measures it): the mean of the longest 10%
-of a request's token-to-token gaps, kept per request in a heap of fixed size (`TopGaps`).
+of a request's token-to-token gaps, kept per request in a heap of fixed size (`TopGaps`); a chunk
+of n tokens arriving g after the previous one (a speculative verification) is n gaps of g / n.
 """
 
 from __future__ import annotations
@@ -65,11 +66,11 @@ class TopGaps:
         self.gaps = 0
 
     def tick(self, now: float, tokens: int = 1) -> None:
-        """`tokens` arrived at `now` (a chunk of several: one gap, then gaps of zero)."""
+        """`tokens` arrived at `now`: a chunk of n tokens after a gap g counts as n gaps of g / n
+        (a speculative verification's tokens: the pace a client rendering evenly sees)."""
         if self._last is not None:
-            self._push(now - self._last)
-            for _ in range(tokens - 1):
-                self._push(0.0)
+            for _ in range(tokens):
+                self._push((now - self._last) / tokens)
         self._last = now
 
     def _push(self, gap: float) -> None:

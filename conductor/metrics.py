@@ -88,6 +88,12 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
     fetch_failed = CounterMetricFamily("halfmoon_worker_fetch_failures", "Remote prefix pulls that failed (holder "
                                        "gone, timeout, corrupt block): their prefixes were recomputed.",
                                        labels=["worker"])
+    spec = CounterMetricFamily("halfmoon_worker_speculative_tokens", "Speculative decoding: draft tokens "
+                               "proposed and accepted, and tokens the verifications emitted (accepted + one "
+                               "each); acceptance = accepted / proposed.", labels=["worker", "kind"])
+    verifications = CounterMetricFamily("halfmoon_worker_speculative_verifications", "Speculative "
+                                        "verifications (a request's step with drafts); tokens per "
+                                        "verification = emitted / this.", labels=["worker"])
     for w in workers:
         up.add_metric([w.worker_id, w.role], float(w.alive))
         restarts.add_metric([w.worker_id], w.restarts)
@@ -113,7 +119,12 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
         for tier, n in (("host", load.blocks_from_host), ("disk", load.blocks_from_disk),
                         ("remote", load.blocks_fetched_remote)):
             prefix.add_metric([w.worker_id, tier], n)
-    yield from (up, restarts, running, steps, blocks, received, prompt, prefix, served, fetching, fetch_failed)
+        for kind, n in (("proposed", load.spec_proposed), ("accepted", load.spec_accepted),
+                        ("emitted", load.spec_emitted)):
+            spec.add_metric([w.worker_id, kind], n)
+        verifications.add_metric([w.worker_id], load.spec_verifications)
+    yield from (up, restarts, running, steps, blocks, received, prompt, prefix, served, fetching, fetch_failed,
+                spec, verifications)
 
 
 def _index_metrics(health: Mapping[str, tuple[float, int]]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -77,6 +77,8 @@ class RequestEnd:
     prediction: SloPrediction | None = None
     prefill_worker: str = ""
     decode_worker: str = ""
+    speculative_proposed: int = 0  # draft tokens verified for it (speculative decoding), and accepted
+    speculative_accepted: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +210,10 @@ class WorkerLoad:
     node_id: str = ""  # the node it runs on, as its cluster-index entries name it
     fetches_in_flight: int = 0  # remote prefix pulls waiting on a holder now
     fetch_failures: int = 0  # remote pulls that failed (holder gone, timeout, corrupt): recomputed
+    spec_verifications: int = 0  # speculative decoding, since start: verification entries (request x step)
+    spec_proposed: int = 0  # draft tokens verified
+    spec_accepted: int = 0  # of which accepted
+    spec_emitted: int = 0  # tokens verifications emitted (accepted + one each)
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,12 +91,17 @@ class LiveView:
         out: dict[str, Any] = {"id": w.worker_id, "role": w.role, "alive": w.alive, "restarts": w.restarts,
                                "queue_depth": w.queue_depth, "running": 0, "steps": 0, "steps_per_s": 0.0,
                                "kv": {"device": None, "host": None, "disk": None}, "transfer_bytes_per_s": 0.0,
-                               "prompt_tokens_computed": 0, "prompt_tokens_cached": 0}
+                               "prompt_tokens_computed": 0, "prompt_tokens_cached": 0,
+                               "speculation": None}
         if load is None:
             return out
         used = load.total_blocks - load.free_blocks
         out.update(running=load.running, steps=load.steps, prompt_tokens_computed=load.prompt_tokens_computed,
                    prompt_tokens_cached=load.prompt_tokens_cached)
+        if load.spec_verifications:  # since start: acceptance and tokens per verification
+            out["speculation"] = {"acceptance": round(load.spec_accepted / max(load.spec_proposed, 1), 4),
+                                  "tokens_per_step": round(load.spec_emitted / load.spec_verifications, 3),
+                                  "proposed": load.spec_proposed, "accepted": load.spec_accepted}
         out["kv"] = {"device": {"used": used, "free": load.free_blocks, "reserved": load.reserved_blocks,
                                 "total": load.total_blocks},
                      "host": _tier(load.host_blocks_used, load.host_blocks_total),

@@ -151,10 +151,15 @@ class DecodeWorker(EngineWorker):
             span.event("first_token")
             phase = self._phase(span, "decode.queue", phase)
         tokens += len(item.token_ids)
+        if len(item.token_ids) > 1 and tokens > len(item.token_ids):  # a verification's several tokens
+            span.event("speculative_verification", {"halfmoon.tokens": len(item.token_ids)})
         if item.end is not None:
             self._phase(span, "decode.compute", phase)
-            span.set({"halfmoon.request_id": item.request_id, "halfmoon.finish_reason": item.end.finish_reason.value,
-                      "halfmoon.output_tokens": tokens, "halfmoon.preemptions": item.end.num_preemptions})
+            end = item.end
+            span.set({"halfmoon.request_id": item.request_id, "halfmoon.finish_reason": end.finish_reason.value,
+                      "halfmoon.output_tokens": tokens, "halfmoon.preemptions": end.num_preemptions,
+                      "halfmoon.speculative.proposed": end.speculative_proposed,
+                      "halfmoon.speculative.accepted": end.speculative_accepted})
         return phase, tokens
 
     async def cancel(self, request_id: str) -> None:

@@ -90,7 +90,8 @@ def request_end(req: Request) -> RequestEnd:
                       ttft_ms=(first - req.arrival_time) * 1e3, mean_tpot_ms=tpot,
                       e2e_ms=(req.finish_time - req.arrival_time) * 1e3)
     usage = Usage(req.num_prompt_tokens, req.num_cached_tokens, n_out)
-    return RequestEnd(req.finish_reason, req.stop_text, usage, timings, req.num_preemptions)
+    return RequestEnd(req.finish_reason, req.stop_text, usage, timings, req.num_preemptions,
+                      speculative_proposed=req.spec_proposed, speculative_accepted=req.spec_accepted)
 
 
 def completion_result(request_id: str, prompt_ids: list[int], chunks: list[TokenChunk]) -> CompletionResult:

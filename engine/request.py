@@ -56,6 +56,8 @@ class Request:
     root_hash: bytes = b""
     block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
+    spec_proposed: int = 0  # speculative decoding: draft tokens verified for it, and accepted
+    spec_accepted: int = 0
     cache_kv: bool = True  # False: its KV is not complete in every layer; never registered or published
     num_cached_tokens: int = 0
 

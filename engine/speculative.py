@@ -234,6 +234,8 @@ class Speculator:
         return best_k
 
     def record(self, req: Request, proposed: int, accepted: int) -> None:
+        req.spec_proposed += proposed
+        req.spec_accepted += accepted
         old = self._acceptance.get(req.request_id, self.PRIOR_ACCEPTANCE)
         self._acceptance[req.request_id] = (1 - self.EMA) * old + self.EMA * (accepted / proposed)
         s = self.stats

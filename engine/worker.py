@@ -53,6 +53,10 @@ def engine_load(engine: Engine, loop: EngineLoop) -> WorkerLoad:
                       stats.prompt_tokens_computed, stats.prompt_tokens_cached,
                       failure=None if loop.failure is None else str(loop.failure),
                       running=len(engine.scheduler.running))
+    if engine.speculator is not None:
+        spec = engine.speculator.stats
+        load = replace(load, spec_verifications=spec.steps, spec_proposed=spec.proposed,
+                       spec_accepted=spec.accepted, spec_emitted=spec.emitted)
     if tiers is None:
         return load
     host, disk, traffic = tiers.host, tiers.disk, tiers.traffic

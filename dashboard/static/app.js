@@ -162,7 +162,7 @@ function makeCard(w) {
     h('h3', {}, h('span', {}, w.id), ' ', fld('span', 'alive', {class: 'health'})), f.role,
     h('dl', {class: 'stats'}, stat('restarts', 'restarts'), stat('queue depth', 'queue_depth'),
       stat('running batch', 'running'), stat('steps', 'steps'), stat('steps/s', 'steps_per_s'),
-      stat('KV transfer', 'transfer_bytes_per_s')),
+      stat('KV transfer', 'transfer_bytes_per_s'), stat('speculation', 'speculation')),
     h('p', {class: 'prompt'}, 'prompt tokens: ', fld('b', 'prompt_tokens_computed'), ' computed, ',
       fld('b', 'prompt_tokens_cached'), ' cached'),
     kv);
@@ -195,6 +195,8 @@ function updateCard({root, f, tiers}, w) {
   for (const k of ['restarts', 'queue_depth', 'running', 'steps', 'prompt_tokens_computed', 'prompt_tokens_cached']) setText(f[k], int(w[k]));
   setText(f.steps_per_s, num(w.steps_per_s, F1));
   setText(f.transfer_bytes_per_s, bytesPerS(w.transfer_bytes_per_s));
+  const sp = w.speculation;
+  setText(f.speculation, sp ? `${num(100 * sp.acceptance, F1)}% accepted, ${num(sp.tokens_per_step, F1)} tok/verify` : 'off');
   for (const tier of TIERS) {
     const t = (w.kv || {})[tier], el = tiers[tier], absent = !t || typeof t !== 'object';
     el.row.classList.toggle('absent', absent);
