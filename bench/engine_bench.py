@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      args.quantization[0], args.model), Progress())
         rep["command"] = command
         print(json.dumps(rep, indent=2) if args.json else spec_bench.render(rep), flush=True)
-        return 0 if rep["greedy_identical"] else 1
+        return 0 if rep["greedy_all_identical"] or args.dtype != "float32" else 1
     configs = [engine_config(args.dtype, sizes, args.threads, args.max_num_batched_tokens, q, args.model)
                for q in args.quantization]
     with process_settings(args.threads):

@@ -63,6 +63,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overhead-ms", type=float, default=0.0,
                    help="per-request cost outside the engines (RPCs, KV handoff, streaming); "
                         "`halfmoon bench sim-vs-live` measures it on a live server")
+    p.add_argument("--tokens-per-step", type=float, default=1.0,
+                   help="decode tokens per request per step: > 1 with speculative decoding (a live "
+                        "worker's emitted / verifications, or bench engine --speculative); default 1")
     p.add_argument("--drain-s", type=float, default=None,
                    help="cut requests still running this long after the window (as bench serve)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     device, host = _grid(args.device_tokens, "--device-tokens"), _grid(args.host_tokens, "--host-tokens")
     base = SimConfig(args.prefill, args.decode, args.colocated, device[0], host[0], args.disk_tokens,
                      args.block_size, args.chunk, args.max_seqs, drain_s=args.drain_s, overhead_ms=args.overhead_ms,
-                     admission=build(ADMISSION, args))
+                     admission=build(ADMISSION, args), tokens_per_step=args.tokens_per_step)
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

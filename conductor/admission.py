@@ -317,7 +317,7 @@ class Admission:
             ttft = prefill.wait_ms(-1, now) + c.prefill_ms
             running = [j for j in jobs if j.joins_at_ms <= 0]
             tbt = self.cost.est_decode_step_ms(len(running) + 1, sum(j.context_tokens for j in running) + c.prompt_len)
-            return Predicted(ttft, tbt, c.objective.tbt_ms, retry)
+            return Predicted(ttft, tbt / decode.tokens_per_step, c.objective.tbt_ms, retry)
         arrive = prefill.wait_ms(c.objective.rank, now, c.deadline) + c.prefill_ms
         # The first token rides a decode step; co-located, the prefill's last chunk samples it
         # (c.prefill_ms already holds the running batch's steps its chunks share).
@@ -325,7 +325,9 @@ class Admission:
             self.predictor.predict(jobs, arrive, c.prompt_len).tbt_ms
         peak = self.predictor.peak(jobs, arrive, c.prompt_len, c.expected_output, c.objective.tbt_ms)
         stretched, limit = self._stretched(c, jobs, prefill)
-        return Predicted(arrive + first_step, peak.tbt_ms, peak.limit_ms, retry, first_step, stretched, limit)
+        # a step emits tokens_per_step tokens a request (speculative decoding): TBT counts each
+        tbt = peak.tbt_ms / decode.tokens_per_step
+        return Predicted(arrive + first_step, tbt, peak.limit_ms, retry, first_step, stretched, limit)
 
     def _stretched(self, c: Candidate, jobs: list[DecodeJob], prefill: PrefillLedger) -> tuple[float, float]:
         """Co-located: the TBT its prefill gives the requests that decode while it runs, and their

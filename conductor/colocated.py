@@ -191,6 +191,8 @@ class ColocatedBackend(GenerationBackend):
         ask = Ask(request_id, n, inp.params.max_tokens, inp.priority_class, inp.slo)
         started, policy = now_ns(), self.admission_config.admission
         try:
+            stats = self.engine.scheduler.stats  # counters read across threads: plain ints
+            self.bound.observe_decode(stats.decode_entries, stats.decode_tokens)
             booking = self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, time.monotonic())
         except RetryableRejection as e:
             spans.admission(self.tracer, inp.span, started, policy, e)

@@ -151,6 +151,15 @@ class DecodeLedger:
     total_blocks: int = 0
     jobs: dict[str, BoundRequest] = field(default_factory=dict)
     reserved_blocks: int = 0
+    # tokens the worker emits per request per decode step, measured (> 1 with speculative
+    # decoding): admission divides a predicted step time by it to predict TBT
+    tokens_per_step: float = 1.0
+
+    def observe_decode(self, entries: int, tokens: int) -> None:
+        """A worker's counters since start: its measured tokens per decode step (kept at 1.0 until
+        it has decoded a while)."""
+        if entries >= 32:
+            self.tokens_per_step = max(1.0, tokens / entries)
 
     @property
     def free_blocks(self) -> int:

@@ -214,6 +214,8 @@ class WorkerLoad:
     spec_proposed: int = 0  # draft tokens verified
     spec_accepted: int = 0  # of which accepted
     spec_emitted: int = 0  # tokens verifications emitted (accepted + one each)
+    decode_entries: int = 0  # decode steps of its requests since start (a request x a step)
+    decode_tokens: int = 0  # tokens they emitted: tokens per decode step = this / decode_entries
 
 
 @dataclass(frozen=True, slots=True)

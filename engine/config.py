@@ -85,7 +85,7 @@ class EngineConfig:
     node_id: str | None = None
     remote_fetch: bool = True
     speculative: str = "off"
-    speculative_tokens: int = 4
+    speculative_tokens: int = 6
     speculative_max_batch: int = 0
 
     def __post_init__(self) -> None:

@@ -41,6 +41,8 @@ class SchedulerStats:
     prompt_tokens_cached: int = 0  # device hits + blocks promoted from host/disk
     prompt_tokens_promoted: int = 0  # of which promoted from host/disk
     preemptions: int = 0
+    decode_entries: int = 0  # steps of requests past their prompt (one per request per step)
+    decode_tokens: int = 0  # tokens those steps emitted (> entries with speculative decoding)
 
 
 class ScheduledRequest(NamedTuple):
@@ -272,6 +274,9 @@ class Scheduler:
         for req, n, do_sample, draft in output.scheduled:
             self.stats.prompt_tokens_computed += max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
             new = next(tokens) if do_sample else []
+            if new and req.num_computed_tokens >= req.num_prompt_tokens:  # a decode step
+                self.stats.decode_entries += 1
+                self.stats.decode_tokens += len(new)
             # a verification computed 1 + len(draft) inputs; only the verified ones count
             req.num_computed_tokens += n - len(draft) + (len(new) - 1 if draft else 0)
             if draft and self.speculator is not None:

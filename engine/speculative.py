@@ -5,13 +5,15 @@
     accept d_{j+1} against r_j while it passes; at the first rejection emit the target's
     correction from r_j (the residual distribution), or the bonus token from r_k when all pass.
 
-So a step emits a + 1 tokens (a accepted drafts, 0 <= a <= k). Greedy: d_{j+1} passes iff it is
-r_j's argmax, so the output is token-identical to decoding without speculation. Sampled: d passes
-with probability min(1, p(d) / q(d)) (p: the target's filtered distribution of `sample`, q: the
-draft's; an n-gram proposal is q = one-hot, so min(1, p(d))), and a rejection draws from the
-residual max(p - q, 0), renormalised — the emitted tokens are distributed exactly as the
-target's (Leviathan et al. 2023; Chen et al. 2023). Draws come from the request's own generator,
-so a seeded request is reproducible.
+So a step emits a + 1 tokens (a accepted drafts, 0 <= a <= k). A deterministic draft (n-gram)
+passes iff it equals the token the target itself yields at that position — its argmax, or, when
+sampling, the token `sample` draws with the request's next uniform (one draw per emitted token,
+in order): so greedy AND seeded sampled output are token-identical to decoding without
+speculation, and a draft d passes with probability p(d), the optimal rate for a one-hot proposal.
+A draft drawn from a distribution q (a draft model) passes with probability min(1, p(d) / q(d))
+and a rejection draws from the residual max(p - q, 0), renormalised: the emitted tokens are
+distributed exactly as the target's (Leviathan et al. 2023; Chen et al. 2023), reproducible with
+the request's seed.
 
 KV of rejected drafts was written to slots past the verified tokens: `num_computed_tokens` only
 advances over verified ones, the next step overwrites those slots, and blocks are hashed and
@@ -25,7 +27,7 @@ against everything earlier in prompt + output, the tokens that followed proposed
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -33,7 +35,7 @@ import torch
 
 from engine.config import SPECULATIVE_MODES, EngineConfig
 from engine.request import Request
-from engine.sampler import probabilities
+from engine.sampler import probabilities, sample
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +46,7 @@ class SpeculativeConfig:
     ngram_max / ngram_min: the longest and shortest suffix matched."""
 
     mode: str = "off"
-    max_draft: int = 4
+    max_draft: int = 6
     max_batch: int = 0
     ngram_max: int = 4
     ngram_min: int = 2
@@ -116,16 +118,9 @@ def verify(logits: torch.Tensor, draft: Sequence[int], req: Request,
 
     logits: [len(draft) + 1, vocab] fp32, row j after input j; draft_probs: [len(draft), vocab]
     the draft's distributions (None: deterministic proposals, q = one-hot)."""
-    rows = [req] * logits.shape[0]
-    if req.params.greedy:
-        target = logits.argmax(dim=-1).tolist()
-        out = []
-        for j, d in enumerate(draft):
-            if target[j] != d:
-                return [*out, target[j]]
-            out.append(d)
-        return [*out, target[len(draft)]]
-    p = probabilities(logits, rows)
+    if draft_probs is None:  # deterministic drafts (n-gram): the target's own sample decides
+        return _coupled(logits, draft, req)
+    p = probabilities(logits, [req] * logits.shape[0])
     out = []
     for j, d in enumerate(draft):
         q_d = 1.0 if draft_probs is None else float(draft_probs[j, d])
@@ -140,6 +135,22 @@ def verify(logits: torch.Tensor, draft: Sequence[int], req: Request,
             q = draft_probs[j]
         return [*out, _draw(torch.clamp(p[j] - q, min=0.0), req, fallback=p[j])]
     return [*out, _draw(p[len(draft)], req)]
+
+
+def _coupled(logits: torch.Tensor, draft: Sequence[int], req: Request) -> list[int]:
+    """Each position's token is what `sample` would draw there (argmax, or one uniform of the
+    request's generator, in order), and a draft passes iff it equals it. For a one-hot proposal
+    this accepts with probability p(d) (rejection sampling's own rate) and emits the very
+    tokens plain decoding would: the generator consumes one draw per emitted token, as without
+    speculation, so a seeded request's output is the same with and without it."""
+    out: list[int] = []
+    for j in range(len(draft) + 1):
+        row = logits[j : j + 1]
+        token = int(row.argmax()) if req.params.greedy else sample(row, [req])[0]
+        out.append(token)
+        if j == len(draft) or token != draft[j]:
+            return out
+    return out
 
 
 def _uniform(req: Request) -> float:
@@ -186,7 +197,7 @@ class Speculator:
     Per request, the draft length k maximises the expected tokens a verification emits,
     E(k) = (1 - a^(k+1)) / (1 - a) for the request's measured acceptance a (an exponential
     average, prior `PRIOR_ACCEPTANCE`), over its cost relative to a plain decode step,
-    1 + k * `cost.per_draft_token(batch)`; k = 0 (plain decode) when no k pays. Above the
+    1 + batch * k * `cost.row_cost(batch)`; k = 0 (plain decode) when no k pays. Above the
     batch size where verifying costs more than it saves (`cost.max_batch`, measured: see
     `StepCostTable`), speculation is off for the whole step."""
 
@@ -196,9 +207,9 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, cost: StepCostTable | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
-        self.cost = cost or StepCostTable(config)
-        self.proposer = NgramProposer(config.ngram_max, config.ngram_min)
         self.stats = SpeculationStats()
+        self.cost = cost or StepCostTable(config, self.typical_acceptance)
+        self.proposer = NgramProposer(config.ngram_max, config.ngram_min)
         self._acceptance: dict[str, float] = {}
 
     def drafts(self, running: Sequence[Request], budget: int) -> dict[str, tuple[int, ...]]:
@@ -223,12 +234,17 @@ class Speculator:
                 spare -= len(draft)
         return out
 
+    def typical_acceptance(self) -> float:
+        """The engine's measured acceptance so far (the prior until 32 drafts were verified)."""
+        s = self.stats
+        return min(s.acceptance, 0.99) if s.proposed >= 32 else self.PRIOR_ACCEPTANCE
+
     def draft_length(self, req: Request, batch: int) -> int:
         a = min(self._acceptance.get(req.request_id, self.PRIOR_ACCEPTANCE), 0.99)
-        per_token = self.cost.per_draft_token(batch)
+        row = self.cost.row_cost(batch)
         best_k, best = 0, 1.0
-        for k in range(1, self.config.max_draft + 1):
-            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + k * per_token)
+        for k in range(1, self.config.max_draft + 1):  # every request of the batch drafting k
+            gain = (1 - a ** (k + 1)) / (1 - a) / (1 + batch * k * row)
             if gain > best:
                 best_k, best = k, gain
         return best_k
@@ -251,17 +267,19 @@ class StepCostTable:
     engine's forward time by the number of rows it computed (power-of-two buckets, exponential
     averages; `observe` after every step). Before enough steps are seen, the configured
     `max_batch` (from `halfmoon profile`'s measured crossover; 0 = `DEFAULT_MAX_BATCH`) and
-    `DEFAULT_PER_TOKEN` stand in.
+    `DEFAULT_ROW_COST` stand in.
 
-    per_draft_token(b): (T(2b) - T(b)) / (b * T(b)) — each extra row's share of a step of b.
-    max_batch: the largest batch whose best draft length still pays at the prior acceptance."""
+    row_cost(b): (T(2b) - T(b)) / (b * T(b)) — one extra row's cost relative to a step of b rows;
+    b requests drafting k tokens each cost 1 + b * k * row_cost(b) plain steps.
+    max_batch: the largest batch whose best draft length still pays at the acceptance measured."""
 
-    DEFAULT_PER_TOKEN = 0.1
+    DEFAULT_ROW_COST = 0.1
     DEFAULT_MAX_BATCH = 8
     MIN_SAMPLES = 3
 
-    def __init__(self, config: SpeculativeConfig) -> None:
+    def __init__(self, config: SpeculativeConfig, acceptance: Callable[[], float] | None = None) -> None:
         self.config = config
+        self.acceptance = acceptance or (lambda: Speculator.PRIOR_ACCEPTANCE)
         self._time: dict[int, float] = {}  # bucket (rows, a power of two) -> seconds
         self._count: dict[int, int] = {}
 
@@ -276,22 +294,22 @@ class StepCostTable:
         bucket = 1 << max(0, rows - 1).bit_length()
         return self._time.get(bucket) if self._count.get(bucket, 0) >= self.MIN_SAMPLES else None
 
-    def per_draft_token(self, batch: int) -> float:
+    def row_cost(self, batch: int) -> float:
         base, double = self._measured(batch), self._measured(2 * batch)
         if base is None or double is None or base <= 0:
-            return self.DEFAULT_PER_TOKEN
+            return self.DEFAULT_ROW_COST
         return max(0.0, (double - base) / (batch * base))
 
     def max_batch(self) -> int:
         """The configured crossover, else the smallest measured batch at which no draft length
-        pays at the prior acceptance, less one; `DEFAULT_MAX_BATCH` until measured."""
+        pays at the engine's measured acceptance, less one; `DEFAULT_MAX_BATCH` until measured."""
         if self.config.max_batch:
             return self.config.max_batch
-        a = Speculator.PRIOR_ACCEPTANCE
+        a = self.acceptance()
         for bucket in sorted(self._time):
             if self._measured(bucket) is None or self._measured(2 * bucket) is None:
                 continue
-            c = self.per_draft_token(bucket)
-            if all((1 - a ** (k + 1)) / (1 - a) <= 1 + k * c for k in range(1, self.config.max_draft + 1)):
+            c = self.row_cost(bucket)
+            if all((1 - a ** (k + 1)) / (1 - a) <= 1 + bucket * k * c for k in range(1, self.config.max_draft + 1)):
                 return max(0, bucket - 1)
         return self.DEFAULT_MAX_BATCH

@@ -52,7 +52,8 @@ def engine_load(engine: Engine, loop: EngineLoop) -> WorkerLoad:
     load = WorkerLoad(loop.alive, loop.steps, pool.num_free(), pool.num_blocks, loop.watching(),
                       stats.prompt_tokens_computed, stats.prompt_tokens_cached,
                       failure=None if loop.failure is None else str(loop.failure),
-                      running=len(engine.scheduler.running))
+                      running=len(engine.scheduler.running), decode_entries=stats.decode_entries,
+                      decode_tokens=stats.decode_tokens)
     if engine.speculator is not None:
         spec = engine.speculator.stats
         load = replace(load, spec_verifications=spec.steps, spec_proposed=spec.proposed,

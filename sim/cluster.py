@@ -54,6 +54,11 @@ class SimConfig:
         model times engines alone; `halfmoon bench sim-vs-live` measures this on the live
         server (0 for the built-in GPU profiles, which cite engine figures).
     drain_s: requests still running this long after the window are cut (None: run to the end).
+    tokens_per_step: decode tokens per request per step (> 1 with speculative decoding: what a
+        live decode worker measures, `halfmoon_worker_speculative_*` / `bench engine
+        --speculative`). A step of b requests then computes b x tokens_per_step rows and emits
+        tokens_per_step tokens each: the workers are simulated one token-time per step
+        (`SpeculativeCost`) and admission counts the same tokens per step.
     """
 
     prefill: int = 1
@@ -69,11 +74,14 @@ class SimConfig:
     overhead_ms: float = 0.0
     drain_s: float | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
+    tokens_per_step: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
             raise ConfigError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {self.prefill}P{self.decode}D")
         check_positive(self, "device_tokens", "block_size", "chunk", "max_seqs")
+        if self.tokens_per_step < 1.0:
+            raise ConfigError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}")
         for name in ("host_tokens", "disk_tokens", "overhead_ms"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -120,6 +128,22 @@ class SimResult:
     wall_s: float
 
 
+class SpeculativeCost:
+    """A cost model whose decode step is one token-time of a speculating worker: a step of b
+    requests verifying t tokens each costs the rows of b x t, and emits t tokens a request, so
+    per token it costs est_decode_step_ms(b x t, context) / t. Prefill is unchanged."""
+
+    def __init__(self, cost: CostModel, tokens_per_step: float) -> None:
+        self.cost, self.tokens_per_step = cost, tokens_per_step
+
+    def est_decode_step_ms(self, batch: int, context_tokens: int) -> float:
+        t = self.tokens_per_step
+        return self.cost.est_decode_step_ms(round(batch * t), context_tokens) / t
+
+    def __getattr__(self, name: str) -> object:  # everything else is the wrapped model's
+        return getattr(self.cost, name)
+
+
 class Simulator:
     """One replay of a workload through one cluster shape (module docstring)."""
 
@@ -130,18 +154,20 @@ class Simulator:
         new to them, as a live replay under its own cache salt)."""
         self.config = config
         self.cost = cost
+        if config.tokens_per_step != 1.0:  # the workers' steps: one token-time each
+            cost = SpeculativeCost(cost, config.tokens_per_step)  # type: ignore[assignment]
         self.clock = after.clock if after is not None else Clock()
         self.start_s = self.clock.now  # the replay's time 0
         chunk = config.chunk if config.colocated else None
         clock = self.clock
         self.dispatcher = (after.dispatcher if after is not None else
-                           Dispatcher(config.admission, cost, config.block_size, chunk, clock=lambda: clock.now))
+                           Dispatcher(config.admission, self.cost, config.block_size, chunk, clock=lambda: clock.now))
         self.records: list[Record] = []
         blocks = config.device_tokens // config.block_size
         if config.colocated:
             self.engine = ColocatedWorker("engine", cost, self.clock, self._cache(), config.chunk,
                                           config.max_seqs, self._first, self._finished)
-            self.pending, self.bound = PrefillLedger(), DecodeLedger(blocks)
+            self.pending, self.bound = PrefillLedger(), DecodeLedger(blocks, tokens_per_step=config.tokens_per_step)
             self.prefill: dict[str, PrefillWorker] = {}
             self.decode: dict[str, DecodeWorker] = {}
         else:
@@ -152,7 +178,8 @@ class Simulator:
                                                        self._first, self._finished)
                            for i in range(config.decode)}
             self.prefill_ledgers = {wid: PrefillLedger() for wid in self.prefill}
-            self.decode_ledgers = {wid: DecodeLedger(blocks) for wid in self.decode}
+            self.decode_ledgers = {wid: DecodeLedger(blocks, tokens_per_step=config.tokens_per_step)
+                                   for wid in self.decode}
         self._flights: dict[int, tuple[Flight, str]] = {}  # running: request index -> (flight, decode id)
         self._tick: Callable[[int], None] | None = None
 

@@ -52,6 +52,22 @@ def test_one_request_co_located_chunks_its_prefill() -> None:
     assert r.tbt_s == pytest.approx(0.010)
 
 
+def test_speculative_tokens_per_step_shorten_decode_and_admission_counts_them() -> None:
+    """Three tokens a step: a request decodes in a third of the steps, each costing the rows of
+    three (the flat model: 10 ms whatever the rows), so its TBT is a third and admission's
+    predicted TBT too."""
+    config = SimConfig(kv_tail=0.5, admission=LOOSE, tokens_per_step=3.0)
+    sim = Simulator(config, FLAT)
+    r = sim.run(Workload((one(output=7),), 1.0)).records[0]
+    step = 0.010 / 3
+    assert r.tbt_s == pytest.approx(step)
+    assert r.ttft_s == pytest.approx(1.100 + 0.0005 + step)
+    assert r.end_s == pytest.approx(1.100 + 0.0005 + 7 * step)
+    assert all(ledger.tokens_per_step == 3.0 for ledger in sim.decode_ledgers.values())
+    plain = simulate(Workload((one(output=7),), 1.0), SimConfig(kv_tail=0.5, admission=LOOSE), FLAT).records[0]
+    assert r.predicted_tbt_ms == pytest.approx(plain.predicted_tbt_ms / 3)
+
+
 def test_overhead_delays_the_first_token_outside_the_engines() -> None:
     config = SimConfig(kv_tail=0.5, admission=LOOSE, overhead_ms=250.0)
     r = simulate(Workload((one(),), 1.0), config, FLAT).records[0]
