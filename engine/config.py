@@ -54,6 +54,9 @@ class EngineConfig:
     remote_fetch: pull prefix blocks other workers hold (found in the index) over the KV
         transport; off = each worker reuses only its own tiers (the local-only baseline; its
         blocks are still served to workers that fetch).
+    tp: tensor-parallel size: the engine spans this many processes, each with its share of
+        the heads, MLP and vocabulary and its KV heads (engine/parallel.py); 1 = one process.
+        CPU (gloo) only for now, without host/disk tiers or a cluster index.
     """
 
     model: str = "smollm2"
@@ -75,13 +78,14 @@ class EngineConfig:
     worker_id: str | None = None
     node_id: str | None = None
     remote_fetch: bool = True
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {sorted(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} not supported; choose from {list(QUANTIZATIONS)}")
-        check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads")
+        check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads", "tp")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len <= 1:
@@ -90,6 +94,10 @@ class EngineConfig:
             raise ConfigError("host_cache_gb and disk_cache_gb must be >= 0")
         if self.disk_cache_dir is not None and self.disk_cache_gb <= 0:
             raise ConfigError("disk_cache_dir is set but disk_cache_gb is 0")
+        if self.tp > 1 and (self.host_cache_gb > 0 or self.disk_cache_dir is not None or self.redis_url is not None):
+            # each rank would need its own shard of every tier block (issue 35): not built yet
+            raise ConfigError(f"tp {self.tp}: a tensor-parallel engine keeps no host / disk tier and no cluster "
+                              "index yet; set host_cache_gb 0, no disk_cache_dir, no redis_url")
 
     @property
     def torch_dtype(self) -> torch.dtype:
