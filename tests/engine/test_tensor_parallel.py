@@ -271,3 +271,18 @@ def test_tp_config_is_checked() -> None:
         EngineConfig(tp=0)
     with pytest.raises(ConfigError, match="no host / disk tier"):
         EngineConfig(tp=2, host_cache_gb=1.0)
+
+
+def test_the_bench_counts_each_steps_collectives(engine: Engine, smol_tp2: Engine) -> None:
+    """`halfmoon bench engine --tp`'s measurement: per step, 2 all_reduces a layer + the
+    embedding's + the logits' gather, and time in them only where there is a group."""
+    from bench.tp_bench import Sizes, measure
+
+    results = measure({1: engine, 2: smol_tp2}, Sizes(prompt=16, batches=(2,), steps=2), repeats=1)
+    layers = smol_tp2.model_config.num_layers
+    for work in ("prefill", "decode_b2"):
+        one, two = results[work][1], results[work][2]
+        assert one.collectives == 0 and one.collective_ms == 0 and one.step_ms > 0
+        assert two.collectives == 2 * layers + 2 and 0 < two.collective_ms < two.step_ms
+    assert_engine_idle(engine)
+    assert_engine_idle(smol_tp2)
