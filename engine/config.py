@@ -106,10 +106,13 @@ class EngineConfig:
     @property
     def kv_tag(self) -> str:
         """What, besides the model, shapes a KV block's contents: the dtype, and the weights'
-        quantization when there is one (an int4 engine's KV is not an fp32 engine's). Part of
-        every block hash's root, so engines that differ here never share a block."""
+        quantization when there is one (an int4 engine's KV is not an fp32 engine's), and the
+        tensor-parallel size when > 1. Part of every block hash's root, so engines that differ
+        here never share a block."""
         dtype = DTYPES[self.dtype]  # "bf16" and "bfloat16" hash alike
-        return dtype if self.quantization == "none" else f"{dtype}+{self.quantization}"
+        tag = dtype if self.quantization == "none" else f"{dtype}+{self.quantization}"
+        # a tensor-parallel engine's blocks are per-rank shards: never matched across layouts
+        return tag if self.tp == 1 else f"{tag}+tp{self.tp}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -224,8 +224,11 @@ class Engine:
                           self.model_config.architecture)
 
     def kv_layout(self) -> KVLayout:
-        """What a KV transfer's two ends must agree on: shapes, dtype, model, layer windows."""
-        return KVLayout.of(self.kv_cache, self.model_config.fingerprint, self.windows)
+        """What a KV transfer's two ends must agree on: shapes, dtype, model, layer windows, and
+        this rank's place in a tensor-parallel engine (its size, its first KV head)."""
+        shard = self.model.shard
+        return KVLayout.of(self.kv_cache, self.model_config.fingerprint, self.windows, shard.world,
+                           shard.kv_heads.start)
 
     def window_truncated(self, prompt_len: int) -> bool:
         """Whether a prefilled prompt of this length arrives without some sliding layer's oldest

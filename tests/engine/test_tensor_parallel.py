@@ -286,3 +286,30 @@ def test_the_bench_counts_each_steps_collectives(engine: Engine, smol_tp2: Engin
         assert two.collectives == 2 * layers + 2 and 0 < two.collective_ms < two.step_ms
     assert_engine_idle(engine)
     assert_engine_idle(smol_tp2)
+
+
+def test_the_kv_handshake_refuses_another_tensor_parallel_layout(folders: dict[str, Path]) -> None:
+    """Qwen3's one KV head is replicated: rank 0 of TP=2 holds the same bytes per block as
+    TP=1, and only the layout's `tp` tells them apart. Moving KV between layouts is not built:
+    the handshake names the field that differs instead of moving a wrong shard."""
+    from transport.errors import HandshakeError
+    from transport.protocol import check_hello, hello
+
+    one, two = tp_engine(str(folders["qwen3"])), tp_engine(str(folders["qwen3"]), tp=2)
+    try:
+        a, b = one.kv_layout(), two.kv_layout()
+        assert (a.num_kv_heads, a.tp, b.num_kv_heads, b.tp, b.kv_head_start) == (1, 1, 1, 2, 0)
+        nonce = b"n" * 16
+        check_hello(hello(a, nonce, None), a, nonce, None)
+        with pytest.raises(HandshakeError) as err:
+            check_hello(hello(b, nonce, None), a, nonce, None)
+        assert err.value.field == "tp"
+    finally:
+        one.close()
+        two.close()
+
+
+def test_tp_engines_hash_blocks_under_their_own_root() -> None:
+    """A prefix cached under one layout is never a hit for another (docs/ARCHITECTURE.md)."""
+    assert EngineConfig().kv_tag == "float32" and EngineConfig(tp=2, host_cache_gb=0).kv_tag == "float32+tp2"
+    assert EngineConfig(tp=2, quantization="int4").kv_tag == "float32+int4+tp2"
