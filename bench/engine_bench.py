@@ -453,9 +453,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--speculative", choices=["ngram"], default=None,
                    help="instead: speculative decoding against the same engine with it off "
                         "(quoting / open / batch-32 workloads, bench/spec_bench.py)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="> 1: a tensor-parallel engine's step time and collective time per step against "
+                        "TP=1 in the same run (bench/tp_bench.py) instead of the transformers comparison")
     args = p.parse_args(argv)
-    if args.threads <= 0 or args.repeats <= 0 or args.max_num_batched_tokens <= 0:
-        p.error("--threads, --repeats and --max-num-batched-tokens must be > 0")
+    args.threads_default = "--threads" not in argv
+    if args.threads <= 0 or args.repeats <= 0 or args.max_num_batched_tokens <= 0 or args.tp <= 0:
+        p.error("--threads, --repeats, --max-num-batched-tokens and --tp must be > 0")
     if len(set(args.quantization)) != len(args.quantization):
         p.error("--quantization lists a value twice")
     return args
@@ -572,6 +576,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     command = shlex.join(["halfmoon", "bench", "engine", *argv])
+    if args.tp > 1:
+        from bench import tp_bench
+
+        return tp_bench.main(args, command)
     sizes = QUICK if args.quick else FULL
     if args.speculative:
         from bench import spec_bench

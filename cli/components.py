@@ -29,6 +29,8 @@ ENGINE = Component(
         # Kept from the first CLI; in cluster mode each worker pins its own (--worker-threads).
         "num_threads": Flag("threads", help="torch CPU threads (default: all cores)"),
         "attention_backend": Flag(choices=("torch", "flashinfer")),
+        "tp": Flag(help="tensor-parallel size: the engine spans this many processes (gloo on CPU), each "
+                        "with its share of heads, MLP and vocabulary; 1 = one process"),
     },
     excluded={
         "redis_url": "`serve` sets it: --redis-url, --no-redis, else the embedded Redis it starts",
@@ -40,7 +42,11 @@ ENGINE = Component(
 # do alike): blocks the device tier evicts spill there and are hits again. The engine commands
 # (generate, profile) serve one request and keep the field's default, no host tier.
 DEFAULT_HOST_CACHE_GB = 4.0
-SERVE_ENGINE = dataclasses.replace(ENGINE, flags={
+SERVE_ENGINE = dataclasses.replace(ENGINE, excluded={
+    **ENGINE.excluded,
+    "tp": "serve's workers are one process each: a tensor-parallel worker needs each rank's KV moved "
+          "over the transport (issue 35, not built yet); `generate` and `profile` take --tp",
+}, flags={
     **ENGINE.flags,
     "host_cache_gb": Flag(default=DEFAULT_HOST_CACHE_GB,
                           help="host DRAM KV tier in GiB, one shared-memory arena per node (default 4; 0 = off): the "

@@ -63,6 +63,9 @@ class EngineConfig:
         each request's measured acceptance).
     speculative_max_batch: batch size from which speculation is off for the step; 0 = the
         crossover this engine measures from its own step times (`halfmoon profile` prints it).
+    tp: tensor-parallel size: the engine spans this many processes, each with its share of
+        the heads, MLP and vocabulary and its KV heads (engine/parallel.py); 1 = one process.
+        CPU (gloo) only for now, without host/disk tiers or a cluster index.
     """
 
     model: str = "smollm2"
@@ -87,13 +90,14 @@ class EngineConfig:
     speculative: str = "off"
     speculative_tokens: int = 6
     speculative_max_batch: int = 0
+    tp: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {sorted(DTYPES)}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} not supported; choose from {list(QUANTIZATIONS)}")
-        check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads")
+        check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads", "tp")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len <= 1:
@@ -106,6 +110,10 @@ class EngineConfig:
             raise ConfigError(f"speculative {self.speculative!r} not supported; choose from {list(SPECULATIVE_MODES)}")
         if not 1 <= self.speculative_tokens <= 16 or self.speculative_max_batch < 0:
             raise ConfigError("speculative_tokens must be in 1..16 and speculative_max_batch >= 0")
+        if self.tp > 1 and (self.host_cache_gb > 0 or self.disk_cache_dir is not None or self.redis_url is not None):
+            # each rank would need its own shard of every tier block (issue 35): not built yet
+            raise ConfigError(f"tp {self.tp}: a tensor-parallel engine keeps no host / disk tier and no cluster "
+                              "index yet; set host_cache_gb 0, no disk_cache_dir, no redis_url")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -114,10 +122,13 @@ class EngineConfig:
     @property
     def kv_tag(self) -> str:
         """What, besides the model, shapes a KV block's contents: the dtype, and the weights'
-        quantization when there is one (an int4 engine's KV is not an fp32 engine's). Part of
-        every block hash's root, so engines that differ here never share a block."""
+        quantization when there is one (an int4 engine's KV is not an fp32 engine's), and the
+        tensor-parallel size when > 1. Part of every block hash's root, so engines that differ
+        here never share a block."""
         dtype = DTYPES[self.dtype]  # "bf16" and "bfloat16" hash alike
-        return dtype if self.quantization == "none" else f"{dtype}+{self.quantization}"
+        tag = dtype if self.quantization == "none" else f"{dtype}+{self.quantization}"
+        # a tensor-parallel engine's blocks are per-rank shards: never matched across layouts
+        return tag if self.tp == 1 else f"{tag}+tp{self.tp}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,7 @@ from core.messages import EngineInfo, TokenChunk
 from engine.kv_push import KVPushes
 from engine.loader import LoadedWeights, load_weights
 from engine.model import DecoderModel
+from engine.parallel import plan_shard
 from engine.outputs import CompletionResult, TextState, completion_result, request_end
 from core.params import FinishReason
 from engine.request import Request
@@ -34,6 +35,7 @@ from engine.runner import ModelRunner
 from core.params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
 from engine.speculative import SpeculativeConfig, Speculator
+from engine.tp_ranks import Ranks
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from kernels.attention import get_backend
 from kvpool.block_hash import block_hashes, root_hash
@@ -48,10 +50,11 @@ from transport.layout import KVLayout
 from transport.sender import PushStream
 
 
-def kv_block_bytes(lw: LoadedWeights, config: EngineConfig) -> int:
+def kv_block_bytes(lw: LoadedWeights, config: EngineConfig, kv_heads: int | None = None) -> int:
+    """One block's KV bytes on this rank (`kv_heads`: its KV heads; default the model's)."""
     cfg = lw.config
     itemsize = torch.empty(0, dtype=config.torch_dtype).element_size()
-    return cfg.num_layers * 2 * config.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return cfg.num_layers * 2 * config.block_size * (kv_heads or cfg.num_kv_heads) * cfg.head_dim * itemsize
 
 
 def load_tokenizer(lw: LoadedWeights) -> Tokenizer:
@@ -123,12 +126,23 @@ class Engine:
         self.stop_ids = frozenset({*self.tokenizer.stop_ids, *weights.config.stop_ids})
         self.max_model_len = min(config.max_model_len or weights.config.max_position,
                                  weights.config.max_position)
-        self.model = DecoderModel(weights.config, weights.weights, get_backend(config.attention_backend),
-                                  config.torch_dtype, config.quantization, weights.q4, self.max_model_len,
-                                  weights.wide)
-        num_blocks = config.num_blocks or max(1, int(config.kv_cache_gb * 2**30) // kv_block_bytes(weights, config))
+        shard = plan_shard(weights.config, 0, config.tp, config.quantization)
+        num_blocks = config.num_blocks or max(1, int(config.kv_cache_gb * 2**30)
+                                              // kv_block_bytes(weights, config, shard.num_kv_heads))
+        # tensor parallel: ranks 1..tp-1 load their shards while this one builds its own
+        self.ranks = Ranks.launch(config, num_blocks) if config.tp > 1 else None
+        try:
+            self.model = DecoderModel(weights.config, weights.weights, get_backend(config.attention_backend),
+                                      config.torch_dtype, config.quantization, weights.q4, self.max_model_len,
+                                      weights.wide, shard, self.ranks.group if self.ranks is not None else None)
+            if self.ranks is not None:
+                self.ranks.wait_ready()
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
         cfg = weights.config
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, config.block_size, cfg.num_kv_heads,
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, config.block_size, shard.num_kv_heads,
                                     cfg.head_dim, dtype=config.torch_dtype)
         self.pool = BlockPool(num_blocks)
         self.tiers = build_tiers(config, self.kv_cache, self.pool, remote)
@@ -137,6 +151,8 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.tiers, self.speculator)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        if self.ranks is not None:
+            self.runner.step_sync = self.ranks.send_step
         self._text: dict[str, TextState] = {}
         self._inbox: list[Request] = []
         self._aborts: list[str] = []
@@ -211,8 +227,11 @@ class Engine:
                           self.model_config.architecture)
 
     def kv_layout(self) -> KVLayout:
-        """What a KV transfer's two ends must agree on: shapes, dtype, model, layer windows."""
-        return KVLayout.of(self.kv_cache, self.model_config.fingerprint, self.windows)
+        """What a KV transfer's two ends must agree on: shapes, dtype, model, layer windows, and
+        this rank's place in a tensor-parallel engine (its size, its first KV head)."""
+        shard = self.model.shard
+        return KVLayout.of(self.kv_cache, self.model_config.fingerprint, self.windows, shard.world,
+                           shard.kv_heads.start)
 
     def window_truncated(self, prompt_len: int) -> bool:
         """Whether a prefilled prompt of this length arrives without some sliding layer's oldest
@@ -305,7 +324,11 @@ class Engine:
                 f"exceeds the whole KV cache ({capacity} tokens); raise --kv-cache-gb")
 
     def close(self) -> None:
-        """Release the host arena (removed when this engine was the last attached) and the disk tier."""
+        """Stop the other tensor-parallel ranks; release the host arena (removed when this engine
+        was the last attached) and the disk tier."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
         if self.tiers is None:
             return
         self.tiers.close()

@@ -31,3 +31,16 @@ class ChatTemplateError(TokenizerError):
 
 class UnsupportedTokenizerError(TokenizerError):
     """The tokenizer kind (GGUF model or pre-tokenizer type) is not one Halfmoon can build."""
+
+
+class ShardingError(HalfmoonError):
+    """The model cannot be split over the asked tensor-parallel size (heads, groups, sizes)."""
+
+
+class CollectiveInitError(HalfmoonError):
+    """A tensor-parallel group could not start: its rendezvous, its gloo / NCCL process group, or a
+    rank that died or failed while loading (the message names it)."""
+
+
+class RankLostError(HalfmoonError):
+    """A tensor-parallel rank died or stopped answering during a step: the engine cannot go on."""

@@ -12,7 +12,9 @@ One layer definition with the families' switches (engine/model_config.py, engine
 
 Weights are plain tensors (q/k/v and gate/up fused at load time so each layer does four
 matmuls), or int8/int4 weight-only layers (`quantization`; int4 from a GGUF's own 4-bit blocks
-when the loader gives them). `forward` takes one step's flat batch of tokens and returns logits
+when the loader gives them). Tensor-parallel (`shard` + `group`, engine/parallel.py): each rank
+keeps its heads, MLP slice and vocabulary slice; `_reduce` sums o's and down's partial outputs,
+the embedding is a masked lookup summed over the ranks, and rank 0 gathers the logits. `forward` takes one step's flat batch of tokens and returns logits
 only for the rows that will be sampled. An all-decode step on CPU runs each layer's norms, RoPE,
 KV write, attention and activation as native calls (`_decode_layer`, kernels/fused.py); other
 steps, and any step without the extensions, run the torch ops of `_layer`.
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from engine import rope as rope_mod
 from engine.families import family
 from engine.model_config import ModelConfig
+from engine.parallel import Shard, TPGroup, full_shard, take_q4
 from kernels import fused
 from kernels.attention import AttentionBackend, AttentionMetadata
 from kernels.linear import DenseLayer, Linear
@@ -98,24 +101,33 @@ class DecoderModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor],
                  backend: AttentionBackend, dtype: torch.dtype, quantization: str = "none",
                  q4: Mapping[str, Q4Groups] | None = None, max_positions: int | None = None,
-                 wide: frozenset[str] = frozenset()) -> None:
+                 wide: frozenset[str] = frozenset(), shard: Shard | None = None,
+                 group: TPGroup | None = None) -> None:
         """`quantization`: none, int8 or int4 for every dense layer but the lm head, which is int8
         when quantized (see `LM_HEAD`); `q4`: the source's own 4-bit blocks by name, used as
         they are for int4 (other weights are quantized here); `max_positions`: the RoPE tables'
         length (the engine's max_model_len; default the model's); `wide`: weights the source
-        stores with more than 4 bits, which int4 keeps as int8 (a layer fusing one is int8)."""
+        stores with more than 4 bits, which int4 keeps as int8 (a layer fusing one is int8);
+        `shard` / `group`: this rank's part of a tensor-parallel model and its collectives (both
+        or neither)."""
+        if (group is None) != (shard is None or shard.world == 1):
+            raise ValueError("a tensor-parallel shard needs its group, and only it")
         self.cfg = cfg
+        self.shard = shard or full_shard(cfg)
+        self.group = group
+        self.num_heads, self.num_kv_heads = self.shard.num_heads, self.shard.num_kv_heads
         self.backend = backend
         self.dtype = dtype
         self.quantization = quantization
         self._q4 = q4 or {}
         self._wide = wide
         self._norm_offset = family(cfg.architecture).norm_offset
-        self.embed = weights["model.embed_tokens.weight"]
+        vocab = self.shard.vocab
+        self.embed = _own(weights["model.embed_tokens.weight"][vocab], self.shard)
         # HF multiplies by the scale cast to the weights' dtype (Gemma3TextScaledWordEmbedding)
         self.embed_scale = torch.tensor(cfg.embed_scale).to(dtype) if cfg.embed_scale != 1.0 else None
-        head = self.embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
-        self.lm_head = self._dense(LM_HEAD[quantization], [head], ["lm_head.weight"])
+        head, head_rows = (self.embed, slice(None)) if cfg.tie_word_embeddings else (weights["lm_head.weight"], vocab)
+        self.lm_head = self._dense(LM_HEAD[quantization], [head], ["lm_head.weight"], [head_rows])
         self.final_norm = self._norm(weights["model.norm.weight"])
         self.layers = [self._build_layer(weights, i) for i in range(cfg.num_layers)]
         n = min(max_positions or cfg.max_position, cfg.max_position)
@@ -142,19 +154,25 @@ class DecoderModel:
             return w
         return (w.float() + self._norm_offset).to(w.dtype)
 
-    def _dense(self, quantization: str, parts: list[torch.Tensor], names: list[str]) -> DenseLayer:
-        """One layer of `parts` stacked along the output dimension (fused QKV / gate-up)."""
+    def _dense(self, quantization: str, parts: list[torch.Tensor], names: list[str],
+               rows: list[slice] | None = None, cols: slice | None = None) -> DenseLayer:
+        """One layer of `parts` stacked along the output dimension (fused QKV / gate-up); a
+        tensor-parallel rank keeps `rows` of each part (column-parallel) or the input columns
+        `cols` (row-parallel), quantized as the whole weight is."""
+        rows = rows or [slice(None)] * len(parts)
         if quantization == "int4" and any(n in self._wide for n in names):
             quantization = "int8"  # the source kept this layer wider than 4 bits: so do we
         if quantization == "int4":
-            groups = [self._q4[n] if n in self._q4 else quantize_q4(w) for w, n in zip(parts, names)]
+            groups = [take_q4(self._q4[n] if n in self._q4 else quantize_q4(w), r, cols)
+                      for w, n, r in zip(parts, names, rows)]
             return Int4Linear(groups[0] if len(groups) == 1 else Q4Groups.cat(groups))
-        weight = parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-        if quantization == "int8":
-            return Int8Linear(weight)
+        weight = parts[0][rows[0]] if len(parts) == 1 else torch.cat([w[r] for w, r in zip(parts, rows)], dim=0)
+        if quantization == "int8":  # a row's scale is the whole row's, so quantize, then take columns
+            layer = Int8Linear(weight)
+            return layer if cols is None else layer.input_shard(cols)
         if quantization != "none":
             raise ValueError(f"unknown quantization {quantization!r} (none, int8, int4)")
-        return Linear(weight)
+        return Linear(_own(weight if cols is None else weight[:, cols], self.shard))
 
     def _build_layer(self, w: dict[str, torch.Tensor], i: int) -> LayerWeights:
         cfg, p, q = self.cfg, f"model.layers.{i}.", self.quantization
@@ -166,14 +184,17 @@ class DecoderModel:
         def optional(name: str, needed: bool) -> torch.Tensor | None:
             return self._norm(w[p + name]) if needed else None
 
-        bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"] for n in "qkv"]) if cfg.attention_bias else None
+        qkv_rows, ffn = list(self.shard.qkv_rows(cfg.head_dim)), self.shard.ffn
+        bias = None
+        if cfg.attention_bias:
+            bias = torch.cat([w[p + f"self_attn.{n}_proj.bias"][r] for n, r in zip("qkv", qkv_rows)])
         return LayerWeights(
             input_norm=self._norm(w[p + "input_layernorm.weight"]),
-            qkv=self._dense(q, [w[n] for n in qkv], qkv),
-            o=self._dense(q, [w[o]], [o]),
+            qkv=self._dense(q, [w[n] for n in qkv], qkv, qkv_rows),
+            o=self._dense(q, [w[o]], [o], cols=self.shard.o_cols(cfg.head_dim) if self.group else None),
             ffn_norm=self._norm(w[ffn_norm + ".weight"]),
-            gate_up=self._dense(q, [w[n] for n in gate_up], gate_up),
-            down=self._dense(q, [w[down]], [down]),
+            gate_up=self._dense(q, [w[n] for n in gate_up], gate_up, [ffn, ffn]),
+            down=self._dense(q, [w[down]], [down], cols=ffn if self.group else None),
             window=cfg.window(i),
             local_rope=cfg.window(i) > 0 and cfg.local_rope_theta is not None,
             qkv_bias=bias,
@@ -214,15 +235,15 @@ class DecoderModel:
         """input_ids/positions: [T]; `rope_lens` [T]: the sequence length each token's RoPE is
         for (dynamic NTK only, engine/rope.py); returns logits [len(logits_rows), vocab] in fp32."""
         cfg = self.cfg
-        x = F.embedding(input_ids, self.embed)
+        x = self._embed(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         tables = self._step_tables(positions, rope_lens)
-        if tables is not None and self.fused_decode and fused.supported(x, kv_cache, meta, cfg.num_heads, tables[0]):
+        if tables is not None and self.fused_decode and fused.supported(x, kv_cache, meta, self.num_heads, tables[0]):
             return self._forward_decode(x, tables, kv_cache, meta, logits_rows, layer_hook)
         glob, local = self._rope_rows(positions, rope_lens)
         ropes = {False: tuple(t.unsqueeze(1) for t in glob), True: tuple(t.unsqueeze(1) for t in local)}
-        attn_out = torch.empty(x.shape[0], cfg.q_size, dtype=x.dtype)
+        attn_out = torch.empty(x.shape[0], self.num_heads * cfg.head_dim, dtype=x.dtype)
         for i, lw in enumerate(self.layers):
             x = self._layer(x, lw, kv_cache[i], ropes[lw.local_rope], meta, attn_out)
             if layer_hook is not None:
@@ -231,8 +252,28 @@ class DecoderModel:
             return torch.empty(0, cfg.vocab_size)
         return self._logits(rms_norm(x[logits_rows], self.final_norm, cfg.rms_norm_eps))
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; tensor-parallel: each rank looks up the ids of its vocabulary slice
+        (zeros for the others) and the ranks' rows are summed (exact: one of them is non-zero)."""
+        if self.group is None:
+            return F.embedding(input_ids, self.embed)
+        vocab = self.shard.vocab
+        outside = (input_ids < vocab.start) | (input_ids >= vocab.stop)
+        x = F.embedding((input_ids - vocab.start).masked_fill_(outside, 0), self.embed)
+        return self.group.all_reduce(x.masked_fill_(outside.unsqueeze(1), 0))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output summed over the ranks (as is without tensor parallelism)."""
+        return partial if self.group is None else self.group.all_reduce(partial)
+
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [rows, vocab]; tensor-parallel: gathered on rank 0, empty on the others."""
         logits = self.lm_head(h).float()
+        if self.group is not None:
+            whole = self.group.gather_logits(logits, self.cfg.vocab_size, self.shard.vocab_rows)
+            if whole is None:
+                return logits[:, :0]
+            logits = whole
         cap = self.cfg.final_logit_softcap
         if cap:
             logits = torch.tanh(logits / cap) * cap
@@ -257,7 +298,7 @@ class DecoderModel:
         """`forward` for an all-decode step: each layer's MLP output is added to the residual by
         the next layer's first norm (the last one's by the final norm)."""
         (glob, local), rows = tables
-        step = fused.DecodeStep(x, rows, glob, kv_cache, meta, self.cfg.num_heads,
+        step = fused.DecodeStep(x, rows, glob, kv_cache, meta, self.num_heads,
                                 self.cfg.rms_norm_eps, scale=self.cfg.attention_scale)
         delta = None
         for i, lw in enumerate(self.layers):
@@ -276,17 +317,17 @@ class DecoderModel:
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias
         step.attend(i, qkv, rope=rope, window=lw.window, q_norm=lw.q_norm, k_norm=lw.k_norm)
-        o = lw.o(step.attn_out)
+        o = self._reduce(lw.o(step.attn_out))
         if lw.post_attn_norm is not None:
             o = step.rms_norm(o, lw.post_attn_norm)
-        mlp = lw.down(step.act_mul(lw.gate_up(step.add_rms_norm(o, lw.ffn_norm)), self.cfg.activation))
+        mlp = self._reduce(lw.down(step.act_mul(lw.gate_up(step.add_rms_norm(o, lw.ffn_norm)), self.cfg.activation)))
         return step.rms_norm(mlp, lw.post_ffn_norm) if lw.post_ffn_norm is not None else mlp
 
     def _layer(self, x: torch.Tensor, lw: LayerWeights, cache: torch.Tensor, rope: tuple[torch.Tensor, ...],
                meta: AttentionMetadata, attn_out: torch.Tensor) -> torch.Tensor:
         """One decoder layer; updates `x` (the residual stream, owned by forward) in place."""
         cfg = self.cfg
-        t, heads, kv_heads, eps = x.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps
+        t, heads, kv_heads, eps = x.shape[0], self.num_heads, self.num_kv_heads, cfg.rms_norm_eps
         qkv = lw.qkv(rms_norm(x, lw.input_norm, eps))
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias
@@ -298,9 +339,14 @@ class DecoderModel:
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         self.backend.write_kv(cache, k, v, meta.slot_mapping)
         self.backend.forward(q, cache, meta, attn_out, window=lw.window, scale=cfg.attention_scale)
-        o = lw.o(attn_out)
+        o = self._reduce(lw.o(attn_out))
         x += rms_norm(o, lw.post_attn_norm, eps) if lw.post_attn_norm is not None else o
-        mlp = lw.down(gated_act(lw.gate_up(rms_norm(x, lw.ffn_norm, eps)), cfg.activation))
+        mlp = self._reduce(lw.down(gated_act(lw.gate_up(rms_norm(x, lw.ffn_norm, eps)), cfg.activation)))
         x += rms_norm(mlp, lw.post_ffn_norm, eps) if lw.post_ffn_norm is not None else mlp
         return x
 
+
+
+def _own(t: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """A tensor-parallel rank's slice in storage of its own, so the whole weight can be freed."""
+    return t.clone() if shard.world > 1 else t

@@ -14,7 +14,7 @@ gained, so a steady decode batch copies no block table at all.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -117,11 +117,15 @@ class ModelRunner:
         self.buffers = StepBuffers(kv_cache.device)
         self.last_forward_s = 0.0  # wall time of the last step's forward pass (for the profiler)
         self.last_rows = 0  # tokens that forward pass computed (speculation's cost table)
+        # tensor parallel (engine/tp_ranks.py): hands each step's inputs to the other ranks
+        self.step_sync: Callable[[StepInputs], None] | None = None
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> list[list[int]]:
         """One forward pass over the batch; returns the new tokens of each request whose
         `sample` is set: one, or a verification's accepted drafts and its last token."""
         inputs = self.prepare(scheduled)
+        if self.step_sync is not None:
+            self.step_sync(inputs)
         start = time.perf_counter()
         logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
                                     inputs.meta, inputs.logits_rows, self.layer_hook, inputs.rope_lens)

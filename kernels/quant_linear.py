@@ -31,6 +31,7 @@ is CPU-only: a weight on another device is a `ValueError`, never a silent fallba
 
 from __future__ import annotations
 
+import copy
 from typing import NamedTuple
 
 import torch
@@ -167,6 +168,17 @@ class Int8Linear:
     def dequantized(self) -> torch.Tensor:
         """The fp32 weight this layer multiplies by."""
         return self._weight.float() * self._scale.unsqueeze(1)
+
+    def input_shard(self, cols: slice) -> Int8Linear:
+        """The input columns `cols` of this layer (a tensor-parallel row-parallel shard), each row
+        keeping the whole row's scale: the shard multiplies by exactly the weights this layer does."""
+        shard = copy.copy(self)
+        shard._weight = self._weight[:, cols].contiguous()
+        shard.in_features = shard._weight.shape[1]
+        if self.native and shard.in_features % GROUP:
+            raise ValueError(f"the native int8 kernel needs input columns in blocks of {GROUP}, got {shard.in_features}")
+        shard._dense = DenseCopy()
+        return shard
 
     def nbytes(self) -> int:
         """Bytes of weight (and scales) one few-row call reads."""

@@ -26,7 +26,7 @@ class BackendUnavailableError(StructuredError, TransportError):
 class HandshakeError(StructuredError, TransportError):
     """The peer refused the connection (or we refused it): `field` names what differs —
     "version", "secret", "fingerprint", "num_layers", "block_size", "num_kv_heads", "head_dim",
-    "dtype" — or "protocol" for a peer that does not speak it at all."""
+    "dtype", "windows", "tp", "kv_head_start" — or "protocol" for a peer that does not speak it at all."""
 
     field: str
     message: str

@@ -35,16 +35,24 @@ class KVLayout:
     # per layer: its sliding window in tokens, 0 = full attention (() = every layer full). A
     # sliding layer's blocks before the window are not sent (core.blocks.first_visible_block).
     windows: tuple[int, ...] = ()
+    # tensor parallel (engine/parallel.py): the sender's / receiver's tensor-parallel size and the
+    # first of this rank's `num_kv_heads` KV heads. Moving KV between different layouts (each
+    # rank receiving its heads' slices) is issue 35's point 2, not built: the handshake refuses
+    # any difference, so no rank ever reads another layout's bytes as its own.
+    tp: int = 1
+    kv_head_start: int = 0
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor, fingerprint: str, windows: Sequence[int] = ()) -> KVLayout:
+    def of(cls, kv_cache: torch.Tensor, fingerprint: str, windows: Sequence[int] = (), tp: int = 1,
+           kv_head_start: int = 0) -> KVLayout:
         layers, two, _, block_size, heads, head_dim = kv_cache.shape
         if two != 2:
             raise ValueError(f"expected a [layers, 2, blocks, block_size, heads, head_dim] KV tensor, got {tuple(kv_cache.shape)}")
         if windows and len(windows) != layers:
             raise ValueError(f"{len(windows)} layer windows for a KV tensor of {layers} layers")
         windows = tuple(int(w) for w in windows) if any(windows) else ()
-        return cls(fingerprint, layers, block_size, heads, head_dim, str(kv_cache.dtype).removeprefix("torch."), windows)
+        return cls(fingerprint, layers, block_size, heads, head_dim, str(kv_cache.dtype).removeprefix("torch."), windows,
+                   tp, kv_head_start)
 
     @property
     def itemsize(self) -> int:

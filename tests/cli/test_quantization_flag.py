@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from cli.components import ENGINE
+from cli.components import ENGINE, SERVE_ENGINE
 from cli.flags import build
 from cli.main import parse_args
 from core.errors import ConfigError
@@ -13,10 +13,11 @@ from core.errors import ConfigError
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"], ["profile"]], ids=lambda c: c[0])
 def test_the_flag_reaches_the_engine_config(command: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    assert build(ENGINE, parse_args(command)).quantization == "none"
-    assert build(ENGINE, parse_args([*command, "--quantization", "int4"])).quantization == "int4"
+    engine = SERVE_ENGINE if command[0] == "serve" else ENGINE  # serve's engine flags (no --tp)
+    assert build(engine, parse_args(command)).quantization == "none"
+    assert build(engine, parse_args([*command, "--quantization", "int4"])).quantization == "int4"
     monkeypatch.setenv("HALFMOON_QUANTIZATION", "int8")
-    assert build(ENGINE, parse_args(command)).quantization == "int8"
+    assert build(engine, parse_args(command)).quantization == "int8"
 
 
 def test_a_bad_value_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
