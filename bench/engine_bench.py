@@ -580,16 +580,11 @@ def main(argv: list[str] | None = None) -> int:
         from bench import tp_bench
 
         return tp_bench.main(args, command)
-    sizes = QUICK if args.quick else FULL
     if args.speculative:
         from bench import spec_bench
 
-        with process_settings(args.threads):
-            rep = spec_bench.run(args, engine_config(args.dtype, FULL, args.threads, args.max_num_batched_tokens,
-                                                     args.quantization[0], args.model), Progress())
-        rep["command"] = command
-        print(json.dumps(rep, indent=2) if args.json else spec_bench.render(rep), flush=True)
-        return 0 if rep["greedy_all_identical"] or args.dtype != "float32" else 1
+        return spec_bench.main(args, command)
+    sizes = QUICK if args.quick else FULL
     configs = [engine_config(args.dtype, sizes, args.threads, args.max_num_batched_tokens, q, args.model)
                for q in args.quantization]
     with process_settings(args.threads):

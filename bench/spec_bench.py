@@ -130,6 +130,20 @@ def render(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def main(args: argparse.Namespace, command: str) -> int:
+    """`bench engine --speculative`: print the table (or JSON); 1 when fp32 greedy outputs differ."""
+    from bench.engine_bench import FULL, engine_config, process_settings
+    from bench.report import Progress
+
+    with process_settings(args.threads):
+        base = engine_config(args.dtype, FULL, args.threads, args.max_num_batched_tokens, args.quantization[0],
+                             args.model)
+        rep = run(args, base, Progress())
+    rep["command"] = command
+    print(json.dumps(rep, indent=2) if args.json else render(rep), flush=True)
+    return 0 if rep["greedy_all_identical"] or args.dtype != "float32" else 1
+
+
 def run(args: argparse.Namespace, base: EngineConfig, log: Any) -> dict[str, Any]:
     import dataclasses
 
