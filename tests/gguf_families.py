@@ -43,7 +43,7 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight"
 # case -> (GGUF arch, the case as written: kwargs a GGUF can express)
 GGUF_CASES: dict[str, tuple[str, FamilyCase]] = {
     "llama": ("llama", BY_NAME["llama"]),
-    "llama3-rope": ("llama", BY_NAME["llama3-rope"]),
+    "llama-llama3-rope": ("llama", BY_NAME["llama-llama3-rope"]),
     "llama-linear-rope": ("llama", BY_NAME["llama-linear-rope"]),
     "llama-yarn-rope": ("llama", BY_NAME["llama-yarn-rope"]),
     "mistral": ("llama", BY_NAME["mistral"]),
