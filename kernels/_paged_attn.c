@@ -181,6 +181,57 @@ INLINE void softmax_chunk(float *restrict s, int64_t n, float *m, float *l, floa
     scale_row(acc, alpha, hd);
 }
 
+/* One (request, KV head) of a request with one query row, `r`, with head_dim `hd` (a constant
+ * where the wrappers below inline it): the loop of the one-row kernel, kept as it was (its
+ * speed, its results bit for bit). */
+INLINE void attend_one(const Args *a, int64_t seq, int64_t r, int64_t kvh, const int64_t hd) {
+    const int64_t group = a->heads / a->kv_heads, bs = a->block_size;
+    const int64_t esz = a->bf16 ? 2 : 4, tok_stride = a->kv_heads * hd;
+    const int64_t half = a->num_blocks * bs * tok_stride; /* elements of K (then V) */
+    float q[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float acc[MAX_GROUP][MAX_HEAD_DIM] __attribute__((aligned(64)));
+    float s[MAX_GROUP][CHUNK], m[MAX_GROUP], l[MAX_GROUP];
+    float row[MAX_HEAD_DIM] __attribute__((aligned(64)));
+    const char *qrow = a->q + (r * a->q_row_stride + kvh * group * hd) * esz;
+    for (int64_t g = 0; g < group; g++) {
+        const float *src = load_row(q[g], qrow, g * hd, a->bf16, hd);
+        for (int64_t d = 0; d < hd; d++) q[g][d] = a->scale * src[d];
+        memset(acc[g], 0, (size_t)hd * sizeof(float));
+        m[g] = -INFINITY;
+        l[g] = 0.0f;
+    }
+    const int64_t ctx = a->ctx_lens[seq];
+    const int64_t *table = a->tables + seq * a->table_stride;
+    /* the first visible token: the window's start, mid-block possibly */
+    const int64_t start = a->window > 0 && ctx > a->window ? ctx - a->window : 0;
+    for (int64_t t0 = start; t0 < ctx;) {
+        const int64_t block = table[t0 / bs], in_block = t0 % bs;
+        int64_t n = bs - in_block;
+        if (n > CHUNK) n = CHUNK;
+        if (n > ctx - t0) n = ctx - t0;
+        const int64_t first = (block * bs + in_block) * tok_stride + kvh * hd;
+        for (int64_t t = 0; t < n; t++) {
+            const float *k = load_row(row, a->kv, first + t * tok_stride, a->bf16, hd);
+            for (int64_t g = 0; g < group; g++) s[g][t] = dot(q[g], k, hd);
+        }
+        for (int64_t g = 0; g < group; g++) softmax_chunk(s[g], n, &m[g], &l[g], acc[g], hd);
+        for (int64_t t = 0; t < n; t++) {
+            const float *v = load_row(row, a->kv, half + first + t * tok_stride, a->bf16, hd);
+            for (int64_t g = 0; g < group; g++) axpy(acc[g], s[g][t], v, hd);
+        }
+        t0 += n;
+    }
+    char *orow = a->out + (r * a->out_row_stride + kvh * group * hd) * esz;
+    for (int64_t g = 0; g < group; g++) {
+        scale_row(acc[g], 1.0f / l[g], hd);
+        if (a->bf16) {
+            for (int64_t d = 0; d < hd; d++) ((uint16_t *)orow)[g * hd + d] = f32_to_bf16(acc[g][d]);
+        } else {
+            memcpy((float *)orow + g * hd, acc[g], (size_t)hd * sizeof(float));
+        }
+    }
+}
+
 /* Request `seq`'s query rows: [first_row, first_row + num_rows) of q and out. */
 INLINE int64_t first_row(const Args *a, int64_t seq) {
     return a->q_starts != NULL ? a->q_starts[seq] : seq;
@@ -212,7 +263,7 @@ INLINE void attend_rows(const Args *a, int64_t seq, int64_t kvh, int64_t r0, int
     float acc[MAX_PASS][MAX_HEAD_DIM] __attribute__((aligned(64)));
     float s[MAX_PASS][CHUNK], m[MAX_PASS], l[MAX_PASS];
     float row[MAX_HEAD_DIM] __attribute__((aligned(64)));
-    int64_t lo[MAX_PASS], hi[MAX_PASS], from[MAX_PASS], to[MAX_PASS];
+    int64_t lo[MAX_PASS] = {0}, hi[MAX_PASS] = {0}, from[MAX_PASS], to[MAX_PASS]; /* nr >= 1 */
     const int64_t ctx = a->ctx_lens[seq], rows = num_rows(a, seq), first = first_row(a, seq);
     for (int64_t i = 0; i < nr; i++) {
         visible(a, ctx, rows, r0 + i - first, &lo[i], &hi[i]);
@@ -227,7 +278,8 @@ INLINE void attend_rows(const Args *a, int64_t seq, int64_t kvh, int64_t r0, int
         }
     }
     const int64_t *table = a->tables + seq * a->table_stride;
-    /* rows see nested-forward ranges: lo and hi grow with the row */
+    /* a later row sees no key before an earlier one's first, nor misses one it sees: lo and hi
+     * grow with the row, so the pass reads [lo[0], hi[nr - 1]) */
     for (int64_t t0 = lo[0], end = hi[nr - 1]; t0 < end;) {
         const int64_t block = table[t0 / bs], in_block = t0 % bs;
         int64_t n = bs - in_block;
@@ -277,9 +329,9 @@ INLINE void attend_rows(const Args *a, int64_t seq, int64_t kvh, int64_t r0, int
     }
 }
 
-/* One (request, KV head): its query rows in passes of at most MAX_PASS / group rows (each pass
- * reads the request's visible K/V once for all its rows). */
-INLINE void item_body(const Args *a, int64_t seq, int64_t kvh, const int64_t hd) {
+/* One (request, KV head) with several query rows, in passes of at most MAX_PASS / group rows
+ * (each pass reads the request's visible K/V once for all its rows). */
+INLINE void rows_body(const Args *a, int64_t seq, int64_t kvh, const int64_t hd) {
     const int64_t per_pass = MAX_PASS / (a->heads / a->kv_heads);
     const int64_t first = first_row(a, seq), end = first + num_rows(a, seq);
     for (int64_t r0 = first; r0 < end; r0 += per_pass)
@@ -363,13 +415,26 @@ INLINE void rope_write_item(const Args *a, int64_t seq, int64_t kvh) {
     for (int64_t r = first; r < end; r++) rope_write_row(a, r, kvh);
 }
 
-/* The body compiled once per instruction set, head_dim 64 and 128 (most models) specialised. */
+/* The bodies compiled once per instruction set, head_dim 64 and 128 (most models) specialised.
+ * Several rows per request take a function of their own, so that the one-row kernel's code (and
+ * speed) stays what it was. */
 #define KERNEL(NAME, ATTR)                                                                      \
+    ATTR __attribute__((noinline)) static void NAME##_rows(const Args *a, int64_t seq,          \
+                                                           int64_t kvh) {                       \
+        if (a->head_dim == 64) rows_body(a, seq, kvh, 64);                                      \
+        else if (a->head_dim == 128) rows_body(a, seq, kvh, 128);                               \
+        else rows_body(a, seq, kvh, a->head_dim);                                               \
+    }                                                                                           \
     ATTR static void NAME(const Args *a, int64_t seq, int64_t kvh) {                            \
         if (a->positions != NULL) rope_write_item(a, seq, kvh);                                 \
-        if (a->head_dim == 64) item_body(a, seq, kvh, 64);                                      \
-        else if (a->head_dim == 128) item_body(a, seq, kvh, 128);                               \
-        else item_body(a, seq, kvh, a->head_dim);                                               \
+        if (num_rows(a, seq) > 1) {                                                             \
+            NAME##_rows(a, seq, kvh);                                                           \
+            return;                                                                             \
+        }                                                                                       \
+        const int64_t r = first_row(a, seq);                                                    \
+        if (a->head_dim == 64) attend_one(a, seq, r, kvh, 64);                                  \
+        else if (a->head_dim == 128) attend_one(a, seq, r, kvh, 128);                           \
+        else attend_one(a, seq, r, kvh, a->head_dim);                                           \
     }
 
 typedef void (*item_fn)(const Args *, int64_t, int64_t);
