@@ -12,6 +12,17 @@ A step's tokens are laid out flat, decodes first, then prefill chunks:
 
     | decode q (1 token per request) ... | prefill chunk 0 | prefill chunk 1 | ...
 
+A decoding request may bring several query rows (speculative decoding's verify step: its last
+token and k drafted ones; `DecodeBatch.q_lens`). Its rows are adjacent, in position order, and
+its `ctx_lens` entry counts them all: with n rows and ctx keys, row j (0-based) is the token at
+position ctx - n + j and sees the keys at positions < ctx - n + j + 1 (causal within the
+request's rows), under a window W only the last W of those:
+
+    | decode: req 0 (n0 rows) | req 1 (n1 rows) | ... | prefill chunk 0 | ...
+             ^ q_starts[0]     ^ q_starts[1]           ^ q_starts[num] = num_rows
+
+    request i:  | cached (ctx - n) | new: row 0 .. row n-1 |   all n written before any attends
+
 Metadata is built once per step and reused by every layer.
 
 A layer may attend through a sliding window of W tokens (Mistral; Gemma 3's local layers), HF's
@@ -28,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass(slots=True)
@@ -51,11 +63,18 @@ class PrefillSegment:
 
 @dataclass(slots=True)
 class DecodeBatch:
-    """`num` single-token queries at the head of the flat batch.
+    """`num` decoding requests' query rows at the head of the flat batch.
 
     `block_tables` is [num, max_blocks] int64 (rows padded with block 0); request i attends to
-    its first `ctx_lens[i]` tokens. `mask` is [num, 1, 1, max_ctx] (True = real key) or None
-    when every request has `max_ctx` tokens of context.
+    its first `ctx_lens[i]` tokens (its new ones included). `mask` is [num, 1, 1, max_ctx]
+    (True = real key) or None when every request has `max_ctx` tokens of context; it is the
+    one-row layout's and the backends ignore it when `q_lens` is given.
+
+    `q_lens` (int64 [num], each 1..ctx_lens[i]; None = one row per request) gives each
+    request's query rows; `q_starts` (int64 [num + 1], their prefix sums from 0) is derived from
+    it when not given. Request i's rows are [q_starts[i], q_starts[i + 1]) of the flat batch;
+    row q_starts[i] + j sees the keys at positions < ctx_lens[i] - q_lens[i] + j + 1 (module
+    docstring). Both live on ctx_lens's device.
     """
 
     num: int
@@ -63,6 +82,31 @@ class DecodeBatch:
     ctx_lens: torch.Tensor
     max_ctx: int
     mask: torch.Tensor | None
+    q_lens: torch.Tensor | None = None
+    q_starts: torch.Tensor | None = None
+    _rows: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.q_lens is None:
+            if self.q_starts is not None:
+                raise ValueError("DecodeBatch: q_starts without q_lens")
+            self._rows = self.num
+            return
+        if self.q_lens.shape != (self.num,):
+            raise ValueError(f"DecodeBatch: q_lens is [{self.num}], got {tuple(self.q_lens.shape)}")
+        if self.q_starts is None:
+            self.q_starts = F.pad(self.q_lens.cumsum(0), (1, 0))
+        self._rows = int(self.q_starts[-1])  # once per step (a device sync on CUDA)
+
+    @property
+    def num_rows(self) -> int:
+        """The decode rows of the flat batch: `num`, or the sum of `q_lens`."""
+        return self._rows
+
+    @property
+    def multi_query(self) -> bool:
+        """Whether some request may have more than one row (q_lens given)."""
+        return self.q_lens is not None
 
 
 @dataclass(slots=True)

@@ -7,6 +7,13 @@ planned once, and every layer only calls `run`:
 
     | decode q (1 per request) -> BatchDecode | prefill chunks (qo_indptr) -> BatchPrefill |
 
+A decode batch with several rows per request (`DecodeBatch.q_lens`, speculative decoding's
+verify step) has no BatchDecode: its requests join the prefill chunks in the one BatchPrefill
+plan, qo_indptr = q_starts then the chunks' (causal aligned to the end of the keys is exactly
+the decode rows' causal rule):
+
+    | decode rows (q_starts) + prefill chunks -> BatchPrefill |
+
 A request with context length `ctx` owns the first `ceil(ctx / block_size)` blocks of its block
 table, one page each; the last one holds `ctx - (pages - 1) * block_size` tokens.
 
@@ -83,6 +90,27 @@ def prefill_qo_indptr(prefills: Sequence[PrefillSegment]) -> torch.Tensor:
     return F.pad(lens.cumsum(0), (1, 0)).int()
 
 
+def prefill_tables(dec: DecodeBatch | None, prefills: Sequence[PrefillSegment],
+                   block_size: int) -> tuple[PageTable, torch.Tensor]:
+    """The BatchPrefill page table and qo_indptr of a step whose decode rows (multi-query
+    `dec`, or None) go through the prefill wrapper: the decode requests first (qo_indptr =
+    q_starts), then the prefill chunks, which must follow the decode rows back to back."""
+    if dec is None:
+        return prefill_page_table(prefills, block_size), prefill_qo_indptr(prefills)
+    assert dec.q_starts is not None
+    tables = [seg.block_table for seg in prefills]
+    ctx = torch.tensor([seg.ctx_len for seg in prefills], dtype=torch.int64)
+    qo = prefill_qo_indptr(prefills) if prefills else torch.zeros(1, dtype=torch.int32)
+    rows = dec.num_rows
+    if prefills and prefills[0].q_start != rows:
+        raise ValueError(f"the first prefill chunk starts at {prefills[0].q_start}, not after "
+                         f"the {rows} decode rows")
+    starts = dec.q_starts.to("cpu", torch.int32)
+    return (page_table([*dec.block_tables.unbind(0), *tables],
+                       torch.cat([dec.ctx_lens.to("cpu", torch.int64), ctx]), block_size),
+            torch.cat([starts, qo[1:] + rows]))
+
+
 def _require_flashinfer() -> ModuleType:
     if not torch.cuda.is_available():
         raise FlashInferUnavailableError(
@@ -100,16 +128,34 @@ def _require_flashinfer() -> ModuleType:
 
 
 class StepTables(NamedTuple):
-    """A step's page tables, shared by every (window, scale) plan of the step."""
+    """A step's page tables, shared by every (window, scale) plan of the step; the prefill
+    wrapper runs the flat rows [prefill_start, prefill_end)."""
 
     decode: PageTable | None
     prefill: PageTable | None
     qo_indptr: torch.Tensor | None
+    prefill_start: int = 0
+    prefill_end: int = 0
 
 
 class Wrappers(NamedTuple):
     decode: Any
     prefill: Any
+
+
+def step_tables(meta: AttentionMetadata, block_size: int) -> StepTables:
+    """One step's page tables: one-row decodes through BatchDecode; multi-query decode rows
+    and prefill chunks through BatchPrefill."""
+    dec = meta.decode if meta.decode is not None and meta.decode.num else None
+    if dec is not None and not dec.multi_query:
+        decode, dec = decode_page_table(dec, block_size), None
+    else:
+        decode = None
+    if dec is None and not meta.prefills:
+        return StepTables(decode, None, None)
+    prefill, qo = prefill_tables(dec, meta.prefills, block_size)
+    start = 0 if dec is not None else meta.prefills[0].q_start
+    return StepTables(decode, prefill, qo, start, start + int(qo[-1]))
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -150,13 +196,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         q = q.contiguous()
         heads, head_dim = q.shape[1:]
         paged_kv = (layer_cache[0], layer_cache[1])
-        dec = meta.decode
-        if dec is not None and dec.num:
-            wrappers.decode.run(q[: dec.num], paged_kv,
-                                out=out[: dec.num].view(dec.num, heads, head_dim))
-        if meta.prefills:
-            start = meta.prefills[0].q_start
-            end = meta.prefills[-1].q_start + meta.prefills[-1].q_len
+        tables = self._tables
+        assert tables is not None
+        if tables.decode is not None:
+            n = tables.decode.last_page_len.shape[0]
+            wrappers.decode.run(q[:n], paged_kv, out=out[:n].view(n, heads, head_dim))
+        if tables.prefill is not None:
+            start, end = tables.prefill_start, tables.prefill_end
             wrappers.prefill.run(q[start:end], paged_kv,
                                  out=out[start:end].view(end - start, heads, head_dim))
         return out
@@ -172,11 +218,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if heads % kv_heads:
             raise ValueError(f"{heads} query heads is not a multiple of {kv_heads} kv heads")
         self._ensure_workspace(layer_cache.device)
-        dec = meta.decode
-        self._tables = StepTables(
-            decode=decode_page_table(dec, block_size) if dec is not None and dec.num else None,
-            prefill=prefill_page_table(meta.prefills, block_size) if meta.prefills else None,
-            qo_indptr=prefill_qo_indptr(meta.prefills) if meta.prefills else None)
+        self._tables = step_tables(meta, block_size)
         self._planned = set()
         self._planned_for = meta
 

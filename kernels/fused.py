@@ -26,6 +26,11 @@ differ from transformers' by ~1e-4 (paged, batched attention), and tests/engine'
 and logit checks pass with it. Prefill and mixed steps keep the torch path, so a prefill's logits
 stay bit-identical to transformers'.
 
+A decoding request may bring several query rows (speculative decoding's verify step,
+`DecodeBatch.q_lens`): the step is still all-decode, x has one row per query row, positions and
+slot_mapping one entry per row, and decode_rope writes all of a request's new K/V before any of
+its rows attends (kernels/attention.py).
+
 Without the extensions (no C compiler at install) a loud warning at import, and every step takes
 the torch path; so do CUDA tensors.
 """
@@ -83,9 +88,14 @@ def supported(x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, 
     """Whether this step can run natively: an all-decode CPU step, fp32/bf16 throughout, the
     cache and every RoPE table the layers use contiguous [positions, head_dim] (`rope`: a
     (cos, sin) pair, or a sequence of tables or of pairs), int64 step inputs (the norm weights:
-    `weights_supported`)."""
+    `weights_supported`). A decode batch with several rows per request (`q_lens`) runs too: one
+    x row per query row."""
     dec = meta.decode
-    if not AVAILABLE or dec is None or dec.num != meta.num_tokens or meta.prefills:
+    if not AVAILABLE or dec is None or dec.num_rows != meta.num_tokens or meta.prefills:
+        return False
+    if dec.q_starts is not None and (dec.q_starts.dtype != torch.int64
+                                     or dec.q_starts.device.type != "cpu"
+                                     or not dec.q_starts.is_contiguous()):
         return False
     head_dim, kv_heads = kv_cache.shape[-1], kv_cache.shape[-2]
     tables = _flat_tables(rope)
@@ -113,14 +123,14 @@ class DecodeStep:
 
     __slots__ = ("x", "h", "attn_out", "_act", "_normed", "_dtype", "_bf16", "_eps", "_threads",
                  "_profiling", "_attn_head", "_positions", "_slots", "_rope", "_cache",
-                 "_layer_bytes", "_qkv_width", "_head_dim", "_keep")
+                 "_layer_bytes", "_qkv_width", "_head_dim", "_q_starts", "_keep")
 
     def __init__(self, x: torch.Tensor, positions: torch.Tensor,
                  rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
                  meta: AttentionMetadata, num_heads: int, eps: float,
                  scale: float | None = None) -> None:
         """Call only when `supported(...)` is true: the kernels trust these shapes and dtypes.
-        `rope`: the default (cos, signed sin) tables; `scale`: the softmax scale of q . k
+        `positions`: one per row of x (a request's rows: its positions in order); `rope`: the default (cos, signed sin) tables; `scale`: the softmax scale of q . k
         (None = head_dim ** -0.5); `eps`: the norms' (q / k norm included)."""
         assert meta.decode is not None
         dec, t = meta.decode, x.shape[0]
@@ -142,12 +152,14 @@ class DecodeStep:
         self._keep = (positions, cos, sin, kv_cache, meta)
         self._rope = (cos.data_ptr(), sin.data_ptr())
         self._positions, self._slots = positions.data_ptr(), meta.slot_mapping.data_ptr()
+        # each request's query rows (0: one each); meta, kept above, holds the tensor
+        self._q_starts = 0 if dec.q_starts is None else dec.q_starts.data_ptr()
         # decode_rope's arguments after (qkv, qkv_row_stride, layer cache) up to positions
         self._attn_head = (
             dec.block_tables.data_ptr(), dec.block_tables.stride(0), dec.ctx_lens.data_ptr(),
-            self.attn_out.data_ptr(), self.attn_out.stride(0), t, num_heads, kv_heads, head_dim,
-            num_blocks, block_size, self._bf16, head_dim**-0.5 if scale is None else scale,
-            self._threads)
+            self.attn_out.data_ptr(), self.attn_out.stride(0), dec.num, num_heads, kv_heads,
+            head_dim, num_blocks, block_size, self._bf16,
+            head_dim**-0.5 if scale is None else scale, self._threads)
 
     def add_rms_norm(self, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
         """x += delta (when given); returns h = rmsnorm(x) * weight."""
@@ -184,7 +196,7 @@ class DecodeStep:
         self._call("paged_attention_decode_rope", _paged_attn.decode_rope,
                    (ptr, stride, self._cache + layer * self._layer_bytes, *self._attn_head,
                     self._positions, cos, sin, self._slots, window, self._norm_weight(q_norm),
-                    self._norm_weight(k_norm), self._eps))
+                    self._norm_weight(k_norm), self._eps, self._q_starts))
         return self.attn_out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,8 @@ def _slots(table: list[int], start: int, end: int, block_size: int) -> torch.Ten
     return all_slots[start:end]
 
 
-def _decode_batch(tables: list[list[int]], ctx: list[int], block_size: int) -> DecodeBatch:
+def _decode_batch(tables: list[list[int]], ctx: list[int], block_size: int,
+                  q_lens: list[int] | None = None) -> DecodeBatch:
     max_ctx = max(ctx)
     max_blocks = -(-max_ctx // block_size)
     block_tables = torch.zeros(len(ctx), max_blocks, dtype=torch.long)  # padded with block 0
@@ -35,7 +36,8 @@ def _decode_batch(tables: list[list[int]], ctx: list[int], block_size: int) -> D
     if min(ctx) != max_ctx:
         lengths = torch.tensor(ctx).unsqueeze(1)
         mask = (torch.arange(max_ctx) < lengths).view(len(ctx), 1, 1, max_ctx)
-    return DecodeBatch(len(ctx), block_tables, torch.tensor(ctx), max_ctx, mask)
+    lens = None if q_lens is None else torch.tensor(q_lens)
+    return DecodeBatch(len(ctx), block_tables, torch.tensor(ctx), max_ctx, mask, lens)
 
 
 def _prefill(table: list[int], cached: int, new: int, q_start: int,
@@ -49,22 +51,25 @@ def _prefill(table: list[int], cached: int, new: int, q_start: int,
 
 def make_scene(*, decode_ctx: list[int], prefills: list[tuple[int, int]], heads: int = 4,
                kv_heads: int = 2, head_dim: int = 16, block_size: int = 4, spare_blocks: int = 3,
-               dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0) -> Scene:
-    """Random cache and block tables; decodes first, then prefill chunks `(cached, new)`."""
+               dtype: torch.dtype = torch.float32, device: str = "cpu", seed: int = 0,
+               decode_q: list[int] | None = None) -> Scene:
+    """Random cache and block tables; decodes first, then prefill chunks `(cached, new)`.
+    `decode_q`: each decoding request's query rows (its last decode_q[i] tokens; None: one)."""
     g = torch.Generator().manual_seed(seed)
-    spans = [(c - 1, 1) for c in decode_ctx] + prefills
+    q_lens = decode_q if decode_q is not None else [1] * len(decode_ctx)
+    spans = [(c - n, n) for c, n in zip(decode_ctx, q_lens, strict=True)] + prefills
     need = [-(-(cached + new) // block_size) for cached, new in spans]
     perm = torch.randperm(sum(need) + spare_blocks, generator=g).tolist()
     tables = [perm[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(spans))]
     slot_mapping = torch.cat([_slots(t, c, c + n, block_size) for t, (c, n) in zip(tables, spans)])
     nd = len(decode_ctx)
-    segments, q_start = [], nd
+    segments, q_start = [], sum(q_lens)
     for table, (cached, new) in zip(tables[nd:], prefills, strict=True):
         segments.append(_prefill(table, cached, new, q_start, block_size))
         q_start += new
     meta = AttentionMetadata(
         slot_mapping=slot_mapping,
-        decode=_decode_batch(tables[:nd], decode_ctx, block_size) if nd else None,
+        decode=_decode_batch(tables[:nd], decode_ctx, block_size, decode_q) if nd else None,
         prefills=segments,
         num_tokens=q_start,
     )
@@ -90,7 +95,8 @@ def _to(meta: AttentionMetadata, device: str) -> AttentionMetadata:
     return AttentionMetadata(
         slot_mapping=meta.slot_mapping.to(device),
         decode=None if dec is None else DecodeBatch(dec.num, dec.block_tables.to(device),
-                                                    dec.ctx_lens.to(device), dec.max_ctx, mv(dec.mask)),
+                                                    dec.ctx_lens.to(device), dec.max_ctx, mv(dec.mask),
+                                                    mv(dec.q_lens)),
         prefills=[PrefillSegment(s.q_start, s.q_len, s.block_table.to(device), s.ctx_len, mv(s.mask))
                   for s in meta.prefills],
         num_tokens=meta.num_tokens,
