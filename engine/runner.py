@@ -172,7 +172,8 @@ class ModelRunner:
     def _rope_lens(scheduled: Sequence[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
         """HF's dynamic-NTK sequence length per token (engine/rope.py): a prompt token's is the
         prompt's length, a decoded token's its position + 1. Flat order: decodes, then prefills."""
-        order = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
+        order = ([s for s in scheduled if s.num_tokens == 1 or s.draft]
+                 + [s for s in scheduled if s.num_tokens > 1 and not s.draft])
         if all(s.num_tokens == 1 and s.sample and not s.draft for s in scheduled):
             order = list(scheduled)
         prompt = torch.cat([torch.full((s.num_tokens,), s.request.num_prompt_tokens) for s in order])
@@ -195,8 +196,9 @@ class ModelRunner:
         return StepInputs(buf.fill("ids", ids), buf.fill("positions", positions), meta, rows, requests)
 
     def _prepare_mixed(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
-        decodes = [s for s in scheduled if s.num_tokens == 1]
-        prefills = [s for s in scheduled if s.num_tokens > 1]
+        # a verification (1 + len(draft) rows of one decoding request) is a multi-row decode entry
+        decodes = [s for s in scheduled if s.num_tokens == 1 or s.draft]
+        prefills = [s for s in scheduled if s.num_tokens > 1 and not s.draft]
         ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
@@ -219,7 +221,8 @@ class ModelRunner:
         decode = None
         if decodes:
             decode = self._decode_batch([s.request for s in decodes],
-                                        [s.request.num_computed_tokens + 1 for s in decodes])
+                                        [s.request.num_computed_tokens + s.num_tokens for s in decodes],
+                                        [s.num_tokens for s in decodes] if any(s.draft for s in decodes) else None)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots),
             decode=decode,
@@ -235,11 +238,15 @@ class ModelRunner:
         all_slots = (table.unsqueeze(1) * self.block_size + self._offsets).flatten()
         return all_slots[start:end]
 
-    def _decode_batch(self, requests: list[Request], ctx: list[int]) -> DecodeBatch:
+    def _decode_batch(self, requests: list[Request], ctx: list[int], q_lens: list[int] | None = None) -> DecodeBatch:
+        """`ctx`: each request's keys after this step (its new rows included); `q_lens`: rows per
+        request when some verify drafts (None: one each)."""
         max_ctx = max(ctx)
         buf = self.buffers
         tables = buf.decode_tables(requests, cdiv(max_ctx, self.block_size))
         lengths = buf.fill("ctx_lens", ctx)
+        if q_lens is not None:  # the backends build their own causal masks per row
+            return DecodeBatch(len(requests), tables, lengths, max_ctx, None, q_lens=buf.fill("q_lens", q_lens))
         mask = None
         if min(ctx) != max_ctx:
             mask = (torch.arange(max_ctx, device=lengths.device).unsqueeze(0)
