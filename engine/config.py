@@ -62,7 +62,7 @@ class EngineConfig:
     speculative_tokens: most tokens drafted per request and step (the policy picks fewer from
         each request's measured acceptance).
     speculative_max_batch: batch size from which speculation is off for the step; 0 = the
-        crossover this engine measures from its own step times (`halfmoon profile` prints it).
+        crossover this engine measures from its own step times (engine/speculative.py StepCostTable).
     tp: tensor-parallel size: the engine spans this many processes, each with its share of
         the heads, MLP and vocabulary and its KV heads (engine/parallel.py); 1 = one process.
         CPU (gloo) only for now, without host/disk tiers or a cluster index.

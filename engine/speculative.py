@@ -42,7 +42,7 @@ from engine.sampler import probabilities, sample
 class SpeculativeConfig:
     """mode: off | ngram. max_draft: most tokens drafted per request and step. max_batch: the
     batch size from which speculation is off (verifying k tokens for many requests costs more
-    than it saves; `halfmoon profile` measures the crossover, 0 = not measured: `max_batch_default`).
+    than it saves; 0 = the crossover measured from the engine's own step times, `StepCostTable`).
     ngram_max / ngram_min: the longest and shortest suffix matched."""
 
     mode: str = "off"

@@ -33,7 +33,7 @@ class StandInBackend:
     def __init__(self, workers: tuple[WorkerView, ...]) -> None:
         self.workers = workers
         self.admission_config = AdmissionConfig()
-        self.model = SimpleNamespace(id="m")
+        self.model = SimpleNamespace(id="m", architecture="llama", dtype="float32", max_model_len=128)
         self.mode, self.block_size = "cluster", 16
 
     def stats(self) -> BackendStats:

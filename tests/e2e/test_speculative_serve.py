@@ -31,13 +31,14 @@ NEW = 40
 
 
 @pytest.fixture(scope="module")
-def prompts(engine: Engine) -> list[list[int]]:
-    return [engine.tokenizer.encode(t) for t in (QUOTING, *OTHERS)]
+def prompts(shared_engine: Engine) -> list[list[int]]:
+    return [shared_engine.tokenizer.encode(t) for t in (QUOTING, *OTHERS)]
 
 
 @pytest.fixture(scope="module")
-def expected(engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
-    return [r.output_ids for r in engine.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+def expected(shared_engine: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    return [r.output_ids for r in shared_engine.generate(prompts, params)]
 
 
 def speculation_metrics(http_url: str) -> dict[str, float]:

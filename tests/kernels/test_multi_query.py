@@ -20,7 +20,7 @@ from kernels.attention import AttentionMetadata, DecodeBatch
 from kernels.flashinfer_backend import FlashInferAttentionBackend, step_tables
 from kernels.torch_backend import TorchAttentionBackend, decode_rows_keys, query_rows
 from tests.kernels.paged_scene import Scene, make_scene, run_backend
-from tests.kernels.test_flashinfer_backend import fake_flashinfer
+from tests.kernels.fake_flashinfer import fake_flashinfer
 
 BACKENDS = {"native": lambda: TorchAttentionBackend(),
             "gather": lambda: TorchAttentionBackend(native_decode=False)}

@@ -111,7 +111,7 @@ def test_model_info_and_load_describe_the_engine(workers: InProcessWorkers) -> N
 
     e = p.engine
     assert info == EngineInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
-                             e.config.block_size, "float32", info.kv_bytes_per_token)
+                             e.config.block_size, "float32", info.kv_bytes_per_token, "llama")
     assert info.kv_bytes_per_token == e.model_config.num_layers * 2 * e.model_config.num_kv_heads \
         * e.model_config.head_dim * 4
     assert load.alive and load.failure is None
