@@ -20,8 +20,9 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 # Weight-only quantization of the dense layers (kernels/quant_linear.py): none, int8 per output
 # channel, int4 in groups of 32 (a Q4_1 GGUF's own blocks, loaded without re-quantizing).
 QUANTIZATIONS = ("none", "int8", "int4")
-# Speculative decoding's draft sources (engine/speculative.py)
+# Speculative decoding's draft sources (engine/speculative.py); `draft:MODEL` names a draft model
 SPECULATIVE_MODES = ("off", "ngram")
+DRAFT_PREFIX = "draft:"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -56,9 +57,10 @@ class EngineConfig:
     remote_fetch: pull prefix blocks other workers hold (found in the index) over the KV
         transport; off = each worker reuses only its own tiers (the local-only baseline; its
         blocks are still served to workers that fetch).
-    speculative: speculative decoding on decoding requests: `off` or `ngram` (prompt lookup:
-        drafts what followed the latest earlier occurrence of the last tokens; greedy output
-        unchanged, sampled output distributed as without it). engine/speculative.py.
+    speculative: speculative decoding on decoding requests: `off`, `ngram` (prompt lookup:
+        drafts what followed the latest earlier occurrence of the last tokens) or `draft:MODEL`
+        (a draft model with the target's tokenizer drafts greedily; engine/draft_model.py).
+        Greedy and seeded sampled output unchanged. engine/speculative.py.
     speculative_tokens: most tokens drafted per request and step (the policy picks fewer from
         each request's measured acceptance).
     speculative_max_batch: batch size from which speculation is off for the step; 0 = the
@@ -106,8 +108,10 @@ class EngineConfig:
             raise ConfigError("host_cache_gb and disk_cache_gb must be >= 0")
         if self.disk_cache_dir is not None and self.disk_cache_gb <= 0:
             raise ConfigError("disk_cache_dir is set but disk_cache_gb is 0")
-        if self.speculative not in SPECULATIVE_MODES:
-            raise ConfigError(f"speculative {self.speculative!r} not supported; choose from {list(SPECULATIVE_MODES)}")
+        draft = self.speculative.startswith(DRAFT_PREFIX) and len(self.speculative) > len(DRAFT_PREFIX)
+        if self.speculative not in SPECULATIVE_MODES and not draft:
+            raise ConfigError(f"speculative {self.speculative!r} not supported; choose from "
+                              f"{list(SPECULATIVE_MODES)} or {DRAFT_PREFIX}MODEL (an alias, GGUF file or HF folder)")
         if not 1 <= self.speculative_tokens <= 16 or self.speculative_max_batch < 0:
             raise ConfigError("speculative_tokens must be in 1..16 and speculative_max_batch >= 0")
         if self.tp > 1 and (self.host_cache_gb > 0 or self.disk_cache_dir is not None or self.redis_url is not None):

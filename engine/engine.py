@@ -34,6 +34,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from core.params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
+from engine.draft_model import DraftModelProposer
 from engine.speculative import SpeculativeConfig, Speculator
 from engine.tp_ranks import Ranks
 from engine.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -147,7 +148,10 @@ class Engine:
         self.pool = BlockPool(num_blocks)
         self.tiers = build_tiers(config, self.kv_cache, self.pool, remote)
         spec = SpeculativeConfig.of(config)
-        self.speculator = Speculator(spec, self.max_model_len) if spec.enabled else None
+        proposer = (DraftModelProposer(spec.draft_model, config, cfg.vocab_size, self.max_model_len)
+                    if spec.mode == "draft" else None)
+        self.speculator = Speculator(spec, self.max_model_len, proposer=proposer) if spec.enabled else None
+        self._drafted = 0.0  # the draft model's seconds counted into the step costs so far
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.tiers, self.speculator)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
@@ -367,8 +371,10 @@ class Engine:
         self.pushes.flush(plan.preempted)
         self.runner.layer_hook = self.pushes.hook(plan.scheduled)
         sampled = self.runner.run(plan.scheduled)
-        if self.speculator is not None:
-            self.speculator.cost.observe(self.runner.last_rows, self.runner.last_forward_s)
+        if self.speculator is not None:  # what the step cost: the target's forward and the drafting
+            drafted = getattr(self.speculator.proposer, "seconds", 0.0)
+            self.speculator.cost.observe(self.runner.last_rows, self.runner.last_forward_s + drafted - self._drafted)
+            self._drafted = drafted
         now = time.perf_counter()
         for req, new in self.scheduler.update(plan, sampled):
             outputs.append(self._postprocess(req, now, new))

@@ -33,7 +33,7 @@ from typing import Protocol
 
 import torch
 
-from engine.config import SPECULATIVE_MODES, EngineConfig
+from engine.config import DRAFT_PREFIX, SPECULATIVE_MODES, EngineConfig
 from engine.request import Request
 from engine.sampler import probabilities, sample
 
@@ -45,14 +45,17 @@ class SpeculativeConfig:
     than it saves; 0 = the crossover measured from the engine's own step times, `StepCostTable`).
     ngram_max / ngram_min: the longest and shortest suffix matched."""
 
-    mode: str = "off"
+    mode: str = "off"  # off | ngram | draft (`draft_model` drafts)
     max_draft: int = 6
     max_batch: int = 0
     ngram_max: int = 4
     ngram_min: int = 2
+    draft_model: str = ""
 
     def __post_init__(self) -> None:
-        if self.mode not in SPECULATIVE_MODES:
+        if self.mode == "draft" and not self.draft_model:
+            raise ValueError("speculative mode 'draft' needs a draft model")
+        if self.mode not in (*SPECULATIVE_MODES, "draft"):
             raise ValueError(f"speculative mode {self.mode!r} not supported ({', '.join(SPECULATIVE_MODES)})")
         if not 1 <= self.max_draft <= 16 or self.max_batch < 0 or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"invalid speculative settings {self}")
@@ -63,12 +66,18 @@ class SpeculativeConfig:
 
     @classmethod
     def of(cls, config: EngineConfig) -> SpeculativeConfig:
+        if config.speculative.startswith(DRAFT_PREFIX):
+            return cls("draft", config.speculative_tokens, config.speculative_max_batch,
+                       draft_model=config.speculative.removeprefix(DRAFT_PREFIX))
         return cls(config.speculative, config.speculative_tokens, config.speculative_max_batch)
 
 
 class Proposer(Protocol):
     def propose(self, req: Request, k: int) -> list[int]:
         """Up to `k` draft tokens to follow `req.token_ids` ([] = nothing worth verifying)."""
+
+    def forget(self, request_id: str) -> None:
+        """The request ended: drop its state."""
 
 
 @dataclass(slots=True)
@@ -204,12 +213,15 @@ class Speculator:
     PRIOR_ACCEPTANCE = 0.6
     EMA = 0.3  # weight of the newest verification in a request's acceptance
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, cost: StepCostTable | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, cost: StepCostTable | None = None,
+                 proposer: Proposer | None = None) -> None:
+        """`proposer`: the draft source (default: n-gram prompt lookup; a draft model's is built
+        by the engine, engine/draft_model.py)."""
         self.config = config
         self.max_model_len = max_model_len
         self.stats = SpeculationStats()
         self.cost = cost or StepCostTable(config, self.typical_acceptance)
-        self.proposer = NgramProposer(config.ngram_max, config.ngram_min)
+        self.proposer: Proposer = proposer or NgramProposer(config.ngram_max, config.ngram_min)
         self._acceptance: dict[str, float] = {}
 
     def drafts(self, running: Sequence[Request], budget: int) -> dict[str, tuple[int, ...]]:
