@@ -144,6 +144,9 @@ class BoundRequest:
                          self.tbt_slo_ms, max(0, self.expected_output - 1))
 
 
+TOKENS_PER_STEP_WINDOW = 32  # request-steps per update of a decode ledger's tokens_per_step
+
+
 @dataclass(slots=True)
 class DecodeLedger:
     """The requests bound to one decode worker and the KV blocks booked for them."""
@@ -151,15 +154,26 @@ class DecodeLedger:
     total_blocks: int = 0
     jobs: dict[str, BoundRequest] = field(default_factory=dict)
     reserved_blocks: int = 0
-    # tokens the worker emits per request per decode step, measured (> 1 with speculative
-    # decoding): admission divides a predicted step time by it to predict TBT
+    # tokens the worker emits per request per decode step, measured over its recent steps (> 1
+    # with speculative decoding): admission divides a predicted step time by it to predict TBT
     tokens_per_step: float = 1.0
+    _seen: tuple[int, int] = field(default=(0, 0), repr=False)  # the counters at the last update
 
     def observe_decode(self, entries: int, tokens: int) -> None:
-        """A worker's counters since start: its measured tokens per decode step (kept at 1.0 until
-        it has decoded a while)."""
-        if entries >= 32:
-            self.tokens_per_step = max(1.0, tokens / entries)
+        """A worker's counters since start (request-steps decoded, tokens emitted). Each window
+        of >= `TOKENS_PER_STEP_WINDOW` new request-steps moves `tokens_per_step` halfway to the
+        window's rate, so it follows the load: a speculating worker emits several tokens a step
+        at low batch and one at high batch, where its policy turns speculation off. Counters
+        that went back (a restarted worker) start a new window."""
+        last_entries, last_tokens = self._seen
+        if entries < last_entries or tokens < last_tokens:
+            self._seen = (entries, tokens)
+            return
+        new_entries = entries - last_entries
+        if new_entries >= TOKENS_PER_STEP_WINDOW:
+            rate = max(1.0, (tokens - last_tokens) / new_entries)
+            self.tokens_per_step = 0.5 * (self.tokens_per_step + rate)
+            self._seen = (entries, tokens)
 
     @property
     def free_blocks(self) -> int:

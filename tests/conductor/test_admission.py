@@ -384,3 +384,23 @@ def test_admission_uses_the_fitted_line_and_refits_only_on_new_samples() -> None
     assert adm.calibration.ttft is fit  # a settled fit is redone at most every REFIT_S
     now[0] += Calibration.REFIT_S
     assert adm.calibration.ttft is not fit
+
+
+def test_tokens_per_step_follows_the_workers_recent_steps() -> None:
+    """Windows of >= 32 new request-steps move the estimate halfway to their rate: a worker that
+    speculated at low load and stops at high load is soon predicted at ~1 token a step."""
+    from conductor.ledger import DecodeLedger
+
+    ledger = DecodeLedger(total_blocks=8)
+    ledger.observe_decode(20, 60)  # too few steps yet
+    assert ledger.tokens_per_step == 1.0
+    ledger.observe_decode(40, 120)  # 3 tokens a step
+    assert ledger.tokens_per_step == pytest.approx(2.0)
+    ledger.observe_decode(80, 240)
+    assert ledger.tokens_per_step == pytest.approx(2.5)
+    for n in range(1, 6):  # speculation off: one token a step
+        ledger.observe_decode(80 + 40 * n, 240 + 40 * n)
+    assert ledger.tokens_per_step == pytest.approx(1.0 + 1.5 / 32)
+    ledger.observe_decode(10, 10)  # the worker restarted: its counters start over
+    ledger.observe_decode(50, 50)
+    assert ledger.tokens_per_step == pytest.approx(1.0 + 1.5 / 64)
