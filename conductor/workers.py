@@ -95,7 +95,7 @@ async def _check(w: Worker) -> None:
     w.pid, w.alive, w.free_blocks, w.total_blocks = pid, load.alive, load.free_blocks, load.total_blocks
     w.node_id = load.node_id  # a restarted actor may have landed on another node
     w.bound.total_blocks = load.total_blocks
-    w.bound.observe_decode(load.decode_entries, load.decode_tokens)
+    w.bound.observe_decode(load.decode_entries, load.decode_tokens, load.decode_single)
     w.index_health = (load.index_heartbeat_max_gap_s, load.index_resyncs)
     w.load, w.load_at = load, time.monotonic()
     w.history.append((w.load_at, load))

@@ -216,6 +216,7 @@ class WorkerLoad:
     spec_emitted: int = 0  # tokens verifications emitted (accepted + one each)
     decode_entries: int = 0  # decode steps of its requests since start (a request x a step)
     decode_tokens: int = 0  # tokens they emitted: tokens per decode step = this / decode_entries
+    decode_single: int = 0  # of those steps, the ones that emitted a single token
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ class SchedulerStats:
     preemptions: int = 0
     decode_entries: int = 0  # steps of requests past their prompt (one per request per step)
     decode_tokens: int = 0  # tokens those steps emitted (> entries with speculative decoding)
+    decode_single: int = 0  # of those steps, the ones that emitted one token
 
 
 class ScheduledRequest(NamedTuple):
@@ -277,6 +278,7 @@ class Scheduler:
             if new and req.num_computed_tokens >= req.num_prompt_tokens:  # a decode step
                 self.stats.decode_entries += 1
                 self.stats.decode_tokens += len(new)
+                self.stats.decode_single += len(new) == 1
             # a verification computed 1 + len(draft) inputs; only the verified ones count
             req.num_computed_tokens += n - len(draft) + (len(new) - 1 if draft else 0)
             if draft and self.speculator is not None:

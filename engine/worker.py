@@ -53,7 +53,7 @@ def engine_load(engine: Engine, loop: EngineLoop) -> WorkerLoad:
                       stats.prompt_tokens_computed, stats.prompt_tokens_cached,
                       failure=None if loop.failure is None else str(loop.failure),
                       running=len(engine.scheduler.running), decode_entries=stats.decode_entries,
-                      decode_tokens=stats.decode_tokens)
+                      decode_tokens=stats.decode_tokens, decode_single=stats.decode_single)
     if engine.speculator is not None:
         spec = engine.speculator.stats
         load = replace(load, spec_verifications=spec.steps, spec_proposed=spec.proposed,
