@@ -120,4 +120,6 @@ def test_the_comparison_starts_both_clusters_and_reports_the_gains(tmp_path: Pat
         assert all(r["metrics"]["completed"] == r["metrics"]["requests"] > 0 for r in rep["runs"][mode])
     assert rep["low"]["gains"]["tbt_p50"]["target"] == ssb.TBT_TARGET
     assert rep["high"]["gains"]["goodput"]["target"] == ssb.GOODPUT_TARGET
-    assert (tmp_path / "serve-spec-off.log").is_file() and (tmp_path / "serve-spec-ngram.log").is_file()
+    logs = sorted(f.name for f in tmp_path.glob("serve-spec-*.log"))  # a fresh cluster per mode and rate
+    assert logs == ["serve-spec-ngram-0.5.log", "serve-spec-ngram-1.log", "serve-spec-off-0.5.log",
+                    "serve-spec-off-1.log"]
