@@ -17,7 +17,7 @@ block table is held until the caller releases it.
 
 The simulator's caches work in the trace's 512-token blocks while the engine reuses 16-token
 ones: there (`engine_block` given) every block of the prompt can hit, the partial last one
-included, and `prefix_tokens` converts a hit to what the engine would reuse: the tokens the two
+included, and a hit counts what the engine would reuse (`Hits.tokens`): the tokens the two
 prompts share, in whole engine blocks, never the last prompt token. A block's identity is its
 hash-id chain whatever its length (sim/workload.py): the live replay's tokens of a hash id are
 the same at every length (bench/trace.py), so a prompt that ended 88 tokens into a block leaves
@@ -167,28 +167,32 @@ class TieredCache:
 
     def usable(self, prompt_len: int) -> int:
         """Blocks that can hit: the last prompt token is always recomputed (with `engine_block`,
-        every block: `prefix_tokens` keeps that rule in tokens)."""
+        every block: `Hits.tokens` keeps that rule in tokens)."""
         if self.engine_block is not None:
             return cdiv(prompt_len, self.block_size)
         return (prompt_len - 1) // self.block_size
 
-    def prefix_tokens(self, hashes: Sequence[bytes], blocks: int, prompt_len: int) -> int:
-        """Prompt tokens the engine reuses when the prompt's first `blocks` blocks (of `hashes`) hit:
-        with `engine_block`, up to the first block held or asked only in part (module doc)."""
-        if self.engine_block is None:
-            return min(blocks * self.block_size, prompt_len)
-        tokens = 0
-        for i, key in enumerate(hashes[:blocks]):
-            shared = min(self._fill.get(key, self.block_size), self._fill_of(i, prompt_len))
-            tokens += shared
-            if shared < self.block_size:
-                break  # the engine's chain of 16-token blocks ends inside this block
-        return min(tokens, prompt_len - 1) // self.engine_block * self.engine_block
-
     def _hits(self, hashes: Sequence[bytes], prompt_len: int, device: int, host: int, disk: int) -> Hits:
-        """Blocks served per tier with the prompt tokens each gives the engine, now."""
-        ends = [self.prefix_tokens(hashes, n, prompt_len) for n in (device, device + host, device + host + disk)]
+        """Blocks served per tier with the prompt tokens the engine reuses from each, as held now."""
+        cuts = (device, device + host, device + host + disk)
+        if self.engine_block is None:
+            ends = [min(n * self.block_size, prompt_len) for n in cuts]
+        else:
+            ends = self._engine_ends(hashes, prompt_len, cuts)
         return Hits(device, host, disk, (ends[0], ends[1] - ends[0], ends[2] - ends[1]))
+
+    def _engine_ends(self, hashes: Sequence[bytes], prompt_len: int, cuts: Sequence[int]) -> list[int]:
+        """For each n of `cuts` (ascending): the tokens the engine reuses when the prompt's first n
+        blocks hit: what both the cache and the prompt hold of each, up to the first block either
+        holds only in part (module doc); whole engine blocks, never the last prompt token."""
+        assert self.engine_block is not None
+        tokens, index, whole, ends = 0, 0, True, []
+        for n in cuts:
+            while index < n and whole:
+                shared = min(self._fill.get(hashes[index], self.block_size), self._fill_of(index, prompt_len))
+                tokens, index, whole = tokens + shared, index + 1, shared == self.block_size
+            ends.append(min(tokens, prompt_len - 1) // self.engine_block * self.engine_block)
+        return ends
 
     def _fill_of(self, index: int, prompt_len: int) -> int:
         """Tokens of the prompt's block `index` (the last one may be partial)."""
