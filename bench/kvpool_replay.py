@@ -221,7 +221,8 @@ def replay(requests: Sequence[TraceRequest], hasher: PrefixHasher, capacity: Cap
     blocks = [0, 0, 0]
     start = time.perf_counter()
     for request in requests:
-        for tier, n in enumerate(sim.serve(request, hasher.hashes(request))):
+        hits = sim.serve(request, hasher.hashes(request))
+        for tier, n in enumerate((hits.device, hits.host, hits.disk)):
             blocks[tier] += n
     seconds = time.perf_counter() - start
     sim.finish()

@@ -4,15 +4,13 @@ profile's model and this machine's (conductor/serve_defaults.py owns the values)
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 from cli.components import ADMISSION, CLUSTER, SERVE_ENGINE
 from cli.flags import build
 from cli.main import parse_args
 from cli.sim import sim_config
-from conductor.serve_defaults import HOST_CACHE_GB, TierTokens, gib_for_tokens, serve_cluster, tier_tokens
+from conductor.serve_defaults import TierTokens, tier_tokens
 from engine.config import EngineConfig
 from sim.builtin import load as load_profile
 from sim.builtin import names
@@ -45,18 +43,6 @@ def test_sim_without_flags_is_serve_without_flags(kv_bytes_per_token: int) -> No
     assert tiers.host > 0 and tiers.disk == 0  # serve: a host tier, no disk tier (it needs a directory)
     assert config.admission == build(ADMISSION, parse_args(["serve"]))
     assert config == serve_config(kv_bytes_per_token)
-
-
-def test_tiers_are_whole_engine_blocks_of_the_configured_bytes() -> None:
-    # this machine's SmolLM2 in fp32: 46080 B a token, 737280 B a 16-token block
-    tiers = tier_tokens(serve_cluster().engine, SMOLLM2_FP32)
-    assert tiers == TierTokens(2**30 // 737280 * 16, int(HOST_CACHE_GB * 2**30) // 737280 * 16, 0)
-    assert tiers == (23296, 93200, 0)
-    disk = dataclasses.replace(EngineConfig(), num_blocks=100, disk_cache_dir="/d", disk_cache_gb=0.001)
-    assert tier_tokens(disk, SMOLLM2_FP32) == (1600, 0, 16)  # a tier that is on holds >= one block
-    assert gib_for_tokens(tiers.host, SMOLLM2_FP32) == pytest.approx(HOST_CACHE_GB, rel=1e-3)
-    with pytest.raises(ValueError):
-        tier_tokens(EngineConfig(), 0)
 
 
 def test_flags_given_to_sim_override_serves_values() -> None:
