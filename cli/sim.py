@@ -4,6 +4,10 @@ of a worker budget and tier size and recommends the shape, with its Helm values.
 
     halfmoon sim --trace T.jsonl --prefill 2 --decode 2 --profile llama3-8b-h100
     halfmoon sim sweep --trace T.jsonl --workers 8 --profile llama3-8b-h100 --out sweep/
+
+A flag not given is what `halfmoon serve` runs with no flags (conductor/serve_defaults.py): its
+shape, block, chunk, batch and admission, and its tiers in the cost model's tokens (1 GiB of
+device KV and the node's 4 GiB host tier per worker, no disk tier).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ if TYPE_CHECKING:  # the command's modules load when it runs, not when `halfmoon
     from conductor.cost_model import CostModel
     from sim.cluster import SimConfig
     from sim.workload import Workload
+
+Grids = tuple[tuple[int, ...], tuple[int, ...]]  # device, host tier sizes to sweep
 
 
 def profile_names() -> list[str]:
@@ -35,6 +41,9 @@ def env_dests() -> set[str]:
 def add_parser(p: argparse.ArgumentParser) -> None:
     from cli.components import ADMISSION
     from cli.flags import add_flags
+    from conductor.serve_defaults import serve_cluster
+
+    served = serve_cluster()
 
     p.description = __doc__
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -45,21 +54,28 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--window-s", type=float, default=None, help="replay the first seconds only")
     p.add_argument("--max-input-tokens", type=int, default=None, help="truncate prompts (as bench serve)")
     p.add_argument("--max-output-tokens", type=int, default=None, help="cap outputs (as bench serve)")
+    p.add_argument("--max-requests", type=int, default=None, help="replay only the first N (as bench serve)")
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--cost-model", default=None, help="a `halfmoon profile` JSON (this hardware)")
     model.add_argument("--profile", choices=profile_names(),
                        help="a built-in GPU cost model (sim/profiles/README.md cites each one's sources)")
-    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="decode workers")
+    p.add_argument("--prefill", type=int, default=served.prefill, help="prefill workers (serve's default)")
+    p.add_argument("--decode", type=int, default=served.decode, help="decode workers (serve's default)")
     p.add_argument("--colocated", action="store_true", help="one co-located engine instead")
     p.add_argument("--workers", type=int, default=None, help="sweep: the worker budget to split")
-    p.add_argument("--device-tokens", default="65536",
-                   help="KV tokens per worker's device pool (sweep: comma-separated grid)")
-    p.add_argument("--host-tokens", default="0", help="host DRAM tier per worker, tokens (sweep: grid)")
-    p.add_argument("--disk-tokens", type=int, default=0, help="disk tier per worker, tokens")
-    p.add_argument("--block-size", type=int, default=16, help="the engine's KV block (tokens)")
-    p.add_argument("--chunk", type=int, default=512, help="co-located: prefill tokens per step")
-    p.add_argument("--max-seqs", type=int, default=64, help="requests decoding at once per worker")
+    p.add_argument("--device-tokens", default=None,
+                   help="KV tokens per worker's device pool (sweep: comma-separated grid); default: "
+                        "serve's --kv-cache-gb in the cost model's tokens")
+    p.add_argument("--host-tokens", default=None,
+                   help="host DRAM tier per prefill worker, tokens (sweep: grid); default: serve's "
+                        "--host-cache-gb (the node's arena) in the cost model's tokens")
+    p.add_argument("--disk-tokens", type=int, default=None,
+                   help="disk tier per prefill worker, tokens; default: serve's (none)")
+    p.add_argument("--block-size", type=int, default=served.engine.block_size, help="the engine's KV block (tokens)")
+    p.add_argument("--chunk", type=int, default=served.engine.max_num_batched_tokens,
+                   help="co-located: prefill tokens per step (serve's --max-num-batched-tokens)")
+    p.add_argument("--max-seqs", type=int, default=served.engine.max_num_seqs,
+                   help="requests decoding at once per worker (serve's --max-num-seqs)")
     p.add_argument("--overhead-ms", type=float, default=0.0,
                    help="per-request cost outside the engines (RPCs, KV handoff, streaming); "
                         "`halfmoon bench sim-vs-live` measures it on a live server")
@@ -75,23 +91,38 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cli.components import ADMISSION
-    from cli.flags import build
-    from sim.cluster import SimConfig
     from sim.workload import load
 
     cost = _cost_model(args)
-    workload = load(args.trace, args.speed, args.window_s, args.max_input_tokens, args.max_output_tokens)
-    device, host = _grid(args.device_tokens, "--device-tokens"), _grid(args.host_tokens, "--host-tokens")
-    base = SimConfig(args.prefill, args.decode, args.colocated, device[0], host[0], args.disk_tokens,
-                     args.block_size, args.chunk, args.max_seqs, drain_s=args.drain_s, overhead_ms=args.overhead_ms,
-                     admission=build(ADMISSION, args), tokens_per_step=args.tokens_per_step)
+    workload = load(args.trace, args.speed, args.window_s, args.max_input_tokens, args.max_output_tokens,
+                    args.max_requests)
+    base, (device, host) = sim_config(args, cost.kv_bytes_per_token)
     out = Path(args.out) if args.out else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
     if args.action == "sweep":
         return _sweep(args, workload, base, cost, device, host, out)
     return _run_one(args, workload, base, cost, out)
+
+
+def sim_config(args: argparse.Namespace, kv_bytes_per_token: int) -> tuple[SimConfig, Grids]:
+    """The flags over serve's defaults (`serve_config`, for a model of `kv_bytes_per_token`): the
+    config with each tier grid's first size, and the device and host grids (a tier flag not given:
+    serve's tier alone)."""
+    from cli.components import ADMISSION
+    from cli.flags import build
+    from sim.cluster import serve_config
+
+    served = serve_config(kv_bytes_per_token, block_size=args.block_size)
+    device = _grid(args.device_tokens, "--device-tokens") if args.device_tokens is not None else (served.device_tokens,)
+    host = _grid(args.host_tokens, "--host-tokens") if args.host_tokens is not None else (served.host_tokens,)
+    disk = served.disk_tokens if args.disk_tokens is None else args.disk_tokens
+    base = serve_config(kv_bytes_per_token, prefill=args.prefill, decode=args.decode, colocated=args.colocated,
+                        device_tokens=device[0], host_tokens=host[0], disk_tokens=disk,
+                        block_size=args.block_size, chunk=args.chunk, max_seqs=args.max_seqs,
+                        drain_s=args.drain_s, overhead_ms=args.overhead_ms, admission=build(ADMISSION, args),
+                        tokens_per_step=args.tokens_per_step)
+    return base, (device, host)
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel:

@@ -62,6 +62,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "tbt_ms": percentiles([r.tbt_s for r in ok if r.tbt_s is not None]),
         "hit_rate": {name: round(tokens / prompt, 4) if prompt else 0.0
                      for name, tokens in zip(("device", "host", "disk"), tiers, strict=True)},
+        "prefix_hit_rate": round(sum(tiers) / prompt, 4) if prompt else 0.0,  # bench serve's figure
         "utilisation": busy,
         "utilisation_by_pool": _by_pool(busy),
         "window_s": round(window, 3), "makespan_s": round(result.makespan_s, 3), "wall_s": round(result.wall_s, 3),
@@ -85,7 +86,8 @@ def render(s: dict[str, Any]) -> str:
         f"{s['admitted_ok_pct']}%",
         f"  rejected: {rejected}; errors {s['errors']}; cut off {s['timed_out']}",
         f"  TTFT ms p50/p90/p99 {_ps(s['ttft_ms'])}; TBT ms {_ps(s['tbt_ms'])}",
-        "  prefix hits: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["hit_rate"].items()),
+        "  prefix hits: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["hit_rate"].items())
+        + f" (all tiers {100 * s['prefix_hit_rate']:.1f}% of prompt tokens)",
         "  utilisation: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["utilisation_by_pool"].items()),
     ])
 

@@ -31,7 +31,7 @@ from tests.conductor import conftest as server_fixtures
 api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, server_fixtures.start_api
 
 SLO = sm.Slo(ttft_ms=500.0, tbt_ms=125.0)  # binary fractions: "exactly at the SLO" is exact
-SAMPLE_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "sample_trace.jsonl"
+SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "bench" / "data" / "sample_trace.jsonl"
 
 
 # ---------------------------------------------------------------------------- calibration
@@ -382,7 +382,7 @@ def test_the_command_runs_a_tiny_colocated_window(tmp_path: Path) -> None:
     missing = ab.missing_serve_flags()
     if missing:
         pytest.skip(f"`halfmoon serve --help` lacks {', '.join(missing)} (issue 18's admission flags)")
-    trace = SAMPLE_TRACE if SAMPLE_TRACE.is_file() else write_trace(tmp_path / "t.jsonl", [(0, 300, 8, [0])])
+    trace = SAMPLE_TRACE
     proc = subprocess.run(
         [sys.executable, "-m", "cli.main", "bench", "serve", "--trace", str(trace), "--admission", "none",
          "--modes", "colocated", "--colocated-args", "--colocated --threads 1 --num-blocks 128",

@@ -11,6 +11,9 @@ import pytest
 import yaml
 
 from cli.main import main
+from conductor.serve_defaults import tier_tokens
+from engine.config import EngineConfig
+from sim.builtin import load as load_profile
 from tests.deploy.values import drop_nulls, merge
 from tests.sim.support import sample_trace
 
@@ -44,6 +47,8 @@ def test_sweep_recommends_a_shape_whose_helm_values_the_chart_accepts(
     snippet = yaml.safe_load((tmp_path / "values.yaml").read_text())
     assert snippet["prefill"]["replicas"] == best["prefill"] and snippet["decode"]["replicas"] == best["decode"]
     assert snippet["engine"]["numBlocks"] == best["device_tokens"] // 16
+    kv = load_profile("llama3-8b-a100").kv_bytes_per_token  # hostGb is GiB, as --host-cache-gb: it holds the tier
+    assert tier_tokens(EngineConfig(host_cache_gb=snippet["kvTiers"]["hostGb"]), kv).host >= best["host_tokens"]
     schema = json.loads((CHART / "values.schema.json").read_text())
     values = merge(yaml.safe_load((CHART / "values.yaml").read_text()), snippet)
     jsonschema.Draft7Validator(schema).validate(drop_nulls(values))
