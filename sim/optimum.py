@@ -14,14 +14,17 @@ The reference model (`Reference`; the optimum is exact for this model):
     TBT_i     = Mooncake's: the mean of the longest tenth of i's out_i - 1 gaps, gap g being
                 step(ready_i + g x lone_i)
 
+    KV        = the blocks of the requests present at t, at most `kv_blocks` per decode worker
+
 A request is served when TTFT_i <= ttft_ms and TBT_i <= tbt_ms; the optimum picks which to admit
 and, per admitted request, its prefill and decode worker. Admitting a request only adds load
 (later in every prefill queue, never shortening a step), so a set that misses an objective stays
 missing with more requests in it; more workers never lower the optimum (leave one idle).
 
 The model is optimistic wherever the simulator or a live server has a choice of its own:
-stays as short as a lone request's, contexts at their prompt, prefill at the best prefix hit
-an earlier request could have left (sim/optimum_jobs.py), no prefix fetch. It is the yardstick,
+stays as short as a lone request's, contexts at their prompt, KV held only while decoding
+(a live decode worker books it from admission on), prefill at the best prefix hit an earlier
+request could have left, admitted or not (sim/optimum_jobs.py), no prefix fetch. It is the yardstick,
 not a proof: a step boundary can shift which requests share a step, so a policy could in
 principle beat it; the report would show > 100%.
 
@@ -36,13 +39,18 @@ nodes left open (an upper bound of its optimum) and `exact` is False for the who
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import NamedTuple, Protocol
 
-DEFAULT_NODE_BUDGET = 200_000
+import numpy as np
+
+DEFAULT_NODE_BUDGET = 20_000
+DEFAULT_WINDOW = 16  # requests per run of `window_bound`
+BOUND_HORIZON = 32  # `_rest_bound` programs this many requests ahead and counts the rest one by one
 
 
 class StepCost(Protocol):
@@ -55,6 +63,7 @@ class Job:
 
     prefill_ms: its prefill on an idle worker (the cost model at its best prefix hit).
     handoff_ms: end of prefill -> its KV on the decode worker (KV tail, RPC overhead).
+    kv_blocks: the KV blocks it holds on the decode worker (prompt + output).
     """
 
     arrival_ms: float
@@ -62,9 +71,10 @@ class Job:
     output_tokens: int
     prefill_ms: float
     handoff_ms: float = 0.0
+    kv_blocks: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("arrival_ms", "prompt_tokens", "prefill_ms", "handoff_ms"):
+        for name in ("arrival_ms", "prompt_tokens", "prefill_ms", "handoff_ms", "kv_blocks"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"Job.{name} must be >= 0, got {getattr(self, name)}")
         if self.output_tokens < 1:
@@ -73,13 +83,15 @@ class Job:
 
 @dataclass(frozen=True, slots=True)
 class Reference:
-    """The cluster the optimum schedules: workers per role, the SLOs, the decode step cost."""
+    """The cluster the optimum schedules: workers per role, the SLOs, the decode step cost, and
+    the KV blocks of each decode worker (inf: unbounded)."""
 
     prefill: int
     decode: int
     ttft_ms: float
     tbt_ms: float
     cost: StepCost
+    kv_blocks: float = math.inf
 
     def __post_init__(self) -> None:
         if self.prefill < 1 or self.decode < 1:
@@ -102,6 +114,7 @@ class Stay(NamedTuple):
     context: int
     output: int
     lone_ms: float
+    blocks: int
 
 
 class Placed(NamedTuple):
@@ -139,41 +152,89 @@ def stay(ref: Reference, index: int, job: Job, prefill_end_ms: float) -> Stay:
     ready = prefill_end_ms + job.handoff_ms
     lone = ref.lone_ms(job)
     return Stay(index, job.arrival_ms, ready, ready + job.output_tokens * lone, job.prompt_tokens,
-                job.output_tokens, lone)
+                job.output_tokens, lone, job.kv_blocks)
 
 
 def step_at(ref: Reference, members: Sequence[Stay], t: float) -> float:
-    """The decode step at `t` of the requests present then (0 when none is)."""
+    """The decode step at `t` of the requests present then (0 when none is), by definition;
+    `Load` computes the same per piece."""
     present = [m for m in members if m.ready_ms <= t < m.end_ms]
     return ref.cost.est_decode_step_ms(len(present), sum(m.context for m in present)) if present else 0.0
 
 
-def tbt_ms(ref: Reference, s: Stay, members: Sequence[Stay]) -> float:
-    """Its Mooncake TBT (0 for a single token): the load is constant between the moments
-    anyone joins or leaves, so gaps are counted per piece, not per token."""
-    gaps = s.output - 1
-    if gaps <= 0:
-        return 0.0
-    cuts = sorted({t for m in members for t in (m.ready_ms, m.end_ms) if s.ready_ms < t < s.end_ms})
-    pieces: list[tuple[float, int]] = []
-    for lo, hi in pairwise([s.ready_ms, *cuts, s.end_ms]):
-        first = max(1, math.ceil((lo - s.ready_ms) / s.lone_ms))
-        last = min(gaps, math.ceil((hi - s.ready_ms) / s.lone_ms) - 1)
-        if last >= first:
-            pieces.append((step_at(ref, members, lo), last - first + 1))
-    top, total, taken = max(1, gaps // 10), 0.0, 0
-    for value, count in sorted(pieces, reverse=True):
-        take = min(count, top - taken)
-        total, taken = total + value * take, taken + take
-        if taken == top:
-            break
-    return total / top
+class Load:
+    """A decode worker's load over time: constant between the moments anyone joins or leaves
+    (`times`), so the step and the KV held are kept per piece."""
+
+    def __init__(self, ref: Reference, members: Sequence[Stay]) -> None:
+        change: dict[float, tuple[int, int, int]] = {}
+        for m in members:
+            for t, sign in ((m.ready_ms, 1), (m.end_ms, -1)):
+                b, k, kv = change.get(t, (0, 0, 0))
+                change[t] = (b + sign, k + sign * m.context, kv + sign * m.blocks)
+        self.times = sorted(change)
+        self.step: list[float] = []
+        self.blocks: list[int] = []
+        b = k = kv = 0
+        for t in self.times:
+            db, dk, dkv = change[t]
+            b, k, kv = b + db, k + dk, kv + dkv
+            self.step.append(ref.cost.est_decode_step_ms(b, k) if b else 0.0)
+            self.blocks.append(kv)
+
+    def piece(self, t: float) -> int:
+        """The piece holding `t` (t at or after the first join)."""
+        return bisect.bisect_right(self.times, t) - 1
+
+    def tbt_ms(self, s: Stay) -> float:
+        """`s`'s Mooncake TBT (0 for a single token): its gaps counted per piece, not per token."""
+        gaps = s.output - 1
+        if gaps <= 0:
+            return 0.0
+        pieces: list[tuple[float, int]] = []
+        for j in range(self.piece(s.ready_ms), self.piece(s.end_ms)):
+            lo, hi = max(self.times[j], s.ready_ms), min(self.times[j + 1], s.end_ms)
+            first = max(1, math.ceil((lo - s.ready_ms) / s.lone_ms))
+            last = min(gaps, math.ceil((hi - s.ready_ms) / s.lone_ms) - 1)
+            if last >= first:
+                pieces.append((self.step[j], last - first + 1))
+        top, total, taken = max(1, gaps // 10), 0.0, 0
+        for value, count in sorted(pieces, reverse=True):
+            take = min(count, top - taken)
+            total, taken = total + value * take, taken + take
+            if taken == top:
+                break
+        return total / top
+
+    def meets(self, ref: Reference, s: Stay) -> bool:
+        """Both objectives, and room for its KV when it joins (`s` is one of the members). The
+        KV held only grows when someone joins, so every member's join checks the worker."""
+        j = self.piece(s.ready_ms)
+        ttft = s.ready_ms + self.step[j] - s.arrival_ms
+        return ttft <= ref.ttft_ms and self.blocks[j] <= ref.kv_blocks and self.tbt_ms(s) <= ref.tbt_ms
+
+
+def tbts_ms(load: Load, members: Sequence[Stay]) -> np.ndarray:
+    """`Load.tbt_ms` of several members at once: gaps per (member, piece), then each member's
+    longest tenth taken from the pieces in falling step order."""
+    t, step = np.asarray(load.times), np.asarray(load.step[:-1])
+    ready, end, lone, gaps = (np.array([getattr(m, f) for m in members], dtype=np.float64)[:, None]
+                              for f in ("ready_ms", "end_ms", "lone_ms", "output"))
+    gaps = gaps - 1
+    lo, hi = np.maximum(t[:-1], ready), np.minimum(t[1:], end)
+    first = np.maximum(1.0, np.ceil((lo - ready) / lone))
+    last = np.minimum(gaps, np.ceil((hi - ready) / lone) - 1)
+    order = np.argsort(-step, kind="stable")
+    counts = np.clip(last - first + 1, 0, None)[:, order]
+    top = np.maximum(1.0, np.floor(gaps / 10))
+    taken = np.minimum(np.cumsum(counts, axis=1), top)
+    used = np.diff(taken, axis=1, prepend=0.0)
+    return np.where(gaps[:, 0] > 0, (used * step[order]).sum(axis=1) / top[:, 0], 0.0)
 
 
 def meets(ref: Reference, s: Stay, members: Sequence[Stay]) -> bool:
-    """Both objectives, on a decode worker holding `members` (`s` among them)."""
-    ttft = s.ready_ms + step_at(ref, members, s.ready_ms) - s.arrival_ms
-    return ttft <= ref.ttft_ms and tbt_ms(ref, s, members) <= ref.tbt_ms
+    """`s` meets both objectives on a decode worker holding `members` (`s` among them)."""
+    return Load(ref, members).meets(ref, s)
 
 
 def evaluate(ref: Reference, jobs: Sequence[Job], plan: Sequence[tuple[int, int] | None]) -> bool:
@@ -187,7 +248,7 @@ def evaluate(ref: Reference, jobs: Sequence[Job], plan: Sequence[tuple[int, int]
         w, v = where
         free[w] = max(free[w], job.arrival_ms) + job.prefill_ms
         decode[v].append(stay(ref, i, job, free[w]))
-    return all(meets(ref, s, members) for members in decode for s in members)
+    return all(Load(ref, members).meets(ref, s) for members in decode for s in members)
 
 
 # ---------------------------------------------------------------------- the search
@@ -228,6 +289,10 @@ class Segment:
             stack.extend(reversed(self._children(node)))  # admissions first: good schedules early
         return len(self.best), True
 
+    def prefill_bound(self) -> int:
+        """The prefill side's bound of the whole segment (`_rest_bound` with no horizon)."""
+        return _rest_bound(self.jobs, self.indexes, self.deadline, (0.0,) * self.ref.prefill, len(self.indexes))
+
     def _children(self, node: Node) -> list[Node]:
         k, i = node.next, self.indexes[node.next]
         job = self.jobs[i]
@@ -249,9 +314,15 @@ class Segment:
         return [*sorted(kids, key=lambda n: -n.bound), refuse]
 
     def _fits(self, s: Stay, members: tuple[Stay, ...]) -> bool:
-        """`s` and everyone whose stay overlaps it still meet both objectives."""
+        """`s` and everyone whose stay overlaps it still meet both objectives (`Load.meets`,
+        their TBTs at once)."""
+        ref, load = self.ref, Load(self.ref, members)
         touched = [m for m in members if m.ready_ms < s.end_ms and m.end_ms > s.ready_ms]
-        return all(meets(self.ref, m, members) for m in touched)
+        for m in touched:
+            j = load.piece(m.ready_ms)
+            if m.ready_ms + load.step[j] - m.arrival_ms > ref.ttft_ms or load.blocks[j] > ref.kv_blocks:
+                return False
+        return bool(np.all(tbts_ms(load, touched) <= ref.tbt_ms))
 
     @staticmethod
     def _distinct(free: tuple[float, ...], arrival: float) -> list[int]:
@@ -280,16 +351,20 @@ class Segment:
 
 
 def _rest_bound(jobs: Sequence[Job], indexes: Sequence[int], deadlines: Sequence[float],
-                free: tuple[float, ...]) -> int:
+                free: tuple[float, ...], horizon: int = BOUND_HORIZON) -> int:
     """An upper bound of how many of `indexes` can still be served, from the prefill side alone
     (decode and the first step at their lone cost): per worker, the most that one worker could
     finish by their deadlines in FCFS order (a dynamic program, exact for one worker: the
-    earliest finish for each count served dominates), summed over the workers, and never more
-    than those that fit one at a time on the first free worker."""
+    earliest finish for each count served dominates; over the next `horizon` requests,
+    those after counted when each fits alone), summed over the workers, and never more than
+    those that fit one at a time on the first free worker."""
     alone = sum(max(min(free), jobs[i].arrival_ms) + jobs[i].prefill_ms <= d for i, d in zip(indexes, deadlines))
-    total = 0
+    near, far = slice(0, horizon), slice(horizon, None)
+    beyond = sum(max(min(free), jobs[i].arrival_ms) + jobs[i].prefill_ms <= d
+                 for i, d in zip(indexes[far], deadlines[far]))
+    total = beyond
     for start in sorted(set(free)):
-        total += _one_worker(jobs, indexes, deadlines, start) * free.count(start)
+        total += _one_worker(jobs, indexes[near], deadlines[near], start) * free.count(start)
         if total >= alone:
             return alone
     return total
@@ -334,7 +409,8 @@ def segments(ref: Reference, jobs: Sequence[Job], indexes: Sequence[int]) -> lis
     return out
 
 
-def solve(ref: Reference, jobs: Sequence[Job], node_budget: int = DEFAULT_NODE_BUDGET) -> Optimum:
+def solve(ref: Reference, jobs: Sequence[Job], node_budget: int = DEFAULT_NODE_BUDGET,
+          window: int = DEFAULT_WINDOW) -> Optimum:
     """The optimum of the reference model over `jobs` (module docstring)."""
     if any(a.arrival_ms > b.arrival_ms for a, b in pairwise(jobs)):
         raise ValueError("jobs must be in arrival order")
@@ -343,8 +419,26 @@ def solve(ref: Reference, jobs: Sequence[Job], node_budget: int = DEFAULT_NODE_B
     for part in parts:
         search = Segment(ref, jobs, part, node_budget)
         count, exact = search.solve()
+        nodes += search.nodes
+        if not exact:
+            windows, spent = window_bound(ref, jobs, part, node_budget, window)
+            count, nodes = min(count, windows, search.prefill_bound()), nodes + spent
         served += count
         schedule.extend(search.best)
         inexact += not exact
-        nodes += search.nodes
     return Optimum(served, inexact == 0, tuple(schedule), len(parts), inexact, nodes)
+
+
+def window_bound(ref: Reference, jobs: Sequence[Job], part: Sequence[int], node_budget: int,
+                 window: int) -> tuple[int, int]:
+    """An upper bound of a segment's optimum: cut into runs of `window` requests, each searched
+    as if the cluster were idle when its first request arrives. The best schedule restricted to
+    one run is a schedule of that run with less load on the cluster, so it is feasible there
+    (admitting only adds load): each run's optimum is at least the best schedule's count in
+    it. (bound, nodes searched)"""
+    total, nodes = 0, 0
+    for start in range(0, len(part), window):
+        search = Segment(ref, jobs, part[start:start + window], node_budget)
+        total += search.solve()[0]
+        nodes += search.nodes
+    return total, nodes
