@@ -82,7 +82,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default=None,
                    help="run: replay once per admission policy (comma-separated, e.g. none,predictive) and "
                         "compare them, each beside the offline optimum (default: --admission's alone)")
-    p.add_argument("--optimum-nodes", type=int, default=200_000,
+    p.add_argument("--optimum-nodes", type=int, default=100_000,
                    help="the offline optimum's search budget per independent segment of the trace: a "
                         "segment that needs more reports an upper bound (sim/optimum.py); 0 = no optimum")
     p.add_argument("--json", action="store_true", help="print one JSON object")

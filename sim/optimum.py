@@ -48,7 +48,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-DEFAULT_NODE_BUDGET = 20_000
+DEFAULT_NODE_BUDGET = 100_000
 DEFAULT_WINDOW = 16  # requests per run of `window_bound`
 BOUND_HORIZON = 32  # `_rest_bound` programs this many requests ahead and counts the rest one by one
 

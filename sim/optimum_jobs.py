@@ -98,9 +98,17 @@ def gap(optimum: Optimum, outcomes: Sequence[str]) -> dict[str, Any]:
 
 
 def optimum_summary(optimum: Optimum, good: int, window_s: float, outcomes: Sequence[str]) -> dict[str, Any]:
-    """The report's `optimum` entry: the optimum, the policy's goodput as a % of it, the gap."""
-    return {"served": optimum.served, "method": optimum.method,
+    """The report's `optimum` entry: the optimum, the policy's goodput as a % of it, the gap.
+    Out of budget, `served` is an upper bound and `best_schedule` what a schedule found serves:
+    the policy's true % of the optimum lies between `pct_of_optimum` and `pct_of_best_schedule`."""
+    return {"served": optimum.served, "method": optimum.method, "best_schedule": len(optimum.schedule),
             "goodput_rps": round(optimum.served / window_s, 4) if window_s > 0 else None,
             "pct_of_optimum": round(100 * good / optimum.served, 1) if optimum.served else None,
+            "pct_of_best_schedule": round(100 * good / len(optimum.schedule), 1) if optimum.schedule else None,
             "segments": optimum.segments, "inexact_segments": optimum.inexact_segments, "nodes": optimum.nodes,
             "gap": gap(optimum, outcomes)}
+
+
+def optimum_cell(o: dict[str, Any]) -> str:
+    """The optimum in a table: N when exact, else the range the best schedule and the bound span."""
+    return str(o["served"]) if o["method"] == "exact" else f"{o['best_schedule']}..{o['served']}"

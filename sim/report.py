@@ -16,7 +16,7 @@ import numpy as np
 
 from sim.cluster import Record, SimResult
 from sim.optimum import Optimum
-from sim.optimum_jobs import optimum_summary, outcome
+from sim.optimum_jobs import optimum_cell, optimum_summary, outcome
 
 
 def objectives(result: SimResult) -> tuple[float, float]:
@@ -104,7 +104,8 @@ def optimum_line(s: dict[str, Any]) -> str:
     o, g = s["optimum"], s["optimum"]["gap"]
     lost = ", ".join(f"{k} {v}" for k, v in g["optimum_only_by_outcome"].items()) or "none"
     pct = "-" if o["pct_of_optimum"] is None else f"{o['pct_of_optimum']:g}%"
-    return (f"  offline optimum: {o['served']} within SLO ({o['method']}; {o['goodput_rps']} req/s): "
+    found = "" if o["method"] == "exact" else f"; a schedule found serves {o['best_schedule']}"
+    return (f"  offline optimum: {o['served']} within SLO ({o['method']}{found}; {o['goodput_rps']} req/s): "
             f"{s['policy']} at {pct} of optimum\n"
             f"    the optimum's schedule serves {g['optimum_only']} this policy did not ({lost}); "
             f"this policy serves {g['policy_only']} outside it")
@@ -112,15 +113,16 @@ def optimum_line(s: dict[str, Any]) -> str:
 
 def compare(summaries: Sequence[dict[str, Any]]) -> str:
     """Several policies' replays of one trace: each one's report, then a table of their goodput
-    beside the offline optimum."""
-    head = f"{'policy':<16}{'met SLO':>9}{'goodput':>10}{'optimum':>9}{'% of optimum':>14}  rejected"
+    beside the offline optimum (L..U when the search ran out: a schedule found serves L, none
+    serves more than U; % of optimum is then of U)."""
+    head = f"{'policy':<16}{'met SLO':>9}{'goodput':>10}{'optimum':>10}{'% of optimum':>14}  rejected"
     rows = []
     for s in summaries:
         o = s.get("optimum")
         pct = "-" if o is None or o["pct_of_optimum"] is None else f"{o['pct_of_optimum']:g}%"
-        optimum = "-" if o is None else f"{o['served']}{'' if o['method'] == 'exact' else ' (bound)'}"
+        optimum = "-" if o is None else optimum_cell(o)
         rejected = ", ".join(f"{k} {v}" for k, v in sorted(s["rejected"].items())) or "none"
-        rows.append(f"{s['policy']:<16}{s['slo_met']:>9}{s['goodput_rps']:>10}{optimum:>9}{pct:>14}  {rejected}")
+        rows.append(f"{s['policy']:<16}{s['slo_met']:>9}{s['goodput_rps']:>10}{optimum:>10}{pct:>14}  {rejected}")
     return "\n\n".join([*(render(s) for s in summaries), "\n".join([head, *rows])])
 
 
