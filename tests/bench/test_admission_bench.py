@@ -359,6 +359,7 @@ def test_loads_replayed_against_the_in_process_server(api: server_fixtures.Runni
         assert m["admitted_ok_pct"] in (None, 100.0) and m["wasted_prefill_tokens"] == 0
         assert m["admitted"] == m["completed"] and m["slo_met"] == m["completed"]
         assert run["index"]["scrape_error"] is None  # /metrics answered; the heartbeat may be absent
+        assert "cost model" in run["optimum"]["error"]  # no dashboard routes here: said, not raised
         for row in run["requests"]:
             assert (row["status"], row["tokens"]) in (("ok", 4), ("rejected", 0))
             assert row["code"] in (None, "RESOURCE_EXHAUSTED")
