@@ -397,6 +397,8 @@ def test_the_command_runs_a_tiny_colocated_window(tmp_path: Path) -> None:
     assert run["policy"] == "none" and m["requests"] >= 1  # the trace's arrivals in the first second
     assert (m["completed"], m["rejected"], m["errors_5xx"]) == (m["requests"], 0, 0)  # `none` admits all
     assert {"heartbeat_max_gap_s", "resyncs"} <= set(run["index"])
+    o = run["optimum"]  # on the server's own cost model (GET /dashboard/api/cost-model)
+    assert o["method"] == "upper bound" and "co-located" in o["reference"] and o["served"] >= m["slo_met"]
     assert (tmp_path / "admission_goodput_colocated.png").is_file()
 
 
