@@ -33,8 +33,12 @@ split into independent *segments* wherever every earlier request's latest possib
 (a_j + ttft + (out_j - 1) x lone_j) is at or before the next arrival, and each segment is searched
 by branch and bound in arrival order (admit to each distinct worker pair, or refuse; a node's
 bound: served so far + a prefill-only bound of the rest, `_rest_bound`). A segment whose search
-ends within `node_budget` nodes is exact; one that runs out reports the largest bound of the
-nodes left open (an upper bound of its optimum) and `exact` is False for the whole replay.
+ends within `node_budget` nodes is exact. One that runs out reports an upper bound of its
+optimum, the least of three: the largest bound of the nodes left open; `window_bound` (runs of
+`window` requests, each searched on an idle cluster); the prefill-only program over the whole
+segment. `exact` is then False for the whole replay, and `schedule`, the best one found, says
+how far below the bound the optimum can be. Under heavy overload where the decode KV pool binds
+(which no node bound sees), the two can lie far apart: the report shows both.
 """
 
 from __future__ import annotations
