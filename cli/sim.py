@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the command's modules load when it runs, not when `halfmoon --help` is built
     from conductor.cost_model import CostModel
-    from sim.cluster import SimConfig
+    from sim.cluster import SimConfig, SimResult
     from sim.workload import Workload
 
 Grids = tuple[tuple[int, ...], tuple[int, ...]]  # device, host tier sizes to sweep
@@ -49,7 +49,18 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.add_argument("action", nargs="?", choices=("run", "sweep"), default="run",
                    help="run: one shape (default); sweep: every P:D split of --workers")
-    p.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="Mooncake-format JSONL trace")
+    source.add_argument("--synthetic", choices=("bursty",),
+                        help="bursty: a generated trace of bursts arriving together (sim/bursts.py)")
+    b = p.add_argument_group("synthetic bursty trace (--synthetic bursty)")
+    b.add_argument("--requests", type=int, default=60, help="requests in the trace")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--burst-size", default="10,16", help="LO,HI: requests per burst (uniform)")
+    b.add_argument("--burst-gap-s", default="10,20", help="LO,HI: seconds between bursts (uniform)")
+    b.add_argument("--burst-input-tokens", default="64,512", help="LO,HI: prompt tokens (uniform)")
+    b.add_argument("--burst-output-tokens", default="16,128", help="LO,HI: output tokens (uniform)")
+    b.add_argument("--save-trace", default=None, help="write the generated trace here (replay it with --trace)")
     p.add_argument("--speed", type=float, default=1.0, help="time scale: 2 = arrivals twice as dense")
     p.add_argument("--window-s", type=float, default=None, help="replay the first seconds only")
     p.add_argument("--max-input-tokens", type=int, default=None, help="truncate prompts (as bench serve)")
@@ -84,6 +95,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "worker's emitted / verifications, or bench engine --speculative); default 1")
     p.add_argument("--drain-s", type=float, default=None,
                    help="cut requests still running this long after the window (as bench serve)")
+    p.add_argument("--policies", default=None,
+                   help="run: replay once per admission policy (comma-separated, e.g. none,predictive) and "
+                        "compare them, each beside the offline optimum (default: --admission's alone)")
+    p.add_argument("--optimum-nodes", type=int, default=100_000,
+                   help="the offline optimum's search budget per independent segment of the trace: a "
+                        "segment that needs more reports an upper bound (sim/optimum.py); 0 = no optimum")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", default=None, help="write the JSON and a PNG into this directory")
     p.add_argument("--no-progress", action="store_true")
@@ -94,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     from sim.workload import load
 
     cost = _cost_model(args)
-    workload = load(args.trace, args.speed, args.window_s, args.max_input_tokens, args.max_output_tokens,
+    trace = args.trace if args.trace else _bursty_file(args)
+    workload = load(trace, args.speed, args.window_s, args.max_input_tokens, args.max_output_tokens,
                     args.max_requests)
     base, (device, host) = sim_config(args, cost.kv_bytes_per_token)
     out = Path(args.out) if args.out else None
@@ -125,6 +143,34 @@ def sim_config(args: argparse.Namespace, kv_bytes_per_token: int) -> tuple[SimCo
     return base, (device, host)
 
 
+def _bursty_file(args: argparse.Namespace) -> Path:
+    """The generated bursty trace, written to --save-trace (else a temporary file)."""
+    import tempfile
+
+    from core.errors import ConfigError
+    from sim.bursts import BurstShape, bursty_trace
+    from sim.conversations import write_trace
+
+    try:
+        shape = BurstShape(_pair(args.burst_size, int), _pair(args.burst_gap_s, float),
+                           _pair(args.burst_input_tokens, int), _pair(args.burst_output_tokens, int))
+        if args.requests < 1:
+            raise ValueError(f"--requests must be >= 1, got {args.requests}")
+    except ValueError as e:
+        raise ConfigError(f"bursty trace: {e}") from None
+    name = f"bursty-{args.requests}req-seed{args.seed}.jsonl"
+    path = Path(args.save_trace) if args.save_trace else Path(tempfile.mkdtemp(prefix="halfmoon-trace-")) / name
+    return write_trace(bursty_trace(args.requests, args.seed, shape), path)
+
+
+def _pair(text: str, kind: type) -> tuple:
+    """LO,HI of a --burst-* flag (ValueError names it)."""
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise ValueError(f"expected LO,HI, got {text!r}")
+    return kind(parts[0]), kind(parts[1])
+
+
 def _cost_model(args: argparse.Namespace) -> CostModel:
     from conductor.cost_model import CostModel
     from sim.builtin import load
@@ -146,21 +192,53 @@ def _grid(text: str, flag: str) -> tuple[int, ...]:
 
 def _run_one(args: argparse.Namespace, workload: Workload, base: SimConfig, cost: CostModel,
              out: Path | None) -> int:
+    from dataclasses import replace
+
+    from sim.report import compare, plot, render, summarize
+
+    policies = _policies(args.policies) if args.policies else [base.admission.admission]
+    summaries, optimum = [], None
+    for policy in policies:
+        config = replace(base, admission=replace(base.admission, admission=policy))
+        result = _replay(args, workload, config, cost)
+        if optimum is None and args.optimum_nodes > 0:
+            from sim.optimum_jobs import sim_optimum
+
+            optimum = sim_optimum(result, cost, args.optimum_nodes)
+        summary = summarize(result, optimum)
+        if out is not None:
+            name = "sim.json" if len(policies) == 1 else f"sim-{policy}.json"
+            (out / name).write_text(json.dumps(summary, indent=1) + "\n")
+            summary["files"] = [str(out / name), plot(result, out / name.replace(".json", ".png"))]
+        summaries.append(summary)
+    if len(summaries) == 1:
+        print(json.dumps(summaries[0]) if args.json else render(summaries[0]))
+    else:
+        print(json.dumps({"policies": summaries}) if args.json else compare(summaries))
+    return 0
+
+
+def _policies(text: str) -> list[str]:
+    from conductor.admission import Policy
+    from core.errors import ConfigError
+
+    names = list(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in {p.value for p in Policy}]
+    if not names or unknown:
+        raise ConfigError(f"--policies takes policies from {[p.value for p in Policy]}, got {text!r}")
+    return names
+
+
+def _replay(args: argparse.Namespace, workload: Workload, config: SimConfig, cost: CostModel) -> SimResult:
     from tqdm import tqdm
 
     from sim.cluster import Simulator
-    from sim.report import plot, render, summarize
 
-    with tqdm(total=len(workload.requests), desc=f"sim {base.shape}", unit="req", file=sys.stderr,
-              disable=args.no_progress) as bar:
-        result = Simulator(base, cost).run(workload, tick=bar.update)
+    with tqdm(total=len(workload.requests), desc=f"sim {config.shape} {config.admission.admission}", unit="req",
+              file=sys.stderr, disable=args.no_progress) as bar:
+        result = Simulator(config, cost).run(workload, tick=bar.update)
         bar.update(bar.total - bar.n)
-    summary = summarize(result)
-    if out is not None:
-        (out / "sim.json").write_text(json.dumps(summary, indent=1) + "\n")
-        summary["files"] = [str(out / "sim.json"), plot(result, out / "sim.png")]
-    print(json.dumps(summary) if args.json else render(summary))
-    return 0
+    return result
 
 
 def _sweep(args: argparse.Namespace, workload: Workload, base: SimConfig, cost: CostModel,

@@ -359,6 +359,7 @@ def test_loads_replayed_against_the_in_process_server(api: server_fixtures.Runni
         assert m["admitted_ok_pct"] in (None, 100.0) and m["wasted_prefill_tokens"] == 0
         assert m["admitted"] == m["completed"] and m["slo_met"] == m["completed"]
         assert run["index"]["scrape_error"] is None  # /metrics answered; the heartbeat may be absent
+        assert "cost model" in run["optimum"]["error"]  # no dashboard routes here: said, not raised
         for row in run["requests"]:
             assert (row["status"], row["tokens"]) in (("ok", 4), ("rejected", 0))
             assert row["code"] in (None, "RESOURCE_EXHAUSTED")
@@ -396,6 +397,8 @@ def test_the_command_runs_a_tiny_colocated_window(tmp_path: Path) -> None:
     assert run["policy"] == "none" and m["requests"] >= 1  # the trace's arrivals in the first second
     assert (m["completed"], m["rejected"], m["errors_5xx"]) == (m["requests"], 0, 0)  # `none` admits all
     assert {"heartbeat_max_gap_s", "resyncs"} <= set(run["index"])
+    o = run["optimum"]  # on the server's own cost model (GET /dashboard/api/cost-model)
+    assert o["method"] == "upper bound" and "co-located" in o["reference"] and o["served"] >= m["slo_met"]
     assert (tmp_path / "admission_goodput_colocated.png").is_file()
 
 
