@@ -22,6 +22,7 @@ from core.errors import ConfigError
 from engine.config import EngineConfig
 from engine.cuda_graphs import MAX_GRAPH_BATCH, CudaGraphCapture, DecodeGraphs, GraphCapture, graph_ctx_limit
 from engine.loader import LoadedWeights
+from kvpool.device_tier import DeviceBudget
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,16 @@ def place_weights(weights: LoadedWeights, device: torch.device) -> LoadedWeights
         return weights
     moved = {name: t.to(device, non_blocking=True) for name, t in weights.weights.items()}
     return dataclasses.replace(weights, weights=moved)
+
+
+def check_kv_fits(device: torch.device, fraction: float, weights: LoadedWeights, kv_bytes: int) -> None:
+    """On CUDA, ConfigError unless a KV tier of `kv_bytes` fits this worker's share of the GPU
+    beside its weights (kvpool/device_tier.py); nothing to check on CPU."""
+    if device.type != "cuda":
+        return
+    weights_bytes = sum(t.numel() * t.element_size() for t in weights.weights.values())
+    total = torch.cuda.get_device_properties(device).total_memory
+    DeviceBudget(total, fraction, weights_bytes).check(kv_bytes)
 
 
 def kv_blocks_with_pad(num_blocks: int, config: EngineConfig) -> int:

@@ -34,7 +34,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from core.params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
-from engine.device import build_graphs, kv_blocks_with_pad, open_device, place_weights, scope
+from engine.device import build_graphs, check_kv_fits, kv_blocks_with_pad, open_device, place_weights, scope
 from engine.draft_model import DraftModelProposer
 from engine.speculative import SpeculativeConfig, Speculator
 from engine.tp_ranks import Ranks
@@ -43,6 +43,7 @@ from kernels.attention import get_backend
 from kvpool.block_hash import block_hashes, root_hash
 from kvpool.block_pool import BlockPool
 from kvpool.cluster_index import ClusterIndex, HolderId
+from kvpool.device_tier import DeviceTier
 from kvpool.disk_tier import DiskTier
 from kvpool.host_tier import HostArena
 from kvpool.remote import InProcessReader, RemoteBlockReader
@@ -139,6 +140,8 @@ class Engine:
         shard = plan_shard(weights.config, 0, config.tp, config.quantization)
         num_blocks = config.num_blocks or max(1, int(config.kv_cache_gb * 2**30)
                                               // kv_block_bytes(weights, config, shard.num_kv_heads))
+        check_kv_fits(self.device, config.gpu_memory_fraction, weights,
+                      kv_blocks_with_pad(num_blocks, config) * kv_block_bytes(weights, config, shard.num_kv_heads))
         # tensor parallel: ranks 1..tp-1 load their shards while this one builds its own
         self.ranks = Ranks.launch(config, num_blocks) if config.tp > 1 else None
         try:
@@ -155,6 +158,7 @@ class Engine:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, kv_blocks_with_pad(num_blocks, config), config.block_size,
                                     shard.num_kv_heads, cfg.head_dim, dtype=config.torch_dtype)
         self.pool = BlockPool(num_blocks)
+        self.device_tier = DeviceTier(self.kv_cache, self.pool, self.kv_cache.shape[2] - num_blocks)
         self.tiers = build_tiers(config, self.kv_cache, self.pool, remote)
         spec = SpeculativeConfig.of(config)
         proposer = (DraftModelProposer(spec.draft_model, config, cfg.vocab_size, self.max_model_len)
