@@ -73,7 +73,8 @@ class DecodeWorker(EngineWorker):
         backend = spec.transport.make_backend()
         self.receiver = KVReceiver(self.engine.kv_cache, self.layout, backend, host=spec.transport.host,
                                    port=spec.transport.port, secret=spec.transport.secret(),
-                                   timeout=spec.transport.timeout_s).start()
+                                   timeout=spec.transport.timeout_s,
+                                   inflight_bytes=spec.transport.max_inflight_bytes).start()
         self.address = advertised_address(self.receiver.address, spec.transport.host)
         self._reserved: dict[str, Reservation] = {}
         self._claimed: set[str] = set()  # ids whose blocks are being allocated
