@@ -46,6 +46,7 @@ from engine.config import WorkerSpec
 from engine.worker import EngineWorker
 from kvpool.errors import OutOfBlocksError
 from kvpool.remote import RemoteBlockReader
+from transport.staging import STAGED
 from transport.config import advertised_address
 from transport.errors import TransportError
 from transport.receiver import KVReceiver, TransferResult
@@ -262,7 +263,8 @@ class DecodeWorker(EngineWorker):
         reserved_blocks = sum(len(r.blocks) for r in self._reserved.values())
         return replace(self.engine_load(), reserved=len(self._reserved) + len(self._claimed),
                        reserved_blocks=reserved_blocks, kv_address=self.address,
-                       kv_bytes_received=self.receiver.stats.bytes)
+                       kv_bytes_received=self.receiver.stats.bytes,
+                       kv_bytes_staged=self.receiver.stats.bytes_by_path.get(STAGED, 0))
 
     def close(self) -> None:
         self.receiver.close()

@@ -71,7 +71,10 @@ def kv_blocks_with_pad(num_blocks: int, config: EngineConfig) -> int:
 
 
 def graphs_wanted(config: EngineConfig) -> bool:
-    return config.device == "cuda" and config.cuda_graphs
+    """Graphs on CUDA with the torch backend. FlashInfer plans its page tables on the host each
+    step (kernels/flashinfer_backend.py): a captured plan would replay stale tables, so a
+    flashinfer engine runs every step eagerly until its CUDA-graph wrappers are wired in."""
+    return config.device == "cuda" and config.cuda_graphs and config.attention_backend == "torch"
 
 
 def build_graphs(config: EngineConfig, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor, pad_block: int,

@@ -19,7 +19,7 @@ from core.errors import ConfigError
 from core.params import SamplingParams
 from engine.config import EngineConfig
 from engine.cuda_graphs import Bucket, DecodeGraphs, batch_buckets, ctx_buckets, graph_ctx_limit, pick
-from engine.device import build_graphs
+from engine.device import build_graphs, graphs_wanted
 from engine.engine import Engine
 from kernels.attention import DecodeBatch
 from tests.conftest import NUM_THREADS
@@ -172,10 +172,14 @@ def test_a_layer_hook_step_runs_eagerly(folder: Path) -> None:
     assert graphs.replays == 0 and calls, "a hooked step must run the layers eagerly"
 
 
-def test_graphs_are_off_on_cpu_and_by_flag(folder: Path) -> None:
+def test_graphs_are_off_on_cpu_by_flag_and_with_flashinfer(folder: Path) -> None:
     assert engine_on_cpu(folder).runner.graphs is None  # device cpu: nothing captured
-    config = EngineConfig(model=str(folder), device="cuda", cuda_graphs=False)
-    assert build_graphs(config, lambda *a: torch.empty(0), torch.empty(1, 2, 4, 16, 1, 1), 3, 256, []) is None
+    kv = torch.empty(1, 2, 4, 16, 1, 1)
+    for off in (EngineConfig(model=str(folder), device="cuda", cuda_graphs=False),
+                EngineConfig(model=str(folder), device="cuda", attention_backend="flashinfer")):
+        assert not graphs_wanted(off)
+        assert build_graphs(off, lambda *a: torch.empty(0), kv, 3, 256, []) is None
+    assert graphs_wanted(EngineConfig(model=str(folder), device="cuda"))
 
 
 @pytest.mark.gpu
@@ -187,6 +191,17 @@ def test_cuda_graphs_match_eager_on_cuda(folder: Path) -> None:
     assert graphed.runner.graphs is not None and eager.runner.graphs is None
     assert greedy(graphed, ps) == greedy(eager, ps)
     assert graphed.runner.graphs.replays >= NEW - 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="speculates on CUDA; this machine has no CUDA device")
+def test_cuda_speculative_matches_plain_greedy(folder: Path) -> None:
+    """ngram speculation on CUDA (its verification steps eager, plain decode steps replayed)."""
+    ps = [p[:20] * 2 for p in prompts(3)]  # repeated text: prompt lookup finds drafts
+    plain = greedy(engine_on_cpu(folder, device="cuda"), ps)
+    spec = engine_on_cpu(folder, device="cuda", speculative="ngram")
+    assert greedy(spec, ps) == plain
+    assert spec.speculator is not None and spec.speculator.stats.proposed > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error where there is no CUDA device")
