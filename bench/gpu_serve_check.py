@@ -106,12 +106,29 @@ def check(model: str, max_tokens: int) -> dict[str, Any]:
             "ok": all(r["identical"] for r in rows) and paths.get("staged", 0) > 0}
 
 
+# what `halfmoon serve` and this check import beyond the CUDA tests' needs (the GPU image or .whl/)
+NEEDS = ("ray", "grpc", "openai", "transformers", "redis")
+
+
+def missing_modules(names: tuple[str, ...] = NEEDS) -> list[str]:
+    import importlib.util
+
+    return [n for n in names if importlib.util.find_spec(n) is None]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_serve_check")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--model", default="smollm2")
     p.add_argument("--max-tokens", type=int, default=24)
     args = p.parse_args(argv)
+    missing = missing_modules()
+    if missing:  # the phase fails and says why: nothing here is skipped quietly
+        result: dict[str, Any] = {"ok": False, "missing": missing, "identical": 0, "prompts": len(PROMPTS),
+                                  "kv_bytes_by_path": {}, "ready_s": None}
+        args.out.write_text(json.dumps(result, indent=2))
+        print(f"phase b cannot run: {', '.join(missing)} not importable (add them to the image or .whl/)")
+        return 1
     result = check(args.model, args.max_tokens)
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

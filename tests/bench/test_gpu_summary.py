@@ -47,3 +47,12 @@ def test_main_writes_the_summary_file(tmp_path: Path) -> None:
     assert main([str(tmp_path)]) == 0
     written = json.loads((tmp_path / "gpu_summary.json").read_text())
     assert written["ok"] is True and written["engine_vs_transformers"] is None
+
+
+def test_serve_check_fails_loudly_when_serve_cannot_run(tmp_path: Path) -> None:
+    from bench import gpu_serve_check
+
+    assert gpu_serve_check.missing_modules(("json", "no_such_module_xyz")) == ["no_such_module_xyz"]
+    text = "halfmoon_worker_kv_received_path_bytes_total{path=\"staged\",worker=\"decode-0\"} 4096.0\n"
+    text += "halfmoon_worker_kv_received_path_bytes_total{path=\"host\",worker=\"decode-0\"} 0.0\n"
+    assert gpu_serve_check.path_bytes(text) == {"staged": 4096.0, "host": 0.0}
