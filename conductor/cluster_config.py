@@ -45,6 +45,10 @@ class ClusterConfig:
     ray_wait_s: how long a joined Ray cluster may take to advertise one unit of each role's
         resource per worker (worker pods start in any order) before `serve` exits naming what
         is missing.
+    standby: spare workers per role, started, loaded and warmed at boot but not routed to
+        (not counted in capacity, admission or the router); when a worker dies the Conductor
+        promotes one in its place at once (conductor/workers.py). Each needs one more unit of
+        its role's Ray resource and costs one worker's memory.
     """
 
     prefill: int = 1
@@ -66,10 +70,13 @@ class ClusterConfig:
     prefill_resource: str = "prefill"
     decode_resource: str = "decode"
     ray_wait_s: float = 300.0
+    standby: int = 0
 
     def __post_init__(self) -> None:
         check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",
                        "migration_stall_s", "ray_wait_s")
+        if self.standby < 0:
+            raise ConfigError(f"standby must be >= 0, got {self.standby}")
         if self.migration_attempts < 0:
             raise ConfigError(f"migration_attempts must be >= 0, got {self.migration_attempts}")
         for name in ("prefill_resource", "decode_resource"):
@@ -88,14 +95,25 @@ class ClusterConfig:
         given = self.prefill_gpus if role == "prefill" else self.decode_gpus
         return given if given is not None else int(_cuda())
 
+    def count(self, role: str, standby: bool = True) -> int:
+        """Worker actors of `role`: the serving ones, plus the standbys unless `standby` is False."""
+        serving = self.prefill if role == "prefill" else self.decode
+        return serving + self.standby * standby
+
+    def is_standby(self, spec: WorkerSpec) -> bool:
+        """Whether `spec` (of `specs()`) starts as a standby: a role's last `standby` workers."""
+        return int(spec.worker_id.rsplit("-", 1)[1]) >= self.count(spec.role, standby=False)
+
     def specs(self, redis_url: str | None) -> list[WorkerSpec]:
-        """Every worker's spec, its engine on the index at `redis_url` (None: no index); local
-        workers get consecutive cores of their own."""
+        """Every worker's spec, standbys included (a role's last `standby`: `is_standby`), its
+        engine on the index at `redis_url` (None: no index); local workers get consecutive cores
+        of their own."""
         engine = dataclasses.replace(self.engine, redis_url=redis_url)
         cores = os.cpu_count() or 1
         specs = []
-        for i, role in enumerate(["prefill"] * self.prefill + ["decode"] * self.decode):
-            index = i if role == "prefill" else i - self.prefill
+        n_prefill = self.count("prefill")
+        for i, role in enumerate(["prefill"] * n_prefill + ["decode"] * self.count("decode")):
+            index = i if role == "prefill" else i - n_prefill
             first = (i * self.worker_threads) % cores
             cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
             specs.append(WorkerSpec(f"{role}-{index}", role, engine, self.transport, cpus,
