@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 NAMESPACE = "halfmoon"
 NODE_ID_CHARS = 12  # of Ray's 56 hex digits: the node's name in the index and the worker's load
 RESOURCE_POLL_S = 1.0
+DEATH_INFO_WAIT_MS = 100  # with standbys (see init_ray)
 RAY_START_ATTEMPTS = 3  # CI saw Ray's GCS and raylet miss their own 30 s start-up waits
 
 
@@ -151,6 +152,11 @@ class RayWorkers(WorkerGroup):
         if ray.is_initialized():
             return
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if self.config.standby:
+            # A call to an actor whose process died waits this long for the GCS's word on its
+            # death before it fails (Ray's default 1000 ms, most of a promotion's ~1.5 s when
+            # idle): with a standby to promote, a quick verdict is what the client waits for.
+            os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", str(DEATH_INFO_WAIT_MS))
         if self.config.ray_address is not None:
             ray.init(address=self.config.ray_address, namespace=NAMESPACE, log_to_driver=True)
             return
