@@ -5,8 +5,9 @@ The workload: Poisson arrivals of the prompts of bench/data/quoting_prompts.json
 extract, summarise-with-quotes), in the served model's chat template, cycled in order, each
 answered greedy up to `QUOTING_MAX_TOKENS` tokens, ending at EOS (not `ignore_eos`: past its
 quote a model rambles, and that ramble is not the workload). The same cluster
-flags (`--cluster-args`) are started twice, `--speculative off` then `--speculative ngram`, and
-every rate of `--rates` is replayed against each (the same requests at the same times).
+flags (`--cluster-args`) are started with `--speculative off` and with `--speculative ngram`, a
+fresh cluster for every rate of `--rates` (the same requests at the same times): what admission
+calibrates at one load (its measured / predicted errors) must not carry into the next.
 
     low rate (the first)    TBT p50 off / ngram        target >= 1.5  (each token sooner)
     high rate (the last)    goodput ngram / off        target >= 1.0  (never fewer served)
@@ -204,8 +205,10 @@ def run(args: argparse.Namespace, argv: Sequence[str]) -> int:
     out = Path(args.out) if args.out else None
     log_dir = out if out is not None else Path(tempfile.mkdtemp(prefix="halfmoon-spec-serve-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    runs = {mode: run_system(System(f"spec-{mode}", None, mode_args(args.cluster_args, mode)), plan,
-                             replace(opts, cache_salt=f"spec-{mode}"), log_dir, say) for mode in MODES}
+    runs = {mode: [run for rate, workload in plan  # a fresh cluster per rate (module doc)
+                   for run in run_system(System(f"spec-{mode}-{rate:g}", None, mode_args(args.cluster_args, mode)),
+                                         [(rate, workload)], replace(opts, cache_salt=f"spec-{mode}"), log_dir, say)]
+            for mode in MODES}
     for mode, rs in runs.items():
         for r in rs:
             r["system"] = mode

@@ -68,15 +68,15 @@ SPECULATION_ACCEPTANCES = (0.6, 0.8)  # the policy's prior, and a quoting worklo
 
 
 def speculation_line(profile) -> str:  # (Profile) -> str
-    """Speculative decoding's crossover on this machine: from the decode steps at the shortest
-    context, the batch above which verifying k drafted tokens per request costs more than it
+    """Speculative decoding's crossover on this machine: from the decode steps whose requests
+    hold the shortest context, the batch above which verifying k drafted tokens per request costs more than it
     saves (engine/speculative.py StepCostTable; the engine keeps measuring its own steps)."""
     from engine.speculative import SpeculativeConfig, StepCostTable
 
     if not profile.decode:
         return "speculation crossover: no decode steps measured"
-    context = min(s.context_tokens for s in profile.decode)
-    steps = {s.batch: s.ms / 1e3 for s in profile.decode if s.context_tokens == context}
+    per_request = min(s.context_tokens // s.batch for s in profile.decode)  # context_tokens: the batch's
+    steps = {s.batch: s.ms / 1e3 for s in profile.decode if s.context_tokens // s.batch == per_request}
     table = StepCostTable.from_steps(SpeculativeConfig(mode="ngram"), steps)
     top = max(steps)
     parts = []

@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from conductor.gpu_plan import GpuShare, plan_gpus, visible_gpus
 from core.errors import ConfigError, check_positive
 from core.logs import LogConfig
 from core.tracing import TracingConfig
@@ -31,8 +32,9 @@ class ClusterConfig:
         machine and worker shape, else a quick profile at start (then cached).
     request_timeout_s: bound on a request's KV transfer and prefill.
     model_id: the model's name in the API.
-    prefill_gpus: GPUs per prefill worker actor (default: 1 if this machine sees CUDA, else 0;
-        pass it explicitly when the Conductor runs on a head node without GPUs).
+    prefill_gpus: GPUs per prefill worker actor (default, with `--device cuda`: 1 each where this
+        machine has a GPU per worker, else an equal share of one (conductor/gpu_plan.py); 1 when
+        joining a Ray cluster; 0 with `--device cpu`).
     decode_gpus: GPUs per decode worker actor (default: as above).
     tracing: OpenTelemetry tracing of the Conductor and every worker (resolved: `TracingConfig.resolve`).
     log: how the Conductor and every worker log.
@@ -91,9 +93,16 @@ class ClusterConfig:
         """The Ray resource `role`'s actors ask one unit of."""
         return self.prefill_resource if role == "prefill" else self.decode_resource
 
-    def gpus(self, role: str) -> int:
+    def gpus(self, role: str) -> float:
+        """The Ray `num_gpus` of `role`'s actors."""
         given = self.prefill_gpus if role == "prefill" else self.decode_gpus
-        return given if given is not None else int(_cuda())
+        return float(given) if given is not None else self.gpu_share().gpus
+
+    def gpu_share(self) -> GpuShare:
+        """Each worker's GPU share and allocator cap (conductor/gpu_plan.py)."""
+        visible = visible_gpus() if self.ray_address is None and self.engine.device == "cuda" else None
+        return plan_gpus(self.engine.device, visible, self.count("prefill") + self.count("decode"),
+                         self.engine.gpu_memory_fraction)
 
     def count(self, role: str, standby: bool = True) -> int:
         """Worker actors of `role`: the serving ones, plus the standbys unless `standby` is False."""
@@ -108,7 +117,8 @@ class ClusterConfig:
         """Every worker's spec, standbys included (a role's last `standby`: `is_standby`), its
         engine on the index at `redis_url` (None: no index); local workers get consecutive cores
         of their own."""
-        engine = dataclasses.replace(self.engine, redis_url=redis_url)
+        engine = dataclasses.replace(self.engine, redis_url=redis_url,
+                                     gpu_memory_fraction=self.gpu_share().memory_fraction)
         cores = os.cpu_count() or 1
         specs = []
         n_prefill = self.count("prefill")
@@ -119,12 +129,3 @@ class ClusterConfig:
             specs.append(WorkerSpec(f"{role}-{index}", role, engine, self.transport, cpus,
                                     tracing=self.tracing, log=self.log))
         return specs
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False

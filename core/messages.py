@@ -206,6 +206,7 @@ class WorkerLoad:
     blocks_from_host: int = 0  # prefix blocks promoted from its host / disk tier, since start
     blocks_from_disk: int = 0
     kv_bytes_received: int = 0  # decode: KV bytes its receiver verified, since start
+    kv_bytes_staged: int = 0  # decode: of those, bytes senders sent through staging slots (KV on a GPU)
     blocks_served_remote: int = 0  # blocks its block server sent to other workers, since start
     node_id: str = ""  # the node it runs on, as its cluster-index entries name it
     fetches_in_flight: int = 0  # remote prefix pulls waiting on a holder now

@@ -6,6 +6,8 @@
     GET  /dashboard/api/live                workers, cluster figures, the last minutes' series
     GET  /dashboard/api/traffic.jsonl       the recorded traffic as a Mooncake trace (?minutes=10)
     GET  /dashboard/api/sizing/options      traces and profiles the sizing form offers
+    GET  /dashboard/api/cost-model          the cost model admission prices with (`halfmoon profile`'s
+                                            JSON; the admission bench's offline optimum reads it)
     POST /dashboard/api/sizing/jobs         start a sweep (202); GET .../jobs/{id}[/values.yaml]
 
 Auth is the API's: a bearer token in `Authorization`, or the cookie the sign-in form sets.
@@ -25,7 +27,7 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
 
-from conductor.errors import UnauthenticatedError
+from conductor.errors import ServiceUnavailableError, UnauthenticatedError
 from conductor.frontdoor import FrontDoor
 from core.errors import InvalidRequestError
 from dashboard.live import LiveView
@@ -185,6 +187,13 @@ def mount(app: FastAPI, door: FrontDoor) -> Dashboard:
     async def options(request: Request) -> Response:
         board.authorized(request)
         return JSONResponse(await asyncio.to_thread(board.options))
+
+    @app.get("/dashboard/api/cost-model")
+    async def cost(request: Request) -> Response:
+        board.authorized(request)
+        if door.backend.cost is None:
+            raise ServiceUnavailableError("the cluster has no cost model yet (still starting); retry")
+        return JSONResponse(json.loads(door.backend.cost.to_json()), headers={"Cache-Control": "no-store"})
 
     @app.post("/dashboard/api/sizing/jobs")
     async def start(request: Request) -> Response:

@@ -46,6 +46,7 @@ from engine.config import WorkerSpec
 from engine.worker import EngineWorker
 from kvpool.errors import OutOfBlocksError
 from kvpool.remote import RemoteBlockReader
+from transport.staging import STAGED
 from transport.config import advertised_address
 from transport.errors import TransportError
 from transport.receiver import KVReceiver, TransferResult
@@ -73,7 +74,8 @@ class DecodeWorker(EngineWorker):
         backend = spec.transport.make_backend()
         self.receiver = KVReceiver(self.engine.kv_cache, self.layout, backend, host=spec.transport.host,
                                    port=spec.transport.port, secret=spec.transport.secret(),
-                                   timeout=spec.transport.timeout_s).start()
+                                   timeout=spec.transport.timeout_s,
+                                   inflight_bytes=spec.transport.max_inflight_bytes).start()
         self.address = advertised_address(self.receiver.address, spec.transport.host)
         self._reserved: dict[str, Reservation] = {}
         self._claimed: set[str] = set()  # ids whose blocks are being allocated
@@ -261,7 +263,8 @@ class DecodeWorker(EngineWorker):
         reserved_blocks = sum(len(r.blocks) for r in self._reserved.values())
         return replace(self.engine_load(), reserved=len(self._reserved) + len(self._claimed),
                        reserved_blocks=reserved_blocks, kv_address=self.address,
-                       kv_bytes_received=self.receiver.stats.bytes)
+                       kv_bytes_received=self.receiver.stats.bytes,
+                       kv_bytes_staged=self.receiver.stats.bytes_by_path.get(STAGED, 0))
 
     def close(self) -> None:
         self.receiver.close()

@@ -76,32 +76,22 @@ class KVLayout:
         return d
 
 
-class KVBytes:
-    """A byte-level view of a KV tensor: `[layers, 2, num_blocks, slab_bytes]` uint8, no copy."""
+class KVShape:
+    """What a KV tensor's block ids are checked against, and where a unit's views break: its
+    layers, blocks and slab size, on any device."""
 
     def __init__(self, kv_cache: torch.Tensor) -> None:
-        if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
-            raise ValueError("the KV tensor must be a contiguous CPU tensor")
         layers, _, num_blocks = kv_cache.shape[:3]
-        self.tensor = kv_cache  # keeps the storage alive as long as the views
-        self.array: np.ndarray = kv_cache.view(torch.uint8).numpy().reshape(layers, 2, num_blocks, -1)
         self.num_layers = layers
         self.num_blocks = num_blocks
-
-    def views(self, layer: int, block_ids: Sequence[int]) -> list[memoryview]:
-        """K then V slabs of `block_ids` in layer `layer`, one view per run of consecutive ids."""
-        ids = self.check(layer, block_ids)
-        starts, stops = _runs(ids)
-        arr = self.array
-        runs = list(zip(starts, stops))
-        return [memoryview(arr[layer, kv, start:stop]).cast("B") for kv in (0, 1) for start, stop in runs]
+        self.slab_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
 
     def bounds(self, block_ids: Sequence[int]) -> list[int]:
         """Byte offsets (in a unit's payload) at which `views(layer, block_ids)` breaks: the end
         of each view but the last. The same for every layer; computed from the ids alone, so a
         sender knows its receiver's breaks too."""
         starts, stops = _runs(np.asarray(block_ids, dtype=np.int64))
-        run_bytes = (stops - starts) * self.array.shape[3]
+        run_bytes = (stops - starts) * self.slab_bytes
         return np.cumsum(np.concatenate([run_bytes, run_bytes]))[:-1].tolist()
 
     def check(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
@@ -115,6 +105,25 @@ class KVBytes:
         if bad.any():
             raise ProtocolError(f"block id {ids[bad.argmax()]} is not in 0..{self.num_blocks - 1}")
         return ids.astype(np.int64)
+
+
+class KVBytes(KVShape):
+    """A byte-level view of a host KV tensor: `[layers, 2, num_blocks, slab_bytes]` uint8, no copy."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
+            raise ValueError("the KV tensor must be a contiguous CPU tensor")
+        super().__init__(kv_cache)
+        self.tensor = kv_cache  # keeps the storage alive as long as the views
+        self.array: np.ndarray = kv_cache.view(torch.uint8).numpy().reshape(self.num_layers, 2, self.num_blocks, -1)
+
+    def views(self, layer: int, block_ids: Sequence[int]) -> list[memoryview]:
+        """K then V slabs of `block_ids` in layer `layer`, one view per run of consecutive ids."""
+        ids = self.check(layer, block_ids)
+        starts, stops = _runs(ids)
+        arr = self.array
+        runs = list(zip(starts, stops))
+        return [memoryview(arr[layer, kv, start:stop]).cast("B") for kv in (0, 1) for start, stop in runs]
 
 
 def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

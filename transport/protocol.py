@@ -47,7 +47,8 @@ from transport.channel import Channel
 from transport.errors import HandshakeError, ProtocolError
 from transport.faults import flip_one_bit
 from transport.frames import frame_lengths, new_hash, split_at, split_frames
-from transport.layout import KVBytes, KVLayout
+from transport.layout import KVLayout, KVShape
+from transport.staging import HOST, PATHS
 
 # 2: payload frames and trailers on a data lane of their own (ucxx tags); 3: the sender's frame
 # cuts travel in the UNIT body; 4: a body beyond one control frame travels in CONTROL_BYTES frames
@@ -137,7 +138,7 @@ def parse_unit_body(header: Header, body: bytes) -> tuple[str, list[int], list[i
     return body[ids_len + cuts_len :].decode(), ids, lengths.tolist()
 
 
-def unit_frame_lengths(kv: KVBytes, src_ids: Sequence[int], dst_ids: Sequence[int], nbytes: int) -> list[int]:
+def unit_frame_lengths(kv: KVShape, src_ids: Sequence[int], dst_ids: Sequence[int], nbytes: int) -> list[int]:
     """Where the sender cuts a unit (see frames.frame_lengths)."""
     return frame_lengths(kv.bounds(src_ids), kv.bounds(dst_ids), nbytes, FRAME_BYTES, MIN_DIRECT_BYTES)
 
@@ -159,8 +160,9 @@ def parse_json(body: bytes) -> dict:
 # ---------------------------------------------------------------- handshake
 
 
-def hello(layout: KVLayout, nonce: bytes, secret: bytes | None) -> dict:
-    msg = {"version": PROTOCOL_VERSION, "layout": layout.as_dict()}
+def hello(layout: KVLayout, nonce: bytes, secret: bytes | None, path: str = "host") -> dict:
+    """`path`: how the sender's units leave its KV (transport/staging.py: host, staged)."""
+    msg = {"version": PROTOCOL_VERSION, "layout": layout.as_dict(), "path": path}
     msg["mac"] = _mac(secret, nonce, msg) if secret is not None else None
     return msg
 
@@ -171,6 +173,8 @@ def check_hello(msg: dict, layout: KVLayout, nonce: bytes, secret: bytes | None)
     if version != PROTOCOL_VERSION:
         raise HandshakeError("version", f"sender speaks protocol {version}, this receiver {PROTOCOL_VERSION}")
     _check_secret(msg, nonce, secret)
+    if msg.get("path", HOST) not in PATHS:
+        raise HandshakeError("path", f"sender's transfer path {msg.get('path')!r} is none of {list(PATHS)}")
     theirs = msg.get("layout")
     if not isinstance(theirs, dict):
         raise HandshakeError("protocol", "hello carries no KV layout")
@@ -179,13 +183,14 @@ def check_hello(msg: dict, layout: KVLayout, nonce: bytes, secret: bytes | None)
             raise HandshakeError(name, f"sender has {name}={theirs.get(name)!r}, receiver has {mine!r}")
 
 
-def offer_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float) -> None:
+def offer_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float,
+                    path: str = "host") -> None:
     """The connecting side: answer the CHALLENGE with HELLO; raises HandshakeError on REFUSE."""
     header, body = recv_msg(channel, timeout, timeout)
     if header.kind is not Kind.CHALLENGE:
         raise HandshakeError("protocol", f"expected CHALLENGE, got {header.kind.name}")
     nonce = bytes.fromhex(str(parse_json(body).get("nonce", "")))
-    send_json(channel, Kind.HELLO, hello(layout, nonce, secret), timeout)
+    send_json(channel, Kind.HELLO, hello(layout, nonce, secret, path), timeout)
     header, body = recv_msg(channel, timeout, timeout)
     if header.kind is Kind.REFUSE:
         msg = parse_json(body)
@@ -194,19 +199,22 @@ def offer_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, ti
         raise HandshakeError("protocol", f"expected ACCEPT, got {header.kind.name}")
 
 
-def accept_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float) -> None:
-    """The listening side: CHALLENGE, check the HELLO, ACCEPT or REFUSE (naming the field)."""
+def accept_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float) -> str:
+    """The listening side: CHALLENGE, check the HELLO, ACCEPT or REFUSE (naming the field).
+    Returns the sender's path (host when its HELLO names none)."""
     nonce = os.urandom(16)
     send_json(channel, Kind.CHALLENGE, {"nonce": nonce.hex()}, timeout)
     header, body = recv_msg(channel, timeout, timeout)
     if header.kind is not Kind.HELLO:
         raise HandshakeError("protocol", f"expected HELLO, got {header.kind.name}")
+    msg = parse_json(body)
     try:
-        check_hello(parse_json(body), layout, nonce, secret)
+        check_hello(msg, layout, nonce, secret)
     except HandshakeError as e:
         send_json(channel, Kind.REFUSE, {"field": e.field, "message": e.message}, timeout)
         raise
     send_json(channel, Kind.ACCEPT, {}, timeout)
+    return str(msg.get("path", HOST))
 
 
 def _check_secret(msg: dict, nonce: bytes, secret: bytes | None) -> None:

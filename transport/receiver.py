@@ -38,7 +38,8 @@ from transport.errors import (
     TransportError,
 )
 from transport.faults import FaultInjector
-from transport.layout import KVBytes, KVLayout
+from transport.layout import KVBytes, KVLayout, KVShape
+from transport.staging import HOST, Slot, Stager
 from transport.protocol import (
     FRAME_BYTES,
     TRAILER,
@@ -90,6 +91,8 @@ class ReceiverStats:
     checksum_failures: int = 0
     refused: int = 0  # handshakes refused
     peers_lost: int = 0
+    # verified payload bytes by the senders' transfer path (transport/staging.py: host, staged)
+    bytes_by_path: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -111,9 +114,18 @@ class _Expected:
 class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, backend: Backend,
                  host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
-                 timeout: float = 30.0, faults: FaultInjector | None = None) -> None:
-        """`timeout` bounds every wait inside a message (handshake, body, payload frames)."""
-        self.kv = KVBytes(kv_cache)
+                 timeout: float = 30.0, faults: FaultInjector | None = None,
+                 stager: Stager | None = None, inflight_bytes: int = 256 << 20) -> None:
+        """`timeout` bounds every wait inside a message (handshake, body, payload frames).
+        A KV tensor on a GPU receives each unit into a pinned staging slot, then copies it to
+        its blocks (transport/staging.py); `stager` overrides that ring (the CPU tests).
+        `inflight_bytes`: the senders' in-flight bound (--kv-max-inflight-mb): the slots are cut
+        from it as the senders cut theirs, so every staged unit fits one."""
+        if stager is None and kv_cache.device.type != "cpu":
+            stager = Stager.for_device(kv_cache, inflight_bytes)
+        self.stager = stager
+        self.kv: KVShape = KVBytes(kv_cache) if stager is None else KVShape(kv_cache)
+        self._paths: dict[Channel, str] = {}  # each connection's sender path (its handshake)
         self.layout = layout
         self.backend = backend
         self.secret = secret
@@ -214,6 +226,9 @@ class KVReceiver:
             log.warning("refused a KV sender from %s: %s", channel.peer, e)
         except TransportError as e:
             self._lost(channel, e)
+        finally:
+            with self._cond:
+                self._paths.pop(channel, None)
 
     def _serve_in_order(self, channel: Channel) -> None:
         """One message at a time: a unit's payload is received and verified before the next
@@ -231,7 +246,9 @@ class KVReceiver:
             time.sleep(self.faults.receive_delay)  # fault injection: a slow receiver
 
     def _handshake(self, channel: Channel) -> None:
-        accept_handshake(channel, self.layout, self.secret, self.timeout)
+        path = accept_handshake(channel, self.layout, self.secret, self.timeout)
+        with self._cond:
+            self._paths[channel] = path
 
     def _lost(self, channel: Channel, error: TransportError) -> None:
         """The channel broke: every request it was feeding fails with that error."""
@@ -266,14 +283,35 @@ class KVReceiver:
         if exp is None:
             self._drain(channel, lengths)
             return
+        slot = self._landing(header.payload_len)
         try:
-            actual, expected = receive_payload(channel, self.kv.views(header.layer, ids), self.timeout, lengths)
+            views = self._unit_views(header.layer, ids, slot)
+            actual, expected = receive_payload(channel, views, self.timeout, lengths)
+            self._land(slot, header.layer, ids, actual == expected)
         finally:
-            self._release(exp)
+            self._release(exp, slot)
         self._verified(exp, header, expected, actual)
 
-    def _release(self, exp: _Expected | None) -> None:
-        """A unit claimed by `_claim` no longer writes into the request's blocks."""
+    def _landing(self, payload_len: int) -> Slot | None:
+        """A staging slot for a unit bound for device memory (None: received in place)."""
+        return None if self.stager is None else self.stager.landing(payload_len, self.timeout)
+
+    def _unit_views(self, layer: int, ids: list[int], slot: Slot | None) -> list[memoryview]:
+        if slot is None:
+            return self.kv.views(layer, ids)  # type: ignore[attr-defined]
+        self.kv.check(layer, ids)
+        return [slot.view()]
+
+    def _land(self, slot: Slot | None, layer: int, ids: list[int], intact: bool) -> None:
+        """A staged unit into its device blocks, only when it arrived intact."""
+        if slot is not None and intact:
+            self.stager.land(slot, layer, ids)  # type: ignore[union-attr]
+
+    def _release(self, exp: _Expected | None, slot: Slot | None = None) -> None:
+        """A unit claimed by `_claim` no longer writes into the request's blocks (its staging
+        slot, if any, is free again)."""
+        if slot is not None:
+            self.stager.ring.release(slot)  # type: ignore[union-attr]
         if exp is not None:
             with self._cond:
                 exp.busy -= 1
@@ -313,6 +351,8 @@ class KVReceiver:
             exp.bytes += header.payload_len
             self.stats.units += 1
             self.stats.bytes += header.payload_len
+            path = self._paths.get(exp.channel, HOST) if exp.channel is not None else HOST
+            self.stats.bytes_by_path[path] = self.stats.bytes_by_path.get(path, 0) + header.payload_len
             if exp.log is not None:
                 exp.log.append(UnitRecord(time.time_ns(), header.layer, header.num_blocks,
                                           header.payload_len, actual))
@@ -376,6 +416,8 @@ class _PostedUnit:
     exp: _Expected | None
     header: Header
     receipt: PayloadReceipt
+    ids: list[int] = field(default_factory=list)
+    slot: Slot | None = None  # where a unit bound for device memory lands first
 
 
 class _Pipeline:
@@ -417,12 +459,16 @@ class _Pipeline:
     def _post_unit(self, header: Header, body: bytes) -> _PostedUnit:
         request_id, ids, lengths = parse_unit_body(header, body)
         exp = self.r._claim(self.channel, request_id, header.layer, ids, header.payload_len)
+        slot = None
         try:
-            views = (self._throwaway_views(header.payload_len) if exp is None
-                     else self.r.kv.views(header.layer, ids))
-            return _PostedUnit(exp, header, PayloadReceipt(self.channel, views, lengths))
+            if exp is None:
+                views = self._throwaway_views(header.payload_len)
+            else:
+                slot = self.r._landing(header.payload_len)
+                views = self.r._unit_views(header.layer, ids, slot)
+            return _PostedUnit(exp, header, PayloadReceipt(self.channel, views, lengths), ids, slot)
         except BaseException:
-            self.r._release(exp)
+            self.r._release(exp, slot)
             raise
 
     def _throwaway_views(self, payload_len: int) -> list[memoryview]:
@@ -436,7 +482,7 @@ class _Pipeline:
         while (item := self.work.get()) is not None:
             if self.error is not None:  # the connection failed: only release what was claimed
                 if isinstance(item, _PostedUnit):
-                    self.r._release(item.exp)
+                    self.r._release(item.exp, item.slot)
                 continue
             try:
                 if isinstance(item, _PostedUnit):
@@ -452,10 +498,11 @@ class _Pipeline:
     def _finish_unit(self, unit: _PostedUnit) -> None:
         try:
             actual, expected = unit.receipt.finish(self.r.timeout, verify=unit.exp is not None)
+            self.r._land(unit.slot, unit.header.layer, unit.ids, actual == expected)
         except BaseException:
             self.channel.close()  # before the release: no posted receive may write after it
             raise
         finally:
-            self.r._release(unit.exp)
+            self.r._release(unit.exp, unit.slot)
         if unit.exp is not None:
             self.r._verified(unit.exp, unit.header, expected, actual)

@@ -108,7 +108,7 @@ def test_the_quoting_workload_replays_against_the_in_process_server(
 def test_the_comparison_starts_both_clusters_and_reports_the_gains(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "cli.main", "bench", "serve", "--synthetic", "quoting", "--speculative-compare",
-         "--rates", "0.5,1", "--duration", "3", "--seed", "1", "--max-output-tokens", "24", "--warmup", "1",
+         "--rates", "0.5,1", "--duration", "4", "--seed", "4", "--max-output-tokens", "24", "--warmup", "1",
          "--ttft-slo-ms", "60000", "--tbt-slo-ms", "60000", "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
@@ -120,4 +120,6 @@ def test_the_comparison_starts_both_clusters_and_reports_the_gains(tmp_path: Pat
         assert all(r["metrics"]["completed"] == r["metrics"]["requests"] > 0 for r in rep["runs"][mode])
     assert rep["low"]["gains"]["tbt_p50"]["target"] == ssb.TBT_TARGET
     assert rep["high"]["gains"]["goodput"]["target"] == ssb.GOODPUT_TARGET
-    assert (tmp_path / "serve-spec-off.log").is_file() and (tmp_path / "serve-spec-ngram.log").is_file()
+    logs = sorted(f.name for f in tmp_path.glob("serve-spec-*.log"))  # a fresh cluster per mode and rate
+    assert logs == ["serve-spec-ngram-0.5.log", "serve-spec-ngram-1.log", "serve-spec-off-0.5.log",
+                    "serve-spec-off-1.log"]

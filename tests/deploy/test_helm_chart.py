@@ -292,12 +292,14 @@ def test_worker_group_ray_resources_and_devices(renderer: Renderer, variant: str
     gpu = v["gpu"]["resourceName"]
     if variant in GPU_VARIANTS:
         assert group["gpus"] >= 1
+        assert parse_serve(head_container(rel)["args"]).device == "cuda", "a CUDA image's workers use their GPUs"
         assert resources["requests"][gpu] == resources["limits"][gpu] == group["gpus"]
         if not v["kuberay"]["enabled"]:
             assert int(flags["num-gpus"]) == group["gpus"]
     else:
         assert gpu not in resources.get("requests", {}) and gpu not in resources.get("limits", {})
         assert "num-gpus" not in flags
+        assert parse_serve(head_container(rel)["args"]).device == "cpu"
     rdma = v["rdma"]["resourceName"]
     caps = worker_container(rel, role)["securityContext"]["capabilities"]
     if group["rdmaDevices"]:
@@ -794,6 +796,9 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--max-num-batched-tokens": HelmValue("engine.maxNumBatchedTokens", 256, "256"),
     "--max-model-len": HelmValue("engine.maxModelLen", 1024, "1024"),
     "--attention-backend": HelmValue("engine.attentionBackend", "flashinfer", "flashinfer"),
+    "--device": HelmValue("engine.device", "cuda", "cuda"),
+    "--no-cuda-graphs": HelmValue("engine.cudaGraphs", False, None),
+    "--gpu-memory-fraction": HelmValue("engine.gpuMemoryFraction", 0.45, "0.45"),
     "--speculative": HelmValue("engine.speculative.mode", "ngram", "ngram"),
     "--speculative-tokens": HelmValue("engine.speculative.tokens", 6, "6"),
     "--speculative-max-batch": HelmValue("engine.speculative.maxBatch", 4, "4"),
@@ -831,6 +836,7 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--dashboard": "on by default; conductor.dashboard=false gives --no-dashboard",
     "--no-tracing": "off by default; tracing.enabled=true gives --tracing",
     "--remote-fetch": "on by default; kvTiers.remoteFetch=false gives --no-remote-fetch",
+    "--cuda-graphs": "on by default; engine.cudaGraphs=false gives --no-cuda-graphs",
 }
 # What the samples need besides themselves: an external Redis instead of the bundled one.
 SAMPLE_EXTRAS = {"redis": {"bundled": {"enabled": False}}}

@@ -217,15 +217,16 @@ def test_measured_step_costs_set_the_crossover() -> None:
 
 def test_profile_prints_the_crossover_from_its_decode_steps() -> None:
     """`halfmoon profile`'s decode steps give the crossover at the prior and a quoting acceptance;
-    the shortest context's steps are the ones used."""
+    the steps of the shortest context per request are the ones used."""
     from cli.profile import speculation_line
     from core.messages import DecodeSample, Profile
 
     steps = [(1, 10.0), (2, 10.5), (4, 11.0), (8, 13.0), (16, 26.0)]
-    decode = tuple(DecodeSample(b, 16, ms) for b, ms in steps) + tuple(DecodeSample(b, 128, 99.0) for b, _ in steps)
+    decode = (tuple(DecodeSample(b, 16 * b, ms) for b, ms in steps)  # context_tokens: the whole batch's
+              + tuple(DecodeSample(b, 128 * b, 99.0) for b, _ in steps))
     line = speculation_line(Profile((), decode, 1, "test"))
     assert "acceptance 60%: pays up to batch 7" in line and "acceptance 80%: pays up to batch 7" in line
-    cheap = tuple(DecodeSample(b, 16, 10.0 + 0.01 * b) for b in (1, 2, 4))
+    cheap = tuple(DecodeSample(b, 16 * b, 10.0 + 0.01 * b) for b in (1, 2, 4))
     assert "pays at every batch measured (<= 2)" in speculation_line(Profile((), cheap, 1, "test"))
     table = StepCostTable.from_steps(SpeculativeConfig("ngram"), {b: ms / 1e3 for b, ms in steps})
     assert table.measured_crossover(0.6) == 7 and table.max_batch() == 7

@@ -244,6 +244,15 @@ argparse parser, so a flag that does not exist fails the tests).
 - --attention-backend
 - {{ . | quote }}
 {{- end }}
+- --device
+- {{ $v.engine.device | default (ternary "cuda" "cpu" (eq $v.image.variant "cuda")) | quote }}
+{{- if not $v.engine.cudaGraphs }}
+- --no-cuda-graphs
+{{- end }}
+{{- with $v.engine.gpuMemoryFraction }}
+- --gpu-memory-fraction
+- {{ include "halfmoon.num" . | quote }}
+{{- end }}
 {{- with $v.engine.speculative.mode }}
 - --speculative
 - {{ . | quote }}
