@@ -47,6 +47,10 @@ class ClusterConfig:
     ray_wait_s: how long a joined Ray cluster may take to advertise one unit of each role's
         resource per worker (worker pods start in any order) before `serve` exits naming what
         is missing.
+    standby: spare workers per role, started, loaded and warmed at boot but not routed to
+        (not counted in capacity, admission or the router); when a worker dies the Conductor
+        promotes one in its place at once (conductor/workers.py). Each needs one more unit of
+        its role's Ray resource and costs one worker's memory.
     """
 
     prefill: int = 1
@@ -68,10 +72,13 @@ class ClusterConfig:
     prefill_resource: str = "prefill"
     decode_resource: str = "decode"
     ray_wait_s: float = 300.0
+    standby: int = 0
 
     def __post_init__(self) -> None:
         check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",
                        "migration_stall_s", "ray_wait_s")
+        if self.standby < 0:
+            raise ConfigError(f"standby must be >= 0, got {self.standby}")
         if self.migration_attempts < 0:
             raise ConfigError(f"migration_attempts must be >= 0, got {self.migration_attempts}")
         for name in ("prefill_resource", "decode_resource"):
@@ -94,17 +101,29 @@ class ClusterConfig:
     def gpu_share(self) -> GpuShare:
         """Each worker's GPU share and allocator cap (conductor/gpu_plan.py)."""
         visible = visible_gpus() if self.ray_address is None and self.engine.device == "cuda" else None
-        return plan_gpus(self.engine.device, visible, self.prefill + self.decode, self.engine.gpu_memory_fraction)
+        return plan_gpus(self.engine.device, visible, self.count("prefill") + self.count("decode"),
+                         self.engine.gpu_memory_fraction)
+
+    def count(self, role: str, standby: bool = True) -> int:
+        """Worker actors of `role`: the serving ones, plus the standbys unless `standby` is False."""
+        serving = self.prefill if role == "prefill" else self.decode
+        return serving + self.standby * standby
+
+    def is_standby(self, spec: WorkerSpec) -> bool:
+        """Whether `spec` (of `specs()`) starts as a standby: a role's last `standby` workers."""
+        return int(spec.worker_id.rsplit("-", 1)[1]) >= self.count(spec.role, standby=False)
 
     def specs(self, redis_url: str | None) -> list[WorkerSpec]:
-        """Every worker's spec, its engine on the index at `redis_url` (None: no index); local
-        workers get consecutive cores of their own."""
+        """Every worker's spec, standbys included (a role's last `standby`: `is_standby`), its
+        engine on the index at `redis_url` (None: no index); local workers get consecutive cores
+        of their own."""
         engine = dataclasses.replace(self.engine, redis_url=redis_url,
                                      gpu_memory_fraction=self.gpu_share().memory_fraction)
         cores = os.cpu_count() or 1
         specs = []
-        for i, role in enumerate(["prefill"] * self.prefill + ["decode"] * self.decode):
-            index = i if role == "prefill" else i - self.prefill
+        n_prefill = self.count("prefill")
+        for i, role in enumerate(["prefill"] * n_prefill + ["decode"] * self.count("decode")):
+            index = i if role == "prefill" else i - n_prefill
             first = (i * self.worker_threads) % cores
             cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
             specs.append(WorkerSpec(f"{role}-{index}", role, engine, self.transport, cpus,

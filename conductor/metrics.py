@@ -129,7 +129,20 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
             spec.add_metric([w.worker_id, kind], n)
         verifications.add_metric([w.worker_id], load.spec_verifications)
     yield from (up, restarts, running, steps, blocks, received, by_path, prompt, prefix, served, fetching, fetch_failed,
-                spec, verifications)
+                spec, verifications, _standby_metric(workers))
+
+
+def _standby_metric(workers: tuple[WorkerView, ...]) -> GaugeMetricFamily:
+    """Spare workers per role and state: standby (warmed, ready to be promoted) and warming (a
+    dead worker's restart, on its way to becoming the next standby); 0 without `--standby`."""
+    gauge = GaugeMetricFamily("halfmoon_standby_workers", "Warm standby workers per role: standby = ready to "
+                              "take a dead worker's place, warming = being restarted and warmed up.",
+                              labels=["role", "state"])
+    roles = sorted({w.role for w in workers if w.role in ("prefill", "decode")})
+    for role in roles:
+        for state in ("standby", "warming"):
+            gauge.add_metric([role, state], sum(w.role == role and w.state == state for w in workers))
+    return gauge
 
 
 def _index_metrics(health: Mapping[str, tuple[float, int]]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -94,11 +94,14 @@ def build_app(door: FrontDoor) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         """ok (200); degraded (200: serving, at less than full strength, `reasons` say why);
-        unavailable (503)."""
+        unavailable (503). With warm standbys (`--standby`): `standby` lists them and their state."""
+        spares = door.backend.standbys()
+        extra = {"standby": spares} if spares else {}
         if not door.backend.ready():
-            return JSONResponse({"status": "unavailable"}, status_code=503)
+            return JSONResponse({"status": "unavailable", **extra}, status_code=503)
         reasons = door.backend.degraded()
-        return JSONResponse({"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"})
+        body = {"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"}
+        return JSONResponse({**body, **extra})
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

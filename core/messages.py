@@ -336,6 +336,10 @@ class WorkerApi(Protocol):
 
     async def block_address(self) -> str | None: ...
 
+    async def warm_up(self) -> float:
+        """One short request through the engine (a standby's kernels warmed); its seconds."""
+        ...
+
     async def check_integrity(self) -> IntegrityReport:
         """Check the worker's KV bookkeeping; raises IntegrityError naming what is broken."""
         ...

@@ -135,6 +135,10 @@ argparse parser, so a flag that does not exist fails the tests).
 - {{ $v.prefill.replicas | int | quote }}
 - --decode
 - {{ $v.decode.replicas | int | quote }}
+{{- if $v.conductor.standby }}
+- --standby
+- {{ $v.conductor.standby | int | quote }}
+{{- end }}
 - --worker-threads
 - {{ $v.conductor.workerThreads | int | quote }}
 - --prefill-gpus
