@@ -163,8 +163,9 @@ def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
     options = body.get("stream_options", (dict,), "an object") or {}
     if options and not stream:
         raise InvalidRequestError("stream_options", "is only allowed with stream: true")
-    if set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise InvalidRequestError("stream_options", f"unknown keys {sorted(set(options) - {'include_usage'})}")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise InvalidRequestError("stream_options", f"unknown keys {unknown}")
     return spec, stream, bool(options.get("include_usage"))
 
 

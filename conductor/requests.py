@@ -222,6 +222,7 @@ def slo(spec: RequestSpec) -> Slo:
 def _short(spec: RequestSpec, key: str, value: str | None, limits: Limits) -> str | None:
     if not value:
         return None
-    if len(value) > limits.max_id_chars or not value.isprintable():
-        raise InvalidRequestError(spec.name(key), f"must be 1..{limits.max_id_chars} printable characters")
+    # ASCII: an id travels in logs and trace attributes, and the rule is one a schema can state.
+    if len(value) > limits.max_id_chars or not (value.isascii() and value.isprintable()):
+        raise InvalidRequestError(spec.name(key), f"must be 1..{limits.max_id_chars} printable ASCII characters")
     return value

@@ -22,8 +22,11 @@ from tests.conductor.conftest import CLIENT_SLOS_ONLY, MODEL, RunningApi, run_ap
 from tests.conftest import EngineFactory
 
 TOKEN = "fuzz-token"
-# Small enough that a generation is a few engine steps; the schema states these bounds.
-LIMITS = Limits(max_prompt_tokens=512, max_tokens=4, max_request_bytes=64 * 2**10, max_streams_per_client=8,
+# A generation is a few engine steps (max_tokens); the schema states these bounds. The prompt
+# limit is roomy: a text prompt's length in tokens is the one bound a schema cannot state, and a
+# generated text (16 messages at most) stays far below it.
+NUM_BLOCKS = 256  # 4096 tokens of KV: the longest prompt plus the largest max_tokens fit
+LIMITS = Limits(max_prompt_tokens=2048, max_tokens=4, max_request_bytes=64 * 2**10, max_streams_per_client=8,
                 max_stop=4, max_stop_chars=32, max_messages=16, max_id_chars=64)
 
 
@@ -56,7 +59,7 @@ def fuzz_budget() -> FuzzBudget:
 def fuzz_api(make_engine: EngineFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningApi]:
     tokens = tmp_path_factory.mktemp("fuzz") / "tokens"
     tokens.write_text(TOKEN + "\n")
-    backend = ColocatedBackend(make_engine(num_blocks=64), MODEL, max_waiting=64, admission=CLIENT_SLOS_ONLY)
+    backend = ColocatedBackend(make_engine(num_blocks=NUM_BLOCKS), MODEL, max_waiting=64, admission=CLIENT_SLOS_ONLY)
     config = ServerConfig(grpc_port=0, http_port=0, api_token_file=str(tokens), limits=LIMITS)
     running = run_api(backend, config, [mount])
     yield running
