@@ -46,7 +46,7 @@ class FuzzBudget:
 
 def budget_from_env() -> FuzzBudget:
     return FuzzBudget(float(os.environ.get("HALFMOON_FUZZ_MINUTES", "0")),
-                      int(os.environ.get("HALFMOON_FUZZ_CASES", "6")),
+                      int(os.environ.get("HALFMOON_FUZZ_CASES", "20")),
                       int(os.environ.get("HALFMOON_FUZZ_SEED", "37")))
 
 

@@ -17,7 +17,7 @@ from tests.fuzz.grpc_fuzzer import GrpcFuzzer
 from tests.fuzz.proto_strategies import Hints
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
-SHORT_EXAMPLES = 40  # per RPC in the normal suite
+SHORT_EXAMPLES = 60  # per RPC in the normal suite
 # Values a field's meaning makes likely, so that some requests get past validation (mixed with
 # each field's whole range, never instead of it).
 _TEXT = st.text(min_size=1, max_size=40)
