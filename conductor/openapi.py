@@ -71,7 +71,8 @@ def components(door: FrontDoor) -> Schema:
     b = door.backend
     args = (door.limits, b.model, b.priority_classes, b.kv_capacity_tokens)
     return {"schemas": {
-        "CompletionRequest": bodies.completion_request(*args), "ChatCompletionRequest": bodies.chat_request(*args),
+        "CompletionRequest": bodies.completion_request(*args, bodies.unspellable(b.tokenizer)),
+        "ChatCompletionRequest": bodies.chat_request(*args),
         "Completion": bodies.COMPLETION, "ChatCompletion": bodies.CHAT_COMPLETION, "Usage": bodies.USAGE,
         "Prediction": bodies.PREDICTION, "ModelList": bodies.MODEL_LIST, "Health": bodies.HEALTH,
         "Error": bodies.ERROR, "RateLimitError": bodies.REJECTION},

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from conductor.requests import ROLES, Limits
+from engine.tokenizer import Tokenizer
 from halfmoon.results import ModelInfo
 
 Schema = dict[str, Any]
@@ -95,10 +96,25 @@ _STREAM_OPTIONS_NEED_STREAM: Schema = {
 }
 
 
-def completion_request(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int | None) -> Schema:
+def unspellable(tokenizer: Tokenizer) -> str:
+    """The ASCII characters `tokenizer` turns into no token at all (SmolLM2's vocabulary has none
+    for six control characters, which it drops): a text of only these is an empty prompt."""
+    return "".join(chr(b) for b in range(128) if not tokenizer.encode(chr(b)))
+
+
+def _text_prompt(limits: Limits, dropped: str) -> Schema:
+    text: Schema = {"type": "string", "minLength": 1,
+                    "description": f"at most {limits.max_prompt_tokens} tokens once tokenized (400 otherwise)"}
+    if dropped:  # at least one character the vocabulary can spell
+        text["pattern"] = "[^" + "".join(f"\\x{ord(c):02x}" for c in dropped) + "]"
+    return text
+
+
+def completion_request(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int | None,
+                       dropped: str = "") -> Schema:
+    """`dropped`: the characters the tokenizer spells as no token (`unspellable`)."""
     ids = {**_token_ids(model.vocab_size, prompt_bound(limits, model, kv)), "minItems": 1}
-    text = {"type": "string", "minLength": 1,
-            "description": f"at most {limits.max_prompt_tokens} tokens once tokenized (400 otherwise)"}
+    text = _text_prompt(limits, dropped)
     batch_of_one = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, ids]}}
     properties = _common(limits, model, classes, kv) | {
         "prompt": {"anyOf": [text, ids, batch_of_one], "description": "text, token ids, or a batch of one"},

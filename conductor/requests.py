@@ -140,6 +140,9 @@ def prompt_ids(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits:
     else:
         assert spec.prompt is not None
         ids = tokenizer.encode(spec.prompt)
+    if not ids and spec.prompt:  # e.g. control characters SmolLM2's vocabulary has no token for
+        raise InvalidRequestError(spec.name(given[0]), "is empty once tokenized: the model's vocabulary "
+                                  "spells none of its characters")
     if not ids:
         raise InvalidRequestError(spec.name(given[0]), "is empty")
     limit = min(limits.max_prompt_tokens, card.max_model_len - 1)

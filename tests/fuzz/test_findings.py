@@ -89,3 +89,25 @@ def test_list_models_refuses_a_request_that_does_not_decode(fuzz_api: RunningApi
             call(b"\x00", metadata=[("authorization", AUTH["Authorization"])], timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert len(call(b"", metadata=[("authorization", AUTH["Authorization"])], timeout=30).models) == 1
+
+
+def test_a_top_k_over_int64_is_served_and_the_engine_lives(fuzz_api: RunningApi) -> None:
+    """Schemathesis: `top_k: 57553893800891459305472` failed the engine's step ("Overflow when
+    unpacking long long"), which stopped the engine: every later request was a 503 and /health
+    said unavailable. A k at or over the vocabulary now means every token."""
+    answer = post(fuzz_api, "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                "temperature": 1.0, "top_k": 57553893800891459305472})
+    assert answer.status_code == 200, answer.text
+    health = httpx.get(f"{fuzz_api.http_url}/health", timeout=10)
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+
+
+def test_a_prompt_the_vocabulary_cannot_spell_is_a_400_the_schema_foretells(fuzz_api: RunningApi) -> None:
+    """Schemathesis: the schema-valid prompt "\\x14" was a 400 "is empty": SmolLM2's vocabulary
+    has no token for it. The document now says which characters the tokenizer drops."""
+    answer = post(fuzz_api, "/v1/completions", {"model": MODEL, "prompt": "\x14\x04", "max_tokens": 1})
+    assert answer.status_code == 400 and "vocabulary" in answer.json()["error"]["message"]
+    doc = httpx.get(f"{fuzz_api.http_url}/openapi.json", timeout=10).json()
+    text = doc["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"][0]
+    assert text["pattern"] == r"[^\x04\x06\x13\x14\x16\x1d]"
+    assert post(fuzz_api, "/v1/completions", {"model": MODEL, "prompt": "\x14a", "max_tokens": 1}).status_code == 200
