@@ -235,7 +235,7 @@ class Engine:
         this rank's place in a tensor-parallel engine (its size, its first KV head)."""
         shard = self.model.shard
         return KVLayout.of(self.kv_cache, self.model_config.fingerprint, self.windows, shard.world,
-                           shard.kv_heads.start)
+                           shard.kv_heads.start, shard.rank, self.model_config.num_kv_heads)
 
     def window_truncated(self, prompt_len: int) -> bool:
         """Whether a prefilled prompt of this length arrives without some sliding layer's oldest

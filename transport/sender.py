@@ -7,6 +7,10 @@ streams transfer units straight from the local KV tensor, and a bound on in-flig
     stream.finish({"first_token": 42})          # after the last unit
     stream.wait(timeout=30)                      # the receiver verified everything, or raises
 
+Between tensor-parallel layouts (transport/heads.py) one sender connects one prefill rank's KV
+to one decode rank's receiver and moves the heads the handshake's plan gives the pair
+(`piece`); its DONE tells the receiver how many source ranks feed it (`sources`).
+
 `send_layer` only queues: the bytes are read from the KV tensor by the sender thread, so the
 caller must not overwrite those blocks until `stream.wait()` (or `stream.flush()`) returns.
 Queued + sending bytes never exceed `max_inflight_bytes`: a slow receiver makes `send_layer`
@@ -35,6 +39,7 @@ from transport.errors import (
     TransportError,
 )
 from transport.faults import FaultInjector
+from transport.heads import check_layouts, num_sources, sender_heads
 from transport.layout import KVBytes, KVLayout
 from transport.protocol import (
     Header,
@@ -108,7 +113,7 @@ class PushStream:
         if not src_ids:
             return
         self._check_open()
-        nbytes = self.sender.layout.unit_bytes(len(src_ids))
+        nbytes = self.sender.kv.unit_bytes(len(src_ids))
         self.sender._submit(_Job(Kind.UNIT, self, layer, list(src_ids), list(dst_ids), nbytes))
         self.units_submitted += 1
         if self.log is not None:
@@ -127,9 +132,10 @@ class PushStream:
         self.cancelled = True
         self.sender._cancel(self)
 
-    def flush(self, timeout: float) -> None:
-        """Block until every queued unit has left (its source blocks may be reused)."""
-        self.sender._flush(self, timeout)
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every queued unit has left (its source blocks may be reused); `timeout`
+        defaults to the sender's."""
+        self.sender._flush(self, self.sender.timeout if timeout is None else timeout)
 
     def wait(self, timeout: float) -> None:
         """Block until the receiver confirmed (raises its error, or TransferTimeoutError)."""
@@ -166,13 +172,13 @@ class KVSender:
                  secret: bytes | None = None, timeout: float = 30.0,
                  max_inflight_bytes: int = 256 << 20, faults: FaultInjector | None = None) -> None:
         """Connects and handshakes at once (raises HandshakeError naming the differing field)."""
-        self.kv = KVBytes(kv_cache)
         self.layout = layout
         self.address = address
         self.timeout = timeout
         self.max_inflight_bytes = max_inflight_bytes
         self.faults = faults
         self.stats = SenderStats()
+        self.kv_cache = kv_cache
         self.channel = backend.connect(address, timeout)
         try:
             self._handshake(secret)
@@ -194,7 +200,13 @@ class KVSender:
             t.start()
 
     def _handshake(self, secret: bytes | None) -> None:
-        offer_handshake(self.channel, self.layout, secret, self.timeout)
+        """Agree on the layouts: which of this rank's heads go to the receiver's rank, and how."""
+        peer = offer_handshake(self.channel, self.layout, secret, self.timeout)
+        self.peer_layout = peer
+        self.piece = check_layouts(self.layout, peer)
+        self.kv = KVBytes(self.kv_cache, sender_heads(self.piece))
+        self.dst_staged = self.piece.count != peer.num_kv_heads  # the receiver scatters a head slice
+        self.sources = num_sources(peer.total_kv_heads, self.layout.tp, peer.tp, peer.rank)
 
     # ------------------------------------------------------------------ the caller's verbs
 
@@ -331,7 +343,7 @@ class KVSender:
         if job.kind is Kind.UNIT:
             return self._send_unit(job)
         if job.kind is Kind.DONE:
-            done = {"request_id": stream.request_id, "meta": job.meta}
+            done = {"request_id": stream.request_id, "meta": job.meta, "sources": self.sources}
             if stream.traceparent is not None:
                 done["traceparent"] = stream.traceparent
             body = json_body(done)
@@ -344,9 +356,9 @@ class KVSender:
     def _send_unit(self, job: _Job) -> Callable[[float], None] | None:
         """Header + body, then the payload frames and the hash trailer as one batch, so a message
         backend keeps frames in flight while the next ones are hashed."""
-        views = self.kv.views(job.layer, job.src)
+        views = self.kv.read_views(job.layer, job.src)
         corrupt = self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer)
-        lengths = unit_frame_lengths(self.kv, job.src, job.dst, job.nbytes)
+        lengths = unit_frame_lengths(self.kv, job.src, job.dst, job.nbytes, self.dst_staged)
         header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes,
                         count=len(lengths))
         head = message_frames(header, unit_body(job.stream.request_id, job.dst, lengths))
