@@ -186,6 +186,7 @@ class EngineWorker:
         served = self.block_server.served_blocks if self.block_server is not None else 0
         reader = self.remote if isinstance(self.remote, TransportBlockReader) else None
         return replace(engine_load(self.engine, self.loop), blocks_served_remote=served, node_id=self.spec.node_id,
+                       tp=self.engine.config.tp,
                        fetches_in_flight=reader.in_flight if reader is not None else 0,
                        fetch_failures=reader.failures if reader is not None else 0)
 
