@@ -35,7 +35,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -199,6 +201,7 @@ class Ranks:
         self.kv = kv
         self.failed: BaseException | None = None
         group.describe_peers = self.describe
+        self._closing = threading.Event()
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -266,12 +269,26 @@ class Ranks:
             dead.append(f"rank {rank} (pid {proc.pid}) exited with code {code}")
         return "; ".join(dead) if dead else "every rank's process is running"
 
+    def watch(self, on_lost: Callable[[str], None], interval_s: float = 0.2) -> None:
+        """Call `on_lost(why)` once, from a thread of its own, when a rank's process exits while
+        the engine is not closing: an idle engine learns of it without waiting for a step."""
+
+        def run() -> None:
+            while not self._closing.wait(interval_s):
+                if any(p.poll() is not None for p in list(self.procs)):
+                    if not self._closing.is_set():
+                        on_lost(f"tensor-parallel rank lost: {self.describe()}")
+                    return
+
+        threading.Thread(target=run, name="tp-rank-watch", daemon=True).start()
+
     def pids(self) -> list[int]:
         """The processes of ranks 1..N-1."""
         return [p.pid for p in self.procs]
 
     def close(self) -> None:
         """Stop every rank (a stop packet, then kill past `STOP_TIMEOUT_S`)."""
+        self._closing.set()
         _stop(self.procs, self.conns)
         for k in self.kv:
             k.unlink()
