@@ -11,7 +11,6 @@ every worker's integrity check passes after.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import pytest
 
