@@ -60,8 +60,8 @@ class SimConfig:
         tokens_per_step tokens each: the workers are simulated one token-time per step
         (`SpeculativeCost`) and admission counts the same tokens per step.
     prefill_tp, decode_tp: each worker's tensor-parallel size (devices it holds); the cost
-        model is the layout's (`LayoutCost`: prefill from a TP=prefill_tp profile, decode steps
-        from a TP=decode_tp one). Co-located: prefill_tp is the engine's.
+        model is the layout's (`CostModel.with_decode_of`: prefill from a TP=prefill_tp profile,
+        decode steps from a TP=decode_tp one). Co-located: prefill_tp is the engine's.
     """
 
     prefill: int = 1
@@ -155,21 +155,6 @@ class SpeculativeCost:
 
     def __getattr__(self, name: str) -> object:  # everything else is the wrapped model's
         return getattr(self.cost, name)
-
-
-class LayoutCost:
-    """The cost model of a prefill TP=p / decode TP=d layout: prefill times (and the KV transfer)
-    from the TP=p workers' profile, decode step times from the TP=d workers' (`halfmoon profile
-    --tp N` on each). What the simulated workers and the dispatcher both read."""
-
-    def __init__(self, prefill: CostModel, decode: CostModel) -> None:
-        self.prefill, self.decode = prefill, decode
-
-    def est_decode_step_ms(self, batch: int, context_tokens: int) -> float:
-        return self.decode.est_decode_step_ms(batch, context_tokens)
-
-    def __getattr__(self, name: str) -> object:  # prefill, transfer, kv bytes: the prefill side's
-        return getattr(self.prefill, name)
 
 
 class Simulator:

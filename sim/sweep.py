@@ -3,7 +3,7 @@ prefill:decode split of a device budget, times every tier size on a grid, each r
 fresh simulated cluster; the best shape is the one with the most goodput per device (ties: more
 goodput, then fewer prefill workers). With every worker at TP=1 a device is a worker.
 
-A layout's cost model is `sim.cluster.LayoutCost`: prefill from the TP=p profile, decode steps
+A layout's cost model is `CostModel.with_decode_of`: prefill from the TP=p profile, decode steps
 from the TP=d one (`halfmoon profile --tp N` per size). Tensor-parallel workers keep no host tier
 (docs/OPERATIONS.md), so a layout with TP > 1 is tried with host tokens 0 only."""
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from conductor.cost_model import CostModel
 from core.errors import ConfigError
-from sim.cluster import LayoutCost, SimConfig, simulate
+from sim.cluster import SimConfig, simulate
 from sim.report import summarize
 from sim.workload import Workload
 
@@ -65,7 +65,7 @@ def layout_cost(tp_costs: Mapping[int, CostModel], prefill_tp: int, decode_tp: i
         raise ConfigError(f"no profile for tp {missing}: `halfmoon profile --tp N` per size of a layout")
     if prefill_tp == decode_tp:
         return tp_costs[prefill_tp]
-    return LayoutCost(tp_costs[prefill_tp], tp_costs[decode_tp])  # type: ignore[return-value]
+    return tp_costs[prefill_tp].with_decode_of(tp_costs[decode_tp])
 
 
 def sweep(workload: Workload, grid: Grid, base: SimConfig, cost: CostModel,

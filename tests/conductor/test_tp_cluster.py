@@ -16,6 +16,7 @@ import pytest
 
 from conductor.backend import GenerationInput
 from conductor.cluster import ClusterBackend
+from conductor.cost_model import CostModel
 from core.blocks import cdiv
 from core.params import SamplingParams
 from engine.engine import Engine
@@ -74,4 +75,27 @@ def test_kv_between_layouts_is_token_identical_and_each_decode_rank_gets_its_hea
         assert load.kv_rank_bytes == tuple((b - a) * per_head for a, b in heads), "each rank: its heads' bytes only"
     finally:
         run(backend.stop(), timeout_s=60)
+        loop.close()
+
+
+def test_with_decode_workers_of_another_size_the_conductor_routes_on_both_profiles(
+        smollm2_weights: LoadedWeights, tmp_path_factory: pytest.TempPathFactory,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cost model given, prefill TP=1 and decode TP=2: the Conductor profiles a worker of each
+    (cached under its own shape) and takes prefill from one, decode steps from the other."""
+    cache = tmp_path_factory.mktemp("profiles")
+    monkeypatch.setenv("HALFMOON_CACHE_DIR", str(cache))
+    config = cluster_config(prefill_tp=1, decode_tp=2)
+    workers = InProcessWorkers(config, smollm2_weights)
+    backend = ClusterBackend(config, redis_url=None, workers=workers)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(asyncio.wait_for(backend.start(), 300))
+        profiles = [CostModel.load(p) for p in sorted((cache / "profiles").glob("*.json"))]
+        assert len(profiles) == 2, "one profile per worker shape"
+        (tp2,) = [p for p in profiles if p.decode_coef == backend.cost.decode_coef]
+        (tp1,) = [p for p in profiles if p is not tp2]
+        assert backend.cost.prefill_coef == tp1.prefill_coef and tp1.decode_coef != tp2.decode_coef
+    finally:
+        loop.run_until_complete(asyncio.wait_for(backend.stop(), 60))
         loop.close()
