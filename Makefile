@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.halfmoon-installed
 # The venv is stale when any of these change.
 DEPS   := pyproject.toml setup.py kvpool/_copysum.c transport/_ucxspin.c kernels/_paged_attn.c kernels/_qgemv.c kernels/_fused.c kernels/_expf.h constraints.txt Makefile deploy/install.sh
 
-.PHONY: setup serve test bench lint proto clean browser
+.PHONY: setup serve test bench lint proto clean browser fuzz
 
 setup: $(STAMP)
 
@@ -26,6 +26,20 @@ test: lint browser
 
 bench: $(STAMP)
 	$(VENV)/bin/halfmoon bench engine $(ARGS)
+
+# The fuzzers (tests/fuzz, docs/OPERATIONS.md "Fuzzing"), both against a live front door over a
+# real SmolLM2 engine: Schemathesis over the published /openapi.json (every operation, positive and
+# negative cases, every check) and the gRPC fuzzer over every RPC (Hypothesis, from the proto
+# descriptors). Each runs FUZZ_MINUTES; FUZZ_CASES is Schemathesis's cases per operation before
+# its time budget. `make fuzz` (10 minutes each) runs well over 1000 Schemathesis cases; failures
+# are reproduced by FUZZ_SEED, and Schemathesis's JUnit reports land in fuzz-reports/.
+FUZZ_MINUTES ?= 10
+FUZZ_CASES ?= 100
+FUZZ_SEED ?= 37
+fuzz: $(STAMP)
+	HALFMOON_FUZZ_MINUTES=$(FUZZ_MINUTES) HALFMOON_FUZZ_CASES=$(FUZZ_CASES) HALFMOON_FUZZ_SEED=$(FUZZ_SEED) \
+	HALFMOON_FUZZ_REPORTS=fuzz-reports $(PY) -m pytest -q -s -p no:cacheprovider --timeout=0 \
+	tests/fuzz/test_http_fuzz.py tests/fuzz/test_grpc_fuzz.py
 
 # Stubs of the public API go into the Python package halfmoon.v1 (the proto package's name).
 proto: $(STAMP)

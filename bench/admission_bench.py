@@ -38,14 +38,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench.admission_metrics import (POLICIES, Calibration, best_goodput, goodput, index_health, offered_rps,
                                      run_metrics, scaled, search_speed, trace_rate, verdict, windowed)
+from bench.admission_optimum import fetch_cost_model, replay_optimum
 from bench.admission_report import plot, render
 from bench.report import Progress, machine_info, utc_now
 from bench.serve_args import BASELINE_ARGS, CLUSTER_ARGS, add_replay_flags
 from bench.serve_bench import ReplayOptions, System, replay, serving
 from bench.serve_metrics import RequestRecord, Slo, request_rows, summarize
 from bench.workload import Caps, Workload, trace_workload
+from conductor.cost_model import CostModel
+from core.errors import ConfigError
 
 MODES = ("cluster", "colocated")
 REQUIRED_SERVE_FLAGS = ("--admission", "--standard-ttft-ms", "--standard-tbt-ms")
@@ -235,17 +240,29 @@ class Server:
 
 
 def run_loads(server: Server, speed: float, loads: Sequence[float], plan: Plan) -> list[dict[str, Any]]:
-    """One replay per load (speed x load) against the server, each followed by a /metrics scrape."""
-    runs = []
+    """One replay per load (speed x load) against the server, each followed by a /metrics scrape
+    and the offline optimum of what it replayed (bench/admission_optimum.py)."""
+    runs: list[dict[str, Any]] = []
+    seen: list[np.ndarray] = []  # prompts earlier replays left in the server's prefix cache
+    try:
+        cost: CostModel | None = fetch_cost_model(server.http_url)
+        cost_error = None
+    except ConfigError as e:
+        cost, cost_error = None, str(e)
     for load in loads:
         w = plan.at_load(speed, load)
         label = f"{server.mode} {server.policy} {load:g}x"
         records, makespan = plan.replay(server.target, w, label)
         metrics = run_metrics(records, w.duration_s, makespan, plan.opts.slo)
+        prompts = [np.asarray(r.prompt_ids) for r in w.requests]
+        optimum = {"error": cost_error} if cost is None else replay_optimum(
+            records, prompts, seen, cost, server.serve_args, plan.opts.slo,
+            makespan if plan.same_requests else w.duration_s)
+        seen.extend([] if plan.same_requests else prompts)  # salted replays start cold
         runs.append({"mode": server.mode, "policy": server.policy, "load": load, "speed": round(speed * load, 4),
                      "goodput_basis": "makespan" if plan.same_requests else "window",
                      "serve_args": server.serve_args, "workload": w.summary(), "metrics": metrics,
-                     "index": scrape_index_health(server.http_url), "requests": rows(records)})
+                     "optimum": optimum, "index": scrape_index_health(server.http_url), "requests": rows(records)})
         plan.say(f"{label}: goodput {goodput(runs[-1]) or 0:.3f} req/s ({runs[-1]['goodput_basis']}), "
                  f"{metrics['rejected']} rejected, {metrics['errors_5xx']} errors")
     return runs

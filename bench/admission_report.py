@@ -12,6 +12,7 @@ import numpy as np
 from bench.admission_metrics import (ADMITTED_OK_PCT, COLLAPSE_OF_BEST_PCT, GOODPUT_OF_BEST_PCT, OVERLOAD,
                                      best_goodput, goodput, pct_of_best)
 from bench.report import ruled
+from sim.optimum_jobs import optimum_cell
 
 # (header, width, the cell of a run)
 COLUMNS: tuple[tuple[str, int, Any], ...] = (
@@ -24,6 +25,9 @@ COLUMNS: tuple[tuple[str, int, Any], ...] = (
     ("cut", 5, lambda run, best: str(run["metrics"]["timed_out"])),
     ("goodput", 9, lambda run, best: _num(goodput(run), 3)),
     ("%best", 7, lambda run, best: _num(pct_of_best(goodput(run), best))),
+    ("met", 5, lambda run, best: str(run["metrics"].get("slo_met", "-"))),
+    ("optimum", 10, lambda run, best: _optimum(run)),
+    ("%opt", 7, lambda run, best: _num((run.get("optimum") or {}).get("pct_of_optimum"))),
     ("adm-ok%", 9, lambda run, best: _num(run["metrics"]["admitted_ok_pct"])),
     ("wasted-pf", 11, lambda run, best: str(run["metrics"]["wasted_prefill_tokens"])),
     ("TTFT p90", 10, lambda run, best: _num(run["metrics"]["ttft_ms"]["p90"], 0)),
@@ -33,6 +37,12 @@ COLUMNS: tuple[tuple[str, int, Any], ...] = (
     ("hb-gap-s", 10, lambda run, best: _num(run["index"]["heartbeat_max_gap_s"], 2)),
     ("resyncs", 9, lambda run, best: _num(run["index"]["resyncs"], 0)),
 )
+
+
+def _optimum(run: dict[str, Any]) -> str:
+    """The replay's offline optimum (bench/admission_optimum.py): N, L..U out of budget, - without."""
+    o = run.get("optimum") or {}
+    return optimum_cell(o) if "served" in o else "-"
 
 
 def _num(x: float | None, digits: int = 1) -> str:
@@ -92,8 +102,29 @@ def render(result: dict[str, Any]) -> str:
     parts.append("columns: offered/goodput req/s; rej = RESOURCE_EXHAUSTED; 5xx = any other status; cut = "
                  "still running at the replay's deadline; adm-ok% = admitted meeting both SLOs; wasted-pf = "
                  "prefill tokens of admitted requests that missed; *-err% = median |predicted - measured| / "
-                 "measured; hb-gap-s, resyncs = the index heartbeat from /metrics (- = not exported)")
+                 "measured; hb-gap-s, resyncs = the index heartbeat from /metrics (- = not exported); met = "
+                 "requests meeting both SLOs; optimum = the most any admission policy could have served of "
+                 "the replay (sim/optimum.py's model on the server's cost model; L..U: the search ran out), "
+                 "%opt = met / optimum")
+    parts.extend(gap_lines(result))
     return "\n\n".join(parts)
+
+
+def gap_lines(result: dict[str, Any]) -> list[str]:
+    """Per run, the requests the optimum's schedule serves and the policy did not, by outcome
+    (where the policy loses to the optimum), or why there is no optimum."""
+    lines = []
+    for entry in result["modes"].values():
+        for run in entry["runs"]:
+            o = run.get("optimum") or {}
+            name = f"{run['mode']} {run['policy']} {run['load']:g}x"
+            if "error" in o:
+                lines.append(f"{name}: no optimum ({o['error']})")
+            elif "gap" in o:
+                lost = ", ".join(f"{k} {v}" for k, v in o["gap"]["optimum_only_by_outcome"].items()) or "none"
+                lines.append(f"{name}: the optimum's schedule serves {o['gap']['optimum_only']} it did not "
+                             f"({lost}); it serves {o['gap']['policy_only']} outside that schedule")
+    return ["vs the offline optimum:\n  " + "\n  ".join(lines)] if lines else []
 
 
 # ---------------------------------------------------------------------------- plots

@@ -14,6 +14,12 @@ worker dropped (the prefill worker's drill verb, through Ray). Per fault it prin
   Redis: until the Conductor's index is healthy again), median over the runs;
 - prompt tokens re-prefilled: what the Conductor sent to prefill again (a moved request's prompt is
   its prompt + the tokens already sent; `halfmoon_requests_reprefilled_tokens_total`).
+
+`--standby 0,1` runs the whole set once per value (`halfmoon serve --standby N`: N warm spares
+per role, issue 37), one server after the other; a worker kill strikes the role's serving worker
+and, with standbys, waits before each strike until the role has its standby again. Time to serve
+again is then from the kill until a request sent right after it is answered. With standbys it
+also reports the memory of a standby's process (RSS, and USS: the pages only it holds).
 """
 
 from __future__ import annotations
@@ -47,23 +53,32 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--runs", type=int, default=3, help="strikes per fault (time to serve again: their median)")
     p.add_argument("--streams", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--standby", default="0", help="comma-separated standby counts, one server each (e.g. 0,1)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", default=None, help="write chaos_bench.json here")
     args = p.parse_args(argv)
     unknown = set(args.faults.split(",")) - set(FAULTS)
     if unknown:
         p.error(f"unknown faults {sorted(unknown)}; choose from {', '.join(FAULTS)}")
+    try:
+        args.standbys = [int(n) for n in args.standby.split(",")]
+    except ValueError:
+        p.error(f"--standby takes comma-separated integers, got {args.standby!r}")
+    if any(n < 0 for n in args.standbys):
+        p.error("--standby counts must be >= 0")
     return args
 
 
 class Server:
     """`halfmoon serve` in its own process group; its HTTP / gRPC addresses and its processes."""
 
-    def __init__(self, log: Path) -> None:
+    def __init__(self, log: Path, standby: int = 0) -> None:
         self.log = log
+        self.standby = standby
         with open(log, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--grpc-port", "0",
-                                          "--http-port", "0", *SERVE_ARGS], stdout=out, stderr=out, text=True,
+                                          "--http-port", "0", *SERVE_ARGS, "--standby", str(standby)],
+                                         stdout=out, stderr=out, text=True,
                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.killed_redis = 0  # the pid the redis fault killed last
         match = self._wait(r"listening grpc=(\S+) http=(\S+)", 300)
@@ -89,6 +104,15 @@ class Server:
         if len(found) != 1:
             raise RuntimeError(f"expected one {marker} process, found {found}")
         return found[0]
+
+    def serving(self, role: str) -> dict[str, Any]:
+        """The live view of `role`'s serving worker (1P1D: one; a standby is not serving)."""
+        return next(w for w in self.live()["workers"] if w["role"] == role and w["state"] in ("ready", "promoting"))
+
+    def standbys_ready(self) -> bool:
+        """Every role has its `standby` spares warmed up (after a kill: the restart's warm-up)."""
+        ready = [w["role"] for w in self.live()["workers"] if w["state"] == "standby" and w["alive"]]
+        return all(ready.count(role) >= self.standby for role in ("prefill", "decode"))
 
     def live(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.http + "/dashboard/api/live", timeout=10) as r:
@@ -178,9 +202,10 @@ def reprefilled(server: Server) -> int:
     return int(float(match.group(1))) if match else 0
 
 
-def served_again(server: Server, worker_id: str | None, restarts: int, struck: float, probe: list[int]) -> float:
-    """Seconds from the strike until the struck worker is back and answered a new request (Redis:
-    until /health is ok again: the index re-synced); polled while the streams still run."""
+def served_again(server: Server, worker_id: str | None, struck: float, probe: list[int]) -> float:
+    """Seconds from the strike until a request sent right after it is answered (a dead worker's
+    request moves to a promoted standby or waits for the restart: the Conductor's own path);
+    Redis: until /health is ok again (the index re-synced). Polled while the streams still run."""
     deadline = struck + 300
     while time.monotonic() < deadline:
         if worker_id is None:  # Redis: a new redis-server answers and the Conductor's index is healthy
@@ -190,11 +215,8 @@ def served_again(server: Server, worker_id: str | None, restarts: int, struck: f
                 back = False
             if back and server.health().get("status") == "ok":
                 return time.monotonic() - struck
-        else:
-            w = next(w for w in server.live()["workers"] if w["id"] == worker_id)
-            if w["alive"] and w["restarts"] > restarts:
-                if not stream_all(server.grpc, [probe], 2, None)[0]["error"]:
-                    return time.monotonic() - struck
+        elif not stream_all(server.grpc, [probe], 2, None)[0]["error"]:
+            return time.monotonic() - struck
         time.sleep(0.05)  # polling the server's own view of its workers
     raise RuntimeError(f"{worker_id or 'the index'} did not come back within 300 s")
 
@@ -202,8 +224,8 @@ def served_again(server: Server, worker_id: str | None, restarts: int, struck: f
 def strike_for(fault: str, server: Server) -> tuple[Callable[[], None], str | None]:
     """The fault as a callable, and the worker it strikes (None: Redis / the connections)."""
     if fault in ("decode", "prefill"):
-        marker = "ray::DecodeWorker" if fault == "decode" else "ray::PrefillWorker"
-        return (lambda: os.kill(server.pid_of(marker), signal.SIGKILL)), f"{fault}-0"
+        victim = server.serving(fault)
+        return (lambda: os.kill(victim["pid"], signal.SIGKILL)), victim["id"]
     if fault == "redis":
         def kill_redis() -> None:
             server.killed_redis = server.pid_of(_redis_marker())
@@ -216,9 +238,33 @@ def strike_for(fault: str, server: Server) -> tuple[Callable[[], None], str | No
 
         if not ray.is_initialized():
             ray.init(address="auto", namespace="halfmoon", log_to_driver=False)
-        ray.get(ray.get_actor("prefill-0", namespace="halfmoon").drop_kv_connections.remote(), timeout=30)
+        serving = server.serving("prefill")["id"]
+        ray.get(ray.get_actor(serving, namespace="halfmoon").drop_kv_connections.remote(), timeout=30)
 
     return drop, None
+
+
+def _await_standbys(server: Server, timeout_s: float = 180.0) -> None:
+    """Until every role has its standbys warmed up again (the last kill's restart)."""
+    deadline = time.monotonic() + timeout_s
+    while not server.standbys_ready():
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"the standbys were not all warmed up again within {timeout_s:g} s")
+        time.sleep(0.2)  # polling the server's view of its standbys
+
+
+def standby_memory(server: Server) -> dict[str, Any] | None:
+    """RSS and USS (MiB) of each standby's process, and of the serving workers' for comparison."""
+    import psutil
+
+    if not server.standby:
+        return None
+    out: dict[str, Any] = {}
+    for w in server.live()["workers"]:
+        info = psutil.Process(w["pid"]).memory_full_info()
+        out[w["id"]] = {"role": w["role"], "state": w["state"], "rss_mib": round(info.rss / 2**20, 1),
+                        "uss_mib": round(info.uss / 2**20, 1)}
+    return out
 
 
 def _redis_marker() -> str:
@@ -231,8 +277,8 @@ def run_fault(server: Server, fault: str, prompts: list[list[int]], want: list[l
               probe: list[int]) -> dict[str, Any]:
     runs = []
     for _ in range(args.runs):
+        _await_standbys(server)
         strike, worker = strike_for(fault, server)
-        restarts = next((w["restarts"] for w in server.live()["workers"] if w["id"] == worker), 0)
         before = reprefilled(server)
         again: list[float] = []
         watcher: list[threading.Thread] = []
@@ -241,13 +287,13 @@ def run_fault(server: Server, fault: str, prompts: list[list[int]], want: list[l
             at = time.monotonic()
             strike()
             if fault != "kv-drop":  # measured while the streams still run
-                watch = threading.Thread(target=lambda: again.append(served_again(server, worker, restarts, at, probe)),
+                watch = threading.Thread(target=lambda: again.append(served_again(server, worker, at, probe)),
                                          daemon=True)
                 watch.start()
                 watcher.append(watch)
 
         # The prefill worker is struck with prefills queued on it; the others mid-stream.
-        ready = (lambda: _queued(server, "prefill-0") > 0) if fault == "prefill" else None
+        ready = (lambda: _queued(server, worker) > 0) if fault == "prefill" else None
         results = stream_all(server.grpc, prompts, args.max_tokens, struck, ready=ready)
         for watch in watcher:
             watch.join(300)
@@ -276,30 +322,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = Tokenizer.from_gguf(resolve_model_path("smollm2"))
     prompts = [tok.encode(f"Write about {TOPICS[i % len(TOPICS)]}. Describe it slowly.") for i in range(args.streams)]
     probe = tok.encode("The capital of France is")
-    server = Server(out / "serve.log")
+    clusters = [run_cluster(out, n, prompts, probe, args, say) for n in args.standbys]
+    result = {"benchmark": "chaos", "streams": args.streams, "max_tokens": args.max_tokens, "runs": args.runs,
+              "serve_args": SERVE_ARGS, "clusters": clusters}
+    (out / "chaos_bench.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result) if args.json else render(result))
+    return 0 if all(f["errors"] == 0 for c in clusters for f in c["faults"]) else 1
+
+
+def run_cluster(out: Path, standby: int, prompts: list[list[int]], probe: list[int], args: argparse.Namespace,
+                say: Callable[[str], None]) -> dict[str, Any]:
+    """Every fault on one `halfmoon serve --standby <standby>`; its results (and standby memory)."""
+    server = Server(out / f"serve-standby{standby}.log", standby)
     try:
-        say(f"halfmoon serve up at {server.grpc}; the undisturbed run ...")
+        say(f"halfmoon serve --standby {standby} up at {server.grpc}; the undisturbed run ...")
         want = [r["tokens"] for r in stream_all(server.grpc, prompts, args.max_tokens, None)]
+        _await_standbys(server)
+        memory = standby_memory(server)
         results = []
         for fault in args.faults.split(","):
             say(f"fault {fault}: {args.runs} strike(s) on {args.streams} streams of {args.max_tokens} tokens ...")
             results.append(run_fault(server, fault, prompts, want, args, probe))
     finally:
         server.stop()
-    result = {"benchmark": "chaos", "streams": args.streams, "max_tokens": args.max_tokens, "runs": args.runs,
-              "serve_args": SERVE_ARGS, "faults": results}
-    (out / "chaos_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result) if args.json else render(result))
-    return 0 if all(f["errors"] == 0 for f in results) else 1
+    return {"standby": standby, "faults": results, "memory": memory}
 
 
 def render(result: dict[str, Any]) -> str:
     lines = [f"halfmoon bench chaos: {result['streams']} greedy streams of {result['max_tokens']} tokens, "
-             f"{result['runs']} strike(s) per fault (1P1D)",
-             f"{'fault':10}{'errors':>8}{'identical':>11}{'longest stall s':>17}{'serve again s (median)':>24}"
-             f"{'re-prefilled tok':>18}"]
-    for f in result["faults"]:
-        again = "-" if f["serve_again_median_s"] is None else f"{f['serve_again_median_s']:.2f}"
-        lines.append(f"{f['fault']:10}{f['errors']:>8}{f['identical']:>11}{f['longest_stall_s']:>17.2f}{again:>24}"
-                     f"{f['reprefilled_tokens']:>18}")
+             f"{result['runs']} strike(s) per fault (1P1D)"]
+    for c in result["clusters"]:
+        lines += [f"--standby {c['standby']}",
+                  f"{'fault':10}{'errors':>8}{'identical':>11}{'longest stall s':>17}{'serve again s (median)':>24}"
+                  f"{'re-prefilled tok':>18}"]
+        for f in c["faults"]:
+            again = "-" if f["serve_again_median_s"] is None else f"{f['serve_again_median_s']:.2f}"
+            lines.append(f"{f['fault']:10}{f['errors']:>8}{f['identical']:>11}{f['longest_stall_s']:>17.2f}"
+                         f"{again:>24}{f['reprefilled_tokens']:>18}")
+        for wid, m in sorted((c["memory"] or {}).items()):
+            lines.append(f"  {wid} ({m['role']}, {m['state']}): RSS {m['rss_mib']:.0f} MiB, USS {m['uss_mib']:.0f} MiB")
     return "\n".join(lines)

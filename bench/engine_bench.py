@@ -203,12 +203,12 @@ class TransformersSystem:
     name = BASELINE
 
     def __init__(self, model: torch.nn.Module, pad_id: int) -> None:
-        self.model = model
-        self.pad_id = pad_id
+        self.model, self.pad_id = model, pad_id
+        self.device = next(model.parameters()).device  # the ids go where the model is (--device cuda)
 
     def _generate(self, prompts: list[list[int]], n_out: int,
                   clock: TokenClock | None = None) -> tuple[float, list[list[int]]]:
-        ids = torch.tensor(prompts, dtype=torch.long)
+        ids = torch.tensor(prompts, dtype=torch.long, device=self.device)
         mask = torch.ones_like(ids)  # equal lengths: the left-padded batch has no padding
         with torch.inference_mode():
             wall, out = timed(lambda: self.model.generate(
@@ -265,10 +265,8 @@ def load_transformers(dtype: torch.dtype, model_name: str = MODEL) -> Transforme
 
 def kv_blocks_needed(sizes: Sizes) -> int:
     """Blocks for the largest workload at once (W2), so nothing is ever preempted."""
-    def blocks(tokens: int) -> int:
-        return cdiv(tokens, BLOCK_SIZE)
-    return max(sizes.w2_batch * blocks(sizes.w2_prompt + sizes.w2_output),
-               blocks(sizes.w1_prompt + sizes.w1_output), blocks(sizes.w3_prompt + 1))
+    return max(sizes.w2_batch * cdiv(sizes.w2_prompt + sizes.w2_output, BLOCK_SIZE),
+               cdiv(sizes.w1_prompt + sizes.w1_output, BLOCK_SIZE), cdiv(sizes.w3_prompt + 1, BLOCK_SIZE))
 
 
 def engine_config(dtype: str, sizes: Sizes, threads: int, max_batched: int,
@@ -453,9 +451,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--speculative", choices=["ngram"], default=None,
                    help="instead: speculative decoding against the same engine with it off "
                         "(quoting / open / batch-32 workloads, bench/spec_bench.py)")
-    p.add_argument("--tp", type=int, default=1,
-                   help="> 1: a tensor-parallel engine's step time and collective time per step against "
-                        "TP=1 in the same run (bench/tp_bench.py) instead of the transformers comparison")
+    p.add_argument("--tp", type=int, default=1, help="> 1: a tensor-parallel engine's step and collective "
+                   "time against TP=1 in the same run (bench/tp_bench.py) instead of the transformers comparison")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: graphs on / off against "
+                   "transformers on the same GPU (bench/cuda_bench.py; --attention-backend)")
+    p.add_argument("--attention-backend", choices=["torch", "flashinfer"], default="torch")
     args = p.parse_args(argv)
     args.threads_default = "--threads" not in argv
     if args.threads <= 0 or args.repeats <= 0 or args.max_num_batched_tokens <= 0 or args.tp <= 0:
@@ -564,11 +564,9 @@ def build_report(args: argparse.Namespace, command: str, sizes: Sizes, config: E
 
 
 def workloads_json(sizes: Sizes) -> dict[str, dict[str, int]]:
-    def workload(requests: int, prompt: int, output: int) -> dict[str, int]:
-        return {"requests": requests, "prompt_tokens": prompt, "output_tokens": output}
-    return {"w1": workload(1, sizes.w1_prompt, sizes.w1_output),
-            "w2": workload(sizes.w2_batch, sizes.w2_prompt, sizes.w2_output),
-            "w3": workload(1, sizes.w3_prompt, 1)}
+    rows = {"w1": (1, sizes.w1_prompt, sizes.w1_output), "w2": (sizes.w2_batch, sizes.w2_prompt, sizes.w2_output),
+            "w3": (1, sizes.w3_prompt, 1)}
+    return {k: dict(zip(("requests", "prompt_tokens", "output_tokens"), v)) for k, v in rows.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -584,6 +582,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import spec_bench
 
         return spec_bench.main(args, command)
+    if args.device == "cuda":
+        from bench import cuda_bench
+
+        return cuda_bench.main(args, command)
     sizes = QUICK if args.quick else FULL
     configs = [engine_config(args.dtype, sizes, args.threads, args.max_num_batched_tokens, q, args.model)
                for q in args.quantization]

@@ -29,7 +29,7 @@ A device capacity smaller than the longest prompt cannot hold one request: it is
 listed as such in the output).
 
 The upper bound is a request's longest run of leading 16-token blocks seen in any earlier
-request, capped like the replay; `upper_bound_512` is the shared/data README's figure (leading
+request, capped like the replay; `upper_bound_512` is bench/data/README.md's figure (leading
 hash ids seen before, in tokens, uncapped), for reference.
 """
 
@@ -112,7 +112,7 @@ class Bound(NamedTuple):
     """Infinite-cache prefix reuse of a trace, in prompt tokens."""
 
     hit_tokens: int  # 16-token blocks, capped like the replay
-    hit_tokens_512: int  # leading hash ids seen before (shared/data README)
+    hit_tokens_512: int  # leading hash ids seen before (bench/data/README.md)
     prompt_tokens: int
     seconds: float  # hashing every distinct chunk + this pass
 
@@ -221,7 +221,8 @@ def replay(requests: Sequence[TraceRequest], hasher: PrefixHasher, capacity: Cap
     blocks = [0, 0, 0]
     start = time.perf_counter()
     for request in requests:
-        for tier, n in enumerate(sim.serve(request, hasher.hashes(request))):
+        hits = sim.serve(request, hasher.hashes(request))
+        for tier, n in enumerate((hits.device, hits.host, hits.disk)):
             blocks[tier] += n
     seconds = time.perf_counter() - start
     sim.finish()

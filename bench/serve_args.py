@@ -32,9 +32,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     w = p.add_argument_group("workload")
     src = w.add_mutually_exclusive_group()
     src.add_argument("--trace", default=None, help="a Mooncake trace (JSON lines) to replay")
-    src.add_argument("--synthetic", choices=["chat", "conversation"], default=None,
+    src.add_argument("--synthetic", choices=["chat", "conversation", "quoting"], default=None,
                      help="a synthetic workload (the default: chat); conversation: a generated Mooncake "
-                          "trace of multi-turn sessions (sim/conversations.py), replayed as a trace")
+                          "trace of multi-turn sessions (sim/conversations.py), replayed as a trace; "
+                          "quoting: bench/data/quoting_prompts.jsonl in the served model's chat template, "
+                          "answers that quote their prompts (bench/spec_serve_bench.py)")
     w.add_argument("--speed", type=float, default=1.0, help="trace: timestamps are divided by this")
     w.add_argument("--max-requests", type=int, default=None, help="trace: replay only the first N")
     w.add_argument("--scale-tokens", type=int, default=512,
@@ -66,6 +68,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--compare", action="store_true", help="baseline vs cluster, each started by the bench")
     t.add_argument("--baseline-args", default=BASELINE_ARGS, help="compare: the co-located baseline")
     t.add_argument("--cluster-args", default=CLUSTER_ARGS, help="compare: the disaggregated cluster")
+    t.add_argument("--speculative-compare", action="store_true",
+                   help="with --synthetic quoting: start --cluster-args twice, --speculative off then ngram, "
+                        "and report TBT p50 at the first rate and goodput at the last (bench/spec_serve_bench.py)")
     t.add_argument("--otlp-sink", action="store_true",
                    help="receive the started servers' traces here (OTLP/gRPC on 127.0.0.1): appends "
                         "--otlp-endpoint to their flags; with --tracing in them, every span is exported")
@@ -82,6 +87,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--compare starts both servers itself; it takes no --target")
     if not 0 < args.scale_tokens <= 512:
         p.error(f"--scale-tokens must be in 1..512, got {args.scale_tokens}")
+    if args.speculative_compare:
+        from bench.spec_serve_bench import check_args
+
+        if (why := check_args(args)) is not None:
+            p.error(why)
     if (args.trace or args.synthetic == "conversation") and args.rates:
         p.error("--rates sweeps the synthetic chat workload; a trace is scaled with --speed")
     if args.synthetic == "conversation":
@@ -106,6 +116,11 @@ def workloads(args: argparse.Namespace) -> list[tuple[float | None, Workload]]:
         path = conversation_file(args) if args.synthetic == "conversation" else args.trace
         return [(None, trace_workload(path, args.speed, caps, args.max_requests, scale_tokens=args.scale_tokens))]
     rates = [float(x) for x in args.rates.split(",")] if args.rates else [args.rate]
+    if args.synthetic == "quoting":
+        from bench.spec_serve_bench import quoting_prompts, quoting_workload, served_model
+
+        prompts = quoting_prompts(served_model(args.baseline_args if args.compare else args.serve_args))
+        return [(rate, quoting_workload(rate, args.duration, args.seed, prompts, caps)) for rate in rates]
     return [(rate, chat_workload(rate, args.duration, args.seed, caps)) for rate in rates]
 
 

@@ -1,7 +1,8 @@
 """`halfmoon bench serve`: replay a workload through the gRPC API and report SLO metrics.
 
 Each request is sent at its arrival time (open loop: a slow server never slows the arrivals),
-greedy with `ignore_eos`, so every output is exactly `max_tokens` long. Per request the client
+greedy with `ignore_eos`, so every output is exactly `max_tokens` long (the quoting workload's
+answers end at EOS instead: bench/spec_serve_bench.py). Per request the client
 records when each token arrived; from that (times from the request's *scheduled* arrival, so
 client lag counts against the server, never hides it):
 
@@ -120,7 +121,8 @@ async def send(client: Any, request: Request, record: RequestRecord, clock: Call
     record.sent_s = clock()
     try:
         async for chunk in client.stream(prompt_token_ids=request.prompt_ids, max_tokens=request.max_tokens,
-                                         temperature=0.0, ignore_eos=True, cache_salt=opts.cache_salt, **slo):
+                                         temperature=0.0, ignore_eos=request.ignore_eos,
+                                         cache_salt=opts.cache_salt, **slo):
             now = clock()
             record.token_times.extend(spread(record.token_times, now, len(chunk.token_ids)))
             if chunk.result is not None:
@@ -471,6 +473,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return admission_bench.main(words)
     args = parse_args(argv)
+    if args.speculative_compare:
+        from bench import spec_serve_bench
+
+        return spec_serve_bench.run(args, words)
     if args.nodes is not None or args.spill:
         from bench import prefix_bench
 
@@ -524,7 +530,7 @@ def _workload_name(args: argparse.Namespace, plan: list[tuple[float | None, Work
     if args.trace or args.synthetic == "conversation":
         return plan[0][1].name + f", {len(plan[0][1].requests)} requests"
     rates = ",".join(f"{rate:g}" for rate, _ in plan)
-    return f"synthetic chat at {rates} req/s for {args.duration:g} s (seed {args.seed})"
+    return f"synthetic {args.synthetic or 'chat'} at {rates} req/s for {args.duration:g} s (seed {args.seed})"
 
 
 if __name__ == "__main__":

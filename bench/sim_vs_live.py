@@ -38,7 +38,7 @@ from bench.serve_metrics import Slo
 from bench.workload import Caps, trace_workload
 from conductor.admission import AdmissionConfig
 from conductor.cost_model import CostModel
-from sim.cluster import Record, SimConfig, simulate, simulate_series
+from sim.cluster import Record, SimConfig, serve_config, simulate, simulate_series
 from sim.report import summarize
 from sim.workload import SimRequest, Workload, load
 
@@ -149,9 +149,12 @@ def simulated(mode: str, cost_file: Path, loads: Sequence[float], blocks: int | 
     workloads = [load(args.trace, args.speed * x, args.window_s / x, args.max_input_tokens, args.max_output_tokens)
                  for x in loads]
     admission = AdmissionConfig(standard_ttft_ms=args.ttft_slo_ms, standard_tbt_ms=args.tbt_slo_ms)
-    config = SimConfig(colocated=mode == "colocated", device_tokens=(blocks or 4096) * 16, drain_s=args.drain_s,
-                       admission=admission, overhead_ms=overhead)
-    results = simulate_series(workloads, config, CostModel.load(cost_file))
+    cost = CostModel.load(cost_file)
+    # the live server runs serve's default tiers (its host tier too); its device pool as it reported
+    config = serve_config(cost.kv_bytes_per_token, colocated=mode == "colocated", drain_s=args.drain_s,
+                          admission=admission, overhead_ms=overhead,
+                          **({"device_tokens": blocks * 16} if blocks else {}))
+    results = simulate_series(workloads, config, cost)
     return [(summarize(r), [sim_row(rec) for rec in r.records]) for r in results]
 
 

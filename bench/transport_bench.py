@@ -253,13 +253,16 @@ def _free_port() -> int:
 
 
 def pipelining(lengths: Sequence[int], backend: str, threads: int, repeats: int,
-               progress: Progress) -> list[dict[str, float]]:
+               progress: Progress, device: str = "cpu", dtype: str = "float32") -> list[dict[str, Any]]:
+    """The pipelining rows; `device` cuda: the prefill engine on the GPU, its units leaving through
+    pinned staging slots (transport/staging.py; `path` in each row) to a host receiver."""
     from engine.config import EngineConfig
     from engine.engine import Engine
     from transport import KVSender, get_backend
 
     blocks_max = cdiv(max(lengths), 16) + 1
-    engine = Engine(EngineConfig(model="smollm2", dtype="float32", num_threads=threads, num_blocks=blocks_max))
+    engine = Engine(EngineConfig(model="smollm2", dtype=dtype, num_threads=threads, num_blocks=blocks_max,
+                                 device=device, cuda_graphs=False))
     kv = engine.kv_cache
     layout = engine.kv_layout()
     peer = Peer(["kv", "--backend", backend, "--shape", ",".join(map(str, kv.shape)),
@@ -269,7 +272,7 @@ def pipelining(lengths: Sequence[int], backend: str, threads: int, repeats: int,
         rows = []
         for n in lengths:
             progress(f"pipelining: {n}-token prompt ({repeats} repeats of prefill / pipelined / transfer)")
-            rows.append(_pipeline_row(engine, sender, peer, n, repeats))
+            rows.append({**_pipeline_row(engine, sender, peer, n, repeats), "path": sender.path})
         return rows
     finally:
         sender.close()
@@ -458,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 1: the sender thread and the receiver process need the other core)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--skip", choices=["throughput", "pipelining"], action="append", default=[])
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="the pipelining part's prefill engine (cuda: bf16, units staged through pinned slots)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     progress = Progress()
@@ -469,7 +474,8 @@ def main(argv: list[str] | None = None) -> int:
         report["throughput"] = throughput_rows(backends, sizes, tls_list, args.budget_mb * MB, args.rounds, progress)
     if "pipelining" not in args.skip:
         lengths = [int(n) for n in args.lengths.split(",")]
-        report["pipelining"] = pipelining(lengths, args.pipeline_backend, args.threads, args.repeats, progress)
+        report["pipelining"] = pipelining(lengths, args.pipeline_backend, args.threads, args.repeats, progress,
+                                          args.device, "bfloat16" if args.device == "cuda" else "float32")
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

@@ -37,11 +37,13 @@ OUTPUT_TOKENS_RANGE = (32, 128)
 
 @dataclass(frozen=True, slots=True)
 class Request:
-    """One request to replay: sent `arrival_s` seconds after the replay starts."""
+    """One request to replay: sent `arrival_s` seconds after the replay starts; `ignore_eos`:
+    its output runs to exactly `max_tokens` (synthetic token prompts have no natural end)."""
 
     arrival_s: float
     prompt_ids: tuple[int, ...]
     max_tokens: int
+    ignore_eos: bool = True
 
 
 @dataclass(frozen=True, slots=True)

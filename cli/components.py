@@ -12,6 +12,7 @@ import dataclasses
 from conductor.admission import AdmissionConfig, Policy
 from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
+from conductor.serve_defaults import HOST_CACHE_GB
 from conductor.server import ServerConfig
 from core.logs import FORMATS, LEVELS, LogConfig
 from core.tracing import PROTOCOLS, SAMPLERS, TracingConfig
@@ -38,17 +39,16 @@ ENGINE = Component(
         "node_id": "the worker's node (hostname) in the cluster",
     })
 
-# `serve` keeps a host DRAM tier by default (vLLM's --swap-space and SGLang's hierarchical cache
-# do alike): blocks the device tier evicts spill there and are hits again. The engine commands
-# (generate, profile) serve one request and keep the field's default, no host tier.
-DEFAULT_HOST_CACHE_GB = 4.0
+# `serve` keeps a host DRAM tier by default (conductor/serve_defaults.py, which `halfmoon sim`
+# reads too). The engine commands (generate, profile) serve one request and keep the field's
+# default, no host tier.
 SERVE_ENGINE = dataclasses.replace(ENGINE, excluded={
     **ENGINE.excluded,
     "tp": "serve sets each role's own: --prefill-tp and --decode-tp (the cluster's fields)",
 }, flags={
     **ENGINE.flags,
-    "host_cache_gb": Flag(default=DEFAULT_HOST_CACHE_GB,
-                          help="host DRAM KV tier in GiB, one shared-memory arena per node (default 4; 0 = off): the "
+    "host_cache_gb": Flag(default=HOST_CACHE_GB,
+                          help=f"host DRAM KV tier in GiB, one shared-memory arena per node (default {HOST_CACHE_GB:g}; 0 = off): the "
                                "device tier's evicted blocks spill there and are hits again"),
 })
 

@@ -61,6 +61,31 @@ def print_report(profile, model) -> None:  # (Profile, CostModel): imports stay 
     print(f"decode_step_ms = {_poly(dec.coef, ('', 'b', 'k'))}   (max error {dec.max_rel_error:.1%})")
     print(f"transfer: {model.transfer_bytes_per_s / 1e9:.2f} GB/s, {model.kv_bytes_per_token} KV bytes/token "
           f"-> {model.est_transfer_ms(1024):.1f} ms per 1024 tokens")
+    print(speculation_line(profile))
+
+
+SPECULATION_ACCEPTANCES = (0.6, 0.8)  # the policy's prior, and a quoting workload's (bench engine --speculative)
+
+
+def speculation_line(profile) -> str:  # (Profile) -> str
+    """Speculative decoding's crossover on this machine: from the decode steps whose requests
+    hold the shortest context, the batch above which verifying k drafted tokens per request costs more than it
+    saves (engine/speculative.py StepCostTable; the engine keeps measuring its own steps)."""
+    from engine.speculative import SpeculativeConfig, StepCostTable
+
+    if not profile.decode:
+        return "speculation crossover: no decode steps measured"
+    per_request = min(s.context_tokens // s.batch for s in profile.decode)  # context_tokens: the batch's
+    steps = {s.batch: s.ms / 1e3 for s in profile.decode if s.context_tokens // s.batch == per_request}
+    table = StepCostTable.from_steps(SpeculativeConfig(mode="ngram"), steps)
+    top = max(steps)
+    parts = []
+    for a in SPECULATION_ACCEPTANCES:
+        crossover = table.measured_crossover(a)
+        parts.append(f"acceptance {a:.0%}: " + (f"pays up to batch {crossover}" if crossover is not None
+                                                else f"pays at every batch measured (<= {top // 2})"))
+    return ("speculation crossover (--speculative-max-batch; 0 = the engine measures its own): "
+            + "; ".join(parts))
 
 
 def _err(fitted: float, measured: float) -> str:

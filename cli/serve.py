@@ -129,6 +129,9 @@ def announce_tracing(tracing) -> None:
 def _serve(args: argparse.Namespace, config, engine_cfg, admission, observability) -> int:
     if not args.colocated:
         return _serve_cluster(args, config, engine_cfg, admission, observability)
+    if args.standby:
+        print("halfmoon: --standby is unused with --colocated (one engine in this process, no worker "
+              "to replace)", file=sys.stderr, flush=True)
     from conductor.colocated import ColocatedBackend
     from conductor.cost_model import CostModel
     from core.tracing import start_tracing

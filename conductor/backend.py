@@ -67,6 +67,8 @@ class WorkerView:
     load: WorkerLoad | None
     at: float
     history: tuple[tuple[float, WorkerLoad], ...] = ()  # its recent answers, oldest first (at, load)
+    state: str = "ready"  # ready, promoting (a standby just put in service), standby, warming (a spare)
+    pid: int = 0  # its process (0: not known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,4 +132,9 @@ class GenerationBackend(abc.ABC):
     def degraded(self) -> list[str]:
         """Why serving goes on at less than full strength ([] = it does not): e.g. the cluster
         index's Redis is unreachable, so prefixes are found only in each worker's own cache."""
+        return []
+
+    def standbys(self) -> list[dict[str, str]]:
+        """The warm standby workers and the ones just promoted from them, for /health: id, role,
+        state (standby, warming, promoting; [] = none configured)."""
         return []

@@ -150,6 +150,7 @@ class ClusterBackend(GenerationBackend):
     async def stop(self) -> None:
         if self._health is not None:
             self._health.cancel()
+        self.manager.stop_warm_ups()
         if self.index is not None:
             self.index.close()
         await asyncio.to_thread(self.manager.stop)
@@ -165,6 +166,10 @@ class ClusterBackend(GenerationBackend):
             reasons.append(f"workers down (being restarted; requests go to the others): {', '.join(down)}")
         return reasons
 
+    def standbys(self) -> list[dict[str, str]]:
+        return [{"id": w.worker_id, "role": w.spec.role, "state": w.state} for w in self.manager.everyone()
+                if w.state != "ready"]
+
     def ready(self) -> bool:
         workers = self.manager.workers.values()
         return any(w.alive for w in workers if w.spec.role == "prefill") and \
@@ -176,11 +181,11 @@ class ClusterBackend(GenerationBackend):
         total = sum(w.total_blocks for w in decode)
         depth = {w.worker_id: w.pending.depth if w.spec.role == "prefill" else len(w.bound.jobs)
                  for w in self.manager.workers.values()}
-        health = {w.worker_id: w.index_health for w in self.manager.workers.values()}
+        health = {w.worker_id: w.index_health for w in self.manager.everyone()}
         if self.index is not None:
             health["conductor"] = (self.index.stats.max_heartbeat_gap_s, self.index.stats.resyncs)
-        views = tuple(WorkerView(w.worker_id, w.spec.role, w.alive, w.restarts, depth[w.worker_id], w.load,
-                                 w.load_at, tuple(w.history)) for w in self.manager.workers.values())
+        views = tuple(WorkerView(w.worker_id, w.spec.role, w.alive, w.restarts, depth.get(w.worker_id, 0), w.load,
+                                 w.load_at, tuple(w.history), w.state, w.pid) for w in self.manager.everyone())
         index = self.index
         return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0,
                             dict(self._reruns), depth, self.admission_stats, health, views,
@@ -348,6 +353,7 @@ class ClusterBackend(GenerationBackend):
             return await call
         except WorkerLostError:
             worker.alive = False
+            self.manager.promote(worker)  # a standby takes its place now: the move below finds it
             raise
         except (KVTransferFailedError, StopAsyncIteration):
             raise

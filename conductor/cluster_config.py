@@ -7,6 +7,7 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from conductor.gpu_plan import GpuShare, plan_gpus, visible_gpus
 from core.errors import ConfigError, check_positive
 from core.logs import LogConfig
 from core.tracing import TracingConfig
@@ -31,8 +32,9 @@ class ClusterConfig:
         machine and worker shape, else a quick profile at start (then cached).
     request_timeout_s: bound on a request's KV transfer and prefill.
     model_id: the model's name in the API.
-    prefill_gpus: GPUs per prefill worker actor (default: 1 if this machine sees CUDA, else 0;
-        pass it explicitly when the Conductor runs on a head node without GPUs).
+    prefill_gpus: GPUs per prefill worker actor (default, with `--device cuda`: 1 each where this
+        machine has a GPU per worker, else an equal share of one (conductor/gpu_plan.py); 1 when
+        joining a Ray cluster; 0 with `--device cpu`).
     decode_gpus: GPUs per decode worker actor (default: as above).
     tracing: OpenTelemetry tracing of the Conductor and every worker (resolved: `TracingConfig.resolve`).
     log: how the Conductor and every worker log.
@@ -50,6 +52,10 @@ class ClusterConfig:
         the actor on its node (engine/tp_ranks.py); 1 = one process.
     decode_tp: the same for every decode worker; it need not equal prefill_tp: the KV moves
         between the layouts, each decode rank receiving only its heads (transport/heads.py).
+    standby: spare workers per role, started, loaded and warmed at boot but not routed to
+        (not counted in capacity, admission or the router); when a worker dies the Conductor
+        promotes one in its place at once (conductor/workers.py). Each needs one more unit of
+        its role's Ray resource and costs one worker's memory.
     """
 
     prefill: int = 1
@@ -73,10 +79,13 @@ class ClusterConfig:
     ray_wait_s: float = 300.0
     prefill_tp: int = 1
     decode_tp: int = 1
+    standby: int = 0
 
     def __post_init__(self) -> None:
         check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",
                        "migration_stall_s", "ray_wait_s", "prefill_tp", "decode_tp")
+        if self.standby < 0:
+            raise ConfigError(f"standby must be >= 0, got {self.standby}")
         e = self.engine
         if max(self.prefill_tp, self.decode_tp) > 1 and (e.host_cache_gb > 0 or e.disk_cache_dir is not None):
             # each rank would keep its own shard of every tier block: not built (docs/OPERATIONS.md)
@@ -100,31 +109,40 @@ class ClusterConfig:
         """Tensor-parallel size of `role`'s workers."""
         return self.prefill_tp if role == "prefill" else self.decode_tp
 
-    def gpus(self, role: str) -> int:
-        """GPUs a worker of `role` asks Ray for: given, else one per rank where CUDA is seen."""
+    def gpus(self, role: str) -> float:
+        """The Ray `num_gpus` of `role`'s actors: given, else the planned share per rank."""
         given = self.prefill_gpus if role == "prefill" else self.decode_gpus
-        return given if given is not None else int(_cuda()) * self.tp(role)
+        return float(given) if given is not None else self.gpu_share().gpus * self.tp(role)
+
+    def gpu_share(self) -> GpuShare:
+        """Each worker's GPU share and allocator cap (conductor/gpu_plan.py)."""
+        visible = visible_gpus() if self.ray_address is None and self.engine.device == "cuda" else None
+        return plan_gpus(self.engine.device, visible, self.count("prefill") + self.count("decode"),
+                         self.engine.gpu_memory_fraction)
+
+    def count(self, role: str, standby: bool = True) -> int:
+        """Worker actors of `role`: the serving ones, plus the standbys unless `standby` is False."""
+        serving = self.prefill if role == "prefill" else self.decode
+        return serving + self.standby * standby
+
+    def is_standby(self, spec: WorkerSpec) -> bool:
+        """Whether `spec` (of `specs()`) starts as a standby: a role's last `standby` workers."""
+        return int(spec.worker_id.rsplit("-", 1)[1]) >= self.count(spec.role, standby=False)
 
     def specs(self, redis_url: str | None) -> list[WorkerSpec]:
-        """Every worker's spec, its engine on the index at `redis_url` (None: no index); local
-        workers get consecutive cores of their own."""
-        engine = dataclasses.replace(self.engine, redis_url=redis_url)
+        """Every worker's spec, standbys included (a role's last `standby`: `is_standby`), its
+        engine on the index at `redis_url` (None: no index); local workers get consecutive cores
+        of their own."""
+        engine = dataclasses.replace(self.engine, redis_url=redis_url,
+                                     gpu_memory_fraction=self.gpu_share().memory_fraction)
         cores = os.cpu_count() or 1
         specs = []
-        for i, role in enumerate(["prefill"] * self.prefill + ["decode"] * self.decode):
-            index = i if role == "prefill" else i - self.prefill
+        n_prefill = self.count("prefill")
+        for i, role in enumerate(["prefill"] * n_prefill + ["decode"] * self.count("decode")):
+            index = i if role == "prefill" else i - n_prefill
             first = (i * self.worker_threads) % cores
             cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
             role_engine = dataclasses.replace(engine, tp=self.tp(role))
             specs.append(WorkerSpec(f"{role}-{index}", role, role_engine, self.transport, cpus,
                                     tracing=self.tracing, log=self.log))
         return specs
-
-
-def _cuda() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False

@@ -192,7 +192,7 @@ class ColocatedBackend(GenerationBackend):
         started, policy = now_ns(), self.admission_config.admission
         try:
             stats = self.engine.scheduler.stats  # counters read across threads: plain ints
-            self.bound.observe_decode(stats.decode_entries, stats.decode_tokens)
+            self.bound.observe_decode(stats.decode_entries, stats.decode_tokens, stats.decode_single)
             booking = self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, time.monotonic())
         except RetryableRejection as e:
             spans.admission(self.tracer, inp.span, started, policy, e)

@@ -187,6 +187,8 @@ class GenerationService:
                           context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
         try:
             self.door.client(dict(context.invocation_metadata() or ()).get("authorization"), "")
+            if isinstance(request, Undecodable):  # an empty message, but garbage is still no request
+                raise InvalidRequestError("request", request.error)
             m = self.door.backend.model
             return pb.ListModelsResponse(models=[pb.ModelInfo(
                 id=m.id, max_model_len=m.max_model_len, vocab_size=m.vocab_size, owned_by=m.owned_by,

@@ -144,6 +144,26 @@ class BoundRequest:
                          self.tbt_slo_ms, max(0, self.expected_output - 1))
 
 
+TOKENS_PER_STEP_WINDOW = 32  # request-steps per update of a decode ledger's tokens_per_step
+TBT_TAIL = 0.1  # TBT is the mean of a request's longest 10% of gaps
+
+
+def tbt_tokens_per_step(mean: float, single: float) -> float:
+    """What a step's time is divided by to give TBT, from a window's mean tokens per step and
+    the share of its steps that emitted one token. A chunk of n tokens counts as n gaps of g / n
+    (TBT's rule), so one-token steps make the longest gaps: when their gaps are at least the
+    longest tenth of all gaps (single / mean >= 0.1), TBT is a whole step; otherwise the rest of
+    the tail comes from the chunks of the fewest tokens, taken as 2 (or the chunks' mean, if
+    fewer): the workers report no finer distribution, so the divisor is at most 2, on the safe
+    side. No speculation (every step one token): 1."""
+    mean, single = max(1.0, mean), min(max(single, 0.0), 1.0)
+    share = single / mean / TBT_TAIL  # the tail's fraction made of one-token steps' gaps
+    if share >= 1.0:
+        return 1.0
+    chunk = min(2.0, (mean - single) / (1.0 - single))  # tokens of the tail's multi-token chunks
+    return 1.0 / (share + (1.0 - share) / chunk)
+
+
 @dataclass(slots=True)
 class DecodeLedger:
     """The requests bound to one decode worker and the KV blocks booked for them."""
@@ -151,15 +171,28 @@ class DecodeLedger:
     total_blocks: int = 0
     jobs: dict[str, BoundRequest] = field(default_factory=dict)
     reserved_blocks: int = 0
-    # tokens the worker emits per request per decode step, measured (> 1 with speculative
-    # decoding): admission divides a predicted step time by it to predict TBT
+    # tokens a step emits per request as TBT counts them, measured over the worker's recent
+    # steps (> 1 with speculative decoding; `tbt_tokens_per_step`): admission divides a
+    # predicted step time by it to predict TBT
     tokens_per_step: float = 1.0
+    _seen: tuple[int, int, int] = field(default=(0, 0, 0), repr=False)  # counters at the last update
 
-    def observe_decode(self, entries: int, tokens: int) -> None:
-        """A worker's counters since start: its measured tokens per decode step (kept at 1.0 until
-        it has decoded a while)."""
-        if entries >= 32:
-            self.tokens_per_step = max(1.0, tokens / entries)
+    def observe_decode(self, entries: int, tokens: int, single: int = 0) -> None:
+        """A worker's counters since start (request-steps decoded, tokens they emitted, steps
+        that emitted one token). Each window of >= `TOKENS_PER_STEP_WINDOW` new request-steps
+        moves `tokens_per_step` halfway to the window's `tbt_tokens_per_step`, so it follows
+        the load: a speculating worker emits several tokens a step at low batch and one at high
+        batch, where its policy turns speculation off. Counters that went back (a restarted
+        worker) start a new window."""
+        seen = self._seen
+        if entries < seen[0] or tokens < seen[1] or single < seen[2]:
+            self._seen = (entries, tokens, single)
+            return
+        steps = entries - seen[0]
+        if steps >= TOKENS_PER_STEP_WINDOW:
+            now = tbt_tokens_per_step((tokens - seen[1]) / steps, (single - seen[2]) / steps)
+            self.tokens_per_step = 0.5 * (self.tokens_per_step + now)
+            self._seen = (entries, tokens, single)
 
     @property
     def free_blocks(self) -> int:

@@ -76,6 +76,9 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
                                labels=["worker", "tier", "state"])
     received = CounterMetricFamily("halfmoon_worker_kv_received_bytes", "KV bytes the (decode) worker received "
                                    "and verified.", labels=["worker"])
+    by_path = CounterMetricFamily("halfmoon_worker_kv_received_path_bytes", "KV bytes the (decode) worker "
+                                  "received and verified, by the senders' path (host: from their KV pages; "
+                                  "staged: through pinned slots, KV on a GPU).", labels=["worker", "path"])
     prompt = CounterMetricFamily("halfmoon_worker_prompt_tokens", "Prompt tokens the worker computed or found "
                                  "cached.", labels=["worker", "source"])
     prefix = CounterMetricFamily("halfmoon_worker_prefix_blocks", "Prefix blocks the worker reused from below "
@@ -111,6 +114,8 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
                                ("disk", "free", load.disk_blocks_total - load.disk_blocks_used)):
             blocks.add_metric([w.worker_id, tier, state], n)
         received.add_metric([w.worker_id], load.kv_bytes_received)
+        by_path.add_metric([w.worker_id, "host"], load.kv_bytes_received - load.kv_bytes_staged)
+        by_path.add_metric([w.worker_id, "staged"], load.kv_bytes_staged)
         served.add_metric([w.worker_id], load.blocks_served_remote)
         fetching.add_metric([w.worker_id], load.fetches_in_flight)
         fetch_failed.add_metric([w.worker_id], load.fetch_failures)
@@ -123,8 +128,21 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
                         ("emitted", load.spec_emitted)):
             spec.add_metric([w.worker_id, kind], n)
         verifications.add_metric([w.worker_id], load.spec_verifications)
-    yield from (up, restarts, running, steps, blocks, received, prompt, prefix, served, fetching, fetch_failed,
-                spec, verifications)
+    yield from (up, restarts, running, steps, blocks, received, by_path, prompt, prefix, served, fetching, fetch_failed,
+                spec, verifications, _standby_metric(workers))
+
+
+def _standby_metric(workers: tuple[WorkerView, ...]) -> GaugeMetricFamily:
+    """Spare workers per role and state: standby (warmed, ready to be promoted) and warming (a
+    dead worker's restart, on its way to becoming the next standby); 0 without `--standby`."""
+    gauge = GaugeMetricFamily("halfmoon_standby_workers", "Warm standby workers per role: standby = ready to "
+                              "take a dead worker's place, warming = being restarted and warmed up.",
+                              labels=["role", "state"])
+    roles = sorted({w.role for w in workers if w.role in ("prefill", "decode")})
+    for role in roles:
+        for state in ("standby", "warming"):
+            gauge.add_metric([role, state], sum(w.role == role and w.state == state for w in workers))
+    return gauge
 
 
 def _index_metrics(health: Mapping[str, tuple[float, int]]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -26,6 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from conductor import openai_schema as oa
+from conductor.openapi import answer, json_body, operation, publish
+from conductor.openapi_bodies import ref
 from conductor.errors import RequestTooLargeError, RetryableRejection, status_of
 from conductor.frontdoor import Call, FrontDoor
 from conductor.rejection import retry_after_header
@@ -37,6 +39,22 @@ log = logging.getLogger(__name__)
 
 Items = AsyncIterator[TokenChunk]
 PRIORITY_CLASS_HEADER = "X-Priority-Class"
+
+
+_PROMETHEUS, _OPENMETRICS = "text/plain", "application/openmetrics-text"
+_GENERATION_ERRORS = (400, 404, 429, 503)
+# One Server-Sent Event of a stream (OpenAPI 3.1: the schema of an event stream is each event's).
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "event": {"const": "message"},
+    "data": {"type": "string", "description": "a chunk (JSON), an error object (JSON) once streaming, or the "
+                                              "last event, `[DONE]`"}}}
+
+
+def _generated(schema: str) -> dict[str, Any]:
+    """A generation's 200: the whole answer, or with stream: true an SSE stream of chunks."""
+    return answer("the answer; with stream: true, Server-Sent Events (`data: {chunk}` ... `data: [DONE]`)",
+                  {"content": {"application/json": {"schema": ref(schema)},
+                               "text/event-stream": {"schema": _SSE_EVENT}}})
 
 
 def error_response(error: BaseException) -> JSONResponse:
@@ -78,7 +96,8 @@ class BodyLimit:
 
 
 def build_app(door: FrontDoor) -> FastAPI:
-    app = FastAPI(title="Halfmoon", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Halfmoon", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    publish(app, door)
 
     async def on_error(_request: Request, error: Exception) -> Response:
         door.count_error("http", error)
@@ -91,21 +110,29 @@ def build_app(door: FrontDoor) -> FastAPI:
         host = request.client.host if request.client else "unknown"
         return door.client(request.headers.get("authorization"), host)
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=operation("Is the server serving?", {
+        200: answer("ok, or degraded (serving at less than full strength)", json_body(ref("Health"))),
+        503: answer("unavailable", json_body(ref("Health")))}))
     async def health() -> Response:
         """ok (200); degraded (200: serving, at less than full strength, `reasons` say why);
-        unavailable (503)."""
+        unavailable (503). With warm standbys (`--standby`): `standby` lists them and their state."""
+        spares = door.backend.standbys()
+        extra = {"standby": spares} if spares else {}
         if not door.backend.ready():
-            return JSONResponse({"status": "unavailable"}, status_code=503)
+            return JSONResponse({"status": "unavailable", **extra}, status_code=503)
         reasons = door.backend.degraded()
-        return JSONResponse({"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"})
+        body = {"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"}
+        return JSONResponse({**body, **extra})
 
-    @app.get("/metrics")
+    @app.get("/metrics", openapi_extra=operation("Prometheus metrics", {200: answer(
+        "Prometheus text, or OpenMetrics when the Accept header asks for it",
+        {"content": {t: {"schema": {"type": "string"}} for t in (_PROMETHEUS, _OPENMETRICS)}})}))
     async def metrics(request: Request) -> Response:
         body, content_type = door.metrics.render(request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=operation("The served model", {
+        200: answer("the one model this server serves", json_body(ref("ModelList")))}, auth=True))
     async def models(request: Request) -> Response:
         await client_of(request)
         model = door.backend.model
@@ -113,11 +140,15 @@ def build_app(door: FrontDoor) -> FastAPI:
             "id": model.id, "object": "model", "created": 0, "owned_by": model.owned_by,
             "max_model_len": model.max_model_len, "architecture": model.architecture, "dtype": model.dtype}]})
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=operation(
+        "A chat completion (SSE with stream: true)", {200: _generated("ChatCompletion")}, _GENERATION_ERRORS,
+        body=json_body(ref("ChatCompletionRequest")), auth=True))
     async def chat(request: Request) -> Response:
         return await _serve(door, request, await client_of(request), oa.parse_chat, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=operation(
+        "A text completion (SSE with stream: true)", {200: _generated("Completion")}, _GENERATION_ERRORS,
+        body=json_body(ref("CompletionRequest")), auth=True))
     async def completions(request: Request) -> Response:
         return await _serve(door, request, await client_of(request), oa.parse_completion, chat=False)
 

@@ -35,6 +35,23 @@ _NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 
                             "best_of": (None, 1)}
 
 
+def integral(value: Any) -> int | None:
+    """A JSON integer as JSON Schema counts them: an int, or a number with no fraction (`16.0`);
+    None for anything else (a bool is not a number here)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def integral_list(values: list[Any]) -> list[int] | None:
+    ids = [integral(v) for v in values]
+    return None if any(i is None for i in ids) else ids  # type: ignore[return-value]
+
+
 class Body:
     """Typed access to a JSON object's fields; each wrong type is an error naming the field."""
 
@@ -59,7 +76,13 @@ class Body:
         return self.get(key, (str,), "a string")
 
     def integer(self, key: str) -> int | None:
-        return self.get(key, (int,), "an integer")
+        value = self.data.get(key)
+        if value is None:
+            return None
+        n = integral(value)
+        if n is None:
+            raise InvalidRequestError(key, f"must be an integer, got {type(value).__name__}")
+        return n
 
     def number(self, key: str) -> float | None:
         value = self.get(key, (int, float), "a number")
@@ -70,17 +93,28 @@ class Body:
 
     def int_list(self, key: str) -> list[int] | None:
         value = self.get(key, (list,), "a list of integers")
-        if value is not None and not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if value is None:
+            return None
+        ids = integral_list(value)
+        if ids is None:
             raise InvalidRequestError(key, "must be a list of integers")
-        return value
+        return ids
 
     def neutral_only(self) -> None:
         for key, neutral in _NEUTRAL.items():
             if key not in self.data:
                 continue
             allowed = neutral if isinstance(neutral, tuple) else (neutral,)
-            if self.data[key] not in allowed:
+            if not any(_same_json(self.data[key], a) for a in allowed):
                 raise InvalidRequestError(key, f"is not supported by Halfmoon (only {allowed[0]!r})")
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """JSON equality: unlike Python's, false is not 0 and true is not 1 (so `echo: 0` is no
+    neutral `false`, and `n: true` no `1`)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    return a == b
 
 
 def _stops(body: Body) -> list[str]:
@@ -129,8 +163,9 @@ def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
     options = body.get("stream_options", (dict,), "an object") or {}
     if options and not stream:
         raise InvalidRequestError("stream_options", "is only allowed with stream: true")
-    if set(options) - {"include_usage", "continuous_usage_stats"}:
-        raise InvalidRequestError("stream_options", f"unknown keys {sorted(set(options) - {'include_usage'})}")
+    unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+    if unknown:
+        raise InvalidRequestError("stream_options", f"unknown keys {unknown}")
     return spec, stream, bool(options.get("include_usage"))
 
 
@@ -182,8 +217,8 @@ def parse_completion(data: Any) -> tuple[RequestSpec, bool, bool]:
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
         spec.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        spec.prompt_token_ids = prompt
+    elif isinstance(prompt, list) and prompt and integral_list(prompt) is not None:
+        spec.prompt_token_ids = integral_list(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         raise InvalidRequestError("prompt", "batches of prompts are not supported; send one request per prompt")
     elif prompt is None:

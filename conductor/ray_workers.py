@@ -6,7 +6,8 @@ joins that cluster), starts each worker with one unit of its role's custom resou
 (`--prefill-resource` / `--decode-resource`, default `prefill` / `decode`: an actor lands only on
 a node that advertises it, e.g. `ray start --resources='{"prefill": 1}'`; `num_gpus` when CUDA
 is present), pins each local worker to its own cores, and lets Ray restart dead actors
-(`max_restarts`). A worker learns its Ray node where Ray placed it (`on_this_ray_node`): its
+(`max_restarts`). With `--standby N` it starts N more actors per role, warms them up and places
+them as standbys (conductor/workers.py): a dead serving actor's restart becomes the next standby. A worker learns its Ray node where Ray placed it (`on_this_ray_node`): its
 cluster-index entries name that node, and a node-shared host arena is that node's.
 
 The request path only sees `RayPrefill` / `RayDecode`: each verb awaits the actor's method; a
@@ -36,8 +37,9 @@ log = logging.getLogger(__name__)
 NAMESPACE = "halfmoon"
 NODE_ID_CHARS = 12  # of Ray's 56 hex digits: the node's name in the index and the worker's load
 RESOURCE_POLL_S = 1.0
-RAY_START_ATTEMPTS = 3
-RANK_LOST_EXIT = 70  # a tensor-parallel worker's exit status when one of its ranks died  # CI saw Ray's GCS and raylet miss their own 30 s start-up waits
+DEATH_INFO_WAIT_MS = 100  # with standbys (see init_ray)
+RAY_START_ATTEMPTS = 3  # CI saw Ray's GCS and raylet miss their own 30 s start-up waits
+RANK_LOST_EXIT = 70  # a tensor-parallel worker's exit status when one of its ranks died
 
 
 class RayWorker:
@@ -81,6 +83,9 @@ class RayWorker:
     async def check_integrity(self) -> IntegrityReport:
         return await self._call("check_integrity")
 
+    async def warm_up(self) -> float:
+        return await self._call("warm_up")
+
 
 class RayPrefill(RayWorker):
     """`core.messages.PrefillApi` over a prefill worker's actor."""
@@ -122,7 +127,8 @@ class RayWorkers(WorkerGroup):
         self._owns_ray = False
 
     def start(self, redis_url: str | None) -> None:
-        """Start Ray (unless joining one) and every worker; returns when all answered a ping."""
+        """Start Ray (unless joining one) and every worker, standbys included; returns when all
+        answered a ping and each standby ran its warm-up request."""
         import ray
 
         self.init_ray()
@@ -130,10 +136,13 @@ class RayWorkers(WorkerGroup):
         for spec in self.config.specs(redis_url):
             handle = self._actor(spec)
             api = RayPrefill(spec.worker_id, handle) if spec.role == "prefill" else RayDecode(spec.worker_id, handle)
-            self.workers[spec.worker_id] = Worker(spec, api)
-        pings = {wid: w.api.handle.pid.remote() for wid, w in self.workers.items()}  # type: ignore[union-attr]
-        for wid, ref in pings.items():
-            self.workers[wid].pid = ray.get(ref, timeout=300)
+            self.place(Worker(spec, api), self.config.is_standby(spec))
+        pings = {w.worker_id: (w, w.api.handle.pid.remote()) for w in self.everyone()}  # type: ignore[union-attr]
+        for w, ref in pings.values():
+            w.pid = ray.get(ref, timeout=300)
+        warm = {w.worker_id: w.api.handle.warm_up.remote() for w in self.standbys.values()}  # type: ignore[union-attr]
+        for wid, ref in warm.items():
+            log.info("standby %s warmed up in %.2f s", wid, ray.get(ref, timeout=300))
 
     def init_ray(self) -> None:
         """Start the embedded Ray (or join `ray_address`); a no-op once Ray is up. Call it on the
@@ -144,6 +153,11 @@ class RayWorkers(WorkerGroup):
         if ray.is_initialized():
             return
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        if self.config.standby:
+            # A call to an actor whose process died waits this long for the GCS's word on its
+            # death before it fails (Ray's default 1000 ms, most of a promotion's ~1.5 s when
+            # idle): with a standby to promote, a quick verdict is what the client waits for.
+            os.environ.setdefault("RAY_timeout_ms_task_wait_for_death_info", str(DEATH_INFO_WAIT_MS))
         if self.config.ray_address is not None:
             ray.init(address=self.config.ray_address, namespace=NAMESPACE, log_to_driver=True)
             return
@@ -171,20 +185,20 @@ class RayWorkers(WorkerGroup):
             time.sleep(RESOURCE_POLL_S)
 
     def _missing_resources(self, have: dict[str, float]) -> list[str]:
-        need = ((self.config.resource("prefill"), self.config.prefill, "prefill"),
-                (self.config.resource("decode"), self.config.decode, "decode"))
+        need = ((self.config.resource("prefill"), self.config.count("prefill"), "prefill"),
+                (self.config.resource("decode"), self.config.count("decode"), "decode"))
         return [f"{count} {role} worker(s) need 1 {name!r} each, the cluster has {have.get(name, 0):g}"
                 for name, count, role in need if have.get(name, 0) < count]
 
     def _start_embedded_ray(self) -> None:
         import ray
 
-        total = self.config.prefill + self.config.decode
+        total = self.config.count("prefill") + self.config.count("decode")
         # A loaded machine can start Ray's GCS slower than Ray's default 30 s wait.
         os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
         kwargs = dict(num_cpus=max(os.cpu_count() or 1, total * self.config.worker_threads),
-                      resources={self.config.prefill_resource: self.config.prefill,
-                                 self.config.decode_resource: self.config.decode},
+                      resources={self.config.prefill_resource: self.config.count("prefill"),
+                                 self.config.decode_resource: self.config.count("decode")},
                       object_store_memory=self.config.object_store_mb * 2**20, include_dashboard=False,
                       namespace=NAMESPACE, log_to_driver=True, configure_logging=False)
         for attempt in range(1, RAY_START_ATTEMPTS + 1):
@@ -217,12 +231,13 @@ class RayWorkers(WorkerGroup):
         if self.config.tracing.tracing:
             self._flush_traces()
         self._close_workers()
-        for w in self.workers.values():
+        for w in self.everyone():
             try:
                 ray.kill(w.api.handle)  # type: ignore[union-attr]
             except Exception as e:  # already gone
                 log.debug("kill %s: %s", w.worker_id, e)
         self.workers.clear()
+        self.standbys.clear()
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
 
@@ -232,7 +247,7 @@ class RayWorkers(WorkerGroup):
         does not answer in time is killed anyway: said in the log."""
         import ray
 
-        refs = {w.api.handle.close.remote(): w.worker_id for w in self.workers.values()}  # type: ignore[union-attr]
+        refs = {w.api.handle.close.remote(): w.worker_id for w in self.everyone()}  # type: ignore[union-attr]
         done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         for ref in done:
             try:
@@ -247,7 +262,7 @@ class RayWorkers(WorkerGroup):
         answer in time loses its last spans: said in the log)."""
         import ray
 
-        refs = {w.api.handle.flush_traces.remote(): w.worker_id for w in self.workers.values()}  # type: ignore[union-attr]
+        refs = {w.api.handle.flush_traces.remote(): w.worker_id for w in self.everyone()}  # type: ignore[union-attr]
         done, late = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
         for ref in done:
             try:

@@ -96,7 +96,7 @@ def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits
     check_model(spec.model, card)
     cls = priority_class(spec, priority_classes)
     ids = prompt_ids(spec, tokenizer, card, limits)
-    params = sampling_params(spec, card, limits, len(ids))
+    params = sampling_params(spec, card, limits, len(ids), kv_capacity_tokens)
     check_kv_capacity(spec, len(ids), params.max_tokens, kv_capacity_tokens)
     return GenerationInput(ids, params, _short(spec, "request_id", spec.request_id, limits),
                            _short(spec, "cache_salt", spec.cache_salt, limits), slo(spec),
@@ -140,6 +140,9 @@ def prompt_ids(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits:
     else:
         assert spec.prompt is not None
         ids = tokenizer.encode(spec.prompt)
+    if not ids and spec.prompt:  # e.g. control characters SmolLM2's vocabulary has no token for
+        raise InvalidRequestError(spec.name(given[0]), "is empty once tokenized: the model's vocabulary "
+                                  "spells none of its characters")
     if not ids:
         raise InvalidRequestError(spec.name(given[0]), "is empty")
     limit = min(limits.max_prompt_tokens, card.max_model_len - 1)
@@ -156,16 +159,24 @@ def check_messages(spec: RequestSpec, limits: Limits) -> list[dict[str, str]]:
     if len(messages) > limits.max_messages:
         raise InvalidRequestError(name, f"{len(messages)} messages is over the limit of {limits.max_messages}")
     for i, m in enumerate(messages):
-        if m.get("role") not in ROLES:
+        if not isinstance(m.get("role"), str) or m["role"] not in ROLES:  # a dict is unhashable
             raise InvalidRequestError(f"{name}[{i}].role", f"{m.get('role')!r} is not one of {sorted(ROLES)}")
         if not isinstance(m.get("content"), str):
             raise InvalidRequestError(f"{name}[{i}].content", "must be a string")
     return messages
 
 
-def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_len: int) -> SamplingParams:
-    max_tokens = DEFAULT_MAX_TOKENS if spec.max_tokens is None else spec.max_tokens
+def default_max_tokens(limits: Limits, room: int, kv_room: int | None) -> int:
+    """max_tokens when the request names none: 16, or less where the server's limit, the context
+    or the KV cache leaves less room (a request without max_tokens is never refused for it)."""
+    return max(1, min(DEFAULT_MAX_TOKENS, limits.max_tokens, room, room if kv_room is None else kv_room))
+
+
+def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_len: int,
+                    kv_capacity_tokens: int | None = None) -> SamplingParams:
     room = card.max_model_len - prompt_len
+    kv_room = None if kv_capacity_tokens is None else kv_capacity_tokens - prompt_len
+    max_tokens = default_max_tokens(limits, room, kv_room) if spec.max_tokens is None else spec.max_tokens
     if not 1 <= max_tokens <= limits.max_tokens:
         raise InvalidRequestError(spec.name("max_tokens"),
                                   f"must be in [1, {limits.max_tokens}] (the server's limit), got {max_tokens}")
@@ -214,6 +225,7 @@ def slo(spec: RequestSpec) -> Slo:
 def _short(spec: RequestSpec, key: str, value: str | None, limits: Limits) -> str | None:
     if not value:
         return None
-    if len(value) > limits.max_id_chars or not value.isprintable():
-        raise InvalidRequestError(spec.name(key), f"must be 1..{limits.max_id_chars} printable characters")
+    # ASCII: an id travels in logs and trace attributes, and the rule is one a schema can state.
+    if len(value) > limits.max_id_chars or not (value.isascii() and value.isprintable()):
+        raise InvalidRequestError(spec.name(key), f"must be 1..{limits.max_id_chars} printable ASCII characters")
     return value

@@ -214,6 +214,7 @@ class WorkerLoad:
     blocks_from_host: int = 0  # prefix blocks promoted from its host / disk tier, since start
     blocks_from_disk: int = 0
     kv_bytes_received: int = 0  # decode: KV bytes its receiver verified, since start
+    kv_bytes_staged: int = 0  # decode: of those, bytes senders sent through staging slots (KV on a GPU)
     blocks_served_remote: int = 0  # blocks its block server sent to other workers, since start
     node_id: str = ""  # the node it runs on, as its cluster-index entries name it
     fetches_in_flight: int = 0  # remote prefix pulls waiting on a holder now
@@ -224,6 +225,7 @@ class WorkerLoad:
     spec_emitted: int = 0  # tokens verifications emitted (accepted + one each)
     decode_entries: int = 0  # decode steps of its requests since start (a request x a step)
     decode_tokens: int = 0  # tokens they emitted: tokens per decode step = this / decode_entries
+    decode_single: int = 0  # of those steps, the ones that emitted a single token
     tp: int = 1  # tensor-parallel size: the worker is one unit of this many ranks (devices)
     kv_rank_bytes: tuple[int, ...] = ()  # decode: KV bytes each rank's receiver verified, rank 0's first
 
@@ -343,6 +345,10 @@ class WorkerApi(Protocol):
     async def profile(self, quick: bool = True) -> Profile: ...
 
     async def block_address(self) -> str | None: ...
+
+    async def warm_up(self) -> float:
+        """One short request through the engine (a standby's kernels warmed); its seconds."""
+        ...
 
     async def check_integrity(self) -> IntegrityReport:
         """Check the worker's KV bookkeeping; raises IntegrityError naming what is broken."""

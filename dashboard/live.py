@@ -88,7 +88,8 @@ class LiveView:
 
     def _worker(self, w: WorkerView) -> dict[str, Any]:
         load = w.load
-        out: dict[str, Any] = {"id": w.worker_id, "role": w.role, "alive": w.alive, "restarts": w.restarts,
+        out: dict[str, Any] = {"id": w.worker_id, "role": w.role, "state": w.state, "pid": w.pid,
+                               "alive": w.alive, "restarts": w.restarts,
                                "queue_depth": w.queue_depth, "running": 0, "steps": 0, "steps_per_s": 0.0,
                                "kv": {"device": None, "host": None, "disk": None}, "transfer_bytes_per_s": 0.0,
                                "prompt_tokens_computed": 0, "prompt_tokens_cached": 0,

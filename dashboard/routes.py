@@ -6,6 +6,8 @@
     GET  /dashboard/api/live                workers, cluster figures, the last minutes' series
     GET  /dashboard/api/traffic.jsonl       the recorded traffic as a Mooncake trace (?minutes=10)
     GET  /dashboard/api/sizing/options      traces and profiles the sizing form offers
+    GET  /dashboard/api/cost-model          the cost model admission prices with (`halfmoon profile`'s
+                                            JSON; the admission bench's offline optimum reads it)
     POST /dashboard/api/sizing/jobs         start a sweep (202); GET .../jobs/{id}[/values.yaml]
 
 Auth is the API's: a bearer token in `Authorization`, or the cookie the sign-in form sets.
@@ -25,8 +27,9 @@ from urllib.parse import parse_qs
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
 
-from conductor.errors import UnauthenticatedError
+from conductor.errors import ServiceUnavailableError, UnauthenticatedError
 from conductor.frontdoor import FrontDoor
+from conductor.openapi import answer, json_body, operation
 from core.errors import InvalidRequestError
 from dashboard.live import LiveView
 from dashboard.sizing import (THIS_CLUSTER, SizingJobs, cost_model, parse_trace, sweep_request,
@@ -42,6 +45,31 @@ LIVE_MINUTES = 10
 PAGE_HEADERS = {"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff",
                 "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
                                            "script-src 'self'; frame-ancestors 'none'"}
+
+
+_TEXT = {"schema": {"type": "string"}}
+_HTML = {"content": {"text/html": _TEXT}}
+_LOGIN_FORM = {"content": {"application/x-www-form-urlencoded": {"schema": {
+    "type": "object", "properties": {"token": {"type": "string"}}}}}}
+_JOB = {"type": "object", "required": ["id", "state", "done", "total"], "properties": {
+    "id": {"type": "string"}, "state": {"enum": ["running", "done", "failed"]}, "done": {"type": "integer"},
+    "total": {"type": "integer"}, "source": {"type": "string"}, "rows": {"type": "array"},
+    "best": {}, "helm_values": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+    "error": {"anyOf": [{"type": "string"}, {"type": "null"}]}}}
+# The sweep form (dashboard/sizing.py's rules; the shapes it spans must be at most MAX_SHAPES).
+_SWEEP = {"type": "object", "required": ["trace", "workers", "device_tokens", "host_tokens", "ttft_ms", "tbt_ms",
+                                         "speed"], "properties": {
+    "trace": {"enum": ["sample", "live", "upload"]}, "live_minutes": {"type": "number"},
+    "trace_text": {"type": "string", "description": "Mooncake JSONL, for trace: upload"},
+    "profile": {"type": "string"}, "workers": {"type": "integer", "minimum": 2, "maximum": 64},
+    "device_tokens": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1, "maxItems": 8},
+    "host_tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1, "maxItems": 8},
+    "ttft_ms": {"type": "number", "minimum": 0}, "tbt_ms": {"type": "number", "minimum": 0},
+    "speed": {"type": "number", "minimum": 1e-3}}}
+
+
+def _path(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
 
 
 class Dashboard:
@@ -128,7 +156,8 @@ def mount(app: FastAPI, door: FrontDoor) -> Dashboard:
     """Add the dashboard's routes to the front door's app."""
     board = Dashboard(door)
 
-    @app.get("/dashboard")
+    @app.get("/dashboard", openapi_extra=operation("The dashboard page", {
+        200: answer("the page", _HTML), 401: answer("the sign-in form (no or a wrong token)", _HTML)}))
     async def page(request: Request) -> Response:
         try:
             board.authorized(request)
@@ -136,7 +165,9 @@ def mount(app: FastAPI, door: FrontDoor) -> Dashboard:
             return login_page()
         return FileResponse(STATIC / "index.html", media_type="text/html", headers=PAGE_HEADERS)
 
-    @app.post("/dashboard/login")
+    @app.post("/dashboard/login", openapi_extra=operation("Sign in with an API token", {
+        303: answer("signed in: to /dashboard, with the session cookie when auth is on"),
+        401: answer("the sign-in form, saying why", _HTML)}, body=_LOGIN_FORM))
     async def login(request: Request) -> Response:
         form = parse_qs((await request.body()).decode("utf-8", "replace"))
         token = (form.get("token") or [""])[0].strip()
@@ -150,24 +181,34 @@ def mount(app: FastAPI, door: FrontDoor) -> Dashboard:
                                 secure=request.url.scheme == "https", path="/dashboard")
         return response
 
-    @app.post("/dashboard/logout")
+    @app.post("/dashboard/logout", openapi_extra=operation("Sign out", {
+        303: answer("signed out: to /dashboard, the cookie cleared")}))
     async def logout() -> Response:
         response = RedirectResponse("/dashboard", status_code=303)
         response.delete_cookie(COOKIE, path="/dashboard")
         return response
 
-    @app.get("/dashboard/static/{name}")
+    @app.get("/dashboard/static/{name}", openapi_extra=operation("The page's styles and scripts", {
+        200: answer("the file", {"content": {t: _TEXT for t in sorted(set(ASSETS.values()))}}),
+        404: answer("no such file", {"content": {"text/plain": _TEXT}})}, parameters=[
+            {**_path("name"), "schema": {"type": "string", "enum": sorted(ASSETS)}}]))
     async def asset(name: str) -> Response:
         if name not in ASSETS:
             return PlainTextResponse("not found", status_code=404)
         return FileResponse(STATIC / name, media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
 
-    @app.get("/dashboard/api/live")
+    @app.get("/dashboard/api/live", openapi_extra=operation("Workers, cluster figures, recent series", {
+        200: answer("the live document", json_body({"type": "object"}))}, auth=True))
     async def live(request: Request) -> Response:
         board.authorized(request)
         return JSONResponse(board.live.document(), headers={"Cache-Control": "no-store"})
 
-    @app.get("/dashboard/api/traffic.jsonl")
+    @app.get("/dashboard/api/traffic.jsonl", openapi_extra=operation(
+        "The recorded traffic as a Mooncake trace", {200: answer("one JSON request a line", {
+            "content": {"application/jsonl": _TEXT}})}, (400,), auth=True, parameters=[{
+                "name": "minutes", "in": "query", "required": False, "schema": {
+                    "type": "number", "exclusiveMinimum": 0, "maximum": 24 * 60},
+                "description": f"the last minutes; default {LIVE_MINUTES}"}]))
     async def traffic(request: Request, minutes: str = str(LIVE_MINUTES)) -> Response:
         board.authorized(request)
         try:
@@ -181,12 +222,23 @@ def mount(app: FastAPI, door: FrontDoor) -> Dashboard:
         return PlainTextResponse(text, media_type="application/jsonl", headers={
             "Content-Disposition": f'attachment; filename="halfmoon-traffic-{span:g}min.jsonl"'})
 
-    @app.get("/dashboard/api/sizing/options")
+    @app.get("/dashboard/api/sizing/options", openapi_extra=operation("What the sizing form offers", {
+        200: answer("traces, profiles, defaults", json_body({"type": "object"}))}, auth=True))
     async def options(request: Request) -> Response:
         board.authorized(request)
         return JSONResponse(await asyncio.to_thread(board.options))
 
-    @app.post("/dashboard/api/sizing/jobs")
+    @app.get("/dashboard/api/cost-model", openapi_extra=operation("The cluster's cost model (bench serve's optimum)", {
+        200: answer("the cost model's JSON (conductor/cost_model.py)", json_body({"type": "object"}))}, (503,),
+        auth=True))
+    async def cost(request: Request) -> Response:
+        board.authorized(request)
+        if door.backend.cost is None:
+            raise ServiceUnavailableError("the cluster has no cost model yet (still starting); retry")
+        return JSONResponse(json.loads(door.backend.cost.to_json()), headers={"Cache-Control": "no-store"})
+
+    @app.post("/dashboard/api/sizing/jobs", openapi_extra=operation("Start a sizing sweep", {
+        202: answer("started", json_body(_JOB))}, (400, 409), body=json_body(_SWEEP), auth=True))
     async def start(request: Request) -> Response:
         board.authorized(request)
         try:
@@ -195,12 +247,15 @@ def mount(app: FastAPI, door: FrontDoor) -> Dashboard:
             raise InvalidRequestError("body", f"not valid JSON: {e}") from e
         return JSONResponse(await asyncio.to_thread(board.start, body), status_code=202)
 
-    @app.get("/dashboard/api/sizing/jobs/{job_id}")
+    @app.get("/dashboard/api/sizing/jobs/{job_id}", openapi_extra=operation("A sizing job's progress", {
+        200: answer("the job", json_body(_JOB))}, (404,), auth=True, parameters=[_path("job_id")]))
     async def job(job_id: str, request: Request) -> Response:
         board.authorized(request)
         return JSONResponse(board.jobs.get(job_id).view(), headers={"Cache-Control": "no-store"})
 
-    @app.get("/dashboard/api/sizing/jobs/{job_id}/values.yaml")
+    @app.get("/dashboard/api/sizing/jobs/{job_id}/values.yaml", openapi_extra=operation(
+        "A finished job's Helm values", {200: answer("Helm values", {"content": {"application/yaml": _TEXT}})},
+        (400, 404), auth=True, parameters=[_path("job_id")]))
     async def values(job_id: str, request: Request) -> Response:
         board.authorized(request)
         found = board.jobs.get(job_id)

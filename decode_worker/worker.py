@@ -46,6 +46,7 @@ from engine.config import WorkerSpec
 from engine.worker import EngineWorker
 from kvpool.errors import OutOfBlocksError
 from kvpool.remote import RemoteBlockReader
+from transport.staging import STAGED
 from transport.config import advertised_address
 from transport.errors import TransportError
 from transport.receiver import TransferResult
@@ -262,7 +263,8 @@ class DecodeWorker(EngineWorker):
         return replace(self.engine_load(), reserved=len(self._reserved) + len(self._claimed),
                        reserved_blocks=reserved_blocks, kv_address=self.address,
                        kv_bytes_received=sum(self.receiver.rank_bytes),
-                       kv_rank_bytes=tuple(self.receiver.rank_bytes))
+                       kv_rank_bytes=tuple(self.receiver.rank_bytes),
+                       kv_bytes_staged=self.receiver.path_bytes(STAGED))
 
     def close(self) -> None:
         self.receiver.close()

@@ -22,6 +22,7 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 QUANTIZATIONS = ("none", "int8", "int4")
 # Speculative decoding's draft sources (engine/speculative.py); `draft:MODEL` names a draft model
 SPECULATIVE_MODES = ("off", "ngram")
+DEVICES = ("cpu", "cuda")
 DRAFT_PREFIX = "draft:"
 
 
@@ -68,6 +69,13 @@ class EngineConfig:
     tp: tensor-parallel size: the engine spans this many processes, each with its share of
         the heads, MLP and vocabulary and its KV heads (engine/parallel.py); 1 = one process.
         CPU (gloo) only for now, without host/disk tiers or a cluster index.
+    device: where the model and its KV cache live: `cpu` or `cuda` (the process's current GPU;
+        `serve` gives each worker one, or a share of one: conductor/gpu_plan.py).
+    cuda_graphs: on CUDA, capture decode steps as CUDA graphs at start-up, one per
+        (batch, context) bucket, and replay them (engine/cuda_graphs.py); prefill, mixed and
+        verification steps run eagerly. Ignored on CPU.
+    gpu_memory_fraction: the share of the GPU's memory this process may allocate (0 = no cap;
+        `serve` sets an equal share when workers share one GPU).
     """
 
     model: str = "smollm2"
@@ -93,6 +101,9 @@ class EngineConfig:
     speculative_tokens: int = 6
     speculative_max_batch: int = 0
     tp: int = 1
+    device: str = "cpu"
+    cuda_graphs: bool = True
+    gpu_memory_fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -120,6 +131,18 @@ class EngineConfig:
             raise ConfigError(f"tp {self.tp}: a tensor-parallel engine keeps no host / disk tier and no cluster "
                               "index; set host_cache_gb 0, no disk_cache_dir, no redis_url (serve: "
                               "--host-cache-gb 0 --no-redis)")
+        self._check_device()
+
+    def _check_device(self) -> None:
+        if self.device not in DEVICES:
+            raise ConfigError(f"device {self.device!r} not supported; choose from {list(DEVICES)}")
+        if not 0.0 <= self.gpu_memory_fraction <= 1.0:
+            raise ConfigError(f"gpu_memory_fraction must be in [0, 1], got {self.gpu_memory_fraction}")
+        if self.device == "cuda" and self.quantization != "none":
+            raise ConfigError(f"quantization {self.quantization!r} runs on CPU only; use --quantization none "
+                              "with --device cuda")
+        if self.device == "cuda" and self.tp > 1:
+            raise ConfigError("tp > 1 runs on CPU (gloo) only; use --tp 1 with --device cuda")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -27,6 +27,7 @@ from core.blocks import cdiv
 from core.params import SamplingParams
 from engine.config import EngineConfig
 from engine.errors import UnsupportedModelError
+from engine.device import place_weights
 from engine.loader import load_weights
 from engine.model import DecoderModel
 from engine.request import Request
@@ -45,7 +46,8 @@ class DraftModelProposer:
     """The `Proposer` of a draft model (module docstring)."""
 
     def __init__(self, model: str, target: EngineConfig, vocab_size: int, max_model_len: int) -> None:
-        weights = load_weights(model, target.torch_dtype)
+        # on the target's device: the engine builds this inside its device scope
+        weights = place_weights(load_weights(model, target.torch_dtype), torch.empty(0).device)
         cfg = weights.config
         if cfg.vocab_size != vocab_size:  # its ids go into the target's embedding, and back
             raise UnsupportedModelError(

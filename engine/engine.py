@@ -34,6 +34,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from core.params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
+from engine.device import build_graphs, check_kv_fits, kv_blocks_with_pad, open_device, place_weights, scope
 from engine.draft_model import DraftModelProposer
 from engine.speculative import SpeculativeConfig, Speculator
 from engine.tp_ranks import Ranks
@@ -42,6 +43,7 @@ from kernels.attention import get_backend
 from kvpool.block_hash import block_hashes, root_hash
 from kvpool.block_pool import BlockPool
 from kvpool.cluster_index import ClusterIndex, HolderId
+from kvpool.device_tier import DeviceTier
 from kvpool.disk_tier import DiskTier
 from kvpool.host_tier import HostArena
 from kvpool.remote import InProcessReader, RemoteBlockReader
@@ -119,7 +121,15 @@ class Engine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        weights = load_weights(config.model, config.torch_dtype, q4_blocks=config.quantization == "int4")
+        self.device = open_device(config)
+        weights = place_weights(load_weights(config.model, config.torch_dtype, q4_blocks=config.quantization == "int4"),
+                                self.device)
+        with scope(self.device):
+            self._build(weights, remote)
+
+    def _build(self, weights: LoadedWeights, remote: RemoteBlockReader | None) -> None:
+        """Everything past the weights, on the engine's device (factory calls included)."""
+        config = self.config
         self.model_config = weights.config
         self.tokenizer = load_tokenizer(weights)
         # EOS, the chat template's turn end, generation_config's other stop ids (Llama 3: <|eot_id|>)
@@ -129,6 +139,8 @@ class Engine:
         shard = plan_shard(weights.config, 0, config.tp, config.quantization)
         num_blocks = config.num_blocks or max(1, int(config.kv_cache_gb * 2**30)
                                               // kv_block_bytes(weights, config, shard.num_kv_heads))
+        check_kv_fits(self.device, config.gpu_memory_fraction, weights,
+                      kv_blocks_with_pad(num_blocks, config) * kv_block_bytes(weights, config, shard.num_kv_heads))
         # tensor parallel: ranks 1..tp-1 load their shards while this one builds its own
         self.ranks = Ranks.launch(config, num_blocks, weights.config) if config.tp > 1 else None
         try:
@@ -142,9 +154,10 @@ class Engine:
                 self.ranks.close()
             raise
         cfg = weights.config
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, config.block_size, shard.num_kv_heads,
-                                    cfg.head_dim, dtype=config.torch_dtype)
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, kv_blocks_with_pad(num_blocks, config), config.block_size,
+                                    shard.num_kv_heads, cfg.head_dim, dtype=config.torch_dtype)
         self.pool = BlockPool(num_blocks)
+        self.device_tier = DeviceTier(self.kv_cache, self.pool, self.kv_cache.shape[2] - num_blocks)
         self.tiers = build_tiers(config, self.kv_cache, self.pool, remote)
         spec = SpeculativeConfig.of(config)
         proposer = (DraftModelProposer(spec.draft_model, config, cfg.vocab_size, self.max_model_len)
@@ -164,6 +177,9 @@ class Engine:
         self._live_ids: set[str] = set()  # guarded by _lock; an id is live until its final output
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # per layer, 0 = full attention
         self.pushes = KVPushes(self.pool, config.block_size, self.windows)  # disaggregation, prefill side
+        # decode CUDA graphs, captured now; padding rows write the pad block past the pool's
+        self.runner.graphs = build_graphs(config, self.model.forward, self.kv_cache, num_blocks,
+                                          self.max_model_len, self.windows)
 
     # ------------------------------------------------------------------ requests in
 
@@ -375,6 +391,10 @@ class Engine:
 
     def step(self) -> list[TokenChunk]:
         """Schedule, run one forward pass, postprocess. Returns the per-request progress."""
+        with scope(self.device):
+            return self._step()
+
+    def _step(self) -> list[TokenChunk]:
         outputs = self._drain_inbox()
         self.pushes.release_sent()
         plan = self.scheduler.schedule()

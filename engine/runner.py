@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from core.blocks import cdiv
+from engine.cuda_graphs import DecodeGraphs
 from engine.model import LayerHook, DecoderModel
 from engine.request import Request
 from engine.sampler import sample
@@ -119,6 +120,8 @@ class ModelRunner:
         self.last_rows = 0  # tokens that forward pass computed (speculation's cost table)
         # tensor parallel (engine/tp_ranks.py): hands each step's inputs to the other ranks
         self.step_sync: Callable[[StepInputs], None] | None = None
+        # decode CUDA graphs (engine/cuda_graphs.py), set by the engine when captured
+        self.graphs: DecodeGraphs | None = None
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> list[list[int]]:
         """One forward pass over the batch; returns the new tokens of each request whose
@@ -127,8 +130,7 @@ class ModelRunner:
         if self.step_sync is not None:
             self.step_sync(inputs)
         start = time.perf_counter()
-        logits = self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
-                                    inputs.meta, inputs.logits_rows, self.layer_hook, inputs.rope_lens)
+        logits = self._forward(inputs)
         self.last_forward_s = time.perf_counter() - start
         self.last_rows = inputs.meta.num_tokens
         if not inputs.sampled:
@@ -136,6 +138,17 @@ class ModelRunner:
         if inputs.drafts is None:
             return [[t] for t in sample(logits, inputs.sampled)]
         return self._verify(logits, inputs.sampled, inputs.drafts)
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """A graph's replay for a plain decode step that fits one (no layer hook, no tensor
+        parallel peers, no dynamic-NTK lengths); else the eager forward."""
+        if (self.graphs is not None and self.layer_hook is None and self.step_sync is None
+                and inputs.rope_lens is None and inputs.drafts is None):
+            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            if logits is not None:
+                return logits
+        return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
+                                  inputs.meta, inputs.logits_rows, self.layer_hook, inputs.rope_lens)
 
     @staticmethod
     def _verify(logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]) -> list[list[int]]:

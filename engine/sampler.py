@@ -64,7 +64,9 @@ def _apply_top_k(sorted_logits: torch.Tensor, top_ks: list[int]) -> torch.Tensor
     if not any(top_ks):
         return sorted_logits
     vocab = sorted_logits.shape[1]
-    k = torch.tensor([k if k > 0 else vocab for k in top_ks]).unsqueeze(1)
+    # k >= vocab keeps every token (off, like 0); clamping also keeps a k over int64 (an HTTP
+    # client's JSON integer has no bound) out of the tensor, where it would fail the whole step.
+    k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks]).unsqueeze(1)
     beyond = torch.arange(vocab).unsqueeze(0) >= k
     return sorted_logits.masked_fill(beyond, float("-inf"))
 

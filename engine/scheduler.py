@@ -43,6 +43,7 @@ class SchedulerStats:
     preemptions: int = 0
     decode_entries: int = 0  # steps of requests past their prompt (one per request per step)
     decode_tokens: int = 0  # tokens those steps emitted (> entries with speculative decoding)
+    decode_single: int = 0  # of those steps, the ones that emitted one token
 
 
 class ScheduledRequest(NamedTuple):
@@ -121,7 +122,8 @@ class Scheduler:
 
     def _schedule_running(self, batch: list[ScheduledRequest], preempted: list[Request],
                           budget: int) -> int:
-        drafts = self.speculator.drafts(self.running, budget) if self.speculator is not None else {}
+        prefills = bool(self.waiting) or any(r.num_computed_tokens < r.num_tokens - 1 for r in self.running)
+        drafts = self.speculator.drafts(self.running, budget, prefills) if self.speculator is not None else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -277,6 +279,7 @@ class Scheduler:
             if new and req.num_computed_tokens >= req.num_prompt_tokens:  # a decode step
                 self.stats.decode_entries += 1
                 self.stats.decode_tokens += len(new)
+                self.stats.decode_single += len(new) == 1
             # a verification computed 1 + len(draft) inputs; only the verified ones count
             req.num_computed_tokens += n - len(draft) + (len(new) - 1 if draft else 0)
             if draft and self.speculator is not None:

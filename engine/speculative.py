@@ -43,7 +43,10 @@ class SpeculativeConfig:
     """mode: off | ngram. max_draft: most tokens drafted per request and step. max_batch: the
     batch size from which speculation is off (verifying k tokens for many requests costs more
     than it saves; 0 = the crossover measured from the engine's own step times, `StepCostTable`).
-    ngram_max / ngram_min: the longest and shortest suffix matched."""
+    ngram_max / ngram_min: the longest and shortest suffix matched. max_slowdown: a verification
+    step costs at most this many plain steps (its draft rows are capped to fit), so a request
+    whose drafts are all rejected waits at most that long for its one token: the longest gaps,
+    which TBT measures, stay near a plain step's."""
 
     mode: str = "off"  # off | ngram | draft (`draft_model` drafts)
     max_draft: int = 6
@@ -51,13 +54,15 @@ class SpeculativeConfig:
     ngram_max: int = 4
     ngram_min: int = 2
     draft_model: str = ""
+    max_slowdown: float = 1.5
 
     def __post_init__(self) -> None:
         if self.mode == "draft" and not self.draft_model:
             raise ValueError("speculative mode 'draft' needs a draft model")
         if self.mode not in (*SPECULATIVE_MODES, "draft"):
             raise ValueError(f"speculative mode {self.mode!r} not supported ({', '.join(SPECULATIVE_MODES)})")
-        if not 1 <= self.max_draft <= 16 or self.max_batch < 0 or not 1 <= self.ngram_min <= self.ngram_max:
+        if (not 1 <= self.max_draft <= 16 or self.max_batch < 0 or not 1 <= self.ngram_min <= self.ngram_max
+                or not self.max_slowdown >= 1.0):
             raise ValueError(f"invalid speculative settings {self}")
 
     @property
@@ -224,16 +229,19 @@ class Speculator:
         self.proposer: Proposer = proposer or NgramProposer(config.ngram_max, config.ngram_min)
         self._acceptance: dict[str, float] = {}
 
-    def drafts(self, running: Sequence[Request], budget: int) -> dict[str, tuple[int, ...]]:
-        """Draft tokens for this step's decoding requests, by request id (none: plain decode)."""
+    def drafts(self, running: Sequence[Request], budget: int, prefills: bool = False) -> dict[str, tuple[int, ...]]:
+        """Draft tokens for this step's decoding requests, by request id (none: plain decode).
+        `prefills`: the step may prefill a request; a draft model then drafts nothing (a draft
+        model's forwards in a step that prefills the target changed the target's tokens: a known
+        bug, tests/engine/test_draft_model.py), n-gram lookup drafts as always."""
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and r.params.speculative]
-        if not decoding:
+        if not decoding or (prefills and not isinstance(self.proposer, NgramProposer)):
             return {}
         batch = len(running)
         if batch > self.cost.max_batch():
             self.stats.skipped_batch += 1
             return {}
-        spare = budget - batch  # the budget left after one token per running request
+        spare = min(budget - batch, self.slowdown_rows(batch))  # token budget and step-time cap
         out: dict[str, tuple[int, ...]] = {}
         for req in decoding:
             limit = min(self.draft_length(req, batch), spare,
@@ -245,6 +253,12 @@ class Speculator:
                 out[req.request_id] = tuple(draft)
                 spare -= len(draft)
         return out
+
+    def slowdown_rows(self, batch: int) -> int:
+        """Draft rows a step of `batch` requests may add within `max_slowdown` plain steps."""
+        row = self.cost.row_cost(batch)
+        extra = self.config.max_slowdown - 1.0
+        return self.config.max_draft * batch if row <= 0 else int(extra / row + 1e-9)
 
     def typical_acceptance(self) -> float:
         """The engine's measured acceptance so far (the prior until 32 drafts were verified)."""
@@ -313,15 +327,30 @@ class StepCostTable:
         return max(0.0, (double - base) / (batch * base))
 
     def max_batch(self) -> int:
-        """The configured crossover, else the smallest measured batch at which no draft length
-        pays at the engine's measured acceptance, less one; `DEFAULT_MAX_BATCH` until measured."""
+        """The configured crossover, else the measured one; `DEFAULT_MAX_BATCH` until measured."""
         if self.config.max_batch:
             return self.config.max_batch
-        a = self.acceptance()
+        measured = self.measured_crossover(self.acceptance())
+        return self.DEFAULT_MAX_BATCH if measured is None else measured
+
+    def measured_crossover(self, acceptance: float) -> int | None:
+        """The smallest measured batch at which no draft length pays at `acceptance`, less one;
+        None while it pays at every batch measured (or none is)."""
+        a = min(acceptance, 0.99)
         for bucket in sorted(self._time):
             if self._measured(bucket) is None or self._measured(2 * bucket) is None:
                 continue
             c = self.row_cost(bucket)
             if all((1 - a ** (k + 1)) / (1 - a) <= 1 + bucket * k * c for k in range(1, self.config.max_draft + 1)):
                 return max(0, bucket - 1)
-        return self.DEFAULT_MAX_BATCH
+        return None
+
+    @classmethod
+    def from_steps(cls, config: SpeculativeConfig, step_s: dict[int, float]) -> StepCostTable:
+        """A table from step times measured elsewhere (`halfmoon profile`'s decode steps: rows ->
+        seconds), each counted as `MIN_SAMPLES` observations."""
+        table = cls(config)
+        for rows, seconds in sorted(step_s.items()):
+            for _ in range(cls.MIN_SAMPLES):
+                table.observe(rows, seconds)
+        return table

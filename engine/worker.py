@@ -19,6 +19,7 @@ import torch
 
 from core.logs import configure_logging
 from core.messages import EngineInfo, IntegrityError, IntegrityReport, Profile, WorkerLoad
+from core.params import SamplingParams
 from core.tracing import start_tracing
 from engine.config import WorkerSpec
 from engine.engine import Engine
@@ -37,6 +38,8 @@ from transport.layout import KVLayout
 log = logging.getLogger(__name__)
 
 FETCH_TIMEOUT_S = 5.0  # one remote block fetch; past it the blocks are recomputed
+# A standby's warm-up request: a prompt of two chunks' worth of small ids, a few decode steps.
+WARM_UP_PROMPT_TOKENS, WARM_UP_TOKENS, WARM_UP_SALT = 48, 4, "halfmoon-warm-up"
 
 
 def _process_start() -> float:
@@ -54,7 +57,7 @@ def engine_load(engine: Engine, loop: EngineLoop) -> WorkerLoad:
                       stats.prompt_tokens_computed, stats.prompt_tokens_cached,
                       failure=None if loop.failure is None else str(loop.failure),
                       running=len(engine.scheduler.running), decode_entries=stats.decode_entries,
-                      decode_tokens=stats.decode_tokens)
+                      decode_tokens=stats.decode_tokens, decode_single=stats.decode_single)
     if engine.speculator is not None:
         spec = engine.speculator.stats
         load = replace(load, spec_verifications=spec.steps, spec_proposed=spec.proposed,
@@ -248,6 +251,15 @@ class EngineWorker:
     async def engine_info(self) -> EngineInfo:
         """What the Conductor needs to tokenize, hash blocks and size requests like this worker."""
         return self.engine.info()
+
+    async def warm_up(self) -> float:
+        """A short greedy request through this engine (salted: no one's prefix), so a standby's
+        first real step does not pay first-use costs; its seconds."""
+        started = time.monotonic()
+        prompt = list(range(1, WARM_UP_PROMPT_TOKENS + 1))
+        params = SamplingParams(max_tokens=WARM_UP_TOKENS, temperature=0.0, ignore_eos=True)
+        await self.on_engine(lambda: self.engine.generate([prompt], params, cache_salt=WARM_UP_SALT))
+        return time.monotonic() - started
 
     async def profile(self, quick: bool = True) -> Profile:
         """Measure this worker's engine (idle); the Conductor fits its cost model to it."""

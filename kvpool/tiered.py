@@ -11,6 +11,10 @@ Spills and cluster-index announcements are written behind (kvpool/write_behind.p
 thread copies an evicted block's bytes to a staging row and goes on; one thread of its own puts
 them in the host arena (or disk) and tells the index, in the order the engine queued them.
 Promotion stays on the engine thread: the request needs the blocks before its step.
+
+The device tier may be a GPU's (kvpool/device_tier.py): block rows below it always live on the
+host (every buffer here is made with device="cpu", whatever torch's default device is), and
+`read_blocks` / `write_blocks` are the only copies across.
 """
 
 from __future__ import annotations
@@ -119,16 +123,17 @@ class KVTiers:
     # ------------------------------------------------------------ device block bytes
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Device blocks -> [n, block_bytes] uint8 (one batched gather)."""
-        idx = torch.tensor(list(block_ids), dtype=torch.long)
+        """Device blocks -> [n, block_bytes] uint8 host rows (one batched gather; from a GPU, one
+        copy to host, synchronous: the caller may reuse the blocks once this returns)."""
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_cache.device)
         blocks = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
-        return blocks.view(len(idx), -1).view(torch.uint8)
+        return blocks.view(len(idx), -1).view(torch.uint8).to("cpu")
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        """[n, block_bytes] uint8 -> device blocks (one batched scatter)."""
+        """[n, block_bytes] uint8 host rows -> device blocks (one batched scatter)."""
         layers, two, _, bs, kvh, hd = self.kv_cache.shape
-        idx = torch.tensor(list(block_ids), dtype=torch.long)
-        typed = data.view(self.kv_cache.dtype).view(len(idx), layers, two, bs, kvh, hd)
+        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_cache.device)
+        typed = data.to(self.kv_cache.device).view(self.kv_cache.dtype).view(len(idx), layers, two, bs, kvh, hd)
         self.kv_cache.index_copy_(2, idx, typed.permute(1, 2, 0, 3, 4, 5))
 
     # ------------------------------------------------------------ demotion
@@ -224,7 +229,7 @@ class KVTiers:
         return self._puller.submit(self._pull, holder, tuple(hashes), start)
 
     def _pull(self, holder: HolderId, hashes: tuple[bytes, ...], start: int) -> Prefetched:
-        rows = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)
+        rows = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8, device="cpu")
         try:
             got = self.remote.fetch(holder, hashes, rows)  # type: ignore[union-attr]
         except Exception as e:  # a reader must not raise; if one does, the blocks are recomputed
@@ -294,7 +299,7 @@ class KVTiers:
         blocks arrived intact (a corrupt or vanished block ends the run: the rest is recomputed)."""
         if not hashes:
             return 0
-        buf = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)
+        buf = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8, device="cpu")
         n = self._read_lower(hashes, buf)
         if n:
             self.write_blocks(block_ids[:n], buf[:n])
@@ -309,7 +314,7 @@ class KVTiers:
             buf, got = plan.rows, plan.remote
         elif self.remote is not None and plan.holder is not None:
             want = hashes[n : n + plan.remote]
-            buf = torch.empty(len(want), self.block_bytes, dtype=torch.uint8)
+            buf = torch.empty(len(want), self.block_bytes, dtype=torch.uint8, device="cpu")
             got = self.remote.fetch(plan.holder, want, buf)
         else:
             return n
@@ -326,7 +331,7 @@ class KVTiers:
         ok = list(from_host)
         missing = [i for i, hit in enumerate(ok) if not hit]
         if missing and self.disk is not None:
-            rows = torch.empty(len(missing), self.block_bytes, dtype=torch.uint8)
+            rows = torch.empty(len(missing), self.block_bytes, dtype=torch.uint8, device="cpu")
             got = self.disk.get([hashes[i] for i in missing], rows.numpy())
             for row, i in enumerate(missing):
                 if got[row]:

@@ -15,6 +15,7 @@ Conductor learns it from the token stream.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from conductor.cost_model import CostModel
 from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
 from conductor.errors import OverloadedError, ServiceUnavailableError
 from conductor.ledger import DecodeLedger, PrefillLedger
+from conductor.serve_defaults import serve_admission, serve_cluster, tier_tokens
 from core.errors import ConfigError, check_positive
 from sim.engines import KV_TAIL, Clock, ColocatedWorker, DecodeBatch, DecodeWorker, Flight, PrefillWorker
 from sim.tiers import Capacity, TieredCache
@@ -33,6 +35,7 @@ from sim.workload import SimRequest, Workload
 
 
 TICK = 256  # arrivals per progress tick
+_SERVE = serve_cluster()  # the shape and engine `halfmoon serve` starts with no flags
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,15 +67,15 @@ class SimConfig:
         decode steps from a TP=decode_tp one). Co-located: prefill_tp is the engine's.
     """
 
-    prefill: int = 1
-    decode: int = 1
+    prefill: int = _SERVE.prefill
+    decode: int = _SERVE.decode
     colocated: bool = False
     device_tokens: int = 65536
     host_tokens: int = 0
     disk_tokens: int = 0
-    block_size: int = 16
-    chunk: int = 512
-    max_seqs: int = 64
+    block_size: int = _SERVE.engine.block_size
+    chunk: int = _SERVE.engine.max_num_batched_tokens
+    max_seqs: int = _SERVE.engine.max_num_seqs
     kv_tail: float = KV_TAIL
     overhead_ms: float = 0.0
     drain_s: float | None = None
@@ -111,6 +114,19 @@ class SimConfig:
         """A prefix cache's tiers in 512-token blocks."""
         return Capacity(self.device_tokens // HASH_BLOCK_TOKENS, self.host_tokens // HASH_BLOCK_TOKENS,
                         self.disk_tokens // HASH_BLOCK_TOKENS)
+
+
+def serve_config(kv_bytes_per_token: int, **changes: object) -> SimConfig:
+    """The cluster `halfmoon serve` starts with no flags, for a model whose KV is
+    `kv_bytes_per_token` (a cost model's): its shape, block, chunk, batch, admission and each
+    worker's tiers in that model's tokens (`conductor.serve_defaults.tier_tokens`: 1 GiB of
+    device KV, the node's 4 GiB host tier as each prefill worker's, no disk tier). `changes`
+    override fields (the `halfmoon sim` flags given)."""
+    block_size = changes.get("block_size", _SERVE.engine.block_size)
+    tiers = tier_tokens(dataclasses.replace(_SERVE.engine, block_size=block_size), kv_bytes_per_token)
+    served = {"device_tokens": tiers.device, "host_tokens": tiers.host, "disk_tokens": tiers.disk,
+              "admission": serve_admission()}
+    return SimConfig(**(served | changes))  # type: ignore[arg-type]
 
 
 @dataclass(slots=True)
@@ -271,7 +287,7 @@ class Simulator:
 
     @staticmethod
     def _cached_tokens(cache: TieredCache, request: SimRequest) -> int:
-        return cache.prefix_tokens(cache.match(request.blocks, request.prompt_len).blocks, request.prompt_len)
+        return cache.match(request.blocks, request.prompt_len).reused
 
     def _prefill_sides(self) -> list[PrefillSide]:
         return [PrefillSide(wid, ledger) for wid, ledger in self.prefill_ledgers.items()]
@@ -297,8 +313,7 @@ class Simulator:
     def _first(self, flight: Flight) -> None:
         record = self.records[flight.request.index]
         record.ttft_s = self._now() - flight.request.arrival_s
-        cache = self.engine.cache if self.config.colocated else self.prefill[flight.booking.prefill_id].cache
-        record.cached_tokens = cache.tier_tokens(flight.hits, flight.request.prompt_len)
+        record.cached_tokens = flight.hits.tokens
         if self.config.colocated:
             self.pending.finish(flight.booking.request_id, self.clock.now)
             flight.booking.bound.joins_at = self.clock.now

@@ -75,8 +75,13 @@ def conversation_trace(n_requests: int, seed: int = 0,
     return rows[:n_requests]
 
 
-def write_trace(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+def trace_text(rows: Sequence[dict[str, Any]]) -> str:
     """One JSON object per line (the format `sim.trace.read_trace` reads)."""
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def write_trace(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """`trace_text` into a file."""
     path = Path(path)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path.write_text(trace_text(rows))
     return path

@@ -233,7 +233,7 @@ class PrefillWorker(Worker):
         _, flight = heapq.heappop(self._queue)
         r = flight.request
         flight.hits = self.cache.match(r.blocks, r.prompt_len)
-        own = self.cache.prefix_tokens(flight.hits.blocks, r.prompt_len)
+        own = flight.hits.reused
         flight.prefix_tokens = max(own, flight.booking.prefix_tokens)
         fetch = flight.prefix_tokens - own
         if self.cache.can_acquire(r.blocks, r.prompt_len):
@@ -317,7 +317,7 @@ class ColocatedWorker(Stepper):
                 return
             heapq.heappop(self._queue)
             flight.table, flight.hits = self.cache.acquire(r.blocks, r.prompt_len)
-            flight.prefix_tokens = self.cache.prefix_tokens(flight.hits.blocks, r.prompt_len)
+            flight.prefix_tokens = flight.hits.reused
             flight.done_tokens = flight.prefix_tokens
             self._prefilling.append(flight)
 

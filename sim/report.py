@@ -15,6 +15,8 @@ from typing import Any
 import numpy as np
 
 from sim.cluster import Record, SimResult
+from sim.optimum import Optimum
+from sim.optimum_jobs import optimum_cell, optimum_summary, outcome
 
 
 def objectives(result: SimResult) -> tuple[float, float]:
@@ -38,7 +40,9 @@ def percentiles(values: Sequence[float], qs: Sequence[int] = (50, 90, 99)) -> di
     return {f"p{q}": round(float(np.percentile(ms, q)), 1) for q in qs}
 
 
-def summarize(result: SimResult) -> dict[str, Any]:
+def summarize(result: SimResult, optimum: Optimum | None = None) -> dict[str, Any]:
+    """The replay's figures; with `optimum` (sim/optimum_jobs.py's `sim_optimum` of it) also the
+    policy's goodput as a % of the offline optimum and the requests where they differ."""
     ttft_slo, tbt_slo = objectives(result)
     records = result.records
     ok = [r for r in records if r.status == "ok"]
@@ -49,8 +53,9 @@ def summarize(result: SimResult) -> dict[str, Any]:
     tiers = [sum(r.cached_tokens[i] for r in admitted) for i in range(3)]
     span = result.makespan_s or 1.0
     busy = {wid: round(s / span, 3) for wid, s in result.busy_s.items()}
-    return {
+    summary = {
         "shape": result.config.shape, "workers": result.config.workers, "devices": result.config.devices,
+        "policy": result.config.admission.admission,
         "requests": len(records), "admitted": len(admitted), "completed": len(ok),
         "rejected": dict(Counter(r.reason or "" for r in records if r.status == "rejected")),
         "errors": sum(r.status == "error" for r in records), "timed_out": sum(r.status == "timeout" for r in records),
@@ -63,10 +68,15 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "tbt_ms": percentiles([r.tbt_s for r in ok if r.tbt_s is not None]),
         "hit_rate": {name: round(tokens / prompt, 4) if prompt else 0.0
                      for name, tokens in zip(("device", "host", "disk"), tiers, strict=True)},
+        "prefix_hit_rate": round(sum(tiers) / prompt, 4) if prompt else 0.0,  # bench serve's figure
         "utilisation": busy,
         "utilisation_by_pool": _by_pool(busy),
         "window_s": round(window, 3), "makespan_s": round(result.makespan_s, 3), "wall_s": round(result.wall_s, 3),
     }
+    if optimum is not None:
+        outcomes = [outcome(r, met(r, ttft_slo, tbt_slo), ttft_slo, tbt_slo) for r in records]
+        summary["optimum"] = optimum_summary(optimum, good, window, outcomes)
+    return summary
 
 
 def _by_pool(busy: dict[str, float]) -> dict[str, float]:
@@ -86,9 +96,38 @@ def render(s: dict[str, Any]) -> str:
         f"{s['admitted_ok_pct']}%",
         f"  rejected: {rejected}; errors {s['errors']}; cut off {s['timed_out']}",
         f"  TTFT ms p50/p90/p99 {_ps(s['ttft_ms'])}; TBT ms {_ps(s['tbt_ms'])}",
-        "  prefix hits: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["hit_rate"].items()),
+        "  prefix hits: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["hit_rate"].items())
+        + f" (all tiers {100 * s['prefix_hit_rate']:.1f}% of prompt tokens)",
         "  utilisation: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["utilisation_by_pool"].items()),
+        *([optimum_line(s)] if "optimum" in s else []),
     ])
+
+
+def optimum_line(s: dict[str, Any]) -> str:
+    """The policy beside the offline optimum (sim/optimum.py) and where the two differ."""
+    o, g = s["optimum"], s["optimum"]["gap"]
+    lost = ", ".join(f"{k} {v}" for k, v in g["optimum_only_by_outcome"].items()) or "none"
+    pct = "-" if o["pct_of_optimum"] is None else f"{o['pct_of_optimum']:g}%"
+    found = "" if o["method"] == "exact" else f"; a schedule found serves {o['best_schedule']}"
+    return (f"  offline optimum: {o['served']} within SLO ({o['method']}{found}; {o['goodput_rps']} req/s): "
+            f"{s['policy']} at {pct} of optimum\n"
+            f"    the optimum's schedule serves {g['optimum_only']} this policy did not ({lost}); "
+            f"this policy serves {g['policy_only']} outside it")
+
+
+def compare(summaries: Sequence[dict[str, Any]]) -> str:
+    """Several policies' replays of one trace: each one's report, then a table of their goodput
+    beside the offline optimum (L..U when the search ran out: a schedule found serves L, none
+    serves more than U; % of optimum is then of U)."""
+    head = f"{'policy':<16}{'met SLO':>9}{'goodput':>10}{'optimum':>10}{'% of optimum':>14}  rejected"
+    rows = []
+    for s in summaries:
+        o = s.get("optimum")
+        pct = "-" if o is None or o["pct_of_optimum"] is None else f"{o['pct_of_optimum']:g}%"
+        optimum = "-" if o is None else optimum_cell(o)
+        rejected = ", ".join(f"{k} {v}" for k, v in sorted(s["rejected"].items())) or "none"
+        rows.append(f"{s['policy']:<16}{s['slo_met']:>9}{s['goodput_rps']:>10}{optimum:>10}{pct:>14}  {rejected}")
+    return "\n\n".join([*(render(s) for s in summaries), "\n".join([head, *rows])])
 
 
 def _ps(p: dict[str, float | None]) -> str:

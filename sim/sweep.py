@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from conductor.cost_model import CostModel
+from conductor.serve_defaults import gib_for_tokens
 from core.errors import ConfigError
 from sim.cluster import SimConfig, simulate
 from sim.report import summarize
@@ -91,8 +92,9 @@ def sweep(workload: Workload, grid: Grid, base: SimConfig, cost: CostModel,
 
 def helm_values(row: dict[str, Any], block_size: int, kv_bytes_per_token: int) -> str:
     """The recommended shape as the chart's values (helm/halfmoon/values.yaml): replicas and
-    tensor-parallel size per role, each worker's device KV in blocks, its host tier in GB."""
-    host_gb = math.ceil(row["host_tokens"] * kv_bytes_per_token / 1e9 * 10) / 10
+    tensor-parallel size per role, each worker's device KV in blocks, its host tier in GiB
+    (`--host-cache-gb`'s unit), rounded up to a tenth."""
+    host_gb = math.ceil(gib_for_tokens(row["host_tokens"], kv_bytes_per_token) * 10) / 10
     return "\n".join([
         "prefill:",
         f"  replicas: {row['prefill']}",

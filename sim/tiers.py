@@ -17,8 +17,18 @@ block table is held until the caller releases it.
 
 The simulator's caches work in the trace's 512-token blocks while the engine reuses 16-token
 ones: there (`engine_block` given) every block of the prompt can hit, the partial last one
-included (its identity names its length, sim/workload.py), and `prefix_tokens` converts a hit
-to what the engine would reuse: whole engine blocks, never the last prompt token.
+included, and a hit counts what the engine would reuse (`Hits.tokens`): the tokens the two
+prompts share, in whole engine blocks, never the last prompt token. A block's identity is its
+hash-id chain whatever its length (sim/workload.py): the live replay's tokens of a hash id are
+the same at every length (bench/trace.py), so a prompt that ended 88 tokens into a block leaves
+88 of that block's tokens cached, and a later prompt carrying the whole block (the next turn of
+the conversation) reuses those 88. The cache keeps each block's `fill`, the tokens of it held:
+
+    prompt A  | id 1: 512 | id 2: 88 |                    fill(1) = 512, fill(2) = 88
+    prompt B  | id 1: 512 | id 2: 512 | id 5: 300 |       hits 512 + 88 (then computes the rest:
+                                                          fill(2) = 512), stops at block 2
+
+A block computed anew gets the prompt's fill of it; a hit can only grow it.
 """
 
 from __future__ import annotations
@@ -120,15 +130,22 @@ class Capacity(NamedTuple):
 
 
 class Hits(NamedTuple):
-    """Blocks of one request served by each tier."""
+    """Blocks of one request served by each tier, and the prompt tokens the engine reuses from
+    each (device, host, disk), as the cache held them when it matched (module doc)."""
 
     device: int
     host: int
     disk: int
+    tokens: tuple[int, int, int] = (0, 0, 0)
 
     @property
     def blocks(self) -> int:
         return self.device + self.host + self.disk
+
+    @property
+    def reused(self) -> int:
+        """Prompt tokens not computed: what every tier served."""
+        return sum(self.tokens)
 
 
 class TieredCache:
@@ -140,6 +157,7 @@ class TieredCache:
         self.pool = BlockPool(capacity.device)
         self.host, self.disk = HashLRU(capacity.host), HashLRU(capacity.disk)
         self.pool.on_evict = self._demote
+        self._fill: dict[bytes, int] = {}  # engine_block mode: tokens of each block held (module doc)
 
     def _demote(self, block_id: int, block_hash: bytes) -> None:
         """BlockPool.on_evict: device -> host; what the host evicts goes to disk."""
@@ -149,30 +167,52 @@ class TieredCache:
 
     def usable(self, prompt_len: int) -> int:
         """Blocks that can hit: the last prompt token is always recomputed (with `engine_block`,
-        every block: `prefix_tokens` keeps that rule in tokens)."""
+        every block: `Hits.tokens` keeps that rule in tokens)."""
         if self.engine_block is not None:
             return cdiv(prompt_len, self.block_size)
         return (prompt_len - 1) // self.block_size
 
-    def prefix_tokens(self, blocks: int, prompt_len: int) -> int:
-        """Prompt tokens the engine reuses when the prompt's first `blocks` blocks hit."""
-        tokens = min(blocks * self.block_size, prompt_len)
+    def _hits(self, hashes: Sequence[bytes], prompt_len: int, device: int, host: int, disk: int) -> Hits:
+        """Blocks served per tier with the prompt tokens the engine reuses from each, as held now."""
+        cuts = (device, device + host, device + host + disk)
         if self.engine_block is None:
-            return tokens
-        return min(tokens, (prompt_len - 1) // self.engine_block * self.engine_block)
+            ends = [min(n * self.block_size, prompt_len) for n in cuts]
+        else:
+            ends = self._engine_ends(hashes, prompt_len, cuts)
+        return Hits(device, host, disk, (ends[0], ends[1] - ends[0], ends[2] - ends[1]))
 
-    def tier_tokens(self, hits: Hits, prompt_len: int) -> tuple[int, int, int]:
-        """`hits` in prompt tokens the engine reuses, per tier (device, host, disk)."""
-        ends = [self.prefix_tokens(n, prompt_len)
-                for n in (hits.device, hits.device + hits.host, hits.blocks)]
-        return ends[0], ends[1] - ends[0], ends[2] - ends[1]
+    def _engine_ends(self, hashes: Sequence[bytes], prompt_len: int, cuts: Sequence[int]) -> list[int]:
+        """For each n of `cuts` (ascending): the tokens the engine reuses when the prompt's first n
+        blocks hit: what both the cache and the prompt hold of each, up to the first block either
+        holds only in part (module doc); whole engine blocks, never the last prompt token."""
+        assert self.engine_block is not None
+        tokens, index, whole, ends = 0, 0, True, []
+        for n in cuts:
+            while index < n and whole:
+                shared = min(self._fill.get(hashes[index], self.block_size), self._fill_of(index, prompt_len))
+                tokens, index, whole = tokens + shared, index + 1, shared == self.block_size
+            ends.append(min(tokens, prompt_len - 1) // self.engine_block * self.engine_block)
+        return ends
+
+    def _fill_of(self, index: int, prompt_len: int) -> int:
+        """Tokens of the prompt's block `index` (the last one may be partial)."""
+        return min(self.block_size, prompt_len - index * self.block_size)
+
+    def _record_fills(self, hashes: Sequence[bytes], prompt_len: int, held: int) -> None:
+        """After an acquire: the `held` leading blocks were hits (their fill can only grow), the
+        rest were computed now (their fill is this prompt's)."""
+        if self.engine_block is None:
+            return
+        for i, key in enumerate(hashes):
+            fill = self._fill_of(i, prompt_len)
+            self._fill[key] = max(self._fill.get(key, 0), fill) if i < held else fill
 
     def match(self, hashes: Sequence[bytes], prompt_len: int) -> Hits:
         """Leading blocks of the prompt held here, by tier (no side effect)."""
         usable = hashes[:self.usable(prompt_len)]
         device = len(self.pool.get_computed_blocks(usable))
         host, disk = self._match_lower(usable[device:])
-        return Hits(device, len(host), len(disk))
+        return self._hits(hashes, prompt_len, device, len(host), len(disk))
 
     def can_acquire(self, hashes: Sequence[bytes], prompt_len: int) -> bool:
         """Whether `acquire` finds room for the prompt's blocks now (host/disk hits need device
@@ -195,7 +235,9 @@ class TieredCache:
         self.host.touch(from_host)
         self.disk.touch(from_disk)
         self.pool.cache_blocks(new[:len(hashes) - len(hit)], hashes[len(hit):])
-        return hit + new, Hits(len(hit), len(from_host), len(from_disk))
+        hits = self._hits(hashes, prompt_len, len(hit), len(from_host), len(from_disk))  # before the fills grow
+        self._record_fills(hashes, prompt_len, hits.blocks)
+        return hit + new, hits
 
     def release(self, table: Sequence[int]) -> None:
         self.pool.free(table)

@@ -7,11 +7,12 @@ identity is a chained digest of the hash ids up to it (deterministic, 16 bytes l
 kvpool/block_hash.py's), computed once per distinct (parent, hash id):
 
     hash_ids      [    7    |    8    |  21 ]         input_length 1300
-    block ids     d(root,7)  d(b0, 8)  d(b1, 21, 276)
+    block ids     d(root,7)  d(b0, 8)  d(b1, 21)       (the last: 276 tokens of id 21)
 
-A partial last block's identity also names its length: two prompts whose last blocks carry the
-same hash id after the same chain and end at the same token hold the same tokens there (the live
-replay builds them so: bench/trace.py), so the engine, which caches 16-token blocks, reuses it.
+A partial last block has the identity of its hash id's chain whatever its length: the live
+replay's tokens of a hash id are the same at every length (bench/trace.py), so a prompt that
+ends inside a block shares that block's first tokens with every prompt carrying the same chain.
+How many of a block's tokens a cache holds is the cache's to track (sim/tiers.py, `fill`).
 
 `speed` scales time (x2 = arrivals twice as dense), `window_s` keeps the first seconds of the
 scaled trace, `max_input_tokens` / `max_output_tokens` cap lengths as `halfmoon bench serve`
@@ -57,38 +58,42 @@ class BlockIds:
     """Chained block identities, cached per (parent, hash id)."""
 
     def __init__(self) -> None:
-        self._ids: dict[tuple[bytes, int, int], bytes] = {}
+        self._ids: dict[tuple[bytes, int], bytes] = {}
 
     def __len__(self) -> int:
         return len(self._ids)
 
     def of(self, hash_ids: Sequence[int], prompt_len: int) -> tuple[bytes, ...]:
-        """The ids of a `prompt_len`-token prompt's blocks (a partial last one names its length)."""
+        """The ids of a `prompt_len`-token prompt's blocks (a partial last one included)."""
         parent, out = ROOT, []
-        for i, hash_id in enumerate(hash_ids[:cdiv(prompt_len, HASH_BLOCK_TOKENS)]):
-            fill = min(HASH_BLOCK_TOKENS, prompt_len - i * HASH_BLOCK_TOKENS)
-            parent = self._id(parent, hash_id, 0 if fill == HASH_BLOCK_TOKENS else fill)
+        for hash_id in hash_ids[:cdiv(prompt_len, HASH_BLOCK_TOKENS)]:
+            parent = self._id(parent, hash_id)
             out.append(parent)
         return tuple(out)
 
-    def _id(self, parent: bytes, hash_id: int, partial: int) -> bytes:
-        key = (parent, hash_id, partial)
+    def _id(self, parent: bytes, hash_id: int) -> bytes:
+        key = (parent, hash_id)
         block = self._ids.get(key)
         if block is None:
-            data = parent + hash_id.to_bytes(8, "little") + (partial.to_bytes(2, "little") if partial else b"")
+            data = parent + hash_id.to_bytes(8, "little")
             block = self._ids[key] = hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
         return block
 
 
 def build(trace: Iterable[TraceRequest], speed: float = 1.0, window_s: float | None = None,
           max_input_tokens: int | None = None, max_output_tokens: int | None = None,
-          source: str = "") -> Workload:
+          source: str = "", max_requests: int | None = None) -> Workload:
     """The trace at `speed` (arrival = timestamp / speed, as `halfmoon bench serve --trace`
-    sends it), the requests arriving in its first `window_s` seconds (None = all), lengths capped."""
+    sends it), the requests arriving in its first `window_s` seconds (None = all), lengths capped;
+    `max_requests`: its first N requests only, as bench serve's --max-requests (the window is then
+    their span)."""
     if not speed > 0:
         raise ValueError(f"speed must be > 0, got {speed}")
+    if max_requests is not None and max_requests < 1:
+        raise ValueError(f"max_requests must be >= 1, got {max_requests}")
     ids = BlockIds()
-    entries = sorted(trace, key=lambda r: r.timestamp)  # stable: equal timestamps keep file order
+    # the first N in file order, as bench serve takes them; sorted stably (equal timestamps keep file order)
+    entries = sorted(list(trace)[:max_requests], key=lambda r: r.timestamp)
     requests: list[SimRequest] = []
     for r in entries:
         arrival = r.timestamp / 1e3 / speed
@@ -104,6 +109,7 @@ def build(trace: Iterable[TraceRequest], speed: float = 1.0, window_s: float | N
 
 
 def load(path: str | Path, speed: float = 1.0, window_s: float | None = None,
-         max_input_tokens: int | None = None, max_output_tokens: int | None = None) -> Workload:
+         max_input_tokens: int | None = None, max_output_tokens: int | None = None,
+         max_requests: int | None = None) -> Workload:
     """`build` over a Mooncake trace file (TraceError names a bad line)."""
-    return build(read_trace(path), speed, window_s, max_input_tokens, max_output_tokens, str(path))
+    return build(read_trace(path), speed, window_s, max_input_tokens, max_output_tokens, str(path), max_requests)

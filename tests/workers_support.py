@@ -65,14 +65,18 @@ class InProcessWorkers(WorkerGroup):
         self.weights = weights
 
     def start(self, redis_url: str | None) -> None:
+        """Every worker of the config; standbys (`--standby`) warmed up, as `RayWorkers` does."""
         for spec in self.config.specs(redis_url):
             api = start_worker(dataclasses.replace(spec, cpus=None), self.weights)
-            self.workers[spec.worker_id] = Worker(spec, api, pid=os.getpid())  # type: ignore[arg-type]
+            self.place(Worker(spec, api, pid=os.getpid()), self.config.is_standby(spec))  # type: ignore[arg-type]
+        for w in self.standbys.values():
+            asyncio.run(w.api.warm_up())
 
     def stop(self) -> None:
-        for w in self.workers.values():
+        for w in self.everyone():
             w.api.close()  # type: ignore[union-attr]
         self.workers.clear()
+        self.standbys.clear()
 
     @property
     def prefill(self) -> PrefillWorker:

@@ -92,7 +92,7 @@ class BlockServer:
             log.debug("block client %s: %s", channel.peer, e)
 
     def _answer(self, channel: Channel, hashes: list[bytes]) -> None:
-        rows = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8)
+        rows = torch.empty(len(hashes), self.block_bytes, dtype=torch.uint8, device="cpu")
         n = self.serve(hashes, rows) if hashes else 0
         views = [memoryview(rows[:n].numpy()).cast("B")] if n else []
         corrupt = bool(views) and self.faults is not None and self.faults.should_corrupt("fetch", 0)

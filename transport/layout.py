@@ -112,23 +112,24 @@ class KVLayout:
         return d
 
 
-class KVBytes:
-    """A byte-level view of a KV tensor: `[layers, 2, num_blocks, slab_bytes]` uint8, no copy.
-    `heads`: the KV heads (of this tensor's) a connection moves; None or all of them: whole
-    slabs, in place; fewer: staged (the module docstring)."""
+class KVShape:
+    """What a KV tensor's block ids are checked against, and where a unit's views break: its
+    layers, blocks and slab size, on any device. `heads`: the KV heads (of this tensor's) a
+    connection moves; None or all of them: whole slabs; fewer: a head slice (staged through a
+    copy, the module docstring)."""
 
     def __init__(self, kv_cache: torch.Tensor, heads: slice | None = None) -> None:
-        if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
-            raise ValueError("the KV tensor must be a contiguous CPU tensor")
-        layers, _, num_blocks, block_size, num_heads, head_dim = kv_cache.shape
-        self.tensor = kv_cache  # keeps the storage alive as long as the views
-        self.array: np.ndarray = kv_cache.view(torch.uint8).numpy().reshape(layers, 2, num_blocks, -1)
+        layers, _, num_blocks = kv_cache.shape[:3]
         self.num_layers = layers
         self.num_blocks = num_blocks
+        num_heads = kv_cache.shape[4] if kv_cache.dim() == 6 else None
         whole = heads is None or (heads.start, heads.stop) == (0, num_heads)
         self.heads: slice | None = None if whole else heads
-        count = num_heads if heads is None else heads.stop - heads.start
-        self.slab_bytes = block_size * count * head_dim * kv_cache.element_size()
+        slab_bytes = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+        if self.heads is not None:
+            assert num_heads is not None
+            slab_bytes = slab_bytes // num_heads * (self.heads.stop - self.heads.start)
+        self.slab_bytes = slab_bytes
 
     @property
     def staged(self) -> bool:
@@ -138,6 +139,48 @@ class KVBytes:
     def unit_bytes(self, num_blocks: int) -> int:
         """Payload bytes of a unit of `num_blocks` blocks (K and V) over this connection."""
         return 2 * num_blocks * self.slab_bytes
+
+    def bounds(self, block_ids: Sequence[int]) -> list[int]:
+        """Byte offsets (in a unit's payload) at which this side's views break: the end of each
+        view but the last. The same for every layer; computed from the ids alone, so a sender
+        knows its receiver's breaks too (`run_bounds`). A head-sliced side has one view."""
+        return [] if self.staged else run_bounds(block_ids, self.slab_bytes)
+
+    def check(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
+        """The ids as an int64 array; ProtocolError unless `layer` and every id are in range."""
+        if not 0 <= layer < self.num_layers:
+            raise ProtocolError(f"layer {layer} is not in 0..{self.num_layers - 1}")
+        ids = np.asarray(block_ids)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise ProtocolError(f"block ids must be integers, got {ids.dtype} values")
+        bad = (ids < 0) | (ids >= self.num_blocks)
+        if bad.any():
+            raise ProtocolError(f"block id {ids[bad.argmax()]} is not in 0..{self.num_blocks - 1}")
+        return ids.astype(np.int64)
+
+
+def run_bounds(block_ids: Sequence[int], slab_bytes: int) -> list[int]:
+    """Where views of whole slabs of `block_ids` break in a unit's payload (`KVBytes.bounds`)."""
+    starts, stops = _runs(np.asarray(block_ids, dtype=np.int64))
+    run_bytes = (stops - starts) * slab_bytes
+    return np.cumsum(np.concatenate([run_bytes, run_bytes]))[:-1].tolist()
+
+
+def _bytes_view(t: torch.Tensor) -> memoryview:
+    """A contiguous tensor's bytes (the view keeps the tensor alive)."""
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()).cast("B")
+
+
+class KVBytes(KVShape):
+    """A byte-level view of a host KV tensor: `[layers, 2, num_blocks, slab_bytes]` uint8, no
+    copy; `heads` as in KVShape (a head slice reads with `read_views`, writes with `write_views`)."""
+
+    def __init__(self, kv_cache: torch.Tensor, heads: slice | None = None) -> None:
+        if not kv_cache.is_contiguous() or kv_cache.device.type != "cpu":
+            raise ValueError("the KV tensor must be a contiguous CPU tensor")
+        super().__init__(kv_cache, heads)
+        self.tensor = kv_cache  # keeps the storage alive as long as the views
+        self.array: np.ndarray = kv_cache.view(torch.uint8).numpy().reshape(self.num_layers, 2, self.num_blocks, -1)
 
     def views(self, layer: int, block_ids: Sequence[int]) -> list[memoryview]:
         """K then V slabs of `block_ids` in layer `layer`, one view per run of consecutive ids
@@ -175,36 +218,6 @@ class KVBytes:
             self.tensor[layer][:, ids, :, self.heads] = staging
 
         return [_bytes_view(staging)], commit
-
-    def bounds(self, block_ids: Sequence[int]) -> list[int]:
-        """Byte offsets (in a unit's payload) at which this side's views break: the end of each
-        view but the last. The same for every layer; computed from the ids alone, so a sender
-        knows its receiver's breaks too (`run_bounds`). A staged side has one view."""
-        return [] if self.staged else run_bounds(block_ids, self.slab_bytes)
-
-    def check(self, layer: int, block_ids: Sequence[int]) -> np.ndarray:
-        """The ids as an int64 array; ProtocolError unless `layer` and every id are in range."""
-        if not 0 <= layer < self.num_layers:
-            raise ProtocolError(f"layer {layer} is not in 0..{self.num_layers - 1}")
-        ids = np.asarray(block_ids)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise ProtocolError(f"block ids must be integers, got {ids.dtype} values")
-        bad = (ids < 0) | (ids >= self.num_blocks)
-        if bad.any():
-            raise ProtocolError(f"block id {ids[bad.argmax()]} is not in 0..{self.num_blocks - 1}")
-        return ids.astype(np.int64)
-
-
-def run_bounds(block_ids: Sequence[int], slab_bytes: int) -> list[int]:
-    """Where views of whole slabs of `block_ids` break in a unit's payload (`KVBytes.bounds`)."""
-    starts, stops = _runs(np.asarray(block_ids, dtype=np.int64))
-    run_bytes = (stops - starts) * slab_bytes
-    return np.cumsum(np.concatenate([run_bytes, run_bytes]))[:-1].tolist()
-
-
-def _bytes_view(t: torch.Tensor) -> memoryview:
-    """A contiguous tensor's bytes (the view keeps the tensor alive)."""
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()).cast("B")
 
 
 def _runs(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -44,6 +44,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -52,7 +53,8 @@ from transport.errors import HandshakeError, ProtocolError
 from transport.faults import flip_one_bit
 from transport.frames import frame_lengths, new_hash, split_at, split_frames
 from transport.heads import check_layouts
-from transport.layout import KVBytes, KVLayout, run_bounds
+from transport.layout import KVLayout, KVShape, run_bounds
+from transport.staging import HOST, PATHS
 
 # 2: payload frames and trailers on a data lane of their own (ucxx tags); 3: the sender's frame
 # cuts travel in the UNIT body; 4: a body beyond one control frame travels in CONTROL_BYTES frames
@@ -144,7 +146,7 @@ def parse_unit_body(header: Header, body: bytes) -> tuple[str, list[int], list[i
     return body[ids_len + cuts_len :].decode(), ids, lengths.tolist()
 
 
-def unit_frame_lengths(kv: KVBytes, src_ids: Sequence[int], dst_ids: Sequence[int], nbytes: int,
+def unit_frame_lengths(kv: KVShape, src_ids: Sequence[int], dst_ids: Sequence[int], nbytes: int,
                        dst_staged: bool = False) -> list[int]:
     """Where the sender cuts a unit (see frames.frame_lengths); `dst_staged`: the receiver
     lands it in one staging buffer (a head slice of its slabs)."""
@@ -169,8 +171,9 @@ def parse_json(body: bytes) -> dict:
 # ---------------------------------------------------------------- handshake
 
 
-def hello(layout: KVLayout, nonce: bytes, secret: bytes | None) -> dict:
-    msg = {"version": PROTOCOL_VERSION, "layout": layout.as_dict()}
+def hello(layout: KVLayout, nonce: bytes, secret: bytes | None, path: str = "host") -> dict:
+    """`path`: how the sender's units leave its KV (transport/staging.py: host, staged)."""
+    msg = {"version": PROTOCOL_VERSION, "layout": layout.as_dict(), "path": path}
     msg["mac"] = _mac(secret, nonce, msg) if secret is not None else None
     return msg
 
@@ -183,6 +186,8 @@ def check_hello(msg: dict, layout: KVLayout, nonce: bytes, secret: bytes | None,
     if version != PROTOCOL_VERSION:
         raise HandshakeError("version", f"sender speaks protocol {version}, this receiver {PROTOCOL_VERSION}")
     _check_secret(msg, nonce, secret)
+    if msg.get("path", HOST) not in PATHS:
+        raise HandshakeError("path", f"sender's transfer path {msg.get('path')!r} is none of {list(PATHS)}")
     theirs = msg.get("layout")
     if not isinstance(theirs, dict):
         raise HandshakeError("protocol", "hello carries no KV layout")
@@ -203,14 +208,23 @@ def _layout(d: dict) -> KVLayout:
         raise HandshakeError("protocol", str(e)) from e
 
 
-def offer_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float) -> KVLayout:
-    """The connecting side: answer the CHALLENGE with HELLO; the receiver's layout (from its
-    ACCEPT); raises HandshakeError on REFUSE."""
+class Accepted(NamedTuple):
+    """What the listening side learns from a sender's HELLO: its KV layout and its transfer
+    path (transport/staging.py: host, staged)."""
+
+    layout: KVLayout
+    path: str
+
+
+def offer_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float,
+                    path: str = "host") -> KVLayout:
+    """The connecting side: answer the CHALLENGE with HELLO (naming this side's `path`); the
+    receiver's layout (from its ACCEPT); raises HandshakeError on REFUSE."""
     header, body = recv_msg(channel, timeout, timeout)
     if header.kind is not Kind.CHALLENGE:
         raise HandshakeError("protocol", f"expected CHALLENGE, got {header.kind.name}")
     nonce = bytes.fromhex(str(parse_json(body).get("nonce", "")))
-    send_json(channel, Kind.HELLO, hello(layout, nonce, secret), timeout)
+    send_json(channel, Kind.HELLO, hello(layout, nonce, secret, path), timeout)
     header, body = recv_msg(channel, timeout, timeout)
     if header.kind is Kind.REFUSE:
         msg = parse_json(body)
@@ -221,21 +235,22 @@ def offer_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, ti
 
 
 def accept_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float,
-                     exact: bool = True) -> KVLayout:
+                     exact: bool = True) -> Accepted:
     """The listening side: CHALLENGE, check the HELLO, ACCEPT (with this side's layout) or
-    REFUSE (naming the field); the sender's layout."""
+    REFUSE (naming the field); the sender's layout and path (host when its HELLO names none)."""
     nonce = os.urandom(16)
     send_json(channel, Kind.CHALLENGE, {"nonce": nonce.hex()}, timeout)
     header, body = recv_msg(channel, timeout, timeout)
     if header.kind is not Kind.HELLO:
         raise HandshakeError("protocol", f"expected HELLO, got {header.kind.name}")
+    msg = parse_json(body)
     try:
-        sender = check_hello(parse_json(body), layout, nonce, secret, exact)
+        sender = check_hello(msg, layout, nonce, secret, exact)
     except HandshakeError as e:
         send_json(channel, Kind.REFUSE, {"field": e.field, "message": e.message}, timeout)
         raise
     send_json(channel, Kind.ACCEPT, {"layout": layout.as_dict()}, timeout)
-    return sender
+    return Accepted(sender, str(msg.get("path", HOST)))
 
 
 def _check_secret(msg: dict, nonce: bytes, secret: bytes | None) -> None:

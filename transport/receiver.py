@@ -45,7 +45,8 @@ from transport.errors import (
 )
 from transport.faults import FaultInjector
 from transport.heads import check_layouts, receiver_heads
-from transport.layout import KVBytes, KVLayout
+from transport.layout import KVBytes, KVLayout, KVShape
+from transport.staging import HOST, Slot, Stager
 from transport.protocol import (
     FRAME_BYTES,
     TRAILER,
@@ -97,6 +98,8 @@ class ReceiverStats:
     checksum_failures: int = 0
     refused: int = 0  # handshakes refused
     peers_lost: int = 0
+    # verified payload bytes by the senders' transfer path (transport/staging.py: host, staged)
+    bytes_by_path: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True, eq=False)
@@ -123,17 +126,26 @@ class _Link:
     slabs, or a head slice: `KVBytes.staged`) and its tensor-parallel rank."""
 
     channel: Channel
-    kv: KVBytes
+    kv: KVShape
     src_rank: int
+    path: str = HOST  # the sender's transfer path (transport/staging.py), from its HELLO
 
 
 class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, backend: Backend,
                  host: str = "127.0.0.1", port: int = 0, secret: bytes | None = None,
-                 timeout: float = 30.0, faults: FaultInjector | None = None) -> None:
-        """`timeout` bounds every wait inside a message (handshake, body, payload frames)."""
-        self.kv = KVBytes(kv_cache)
+                 timeout: float = 30.0, faults: FaultInjector | None = None,
+                 stager: Stager | None = None, inflight_bytes: int = 256 << 20) -> None:
+        """`timeout` bounds every wait inside a message (handshake, body, payload frames).
+        A KV tensor on a GPU receives each unit into a pinned staging slot, then copies it to
+        its blocks (transport/staging.py); `stager` overrides that ring (the CPU tests).
+        `inflight_bytes`: the senders' in-flight bound (--kv-max-inflight-mb): the slots are cut
+        from it as the senders cut theirs, so every staged unit fits one."""
+        if stager is None and kv_cache.device.type != "cpu":
+            stager = Stager.for_device(kv_cache, inflight_bytes)
+        self.stager = stager
         self.tensor = kv_cache
+        self.kv: KVShape = KVBytes(kv_cache) if stager is None else KVShape(kv_cache)
         self.layout = layout
         self.backend = backend
         self.secret = secret
@@ -251,10 +263,17 @@ class KVReceiver:
             time.sleep(self.faults.receive_delay)  # fault injection: a slow receiver
 
     def _handshake(self, channel: Channel) -> _Link:
-        """Accept a sender whose layout has heads for this rank: where its units land."""
-        sender = accept_handshake(channel, self.layout, self.secret, self.timeout, exact=False)
-        piece = check_layouts(sender, self.layout)
-        return _Link(channel, KVBytes(self.tensor, receiver_heads(piece)), sender.rank)
+        """Accept a sender whose layout has heads for this rank: where its units land, and the
+        sender's transfer path (host, staged)."""
+        sender, path = accept_handshake(channel, self.layout, self.secret, self.timeout, exact=False)
+        heads = receiver_heads(check_layouts(sender, self.layout))
+        if self.stager is None:
+            return _Link(channel, KVBytes(self.tensor, heads), sender.rank, path)
+        kv = KVShape(self.tensor, heads)
+        if kv.staged:
+            raise HandshakeError("tp", "a device KV tensor receives whole slabs only: a head slice of its "
+                                 "blocks is not supported on the staged path")
+        return _Link(channel, kv, sender.rank, path)
 
     def _lost(self, channel: Channel, error: TransportError) -> None:
         """The channel broke: every request it was feeding fails with that error."""
@@ -289,17 +308,43 @@ class KVReceiver:
         if exp is None:
             self._drain(link.channel, lengths)
             return
+        slot = self._landing(header.payload_len)
         try:
-            views, commit = link.kv.write_views(header.layer, ids)
+            views, commit = self._unit_views(link.kv, header.layer, ids, slot)
             actual, expected = receive_payload(link.channel, views, self.timeout, lengths)
-            if commit is not None and actual == expected:
-                commit()  # a head slice: into the blocks only once verified, while still claimed
+            self._land(slot, header.layer, ids, actual == expected, commit)
         finally:
-            self._release(exp)
-        self._verified(exp, header, expected, actual, link.src_rank)
+            self._release(exp, slot)
+        self._verified(exp, header, expected, actual, link.src_rank, link.path)
 
-    def _release(self, exp: _Expected | None) -> None:
-        """A unit claimed by `_claim` no longer writes into the request's blocks."""
+    def _landing(self, payload_len: int) -> Slot | None:
+        """A staging slot for a unit bound for device memory (None: received in place)."""
+        return None if self.stager is None else self.stager.landing(payload_len, self.timeout)
+
+    def _unit_views(self, kv: KVShape, layer: int, ids: list[int], slot: Slot | None
+                    ) -> tuple[list[memoryview], Callable[[], None] | None]:
+        """Where a unit lands, and what puts it in place once verified (None: nothing more)."""
+        if slot is None:
+            return kv.write_views(layer, ids)  # type: ignore[attr-defined]
+        kv.check(layer, ids)
+        return [slot.view()], None
+
+    def _land(self, slot: Slot | None, layer: int, ids: list[int], intact: bool,
+              commit: Callable[[], None] | None = None) -> None:
+        """A unit into its blocks, only when it arrived intact: a head slice scattered
+        (`commit`, while still claimed), a staged unit copied to the device."""
+        if not intact:
+            return
+        if commit is not None:
+            commit()
+        if slot is not None:
+            self.stager.land(slot, layer, ids)  # type: ignore[union-attr]
+
+    def _release(self, exp: _Expected | None, slot: Slot | None = None) -> None:
+        """A unit claimed by `_claim` no longer writes into the request's blocks (its staging
+        slot, if any, is free again)."""
+        if slot is not None:
+            self.stager.ring.release(slot)  # type: ignore[union-attr]
         if exp is not None:
             with self._cond:
                 exp.busy -= 1
@@ -327,7 +372,8 @@ class KVReceiver:
                 exp.first_ns = time.time_ns()
             return exp
 
-    def _verified(self, exp: _Expected, header: Header, expected: int, actual: int, src_rank: int) -> None:
+    def _verified(self, exp: _Expected, header: Header, expected: int, actual: int, src_rank: int,
+                  path: str = HOST) -> None:
         with self._cond:
             if actual != expected:
                 self.stats.checksum_failures += 1
@@ -340,6 +386,7 @@ class KVReceiver:
             exp.bytes += header.payload_len
             self.stats.units += 1
             self.stats.bytes += header.payload_len
+            self.stats.bytes_by_path[path] = self.stats.bytes_by_path.get(path, 0) + header.payload_len
             if exp.log is not None:
                 exp.log.append(UnitRecord(time.time_ns(), header.layer, header.num_blocks,
                                           header.payload_len, actual))
@@ -410,6 +457,8 @@ class _PostedUnit:
     exp: _Expected | None
     header: Header
     receipt: PayloadReceipt
+    ids: list[int] = field(default_factory=list)
+    slot: Slot | None = None  # where a unit bound for device memory lands first
     commit: Callable[[], None] | None = None  # a head slice: scattered once verified
 
 
@@ -452,12 +501,17 @@ class _Pipeline:
     def _post_unit(self, header: Header, body: bytes) -> _PostedUnit:
         request_id, ids, lengths = parse_unit_body(header, body)
         exp = self.r._claim(self.link, request_id, header.layer, ids, header.payload_len)
+        slot = None
         try:
-            views, commit = ((self._throwaway_views(header.payload_len), None) if exp is None
-                             else self.link.kv.write_views(header.layer, ids))
-            return _PostedUnit(exp, header, PayloadReceipt(self.channel, views, lengths), commit)
+            commit = None
+            if exp is None:
+                views = self._throwaway_views(header.payload_len)
+            else:
+                slot = self.r._landing(header.payload_len)
+                views, commit = self.r._unit_views(self.link.kv, header.layer, ids, slot)
+            return _PostedUnit(exp, header, PayloadReceipt(self.channel, views, lengths), ids, slot, commit)
         except BaseException:
-            self.r._release(exp)
+            self.r._release(exp, slot)
             raise
 
     def _throwaway_views(self, payload_len: int) -> list[memoryview]:
@@ -471,7 +525,7 @@ class _Pipeline:
         while (item := self.work.get()) is not None:
             if self.error is not None:  # the connection failed: only release what was claimed
                 if isinstance(item, _PostedUnit):
-                    self.r._release(item.exp)
+                    self.r._release(item.exp, item.slot)
                 continue
             try:
                 if isinstance(item, _PostedUnit):
@@ -487,12 +541,11 @@ class _Pipeline:
     def _finish_unit(self, unit: _PostedUnit) -> None:
         try:
             actual, expected = unit.receipt.finish(self.r.timeout, verify=unit.exp is not None)
-            if unit.commit is not None and actual == expected:
-                unit.commit()  # a head slice: into the blocks only once verified, while still claimed
+            self.r._land(unit.slot, unit.header.layer, unit.ids, actual == expected, unit.commit)
         except BaseException:
             self.channel.close()  # before the release: no posted receive may write after it
             raise
         finally:
-            self.r._release(unit.exp)
+            self.r._release(unit.exp, unit.slot)
         if unit.exp is not None:
-            self.r._verified(unit.exp, unit.header, expected, actual, self.link.src_rank)
+            self.r._verified(unit.exp, unit.header, expected, actual, self.link.src_rank, self.link.path)

@@ -32,6 +32,7 @@ import torch
 from transport.channel import Backend
 from transport.errors import (
     ChecksumError,
+    HandshakeError,
     PeerLostError,
     ProtocolError,
     TransferCancelledError,
@@ -40,7 +41,8 @@ from transport.errors import (
 )
 from transport.faults import FaultInjector
 from transport.heads import check_layouts, num_sources, sender_heads
-from transport.layout import KVBytes, KVLayout
+from transport.layout import KVBytes, KVLayout, KVShape
+from transport.staging import HOST, STAGED, Slot, Stager
 from transport.protocol import (
     Header,
     Kind,
@@ -85,6 +87,7 @@ class _Job:
     nbytes: int = 0
     meta: dict | None = None
     count: int = 0
+    slot: Slot | None = None  # the staged copy of a unit from device memory (transport/staging.py)
 
 
 class PushStream:
@@ -113,8 +116,24 @@ class PushStream:
         if not src_ids:
             return
         self._check_open()
+        stager = self.sender.stager
+        if stager is None:
+            self._submit_unit(layer, src_ids, dst_ids, None)
+            return
+        # from device memory: one unit per staging slot, each copy queued behind this layer's compute
+        for start in range(0, len(src_ids), stager.slot_blocks):
+            src = src_ids[start : start + stager.slot_blocks]
+            slot = stager.stage(layer, src, self.sender.timeout)
+            self._submit_unit(layer, src, dst_ids[start : start + stager.slot_blocks], slot)
+
+    def _submit_unit(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int], slot: Slot | None) -> None:
         nbytes = self.sender.kv.unit_bytes(len(src_ids))
-        self.sender._submit(_Job(Kind.UNIT, self, layer, list(src_ids), list(dst_ids), nbytes))
+        try:
+            self.sender._submit(_Job(Kind.UNIT, self, layer, list(src_ids), list(dst_ids), nbytes, slot=slot))
+        except BaseException:
+            if slot is not None:
+                self.sender.stager.ring.release(slot)  # type: ignore[union-attr]
+            raise
         self.units_submitted += 1
         if self.log is not None:
             self.log.append(SentUnit(time.time_ns(), layer, len(src_ids), nbytes))
@@ -170,8 +189,16 @@ class PushStream:
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, layout: KVLayout, backend: Backend, address: str,
                  secret: bytes | None = None, timeout: float = 30.0,
-                 max_inflight_bytes: int = 256 << 20, faults: FaultInjector | None = None) -> None:
-        """Connects and handshakes at once (raises HandshakeError naming the differing field)."""
+                 max_inflight_bytes: int = 256 << 20, faults: FaultInjector | None = None,
+                 stager: Stager | None = None) -> None:
+        """Connects and handshakes at once (raises HandshakeError naming the differing field).
+        A KV tensor on a GPU is sent through pinned staging slots (transport/staging.py; `stager`
+        overrides the ring a CUDA tensor gets, e.g. the host copier in the CPU tests)."""
+        if stager is None and kv_cache.device.type != "cpu":
+            stager = Stager.for_device(kv_cache, max_inflight_bytes)
+        self.stager = stager
+        self.path = HOST if stager is None else STAGED
+        self.kv: KVShape = KVBytes(kv_cache) if stager is None else KVShape(kv_cache)
         self.layout = layout
         self.address = address
         self.timeout = timeout
@@ -200,11 +227,19 @@ class KVSender:
             t.start()
 
     def _handshake(self, secret: bytes | None) -> None:
-        """Agree on the layouts: which of this rank's heads go to the receiver's rank, and how."""
-        peer = offer_handshake(self.channel, self.layout, secret, self.timeout)
+        """Agree on the layouts: which of this rank's heads go to the receiver's rank, and how;
+        the HELLO names this side's transfer path (host, staged)."""
+        peer = offer_handshake(self.channel, self.layout, secret, self.timeout, self.path)
         self.peer_layout = peer
         self.piece = check_layouts(self.layout, peer)
-        self.kv = KVBytes(self.kv_cache, sender_heads(self.piece))
+        heads = sender_heads(self.piece)
+        if self.stager is None:
+            self.kv = KVBytes(self.kv_cache, heads)
+        else:
+            self.kv = KVShape(self.kv_cache, heads)
+            if self.kv.staged:
+                raise HandshakeError("tp", "a device KV tensor sends whole slabs only: a head slice of its "
+                                     "blocks is not supported on the staged path")
         self.dst_staged = self.piece.count != peer.num_kv_heads  # the receiver scatters a head slice
         self.sources = num_sources(peer.total_kv_heads, self.layout.tp, peer.tp, peer.rank)
 
@@ -241,10 +276,13 @@ class KVSender:
             t.join(timeout=5)
         with self._cond:  # what was queued or on the wire is gone: its blocks are free again
             self._inflight -= sum(j.nbytes for j in self._jobs) + sum(j.nbytes for j, _ in self._posted)
+            self._free_slots([*self._jobs, *(j for j, _ in self._posted)])
             self._jobs.clear()
             self._posted.clear()
             self._current = None
             self._cond.notify_all()
+        if self.stager is not None:
+            self.stager.close()
         self._fail_all(PeerLostError(f"sender to {self.address} was closed"))
 
     # ------------------------------------------------------------------ queue
@@ -271,6 +309,7 @@ class KVSender:
             for job in dropped:
                 self._jobs.remove(job)
                 self._inflight -= job.nbytes
+            self._free_slots(dropped)
             if self._broken is None:  # a broken or closed connection has nobody to tell
                 self._jobs.append(_Job(Kind.CANCEL, stream))
             self._cond.notify_all()
@@ -334,6 +373,7 @@ class KVSender:
                 return
             self._posted.popleft()
             self._inflight -= job.nbytes
+            self._free_slots([job])  # its send completed: the slot may be staged again
             if job.kind is Kind.UNIT:
                 job.stream.units_sent += 1
             self._cond.notify_all()
@@ -356,7 +396,7 @@ class KVSender:
     def _send_unit(self, job: _Job) -> Callable[[float], None] | None:
         """Header + body, then the payload frames and the hash trailer as one batch, so a message
         backend keeps frames in flight while the next ones are hashed."""
-        views = self.kv.read_views(job.layer, job.src)
+        views = self._unit_views(job)
         corrupt = self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer)
         lengths = unit_frame_lengths(self.kv, job.src, job.dst, job.nbytes, self.dst_staged)
         header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes,
@@ -366,6 +406,14 @@ class KVSender:
         self.stats.units += 1
         self.stats.bytes += job.nbytes
         return finish
+
+    def _unit_views(self, job: _Job) -> list[memoryview]:
+        """The unit's bytes: views of the KV tensor, or of its staging slot once copied."""
+        if job.slot is None:
+            return self.kv.read_views(job.layer, job.src)  # type: ignore[attr-defined]
+        if not job.slot.event.wait(self.timeout):  # type: ignore[union-attr]
+            raise TransferTimeoutError(f"staging copy of layer {job.layer} not done after {self.timeout:.1f}s")
+        return [job.slot.view()]
 
     # ------------------------------------------------------------------ results thread
 
@@ -393,15 +441,24 @@ class KVSender:
                 error = PeerLostError(f"connection to {self.address} failed: {error}")
             self._broken = error
             self._inflight -= sum(j.nbytes for j in self._jobs)
+            self._free_slots(self._jobs)
             self._jobs.clear()
             self._cond.notify_all()
         log.warning("KV sender to %s broke: %s", self.address, error)
         self.channel.close()  # returns once no send of the channel can touch memory any more
         with self._cond:
             self._inflight -= sum(j.nbytes for j, _ in self._posted)
+            self._free_slots([j for j, _ in self._posted])
             self._posted.clear()
             self._cond.notify_all()
         self._fail_all(error)
+
+    def _free_slots(self, jobs: Sequence[_Job]) -> None:
+        """Give back the staging slots of jobs no send reads any more (caller holds the lock)."""
+        for job in jobs:
+            if job.slot is not None:
+                self.stager.ring.release(job.slot)  # type: ignore[union-attr]
+                job.slot = None
 
     def _fail_all(self, error: TransportError) -> None:
         with self._cond:

@@ -131,7 +131,8 @@ class RankReceivers:
             for rank, (kv, layout) in enumerate(shards):
                 port = config.port + rank if config.port else 0
                 self.receivers.append(KVReceiver(kv, layout, backend, host=config.host, port=port,
-                                                 secret=config.secret(), timeout=config.timeout_s).start())
+                                                 secret=config.secret(), timeout=config.timeout_s,
+                                                 inflight_bytes=config.max_inflight_bytes).start())
         except BaseException:
             self.close()
             raise
@@ -145,6 +146,11 @@ class RankReceivers:
     def rank_bytes(self) -> list[int]:
         """KV bytes each rank received (verified), rank 0's first."""
         return [r.stats.bytes for r in self.receivers]
+
+    def path_bytes(self, path: str) -> int:
+        """KV bytes every rank received (verified) from senders on transfer path `path`
+        (transport/staging.py: host, staged)."""
+        return sum(r.stats.bytes_by_path.get(path, 0) for r in self.receivers)
 
     def expect(self, request_id: str, block_ids: list[int], record: bool = False) -> None:
         done: list[KVReceiver] = []

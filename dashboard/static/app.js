@@ -190,7 +190,9 @@ function renderWorkers(workers) {
 function updateCard({root, f, tiers}, w) {
   const role = w.role || '';
   if (root.dataset.role !== role) root.dataset.role = role;
-  setText(f.role, role || DASH);
+  const state = w.state && w.state !== 'ready' ? w.state : ''; // standby, warming, promoting
+  setText(f.role, state ? `${role || DASH} · ${state}` : (role || DASH));
+  root.classList.toggle('standby', state === 'standby' || state === 'warming');
   setText(f.alive, w.alive ? 'alive' : 'down');
   root.classList.toggle('down', !w.alive);
   for (const k of ['restarts', 'queue_depth', 'running', 'steps', 'prompt_tokens_computed', 'prompt_tokens_cached']) setText(f[k], int(w[k]));

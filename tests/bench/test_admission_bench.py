@@ -31,7 +31,7 @@ from tests.conductor import conftest as server_fixtures
 api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, server_fixtures.start_api
 
 SLO = sm.Slo(ttft_ms=500.0, tbt_ms=125.0)  # binary fractions: "exactly at the SLO" is exact
-SAMPLE_TRACE = Path(__file__).resolve().parents[3] / "shared" / "data" / "sample_trace.jsonl"
+SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "bench" / "data" / "sample_trace.jsonl"
 
 
 # ---------------------------------------------------------------------------- calibration
@@ -359,6 +359,7 @@ def test_loads_replayed_against_the_in_process_server(api: server_fixtures.Runni
         assert m["admitted_ok_pct"] in (None, 100.0) and m["wasted_prefill_tokens"] == 0
         assert m["admitted"] == m["completed"] and m["slo_met"] == m["completed"]
         assert run["index"]["scrape_error"] is None  # /metrics answered; the heartbeat may be absent
+        assert "cost model" in run["optimum"]["error"]  # no dashboard routes here: said, not raised
         for row in run["requests"]:
             assert (row["status"], row["tokens"]) in (("ok", 4), ("rejected", 0))
             assert row["code"] in (None, "RESOURCE_EXHAUSTED")
@@ -382,7 +383,7 @@ def test_the_command_runs_a_tiny_colocated_window(tmp_path: Path) -> None:
     missing = ab.missing_serve_flags()
     if missing:
         pytest.skip(f"`halfmoon serve --help` lacks {', '.join(missing)} (issue 18's admission flags)")
-    trace = SAMPLE_TRACE if SAMPLE_TRACE.is_file() else write_trace(tmp_path / "t.jsonl", [(0, 300, 8, [0])])
+    trace = SAMPLE_TRACE
     proc = subprocess.run(
         [sys.executable, "-m", "cli.main", "bench", "serve", "--trace", str(trace), "--admission", "none",
          "--modes", "colocated", "--colocated-args", "--colocated --threads 1 --num-blocks 128",
@@ -396,6 +397,8 @@ def test_the_command_runs_a_tiny_colocated_window(tmp_path: Path) -> None:
     assert run["policy"] == "none" and m["requests"] >= 1  # the trace's arrivals in the first second
     assert (m["completed"], m["rejected"], m["errors_5xx"]) == (m["requests"], 0, 0)  # `none` admits all
     assert {"heartbeat_max_gap_s", "resyncs"} <= set(run["index"])
+    o = run["optimum"]  # on the server's own cost model (GET /dashboard/api/cost-model)
+    assert o["method"] == "upper bound" and "co-located" in o["reference"] and o["served"] >= m["slo_met"]
     assert (tmp_path / "admission_goodput_colocated.png").is_file()
 
 

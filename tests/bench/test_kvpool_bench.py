@@ -140,7 +140,7 @@ def test_upper_bound_equals_a_plain_set_of_seen_blocks() -> None:
     bound = upper_bound(requests, PrefixHasher())
     assert bound.hit_tokens == expected
     assert bound.prompt_tokens == sum(r.input_length for r in requests)
-    assert round(bound.hit_tokens_512 / bound.prompt_tokens, 3) == 0.682  # shared/data README
+    assert round(bound.hit_tokens_512 / bound.prompt_tokens, 3) == 0.682  # bench/data/README.md
 
 
 # ---------------------------------------------------------------- tiers

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from cli.components import (ADMISSION, CLUSTER, DEFAULT_HOST_CACHE_GB, ENGINE, LIMITS, LOGGING, SERVE, SERVE_ENGINE,
+from cli.components import (ADMISSION, CLUSTER, ENGINE, LIMITS, LOGGING, SERVE, SERVE_ENGINE,
                             SERVER, TRACING, TRANSPORT)
 from cli.flags import Component, Flag, add_flags, build, env_var, field_docs
 from cli.main import build_parser, parse_args, subparser
 from conductor.admission import AdmissionConfig
 from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
+from conductor.serve_defaults import serve_engine
 from conductor.server import ServerConfig
 from core.errors import ConfigError
 from core.logs import LogConfig
@@ -67,7 +68,7 @@ def test_existing_flag_names_keep_working() -> None:
 def test_defaults_build_the_default_configs() -> None:
     args = parse_args(["serve"])
     # serve keeps a host tier by default; the engine commands keep the field's default, none
-    assert build(SERVE_ENGINE, args) == EngineConfig(host_cache_gb=DEFAULT_HOST_CACHE_GB) != EngineConfig()
+    assert build(SERVE_ENGINE, args) == serve_engine() != EngineConfig()
     assert build(ENGINE, parse_args(["generate", "--prompt", "hi"])) == EngineConfig()
     assert build(SERVER, args) == ServerConfig()
     assert build(ADMISSION, args) == AdmissionConfig()

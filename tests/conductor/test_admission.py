@@ -384,3 +384,28 @@ def test_admission_uses_the_fitted_line_and_refits_only_on_new_samples() -> None
     assert adm.calibration.ttft is fit  # a settled fit is redone at most every REFIT_S
     now[0] += Calibration.REFIT_S
     assert adm.calibration.ttft is not fit
+
+
+def test_tokens_per_step_follows_the_workers_recent_steps() -> None:
+    """Windows of >= 32 new request-steps move the estimate halfway to their TBT divisor: a
+    worker that speculated at low load and stops at high load is soon predicted at ~1."""
+    from conductor.ledger import tbt_tokens_per_step
+
+    ledger = DecodeLedger(total_blocks=8)
+    ledger.observe_decode(20, 60, 0)  # too few steps yet
+    assert ledger.tokens_per_step == 1.0
+    ledger.observe_decode(40, 120, 0)  # 3 tokens every step: the tail counts chunks as 2 tokens
+    assert ledger.tokens_per_step == pytest.approx(1.5)
+    ledger.observe_decode(80, 240, 0)
+    assert ledger.tokens_per_step == pytest.approx(1.75)
+    for n in range(1, 6):  # speculation off: one token a step
+        ledger.observe_decode(80 + 40 * n, 240 + 40 * n, 40 * n)
+    assert ledger.tokens_per_step == pytest.approx(1.0 + 0.75 / 32)
+    ledger.observe_decode(10, 10, 10)  # the worker restarted: its counters start over
+    ledger.observe_decode(50, 50, 50)
+    assert ledger.tokens_per_step == pytest.approx(1.0 + 0.75 / 64)
+    assert tbt_tokens_per_step(1.0, 1.0) == 1.0 and tbt_tokens_per_step(6.0, 0.0) == 2.0
+    assert tbt_tokens_per_step(3.0, 0.3) == 1.0  # one-token steps' gaps fill the longest tenth
+    # one-token steps' gaps half of the longest tenth, the rest chunks of 2: 1 / (0.5 + 0.5 / 2)
+    assert tbt_tokens_per_step(3.0, 0.15) == pytest.approx(4 / 3)
+    assert tbt_tokens_per_step(0.5, 0.0) == 1.0  # a mean below one is read as one

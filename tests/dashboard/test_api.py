@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conductor.colocated import ColocatedBackend
+from conductor.cost_model import CostModel
 from conductor.server import ServerConfig
 from dashboard.routes import COOKIE, mount
 from tests.conductor.conftest import MODEL, RunningApi, run_api
@@ -99,6 +100,13 @@ def test_sizing_options_offer_the_sample_live_traffic_and_profiles(http: httpx.C
     names = [p["name"] for p in options["profiles"]]
     assert names[0] == "this-cluster" and "llama3-8b-h100" in names
     assert options["defaults"]["device_tokens"] == [256 * 16]
+
+
+def test_the_cost_model_admission_prices_with_is_served_as_a_profile(http: httpx.Client, board: RunningApi) -> None:
+    assert http.get("/dashboard/api/cost-model").status_code == 401
+    r = http.get("/dashboard/api/cost-model", headers=AUTH)
+    assert r.status_code == 200, r.text
+    assert CostModel.from_json(r.text) == board.backend.cost
 
 
 SWEEP = {"trace": "sample", "profile": "llama3-8b-a100", "workers": 3, "device_tokens": [16384, 65536],

@@ -292,12 +292,14 @@ def test_worker_group_ray_resources_and_devices(renderer: Renderer, variant: str
     gpu = v["gpu"]["resourceName"]
     if variant in GPU_VARIANTS:
         assert group["gpus"] >= 1
+        assert parse_serve(head_container(rel)["args"]).device == "cuda", "a CUDA image's workers use their GPUs"
         assert resources["requests"][gpu] == resources["limits"][gpu] == group["gpus"]
         if not v["kuberay"]["enabled"]:
             assert int(flags["num-gpus"]) == group["gpus"]
     else:
         assert gpu not in resources.get("requests", {}) and gpu not in resources.get("limits", {})
         assert "num-gpus" not in flags
+        assert parse_serve(head_container(rel)["args"]).device == "cpu"
     rdma = v["rdma"]["resourceName"]
     caps = worker_container(rel, role)["securityContext"]["capabilities"]
     if group["rdmaDevices"]:
@@ -771,6 +773,7 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--migration-attempts": HelmValue("conductor.migrationAttempts", 5, "5"),
     "--migration-stall-s": HelmValue("conductor.migrationStallS", 12.5, "12.5"),
     "--ray-wait-s": HelmValue("conductor.rayWaitS", 90, "90"),
+    "--standby": HelmValue("conductor.standby", 1, "1"),
     "--max-prompt-tokens": HelmValue("conductor.limits.maxPromptTokens", 1000, "1000"),
     "--max-tokens-limit": HelmValue("conductor.limits.maxTokens", 1001, "1001"),
     "--max-request-bytes": HelmValue("conductor.limits.maxRequestBytes", 1002, "1002"),
@@ -808,6 +811,9 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--max-num-batched-tokens": HelmValue("engine.maxNumBatchedTokens", 256, "256"),
     "--max-model-len": HelmValue("engine.maxModelLen", 1024, "1024"),
     "--attention-backend": HelmValue("engine.attentionBackend", "flashinfer", "flashinfer"),
+    "--device": HelmValue("engine.device", "cuda", "cuda"),
+    "--no-cuda-graphs": HelmValue("engine.cudaGraphs", False, None),
+    "--gpu-memory-fraction": HelmValue("engine.gpuMemoryFraction", 0.45, "0.45"),
     "--speculative": HelmValue("engine.speculative.mode", "ngram", "ngram"),
     "--speculative-tokens": HelmValue("engine.speculative.tokens", 6, "6"),
     "--speculative-max-batch": HelmValue("engine.speculative.maxBatch", 4, "4"),
@@ -846,6 +852,7 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--dashboard": "on by default; conductor.dashboard=false gives --no-dashboard",
     "--no-tracing": "off by default; tracing.enabled=true gives --tracing",
     "--remote-fetch": "on by default; kvTiers.remoteFetch=false gives --no-remote-fetch",
+    "--cuda-graphs": "on by default; engine.cudaGraphs=false gives --no-cuda-graphs",
 }
 # What the samples need besides themselves: an external Redis instead of the bundled one.
 SAMPLE_EXTRAS = {"redis": {"bundled": {"enabled": False}}}
@@ -909,3 +916,28 @@ def test_each_flags_value_reaches_the_conductors_command(renderer: Renderer) -> 
         assert flag in given, f"{value.path}={value.sample!r} does not give {flag}"
         if value.arg is not None:
             assert given[flag] == value.arg, f"{value.path}={value.sample!r} gives {flag} {given[flag]}"
+
+
+@pytest.mark.parametrize("kuberay", [False, True])
+def test_standby_adds_one_worker_pod_per_role_and_the_flag(renderer: Renderer, kuberay: bool) -> None:
+    """conductor.standby = 1: each role's group runs replicas + 1 pods (the standby actor needs a
+    node advertising the role's resource) and the Conductor gets `--standby 1`."""
+    values = {"conductor": {"standby": 1}, "prefill": {"replicas": 2}, "decode": {"replicas": 1},
+              "kuberay": {"enabled": kuberay}}
+    docs = [d for path, text in renderer.render(values).items() if path.endswith(".yaml")
+            for d in yaml.safe_load_all(text) if d]
+    if kuberay:
+        cluster = next(d for d in docs if d["kind"] == "RayCluster")
+        pods = {g["groupName"]: g["replicas"] for g in cluster["spec"]["workerGroupSpecs"]}
+    else:
+        pods = {d["metadata"]["name"].rsplit("-", 1)[1]: d["spec"]["replicas"] for d in docs
+                if d["kind"] == "StatefulSet" and not d["metadata"]["name"].endswith("redis")}
+    assert pods == {"prefill": 3, "decode": 2}
+    args = [a for d in docs if d["kind"] in ("Deployment", "RayCluster") for a in _conductor_args(d)]
+    assert args[args.index("--standby") + 1] == "1"
+
+
+def _conductor_args(doc: dict) -> list[str]:
+    spec = doc["spec"]["template"]["spec"] if doc["kind"] == "Deployment" else \
+        doc["spec"]["headGroupSpec"]["template"]["spec"]
+    return [str(a) for c in spec["containers"] for a in c.get("args") or []]

@@ -62,3 +62,28 @@ def test_the_mode_is_validated() -> None:
     with pytest.raises(ConfigError, match="draft:MODEL"):
         EngineConfig(speculative="draft:")
     assert EngineConfig(speculative="draft:smollm2").speculative == "draft:smollm2"
+
+
+def test_requests_arriving_while_others_draft_are_unchanged(make_engine: EngineFactory, shared_engine: Engine,
+                                                            tmp_path: Path) -> None:
+    """Staggered arrivals: a request prefills while others decode with drafts. A draft model's
+    forwards in such a step changed the new request's tokens (its first one already); the
+    scheduler now drafts nothing with a draft model in a step that may prefill."""
+    tiny = dataclasses.replace(BY_NAME["llama"], kwargs={**BY_NAME["llama"].kwargs, "vocab_size": 49152})
+    build_checkpoint(tiny, tmp_path / "tiny")
+    spec = make_engine(num_blocks=128, speculative=f"draft:{tmp_path / 'tiny'}")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    ids = [spec.tokenizer.encode(p) for p in PROMPTS]
+    expected = outputs(shared_engine, params)
+    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
+    for i, prompt in enumerate(ids):
+        spec.add_request(prompt, params, request_id=f"r{i}")
+        for _ in range(3):  # the earlier requests decode (and draft) before the next arrives
+            for chunk in spec.step():
+                got[chunk.request_id] += chunk.token_ids
+    while spec.has_unfinished():
+        for chunk in spec.step():
+            got[chunk.request_id] += chunk.token_ids
+    assert [got[f"r{i}"] for i in range(len(ids))] == expected
+    assert spec.speculator.stats.proposed > 0
+    spec.pool.check_integrity()

@@ -58,6 +58,13 @@ def test_top_k_2_never_picks_the_third() -> None:
     assert_close(freqs, [0.7 / 0.9, 0.2 / 0.9, 0.0])
 
 
+@pytest.mark.parametrize("top_k", [3, 4, 2**31 - 1, 2**63, 10**22])
+def test_a_top_k_at_or_over_the_vocabulary_keeps_every_token(top_k: int) -> None:
+    """Schemathesis found `top_k: 57553893800891459305472` (a JSON integer, unbounded) failing
+    the engine's whole step: "Overflow when unpacking long long" building the k tensor."""
+    assert_close(frequencies(SamplingParams(temperature=1.0, top_k=top_k)), PROBS)
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     # 0.7 < 0.75, so the second token is needed to reach 0.75; the third never is.
     freqs = frequencies(SamplingParams(temperature=1.0, top_p=0.75))

@@ -18,7 +18,7 @@ from core.params import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request
-from engine.speculative import NgramProposer, SpeculativeConfig, Speculator, verify
+from engine.speculative import NgramProposer, SpeculativeConfig, Speculator, StepCostTable, verify
 from kvpool.block_hash import block_hashes
 from tests.conftest import EngineFactory
 
@@ -213,3 +213,34 @@ def test_measured_step_costs_set_the_crossover() -> None:
             spec.cost.observe(rows, seconds)
     assert spec.cost.row_cost(1) == pytest.approx(0.05)
     assert spec.cost.max_batch() == 7  # at 8 rows each draft row adds 1/8 of the step: for 8 requests no k pays
+
+
+def test_profile_prints_the_crossover_from_its_decode_steps() -> None:
+    """`halfmoon profile`'s decode steps give the crossover at the prior and a quoting acceptance;
+    the steps of the shortest context per request are the ones used."""
+    from cli.profile import speculation_line
+    from core.messages import DecodeSample, Profile
+
+    steps = [(1, 10.0), (2, 10.5), (4, 11.0), (8, 13.0), (16, 26.0)]
+    decode = (tuple(DecodeSample(b, 16 * b, ms) for b, ms in steps)  # context_tokens: the whole batch's
+              + tuple(DecodeSample(b, 128 * b, 99.0) for b, _ in steps))
+    line = speculation_line(Profile((), decode, 1, "test"))
+    assert "acceptance 60%: pays up to batch 7" in line and "acceptance 80%: pays up to batch 7" in line
+    cheap = tuple(DecodeSample(b, 16 * b, 10.0 + 0.01 * b) for b in (1, 2, 4))
+    assert "pays at every batch measured (<= 2)" in speculation_line(Profile((), cheap, 1, "test"))
+    table = StepCostTable.from_steps(SpeculativeConfig("ngram"), {b: ms / 1e3 for b, ms in steps})
+    assert table.measured_crossover(0.6) == 7 and table.max_batch() == 7
+    assert StepCostTable(SpeculativeConfig("ngram")).measured_crossover(0.6) is None
+
+
+def test_a_verification_step_stays_within_the_slowdown_cap() -> None:
+    """Draft rows are capped so a step costs at most `max_slowdown` plain steps: a request whose
+    drafts are all rejected waits at most that long for its token."""
+    spec = Speculator(SpeculativeConfig("ngram", max_draft=6, max_slowdown=1.5), max_model_len=512)
+    for rows, seconds in [(1, 0.010), (2, 0.011), (4, 0.012), (8, 0.014), (16, 0.028)]:
+        for _ in range(3):
+            spec.cost.observe(rows, seconds)
+    assert spec.cost.row_cost(1) == pytest.approx(0.1) and spec.slowdown_rows(1) == 5
+    assert spec.cost.row_cost(4) == pytest.approx(1 / 24) and spec.slowdown_rows(4) == 12
+    with pytest.raises(ValueError):
+        SpeculativeConfig("ngram", max_slowdown=0.9)

@@ -1,20 +1,15 @@
-"""What the simulator tests share: a Mooncake-format sample trace."""
+"""What the simulator tests share: the bundled Mooncake-format sample trace."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = ROOT.parent / "shared" / "data" / "sample_trace.jsonl"
-BUNDLED = ROOT / "bench" / "data"
+SAMPLE = ROOT / "bench" / "data" / "sample_trace.jsonl"  # bench/data/README.md: what it is, how it was made
 
 
 def sample_trace() -> Path:
-    if SAMPLE.exists():
-        return SAMPLE
-    bundled = sorted(BUNDLED.glob("*.jsonl"))
-    if not bundled:
-        pytest.skip("no Mooncake-format sample trace here (../shared/data or bench/data)")
-    return bundled[0]
+    """The bundled sample trace (part of the repository: a missing one is a failure, not a skip)."""
+    if not SAMPLE.is_file():
+        raise FileNotFoundError(f"the bundled sample trace {SAMPLE} is missing")
+    return SAMPLE

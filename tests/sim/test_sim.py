@@ -4,6 +4,7 @@ count, overload against the admission policies, and proof that the production ob
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import conductor.admission
 import conductor.router
 import kvpool.block_pool
+from bench.trace import synthesize_tokens
 from conductor.admission import AdmissionConfig
 from conductor.cost_model import CostModel
 from conductor.dispatch import Dispatcher
@@ -113,23 +115,24 @@ def test_ledgers_and_caches_are_empty_after_a_run() -> None:
 
 
 def leading_ids_seen(path: Path, max_input: int | None, engine_block: int = 16) -> tuple[int, int]:
-    """Independent count: each request's leading hash-id prefix already in an earlier request, in
-    tokens as the engine reuses them (a partial last block only when an earlier prompt ended at
-    the same token of the same hash-id chain; whole engine blocks, never the last prompt token);
-    and the prompt tokens in all."""
-    seen: set[tuple[tuple[int, int], ...]] = set()
+    """Independent count, on the tokens the live replay sends (bench/trace.py): each request's
+    leading 16-token engine blocks whose chained content an earlier request computed (a block is
+    cached once full; never the last prompt token), in tokens; and the prompt tokens in all."""
+    seen: set[bytes] = set()
     hit = prompt = 0
     for r in sorted(read_trace(path), key=lambda r: r.timestamp):
-        n = min(r.input_length, max_input or r.input_length)
-        ids = [(h, min(HASH_BLOCK_TOKENS, n - i * HASH_BLOCK_TOKENS))
-               for i, h in enumerate(r.hash_ids) if i * HASH_BLOCK_TOKENS < n]
+        tokens = synthesize_tokens(r)[:max_input or r.input_length]
+        chain, keys = hashlib.sha256(), []
+        for start in range(0, len(tokens) // engine_block * engine_block, engine_block):
+            chain.update(tokens[start:start + engine_block].tobytes())
+            keys.append(chain.copy().digest())
+        usable = (len(tokens) - 1) // engine_block
         k = 0
-        while k < len(ids) and tuple(ids[: k + 1]) in seen:
+        while k < usable and keys[k] in seen:
             k += 1
-        reused = sum(fill for _, fill in ids[:k])
-        hit += min(reused, (n - 1) // engine_block * engine_block)
-        prompt += n
-        seen.update(tuple(ids[: i + 1]) for i in range(len(ids)))
+        hit += k * engine_block
+        prompt += len(tokens)
+        seen.update(keys)
     return hit, prompt
 
 
@@ -147,16 +150,24 @@ def test_unbounded_tiers_hit_every_reused_leading_block(colocated: bool) -> None
     assert summarize(result)["hit_rate"]["device"] == pytest.approx(hit / prompt, abs=1e-4)
 
 
-def test_a_partial_last_block_hits_when_an_earlier_prompt_ended_at_the_same_token(tmp_path: Path) -> None:
+def test_a_partial_block_hits_the_tokens_both_prompts_hold(tmp_path: Path) -> None:
     trace = tmp_path / "t.jsonl"
     rows = [{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]},
             {"timestamp": 10_000, "input_length": 600, "output_length": 2, "hash_ids": [1, 2]},
-            {"timestamp": 20_000, "input_length": 700, "output_length": 2, "hash_ids": [1, 2]}]
+            {"timestamp": 20_000, "input_length": 700, "output_length": 2, "hash_ids": [1, 2]},
+            {"timestamp": 30_000, "input_length": 1100, "output_length": 2, "hash_ids": [1, 2, 3]},
+            {"timestamp": 40_000, "input_length": 1100, "output_length": 2, "hash_ids": [1, 2, 4]},
+            {"timestamp": 50_000, "input_length": 530, "output_length": 2, "hash_ids": [1, 2]}]
     trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
     records = simulate(load(trace), SimConfig(admission=LOOSE), FLAT).records
-    # 600 tokens seen before: all but the last, in whole 16-token engine blocks; 700 tokens of id 2's
-    # chain end elsewhere: only the whole first block is known.
-    assert [r.cached_tokens[0] for r in records] == [0, 592, 512]
+    # id 2's tokens are the same at every length: 600 tokens seen before hit all but the last, in
+    # whole 16-token engine blocks (592); the 700-token prompt shares those 600 (592), and its own
+    # 188 tokens of id 2 are cached after it; the first 1100-token prompt holds the whole block 2
+    # (cached: 700 of it, 1024 - 324 = 700 -> 688 rounded to engine blocks); the second finds
+    # blocks 1 and 2 whole; 530 tokens: all but the last.
+    assert [r.cached_tokens[0] for r in records] == [0, 592, 592, 688, 1024, 528]
+    hit, _ = leading_ids_seen(trace, None)
+    assert hit == sum(r.cached_tokens[0] for r in records)
 
 
 def test_a_small_device_tier_demotes_to_host_and_hits_there() -> None:
@@ -242,5 +253,5 @@ def test_workload_caps_windows_and_chains_block_ids(tmp_path: Path) -> None:
     assert len(a.blocks) == 2 and len(b.blocks) == 2 and a.blocks[0] == b.blocks[0]  # a partial last block too
     assert load(trace).requests[0].blocks[:2] == a.blocks and len(load(trace).requests[0].blocks) == 3
     shorter = build(read_trace(trace), max_input_tokens=580).requests[1]
-    assert shorter.blocks[0] == b.blocks[0] and shorter.blocks[1] != b.blocks[1]  # 68 vs 88 tokens of id 9
+    assert shorter.blocks == b.blocks  # 68 vs 88 tokens of id 9: one block, the cache holds how much of it
     assert load(trace).requests[2].blocks != (b.blocks[1],)  # hash id 9 after root != after id 1

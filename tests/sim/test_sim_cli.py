@@ -14,7 +14,10 @@ from dataclasses import replace
 
 from cli.main import main
 from conductor.cost_model import CostModel
+from conductor.serve_defaults import tier_tokens
+from engine.config import EngineConfig
 from sim import builtin
+from sim.builtin import load as load_profile
 from tests.deploy.values import drop_nulls, merge
 from tests.sim.support import sample_trace
 
@@ -48,6 +51,8 @@ def test_sweep_recommends_a_shape_whose_helm_values_the_chart_accepts(
     snippet = yaml.safe_load((tmp_path / "values.yaml").read_text())
     assert snippet["prefill"]["replicas"] == best["prefill"] and snippet["decode"]["replicas"] == best["decode"]
     assert snippet["engine"]["numBlocks"] == best["device_tokens"] // 16
+    kv = load_profile("llama3-8b-a100").kv_bytes_per_token  # hostGb is GiB, as --host-cache-gb: it holds the tier
+    assert tier_tokens(EngineConfig(host_cache_gb=snippet["kvTiers"]["hostGb"]), kv).host >= best["host_tokens"]
     schema = json.loads((CHART / "values.schema.json").read_text())
     values = merge(yaml.safe_load((CHART / "values.yaml").read_text()), snippet)
     jsonschema.Draft7Validator(schema).validate(drop_nulls(values))
@@ -100,3 +105,25 @@ def test_sweep_without_a_budget_says_so(capsys: pytest.CaptureFixture[str]) -> N
     assert main(["sim", "sweep", "--trace", str(sample_trace()), "--profile", "llama3-8b-h100"]) == 2
     assert "needs --workers" in capsys.readouterr().err
 
+
+
+def test_sim_compares_policies_beside_the_offline_optimum_on_a_bursty_trace(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "bursty.jsonl"
+    args = ["sim", "--synthetic", "bursty", "--requests", "30", "--save-trace", str(trace), "--profile",
+            "llama3-8b-h100", "--burst-input-tokens", "4000,12000", "--policies", "none,predictive",
+            "--no-progress", "--standard-ttft-ms", "2000", "--standard-tbt-ms", "150"]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "% of optimum" in text and "offline optimum:" in text
+    assert main([*args, "--json"]) == 0
+    runs = json.loads(capsys.readouterr().out)["policies"]
+    assert [r["policy"] for r in runs] == ["none", "predictive"]
+    optimum = runs[0]["optimum"]
+    assert optimum == {**runs[1]["optimum"], "pct_of_optimum": optimum["pct_of_optimum"],
+                       "pct_of_best_schedule": optimum["pct_of_best_schedule"], "gap": optimum["gap"]}
+    for r in runs:
+        o = r["optimum"]
+        assert o["method"] == "exact" and o["served"] >= r["slo_met"]
+        assert o["pct_of_optimum"] == round(100 * r["slo_met"] / o["served"], 1)
+    assert len(trace.read_text().splitlines()) == 30

@@ -135,6 +135,10 @@ argparse parser, so a flag that does not exist fails the tests).
 - {{ $v.prefill.replicas | int | quote }}
 - --decode
 - {{ $v.decode.replicas | int | quote }}
+{{- if $v.conductor.standby }}
+- --standby
+- {{ $v.conductor.standby | int | quote }}
+{{- end }}
 - --worker-threads
 - {{ $v.conductor.workerThreads | int | quote }}
 - --prefill-gpus
@@ -248,6 +252,15 @@ argparse parser, so a flag that does not exist fails the tests).
 {{- with $v.engine.attentionBackend }}
 - --attention-backend
 - {{ . | quote }}
+{{- end }}
+- --device
+- {{ $v.engine.device | default (ternary "cuda" "cpu" (eq $v.image.variant "cuda")) | quote }}
+{{- if not $v.engine.cudaGraphs }}
+- --no-cuda-graphs
+{{- end }}
+{{- with $v.engine.gpuMemoryFraction }}
+- --gpu-memory-fraction
+- {{ include "halfmoon.num" . | quote }}
 {{- end }}
 {{- with $v.engine.speculative.mode }}
 - --speculative

@@ -1,0 +1,74 @@
+"""What `halfmoon serve` runs when no flag says otherwise, in one place.
+
+`serve`'s flags (cli/components.py) and `halfmoon sim`'s (cli/sim.py, through
+`sim.cluster.serve_config`) both read this module, so a simulation given no shape or tier flag is
+the cluster `serve` starts (tests/sim/test_serve_defaults.py parses both command lines and holds
+them equal). The engine's own dataclass defaults (`EngineConfig`) are those of the one-request
+engine commands (`generate`, `profile`); serve's engine differs from them only where named here.
+
+A tier's size in tokens depends on the model: serve sizes its tiers in GiB (`--kv-cache-gb`,
+`--host-cache-gb`, `--disk-cache-gb`), the engine cuts them into whole blocks of
+`block_size x kv_bytes_per_token` bytes (engine/engine.py: the device pool and `build_tiers`'
+slots), and `tier_tokens` does the same arithmetic for any model's KV bytes per token (a cost
+model's `kv_bytes_per_token`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+from conductor.admission import AdmissionConfig
+from conductor.cluster_config import ClusterConfig
+from engine.config import EngineConfig
+
+# `serve` keeps a host DRAM tier by default (vLLM's --swap-space and SGLang's hierarchical cache
+# do alike): blocks the device tier evicts spill there and are hits again. One arena per node,
+# shared by the node's workers (one worker per node in the Helm chart's pods).
+HOST_CACHE_GB = 4.0
+GIB = 2**30
+
+
+def serve_engine() -> EngineConfig:
+    """The engine every `serve` worker runs at the defaults (no disk tier: it needs a directory)."""
+    return dataclasses.replace(EngineConfig(), host_cache_gb=HOST_CACHE_GB)
+
+
+def serve_cluster() -> ClusterConfig:
+    """The cluster `serve` starts at the defaults: its shape and each worker's engine."""
+    return dataclasses.replace(ClusterConfig(), engine=serve_engine())
+
+
+def serve_admission() -> AdmissionConfig:
+    """The Conductor's admission policy and class SLOs at the defaults."""
+    return AdmissionConfig()
+
+
+class TierTokens(NamedTuple):
+    """One worker's KV tiers in tokens (whole engine blocks); 0 = no such tier."""
+
+    device: int
+    host: int
+    disk: int
+
+
+def tier_tokens(engine: EngineConfig, kv_bytes_per_token: int) -> TierTokens:
+    """`engine`'s tiers in tokens for a model whose KV is `kv_bytes_per_token` (all layers, K and
+    V): whole blocks of `block_size` tokens, as the engine sizes them."""
+    if kv_bytes_per_token <= 0:
+        raise ValueError(f"kv_bytes_per_token must be > 0, got {kv_bytes_per_token}")
+    block_bytes = kv_bytes_per_token * engine.block_size
+    device = engine.num_blocks or max(1, int(engine.kv_cache_gb * GIB) // block_bytes)
+    host = _slots(engine.host_cache_gb, block_bytes)
+    disk = _slots(engine.disk_cache_gb, block_bytes) if engine.disk_cache_dir is not None else 0
+    return TierTokens(device * engine.block_size, host * engine.block_size, disk * engine.block_size)
+
+
+def _slots(gib: float, block_bytes: int) -> int:
+    """Blocks of a host or disk tier of `gib` GiB (at least one when on: build_tiers' rule)."""
+    return max(1, int(gib * GIB) // block_bytes) if gib > 0 else 0
+
+
+def gib_for_tokens(tokens: int, kv_bytes_per_token: int) -> float:
+    """The GiB a tier needs to hold `tokens` tokens' KV (the inverse of `tier_tokens`)."""
+    return tokens * kv_bytes_per_token / GIB

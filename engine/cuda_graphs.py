@@ -1,0 +1,226 @@
+"""CUDA graphs for decode steps: captured per shape bucket at start-up, replayed each step.
+
+A decode step's shape is (rows, context): an all-decode batch of `n` requests whose longest
+context is `max_ctx` tokens runs the graph of the smallest bucket (B, C) with B >= n and
+C >= max_ctx. The step's inputs are copied into persistent buffers, rows n..B-1 are padding,
+and the graph is replayed; its logits rows [0, n) are the step's:
+
+    rows:  | real 0 .. n-1 | padding n .. B-1 (token 0, position 0, KV slot in the pad block) |
+    keys:  | each row's first ctx_i keys (masked from ctx_lens inside the graph) | .. C |
+
+Padding rows write their K/V into one pad block past the pool's blocks (the KV tensor has
+`num_blocks + 1` blocks when graphs are on), so they never touch a request's KV.
+
+Why context buckets too: the torch backend gathers each row's blocks up to the step's widest
+context, so a graph fixes that width. Buckets double from 256 tokens to the engine's context
+limit, or to the smallest sliding window (past a window the backend takes a data-dependent
+path that a graph cannot hold). Prefill, mixed and speculative verification steps, a layer
+hook (KV push), dynamic-NTK RoPE, and batches wider than the largest bucket run eagerly.
+
+The graph object is abstracted (`GraphCapture`): `CudaGraphCapture` records a
+torch.cuda.CUDAGraph; the CPU tests drive the bucket, padding and buffer logic through a fake
+that replays by calling the function again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+from core.blocks import cdiv
+from kernels.attention import AttentionMetadata, DecodeBatch
+
+log = logging.getLogger(__name__)
+
+MIN_GRAPH_CTX = 256  # the smallest context bucket, in tokens
+MAX_GRAPH_BATCH = 256  # the largest batch bucket (vLLM's default capture list ends at 512)
+
+
+class Captured(Protocol):
+    """A recorded step: `replay()` recomputes `output` from the persistent inputs."""
+
+    output: torch.Tensor
+
+    def replay(self) -> None: ...
+
+
+class GraphCapture(Protocol):
+    """Records `fn` (reading and writing only persistent tensors) into a replayable step."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Captured: ...
+
+
+class Bucket(NamedTuple):
+    rows: int
+    ctx: int  # tokens of context the graph's attention covers (a multiple of the block size)
+
+
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """vLLM's capture sizes up to `max_batch`: 1, 2, 4, then every multiple of 8, and
+    `max_batch` itself when it is not one of those."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    sizes = [b for b in (1, 2, 4) if b <= max_batch] + list(range(8, max_batch + 1, 8))
+    if sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return tuple(sizes)
+
+
+def ctx_buckets(top: int, block_size: int) -> tuple[int, ...]:
+    """Context widths up to `top` tokens (a multiple of the block size): MIN_GRAPH_CTX rounded
+    to a block, doubling, then `top`."""
+    if top < block_size or top % block_size:
+        raise ValueError(f"the graphs' context limit {top} is not a positive multiple of the block size {block_size}")
+    sizes, c = [], cdiv(MIN_GRAPH_CTX, block_size) * block_size
+    while c < top:
+        sizes.append(c)
+        c *= 2
+    sizes.append(top)
+    return tuple(sizes)
+
+
+def pick(sizes: Sequence[int], want: int) -> int | None:
+    """The smallest size >= `want` (sizes ascending); None when none is."""
+    for s in sizes:
+        if s >= want:
+            return s
+    return None
+
+
+def graph_ctx_limit(max_model_len: int, windows: Sequence[int], block_size: int) -> int:
+    """The widest context a graph covers, in whole blocks: the context limit rounded up, or the
+    smallest sliding window rounded down (past a window the backends take a data-dependent
+    path). 0: a window under one block, no graphs."""
+    top = cdiv(max_model_len, block_size) * block_size
+    sliding = [w // block_size * block_size for w in windows if w > 0]
+    return min([top, *sliding])
+
+
+class DecodeGraphs:
+    """Persistent decode buffers and one captured graph per bucket.
+
+    `forward(ids, positions, kv_cache, meta, rows)` is the model's forward (logits of `rows`).
+    The buffers live on the KV tensor's device; `pad_block` is the block padding rows write to.
+    """
+
+    def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor, pad_block: int,
+                 max_batch: int, max_ctx: int, capture: GraphCapture) -> None:
+        self.forward = forward
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        self.pad_block = pad_block
+        self.rows = batch_buckets(max_batch)
+        self.ctxs = ctx_buckets(max_ctx, self.block_size)
+        self.capture_with = capture
+        dev = kv_cache.device
+        b, width = self.rows[-1], self.ctxs[-1] // self.block_size
+        self.ids = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(b, dtype=torch.int64, device=dev)
+        self.slots = torch.full((b,), pad_block * self.block_size, dtype=torch.int64, device=dev)
+        self.tables = torch.full((b, width), pad_block, dtype=torch.int64, device=dev)
+        self.ctx_lens = torch.ones(b, dtype=torch.int64, device=dev)
+        self.logits_rows = torch.arange(b, dtype=torch.int64, device=dev)
+        self.key_pos = torch.arange(self.ctxs[-1], dtype=torch.int64, device=dev)
+        self.graphs: dict[Bucket, Captured] = {}
+        self.replays = 0  # steps run by a graph
+        self.eager = 0  # decode steps that fit no bucket
+
+    def capture(self) -> DecodeGraphs:
+        """Record every bucket, widest first (later, smaller graphs reuse its memory pool)."""
+        with torch.inference_mode():  # as the eager steps run: no autograd state recorded
+            for ctx in reversed(self.ctxs):
+                for rows in reversed(self.rows):
+                    bucket = Bucket(rows, ctx)
+                    self.graphs[bucket] = self.capture_with.capture(self._step_fn(bucket))
+        return self
+
+    def _step_fn(self, bucket: Bucket) -> Callable[[], torch.Tensor]:
+        """The bucket's step over the persistent buffers; the mask is built inside the graph."""
+        b, ctx = bucket
+        width = ctx // self.block_size
+
+        def step() -> torch.Tensor:
+            lens = self.ctx_lens[:b]
+            mask = (self.key_pos[:ctx].unsqueeze(0) < lens.unsqueeze(1)).view(b, 1, 1, ctx)
+            dec = DecodeBatch(b, self.tables[:b, :width], lens, ctx, mask)
+            meta = AttentionMetadata(slot_mapping=self.slots[:b], decode=dec, prefills=[], num_tokens=b)
+            return self.forward(self.ids[:b], self.positions[:b], self.kv_cache, meta, self.logits_rows[:b])
+
+        return step
+
+    def bucket_for(self, rows: int, max_ctx: int) -> Bucket | None:
+        """The graph a decode step of `rows` requests up to `max_ctx` keys runs; None: eager."""
+        b, c = pick(self.rows, rows), pick(self.ctxs, max_ctx)
+        return None if b is None or c is None else Bucket(b, c)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """Logits [n, vocab] of a plain decode step by replay; None when the step is not one
+        a graph holds (the caller runs it eagerly)."""
+        dec = meta.decode
+        if dec is None or meta.prefills or dec.multi_query or dec.num != meta.num_tokens:
+            return None
+        n = dec.num
+        bucket = self.bucket_for(n, dec.max_ctx)
+        if bucket is None or bucket not in self.graphs:
+            self.eager += 1
+            return None
+        self.load(input_ids, positions, meta.slot_mapping, dec, bucket)
+        graph = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return graph.output[:n]
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             dec: DecodeBatch, bucket: Bucket) -> None:
+        """Copy a step's n rows into the persistent buffers; rows n..bucket.rows-1 become
+        padding (token 0, position 0, one key in the pad block)."""
+        n, b = dec.num, bucket.rows
+        width = dec.block_tables.shape[1]
+        self.ids[:n].copy_(input_ids[:n])
+        self.positions[:n].copy_(positions[:n])
+        self.slots[:n].copy_(slots[:n])
+        self.ctx_lens[:n].copy_(dec.ctx_lens)
+        # a row's entries past its table's width are stale block ids, masked by ctx_lens
+        self.tables[:n, : min(width, self.tables.shape[1])].copy_(dec.block_tables[:, : self.tables.shape[1]])
+        if b > n:
+            self.ids[n:b].zero_()
+            self.positions[n:b].zero_()
+            self.slots[n:b].fill_(self.pad_block * self.block_size)
+            self.ctx_lens[n:b].fill_(1)
+            self.tables[n:b].fill_(self.pad_block)
+
+
+class _CudaGraph:
+    __slots__ = ("graph", "output")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, output: torch.Tensor) -> None:
+        self.graph = graph
+        self.output = output
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class CudaGraphCapture:
+    """torch.cuda.CUDAGraph recording: warm-up runs on a side stream (lazy cuBLAS/allocator
+    set-up must not happen inside a capture), then one capture; every graph shares one
+    memory pool, so the buckets' activations take the largest one's memory, not the sum."""
+
+    def __init__(self, warmup: int = 2) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.warmup = warmup
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Captured:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = fn()
+        return _CudaGraph(graph, output)

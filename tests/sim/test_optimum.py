@@ -1,0 +1,148 @@
+"""The offline optimum (sim/optimum.py): exact against brute force on small instances, bursty ones
+included; an upper bound out of budget; never lower with more workers; its load profile against
+the model's definition token by token; a hand-checked instance."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from conductor.cost_model import CostModel
+from sim.optimum import Job, Load, Reference, evaluate, segments, servable_alone, solve, stay, step_at, tbts_ms
+
+# prefill(n) = 35 + 2n + 0.001 n^2 ms; decode step = 45 + 0.4 b + 0.009 k ms (a CPU's shape)
+CPU = CostModel((35.0, 2.0, 0.0, 0.001), (45.0, 0.4, 0.009), 2e9, 1000, "test: CPU-like")
+FLAT = CostModel((0.0, 1.0, 0.0, 0.0), (10.0, 0.0, 0.0), 1e9, 1000, "test: flat")
+
+
+def random_jobs(rng: random.Random, n: int, bursty: bool) -> list[Job]:
+    """Requests arriving apart, or in bursts (a few arriving within 20 ms of each other)."""
+    t, jobs = 0.0, []
+    for _ in range(n):
+        t += rng.uniform(0, 20) if bursty and rng.random() < 0.75 else rng.uniform(0, 800)
+        prompt, output = rng.randint(50, 700), rng.randint(1, 60)
+        jobs.append(Job(t, prompt, output, CPU.est_prefill_ms(prompt), rng.uniform(0, 30),
+                        kv_blocks=-(-(prompt + output) // 16)))
+    return jobs
+
+
+def random_reference(rng: random.Random, shape: tuple[int, int]) -> Reference:
+    return Reference(*shape, rng.choice([1000.0, 2000.0]), rng.choice([55.0, 60.0, 80.0]), CPU,
+                     rng.choice([math.inf, 90.0]))
+
+
+def brute_force(ref: Reference, jobs: list[Job]) -> int:
+    """Every plan (refuse, or a prefill and a decode worker per request), checked whole."""
+    options = [None, *itertools.product(range(ref.prefill), range(ref.decode))]
+    best = 0
+    for plan in itertools.product(options, repeat=len(jobs)):
+        admitted = sum(p is not None for p in plan)
+        if admitted > best and evaluate(ref, jobs, plan):
+            best = admitted
+    return best
+
+
+def plan_of(optimum_schedule: tuple, n: int) -> list[tuple[int, int] | None]:
+    placed = {p.job: (p.prefill, p.decode) for p in optimum_schedule}
+    return [placed.get(i) for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_exact_optimum_equals_brute_force(seed: int) -> None:
+    rng = random.Random(seed)
+    shape = [(1, 1), (2, 1), (1, 2), (2, 2)][seed % 4]
+    n = {1: 9, 2: 6, 4: 5}[shape[0] * shape[1]]
+    ref, jobs = random_reference(rng, shape), random_jobs(rng, n, bursty=seed % 2 == 0)
+    optimum = solve(ref, jobs)
+    assert optimum.exact
+    assert optimum.served == brute_force(ref, jobs)
+    assert len(optimum.schedule) == optimum.served
+    assert evaluate(ref, jobs, plan_of(optimum.schedule, n))  # the schedule it reports is one
+
+
+def test_instances_are_not_trivial() -> None:
+    """The brute-force comparison means something: optima spread between none and all."""
+    served = []
+    for seed in range(24):
+        rng = random.Random(seed)
+        shape = [(1, 1), (2, 1), (1, 2), (2, 2)][seed % 4]
+        n = {1: 9, 2: 6, 4: 5}[shape[0] * shape[1]]
+        served.append(solve(random_reference(rng, shape), random_jobs(rng, n, seed % 2 == 0)).served / n)
+    assert sum(0 < s < 1 for s in served) >= 16
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_out_of_budget_it_is_an_upper_bound_and_its_schedule_a_lower_one(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    ref, jobs = random_reference(rng, (1, 1)), random_jobs(rng, 28, bursty=True)
+    exact = solve(ref, jobs)
+    assert exact.exact
+    cut = solve(ref, jobs, node_budget=5, window=6)
+    assert (cut.exact, cut.method, cut.inexact_segments) == (False, "upper bound", 1)
+    assert cut.served >= exact.served >= len(cut.schedule)
+    assert evaluate(ref, jobs, plan_of(cut.schedule, len(jobs)))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_more_workers_never_lower_the_optimum(seed: int) -> None:
+    rng = random.Random(200 + seed)
+    ref, jobs = random_reference(rng, (1, 1)), random_jobs(rng, 9, bursty=seed % 2 == 0)
+    base = solve(ref, jobs).served
+    assert solve(replace(ref, prefill=2), jobs).served >= base
+    assert solve(replace(ref, decode=2), jobs).served >= base
+
+
+def test_fcfs_greedy_is_beaten_by_skipping_a_long_prompt() -> None:
+    """Three requests at once, prefills 1000, 600, 600 ms, TTFT 1300 ms with a 10 ms first step:
+    admitting in order serves the first alone; the optimum serves the two short ones."""
+    ref = Reference(1, 1, 1300.0, 100.0, FLAT)
+    jobs = [Job(0.0, 1000, 2, 1000.0), Job(0.0, 600, 2, 600.0), Job(0.0, 600, 2, 600.0)]
+    optimum = solve(ref, jobs)
+    assert (optimum.served, optimum.exact, optimum.admitted) == (2, True, frozenset({1, 2}))
+    assert not evaluate(ref, jobs, [(0, 0), (0, 0), None])  # 1000 + 600 + 10 > 1300
+
+
+def test_kv_pool_limits_who_decodes_at_once() -> None:
+    ref = Reference(1, 1, 10_000.0, 100.0, FLAT, kv_blocks=10)
+    jobs = [Job(0.0, 10, 50, 1.0, kv_blocks=6), Job(0.0, 10, 50, 1.0, kv_blocks=6)]
+    assert solve(ref, jobs).served == 1  # both at once would hold 12 blocks
+    later = [jobs[0], replace(jobs[1], arrival_ms=600.0)]  # the first has left by then (50 x 10 ms)
+    assert solve(ref, later).served == 2
+
+
+def test_segments_split_at_idle_gaps_and_unservable_requests_drop_out() -> None:
+    ref = Reference(1, 1, 1000.0, 100.0, FLAT)
+    jobs = [Job(0.0, 10, 5, 100.0), Job(10.0, 10, 5, 100.0), Job(5000.0, 10, 5, 100.0),
+            Job(5000.0, 10, 5, 5000.0)]  # the last cannot meet TTFT even alone
+    assert servable_alone(ref, jobs) == [0, 1, 2]
+    assert segments(ref, jobs, [0, 1, 2]) == [[0, 1], [2]]
+    assert solve(ref, jobs).served == 3
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_load_profile_matches_the_definition_token_by_token(seed: int) -> None:
+    """Step per piece = the step of whoever is present; the TBT (per piece, and vectorised) =
+    the mean of the longest tenth of the gaps taken one token at a time."""
+    rng = random.Random(300 + seed)
+    ref = Reference(1, 1, 1e9, 1e9, CPU)
+    members = [stay(ref, i, Job(0.0, rng.randint(10, 900), rng.randint(1, 80), 0.0), rng.uniform(0, 3000))
+               for i in range(8)]
+    load = Load(ref, members)
+    for t in (rng.uniform(min(load.times), max(load.times)) for _ in range(50)):
+        assert load.step[load.piece(t)] == pytest.approx(step_at(ref, members, t))
+    naive = []
+    for s in members:
+        gaps = sorted((step_at(ref, members, s.ready_ms + g * s.lone_ms) for g in range(1, s.output)), reverse=True)
+        top = max(1, len(gaps) // 10)
+        naive.append(sum(gaps[:top]) / top if gaps else 0.0)
+    assert [load.tbt_ms(s) for s in members] == pytest.approx(naive)
+    assert list(tbts_ms(load, members)) == pytest.approx(naive)
+
+
+def test_jobs_must_come_in_arrival_order() -> None:
+    with pytest.raises(ValueError, match="arrival order"):
+        solve(Reference(1, 1, 1000.0, 100.0, FLAT), [Job(5.0, 1, 1, 1.0), Job(1.0, 1, 1, 1.0)])

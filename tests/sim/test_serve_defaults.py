@@ -1,0 +1,63 @@
+"""`halfmoon sim` with no shape or tier flag simulates the cluster `halfmoon serve` starts with no
+flags: both command lines parsed, their configs compared field by field, for every built-in
+profile's model and this machine's (conductor/serve_defaults.py owns the values)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cli.components import ADMISSION, CLUSTER, SERVE_ENGINE
+from cli.flags import build
+from cli.main import parse_args
+from cli.sim import sim_config
+from conductor.serve_defaults import TierTokens, tier_tokens
+from engine.config import EngineConfig
+from sim.builtin import load as load_profile
+from sim.builtin import names
+from sim.cluster import SimConfig, serve_config
+from tests.sim.support import sample_trace
+from transport.config import TransportConfig
+
+SMOLLM2_FP32 = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32: this machine's model
+
+
+def serve_defaults() -> tuple[EngineConfig, int, int]:
+    """The engine, prefill and decode counts of `halfmoon serve` parsed with no flags."""
+    args = parse_args(["serve"])
+    engine = build(SERVE_ENGINE, args)
+    cluster = build(CLUSTER, args, engine=engine, transport=TransportConfig(), model_id="m")
+    return engine, cluster.prefill, cluster.decode
+
+
+@pytest.mark.parametrize("kv_bytes_per_token", [SMOLLM2_FP32, *(load_profile(n).kv_bytes_per_token for n in names())])
+def test_sim_without_flags_is_serve_without_flags(kv_bytes_per_token: int) -> None:
+    engine, prefill, decode = serve_defaults()
+    config, (device, host) = sim_config(parse_args(["sim", "--trace", str(sample_trace()), "--profile", names()[0]]),
+                                        kv_bytes_per_token)
+    tiers = tier_tokens(engine, kv_bytes_per_token)
+    assert (config.prefill, config.decode, config.colocated) == (prefill, decode, False)
+    assert (config.block_size, config.chunk, config.max_seqs) == (engine.block_size, engine.max_num_batched_tokens,
+                                                                   engine.max_num_seqs)
+    assert TierTokens(config.device_tokens, config.host_tokens, config.disk_tokens) == tiers
+    assert (device, host) == ((tiers.device,), (tiers.host,))
+    assert tiers.host > 0 and tiers.disk == 0  # serve: a host tier, no disk tier (it needs a directory)
+    assert config.admission == build(ADMISSION, parse_args(["serve"]))
+    assert config == serve_config(kv_bytes_per_token)
+
+
+def test_flags_given_to_sim_override_serves_values() -> None:
+    args = parse_args(["sim", "--trace", str(sample_trace()), "--profile", names()[0], "--host-tokens", "0,1024",
+                       "--device-tokens", "4096", "--block-size", "32", "--prefill", "2"])
+    config, (device, host) = sim_config(args, SMOLLM2_FP32)
+    assert (config.device_tokens, config.host_tokens, config.block_size, config.prefill) == (4096, 0, 32, 2)
+    assert (device, host) == ((4096,), (0, 1024))
+    # a block size changes how serve's GiB cut into tokens (whole blocks), as it would live
+    assert sim_config(parse_args(["sim", "--trace", str(sample_trace()), "--profile", names()[0], "--block-size",
+                                  "48"]), SMOLLM2_FP32)[0].device_tokens == 2**30 // (48 * SMOLLM2_FP32) * 48
+
+
+def test_simconfigs_own_defaults_are_serves_where_no_model_is_needed() -> None:
+    engine, prefill, decode = serve_defaults()
+    plain = SimConfig()
+    assert (plain.prefill, plain.decode, plain.block_size, plain.chunk, plain.max_seqs) == (
+        prefill, decode, engine.block_size, engine.max_num_batched_tokens, engine.max_num_seqs)
