@@ -44,8 +44,7 @@ ENGINE = Component(
 # default, no host tier.
 SERVE_ENGINE = dataclasses.replace(ENGINE, excluded={
     **ENGINE.excluded,
-    "tp": "serve's workers are one process each: a tensor-parallel worker needs each rank's KV moved "
-          "over the transport (issue 35, not built yet); `generate` and `profile` take --tp",
+    "tp": "serve sets each role's own: --prefill-tp and --decode-tp (the cluster's fields)",
 }, flags={
     **ENGINE.flags,
     "host_cache_gb": Flag(default=HOST_CACHE_GB,

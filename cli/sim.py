@@ -73,7 +73,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=served.prefill, help="prefill workers (serve's default)")
     p.add_argument("--decode", type=int, default=served.decode, help="decode workers (serve's default)")
     p.add_argument("--colocated", action="store_true", help="one co-located engine instead")
-    p.add_argument("--workers", type=int, default=None, help="sweep: the worker budget to split")
+    p.add_argument("--workers", type=int, default=None,
+                   help="sweep: the device budget to split (a worker of tensor-parallel size N takes N)")
+    p.add_argument("--tp-cost-model", action="append", default=[], metavar="TP=FILE",
+                   help="sweep: the `halfmoon profile --tp TP` JSON of workers of that size (repeat per size); "
+                        "the sweep then tries every (prefill tp, decode tp) layout over TP 1 and these")
     p.add_argument("--device-tokens", default=None,
                    help="KV tokens per worker's device pool (sweep: comma-separated grid); default: "
                         "serve's --kv-cache-gb in the cost model's tokens")
@@ -178,6 +182,20 @@ def _cost_model(args: argparse.Namespace) -> CostModel:
     return CostModel.load(args.cost_model) if args.cost_model else load(args.profile)
 
 
+def _tp_costs(given: list[str]) -> dict[int, CostModel]:
+    """`--tp-cost-model TP=FILE` values: the profile of each tensor-parallel size."""
+    from conductor.cost_model import CostModel
+    from core.errors import ConfigError
+
+    out: dict[int, CostModel] = {}
+    for item in given:
+        tp, sep, path = item.partition("=")
+        if not sep or not tp.strip().isdigit() or int(tp) < 1 or not path:
+            raise ConfigError(f"--tp-cost-model takes TP=FILE (TP >= 1), got {item!r}")
+        out[int(tp)] = CostModel.load(path)
+    return out
+
+
 def _grid(text: str, flag: str) -> tuple[int, ...]:
     from core.errors import ConfigError
 
@@ -250,10 +268,12 @@ def _sweep(args: argparse.Namespace, workload: Workload, base: SimConfig, cost: 
 
     if args.workers is None:
         raise ConfigError("halfmoon sim sweep needs --workers (the budget to split into prefill + decode)")
-    grid = Grid(args.workers, device, host)
+    tp_costs = _tp_costs(args.tp_cost_model)
+    sizes = sorted({1, *tp_costs})
+    grid = Grid(args.workers, device, host, tuple((p, d) for p in sizes for d in sizes))
     with tqdm(total=len(grid.shapes(base)), desc="sim sweep", unit="shape", file=sys.stderr,
               disable=args.no_progress) as bar:
-        result = sweep(workload, grid, base, cost, tick=lambda _row: bar.update(1))
+        result = sweep(workload, grid, base, cost, tick=lambda _row: bar.update(1), tp_costs=tp_costs)
     if out is not None:
         (out / "sweep.json").write_text(json.dumps(result, indent=1) + "\n")
         (out / "values.yaml").write_text(result["helm_values"])

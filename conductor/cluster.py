@@ -130,15 +130,17 @@ class ClusterBackend(GenerationBackend):
 
     async def _cost_model(self, first: PrefillApi | DecodeApi) -> CostModel:
         """The given cost model, else the cached profile of this worker shape, else the first
-        prefill worker's quick profile (then cached: conductor/profile_cache.py)."""
+        prefill worker's quick profile (then cached: conductor/profile_cache.py); with decode
+        workers of another tensor-parallel size, their decode steps from the first one's."""
         if self.config.cost_model is not None:
             return CostModel.load(self.config.cost_model)
         assert self.info is not None
-
-        async def measure() -> CostModel:
-            return fit_profile(await first.profile(True))
-
-        return await cached_cost_model(profile_key(self.info, self.config.worker_threads), measure)
+        prefill = await _profiled(first, self.info, self.config.worker_threads)
+        if self.config.prefill_tp == self.config.decode_tp:
+            return prefill
+        # tensor-parallel layouts that differ: decode steps as the decode workers take them
+        decode = self.manager.role("decode")[0].api
+        return prefill.with_decode_of(await _profiled(decode, await decode.engine_info(), self.config.worker_threads))
 
     async def _health_loop(self) -> None:
         while True:
@@ -441,3 +443,12 @@ class ClusterBackend(GenerationBackend):
         if best is None or not self.config.engine.remote_fetch:  # local-only: no pull to price
             return PrefixMatch(matched)
         return PrefixMatch(matched, best.length * bs, best.holder.worker_id)
+
+
+async def _profiled(worker: PrefillApi | DecodeApi, info: EngineInfo, threads: int) -> CostModel:
+    """`worker`'s cost model: the cached profile of its shape, else its quick profile (cached)."""
+
+    async def measure() -> CostModel:
+        return fit_profile(await worker.profile(True))
+
+    return await cached_cost_model(profile_key(info, threads), measure)

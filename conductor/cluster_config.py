@@ -47,6 +47,11 @@ class ClusterConfig:
     ray_wait_s: how long a joined Ray cluster may take to advertise one unit of each role's
         resource per worker (worker pods start in any order) before `serve` exits naming what
         is missing.
+    prefill_tp: tensor-parallel size of every prefill worker: one worker (one Ray actor, one
+        unit for routing and admission) spans this many ranks, its follower ranks processes of
+        the actor on its node (engine/tp_ranks.py); 1 = one process.
+    decode_tp: the same for every decode worker; it need not equal prefill_tp: the KV moves
+        between the layouts, each decode rank receiving only its heads (transport/heads.py).
     standby: spare workers per role, started, loaded and warmed at boot but not routed to
         (not counted in capacity, admission or the router); when a worker dies the Conductor
         promotes one in its place at once (conductor/workers.py). Each needs one more unit of
@@ -72,13 +77,20 @@ class ClusterConfig:
     prefill_resource: str = "prefill"
     decode_resource: str = "decode"
     ray_wait_s: float = 300.0
+    prefill_tp: int = 1
+    decode_tp: int = 1
     standby: int = 0
 
     def __post_init__(self) -> None:
         check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",
-                       "migration_stall_s", "ray_wait_s")
+                       "migration_stall_s", "ray_wait_s", "prefill_tp", "decode_tp")
         if self.standby < 0:
             raise ConfigError(f"standby must be >= 0, got {self.standby}")
+        e = self.engine
+        if max(self.prefill_tp, self.decode_tp) > 1 and (e.host_cache_gb > 0 or e.disk_cache_dir is not None):
+            # each rank would keep its own shard of every tier block: not built (docs/OPERATIONS.md)
+            raise ConfigError(f"--prefill-tp {self.prefill_tp} / --decode-tp {self.decode_tp}: tensor-parallel "
+                              "workers keep no host or disk KV tier; pass --host-cache-gb 0 and no --disk-cache-dir")
         if self.migration_attempts < 0:
             raise ConfigError(f"migration_attempts must be >= 0, got {self.migration_attempts}")
         for name in ("prefill_resource", "decode_resource"):
@@ -93,10 +105,14 @@ class ClusterConfig:
         """The Ray resource `role`'s actors ask one unit of."""
         return self.prefill_resource if role == "prefill" else self.decode_resource
 
+    def tp(self, role: str) -> int:
+        """Tensor-parallel size of `role`'s workers."""
+        return self.prefill_tp if role == "prefill" else self.decode_tp
+
     def gpus(self, role: str) -> float:
-        """The Ray `num_gpus` of `role`'s actors."""
+        """The Ray `num_gpus` of `role`'s actors: given, else the planned share per rank."""
         given = self.prefill_gpus if role == "prefill" else self.decode_gpus
-        return float(given) if given is not None else self.gpu_share().gpus
+        return float(given) if given is not None else self.gpu_share().gpus * self.tp(role)
 
     def gpu_share(self) -> GpuShare:
         """Each worker's GPU share and allocator cap (conductor/gpu_plan.py)."""
@@ -126,6 +142,7 @@ class ClusterConfig:
             index = i if role == "prefill" else i - n_prefill
             first = (i * self.worker_threads) % cores
             cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
-            specs.append(WorkerSpec(f"{role}-{index}", role, engine, self.transport, cpus,
+            role_engine = dataclasses.replace(engine, tp=self.tp(role))
+            specs.append(WorkerSpec(f"{role}-{index}", role, role_engine, self.transport, cpus,
                                     tracing=self.tracing, log=self.log))
         return specs

@@ -27,7 +27,7 @@ import itertools
 import json
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -170,6 +170,13 @@ class CostModel:
         if n_tokens < 0:
             raise ValueError(f"n_tokens must be >= 0, got {n_tokens}")
         return n_tokens * self.kv_bytes_per_token / self.transfer_bytes_per_s * 1e3
+
+    def with_decode_of(self, decode: CostModel) -> CostModel:
+        """The cost model of a cluster whose decode workers are `decode`'s and prefill workers
+        this one's (tensor-parallel layouts that differ: prefill, the KV transfer and its bytes
+        from this profile, decode steps from `decode`'s)."""
+        return replace(self, decode_coef=decode.decode_coef,
+                       source=f"prefill: {self.source}; decode: {decode.source}")
 
     # ------------------------------------------------------------------ JSON
 

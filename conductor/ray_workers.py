@@ -39,6 +39,7 @@ NODE_ID_CHARS = 12  # of Ray's 56 hex digits: the node's name in the index and t
 RESOURCE_POLL_S = 1.0
 DEATH_INFO_WAIT_MS = 100  # with standbys (see init_ray)
 RAY_START_ATTEMPTS = 3  # CI saw Ray's GCS and raylet miss their own 30 s start-up waits
+RANK_LOST_EXIT = 70  # a tensor-parallel worker's exit status when one of its ranks died
 
 
 class RayWorker:
@@ -287,11 +288,24 @@ def on_this_ray_node(spec: WorkerSpec) -> WorkerSpec:
 
 
 
+def exit_as_one(worker_id: str, error: Exception) -> None:
+    """A tensor-parallel worker lost a rank: its actor's process exits at once (the rest of its
+    ranks see their pipe close and exit too), so Ray restarts the whole worker and every call in
+    flight is `WorkerLostError`: the Conductor moves those requests (conductor/migration.py)."""
+    log.critical("worker %s exits as one, to be restarted: %s", worker_id, error)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    os._exit(RANK_LOST_EXIT)
+
+
 class RayPrefillWorker(PrefillWorker):
     """A prefill worker as a Ray actor: its spec completed where Ray placed it."""
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(on_this_ray_node(spec))
+
+    def rank_lost(self, error: Exception) -> None:
+        exit_as_one(self.spec.worker_id, error)
 
 
 class RayDecodeWorker(DecodeWorker):
@@ -299,3 +313,6 @@ class RayDecodeWorker(DecodeWorker):
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(on_this_ray_node(spec))
+
+    def rank_lost(self, error: Exception) -> None:
+        exit_as_one(self.spec.worker_id, error)

@@ -107,6 +107,14 @@ class KVHandoff:
 
     address: str
     block_ids: list[int]
+    # a tensor-parallel decode worker: every rank's receiver, rank 0's (`address`) first; each
+    # rank receives only its KV heads (transport/heads.py). (): one rank, at `address`.
+    addresses: tuple[str, ...] = ()
+
+    @property
+    def receivers(self) -> tuple[str, ...]:
+        """Where each decode rank receives its heads, rank 0's first."""
+        return self.addresses or (self.address,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +226,8 @@ class WorkerLoad:
     decode_entries: int = 0  # decode steps of its requests since start (a request x a step)
     decode_tokens: int = 0  # tokens they emitted: tokens per decode step = this / decode_entries
     decode_single: int = 0  # of those steps, the ones that emitted a single token
+    tp: int = 1  # tensor-parallel size: the worker is one unit of this many ranks (devices)
+    kv_rank_bytes: tuple[int, ...] = ()  # decode: KV bytes each rank's receiver verified, rank 0's first
 
 
 @dataclass(frozen=True, slots=True)

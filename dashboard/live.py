@@ -93,12 +93,13 @@ class LiveView:
                                "queue_depth": w.queue_depth, "running": 0, "steps": 0, "steps_per_s": 0.0,
                                "kv": {"device": None, "host": None, "disk": None}, "transfer_bytes_per_s": 0.0,
                                "prompt_tokens_computed": 0, "prompt_tokens_cached": 0,
-                               "speculation": None}
+                               "speculation": None, "tp": 1, "kv_rank_bytes": []}
         if load is None:
             return out
         used = load.total_blocks - load.free_blocks
         out.update(running=load.running, steps=load.steps, prompt_tokens_computed=load.prompt_tokens_computed,
-                   prompt_tokens_cached=load.prompt_tokens_cached)
+                   prompt_tokens_cached=load.prompt_tokens_cached, tp=load.tp,
+                   kv_rank_bytes=list(load.kv_rank_bytes))  # a tensor-parallel worker: one unit of tp ranks
         if load.spec_verifications:  # since start: acceptance and tokens per verification
             out["speculation"] = {"acceptance": round(load.spec_accepted / max(load.spec_proposed, 1), 4),
                                   "tokens_per_step": round(load.spec_emitted / load.spec_verifications, 3),

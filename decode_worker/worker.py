@@ -49,7 +49,8 @@ from kvpool.remote import RemoteBlockReader
 from transport.staging import STAGED
 from transport.config import advertised_address
 from transport.errors import TransportError
-from transport.receiver import KVReceiver, TransferResult
+from transport.receiver import TransferResult
+from transport.tp import RankReceivers
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +72,10 @@ class Reservation:
 class DecodeWorker(EngineWorker):
     def __init__(self, spec: WorkerSpec, remote: RemoteBlockReader | None = None) -> None:
         super().__init__(spec, remote)
-        backend = spec.transport.make_backend()
-        self.receiver = KVReceiver(self.engine.kv_cache, self.layout, backend, host=spec.transport.host,
-                                   port=spec.transport.port, secret=spec.transport.secret(),
-                                   timeout=spec.transport.timeout_s,
-                                   inflight_bytes=spec.transport.max_inflight_bytes).start()
-        self.address = advertised_address(self.receiver.address, spec.transport.host)
+        # a receiver per rank over its KV shard: each rank receives only its heads (transport/tp.py)
+        self.receiver = RankReceivers(self.engine.kv_shards(), spec.transport)
+        self.addresses = tuple(advertised_address(a, spec.transport.host) for a in self.receiver.addresses)
+        self.address = self.addresses[0]
         self._reserved: dict[str, Reservation] = {}
         self._claimed: set[str] = set()  # ids whose blocks are being allocated
         self._receiving: set[str] = set()  # ids whose `generate` waits for (or just got) the KV
@@ -108,7 +107,7 @@ class DecodeWorker(EngineWorker):
         except TransportError as e:  # the receiver cannot take it (e.g. it is closing)
             await self._release(request_id)
             raise KVTransferFailedError(f"request {request_id!r}: the KV receiver refused it: {e}") from e
-        return KVHandoff(self.address, reservation.prompt)
+        return KVHandoff(self.address, reservation.prompt, self.addresses if len(self.addresses) > 1 else ())
 
     async def generate(self, task: DecodeTask) -> AsyncIterator[TokenChunk]:
         """Wait for the KV, then stream the request's tokens (the first one included)."""
@@ -263,8 +262,9 @@ class DecodeWorker(EngineWorker):
         reserved_blocks = sum(len(r.blocks) for r in self._reserved.values())
         return replace(self.engine_load(), reserved=len(self._reserved) + len(self._claimed),
                        reserved_blocks=reserved_blocks, kv_address=self.address,
-                       kv_bytes_received=self.receiver.stats.bytes,
-                       kv_bytes_staged=self.receiver.stats.bytes_by_path.get(STAGED, 0))
+                       kv_bytes_received=sum(self.receiver.rank_bytes),
+                       kv_rank_bytes=tuple(self.receiver.rank_bytes),
+                       kv_bytes_staged=self.receiver.path_bytes(STAGED))
 
     def close(self) -> None:
         self.receiver.close()

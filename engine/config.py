@@ -126,9 +126,11 @@ class EngineConfig:
         if not 1 <= self.speculative_tokens <= 16 or self.speculative_max_batch < 0:
             raise ConfigError("speculative_tokens must be in 1..16 and speculative_max_batch >= 0")
         if self.tp > 1 and (self.host_cache_gb > 0 or self.disk_cache_dir is not None or self.redis_url is not None):
-            # each rank would need its own shard of every tier block (issue 35): not built yet
+            # each rank would need its own shard of every tier block, and a block pulled by another
+            # worker every rank's: deliberately not built (docs/OPERATIONS.md, "Tensor-parallel workers")
             raise ConfigError(f"tp {self.tp}: a tensor-parallel engine keeps no host / disk tier and no cluster "
-                              "index yet; set host_cache_gb 0, no disk_cache_dir, no redis_url")
+                              "index; set host_cache_gb 0, no disk_cache_dir, no redis_url (serve: "
+                              "--host-cache-gb 0 --no-redis)")
         self._check_device()
 
     def _check_device(self) -> None:

@@ -24,7 +24,7 @@ from engine.config import EngineConfig
 from core.blocks import cdiv, first_visible_block
 from core.errors import InvalidRequestError
 from core.messages import EngineInfo, TokenChunk
-from engine.kv_push import KVPushes
+from engine.kv_push import KVPushes, PushStream
 from engine.loader import LoadedWeights, load_weights
 from engine.model import DecoderModel
 from engine.parallel import plan_shard
@@ -50,7 +50,6 @@ from kvpool.remote import InProcessReader, RemoteBlockReader
 from kvpool.tiered import KVTiers
 from kvpool.tiered import kv_block_bytes as kv_tier_block_bytes
 from transport.layout import KVLayout
-from transport.sender import PushStream
 
 
 def kv_block_bytes(lw: LoadedWeights, config: EngineConfig, kv_heads: int | None = None) -> int:
@@ -143,7 +142,7 @@ class Engine:
         check_kv_fits(self.device, config.gpu_memory_fraction, weights,
                       kv_blocks_with_pad(num_blocks, config) * kv_block_bytes(weights, config, shard.num_kv_heads))
         # tensor parallel: ranks 1..tp-1 load their shards while this one builds its own
-        self.ranks = Ranks.launch(config, num_blocks) if config.tp > 1 else None
+        self.ranks = Ranks.launch(config, num_blocks, weights.config) if config.tp > 1 else None
         try:
             self.model = DecoderModel(weights.config, weights.weights, get_backend(config.attention_backend),
                                       config.torch_dtype, config.quantization, weights.q4, self.max_model_len,
@@ -251,7 +250,20 @@ class Engine:
         this rank's place in a tensor-parallel engine (its size, its first KV head)."""
         shard = self.model.shard
         return KVLayout.of(self.kv_cache, self.model_config.fingerprint, self.windows, shard.world,
-                           shard.kv_heads.start)
+                           shard.kv_heads.start, shard.rank, self.model_config.num_kv_heads)
+
+    def kv_shards(self) -> list[tuple[torch.Tensor, KVLayout]]:
+        """Every rank's KV cache and layout, rank 0's first (the ranks' are shared memory:
+        engine/tp_ranks.py): the KV transport moves each rank's heads to and from its own."""
+        shards = [(self.kv_cache, self.kv_layout())]
+        if self.ranks is None:
+            return shards
+        cfg, mine = self.model_config, self.kv_layout()
+        for rank, kv in enumerate(self.ranks.kv_caches, start=1):
+            heads = plan_shard(cfg, rank, self.config.tp, self.config.quantization).kv_heads
+            shards.append((kv, KVLayout.of(kv, mine.fingerprint, self.windows, self.config.tp, heads.start, rank,
+                                           cfg.num_kv_heads)))
+        return shards
 
     def window_truncated(self, prompt_len: int) -> bool:
         """Whether a prefilled prompt of this length arrives without some sliding layer's oldest

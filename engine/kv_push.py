@@ -31,7 +31,11 @@ from engine.request import Request
 from engine.scheduler import ScheduledRequest
 from kvpool.block_pool import BlockPool
 from transport.errors import TransportError
-from transport.sender import PushStream
+from transport.sender import PushStream as OnePushStream
+from transport.tp import RankPushStream
+
+# one connection's stream, or a worker's (one per prefill rank x decode rank pair): the same verbs
+PushStream = OnePushStream | RankPushStream
 
 
 @dataclass(slots=True, eq=False)
@@ -122,7 +126,7 @@ class KVPushes:
             push = self.active.get(req.request_id)
             if push is not None and push.error is None:
                 try:
-                    push.stream.flush(push.stream.sender.timeout)
+                    push.stream.flush()
                 except TransportError as e:  # fails this request only (aborted after the step)
                     push.error = e
 

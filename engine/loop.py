@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from core.messages import TokenChunk
 from engine.engine import Engine
+from engine.errors import RankLostError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,9 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # a tensor-parallel engine's step that lost a rank: told here before the watchers fail
+        # (a Ray worker exits, so the Conductor moves its requests instead of failing them)
+        self.on_rank_lost: Callable[[RankLostError], None] | None = None
         engine.scheduler.on_fetched = self.wake  # a remote pull ended: its request can be admitted
 
     def start(self) -> EngineLoop:
@@ -96,6 +100,13 @@ class EngineLoop:
         with self._lock:
             return len(self._sinks)
 
+    def fail(self, error: BaseException) -> None:
+        """From any thread: fail every watcher and waiting call, take no new work (the engine
+        cannot step any more, e.g. a tensor-parallel rank is gone)."""
+        self._fail(error)
+        self._stop.set()
+        self._wake.set()
+
     def wake(self) -> None:
         """New work was handed to the engine (add_request / abort from another thread)."""
         self._wake.set()
@@ -116,8 +127,10 @@ class EngineLoop:
             self.steps += 1
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # a bug: fail every watcher loudly, take no new work
+            except Exception as e:  # a bug (or a lost rank): fail every watcher loudly, take no new work
                 log.exception("engine step failed")
+                if isinstance(e, RankLostError) and self.on_rank_lost is not None:
+                    self.on_rank_lost(e)
                 self._fail(e)
                 return
             for out in outputs:

@@ -44,6 +44,7 @@ from core.blocks import cdiv
 from engine.errors import CollectiveInitError, RankLostError, ShardingError
 from engine.model_config import ModelConfig
 from kernels.quant_linear import GROUP, Q4Groups
+from transport.heads import kv_head_range
 
 # A collective that waits longer than this for a peer fails the step (`RankLostError`): a rank
 # that died closes its sockets and fails it at once; this bounds a rank that hangs.
@@ -111,19 +112,19 @@ def plan_shard(cfg: ModelConfig, rank: int, world: int, quantization: str = "non
 def _heads(cfg: ModelConfig, rank: int, world: int) -> tuple[slice, slice]:
     """(query heads, KV heads) of rank `rank`."""
     kv, group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
-    if kv >= world:
-        kv_heads = span(kv, rank, world)
-        return slice(kv_heads.start * group, kv_heads.stop * group), kv_heads
-    if world % kv:
+    if kv < world and world % kv:
         raise ShardingError(f"tp {world} over {kv} KV heads: with fewer KV heads than ranks, tp must be "
                             f"a multiple of num_kv_heads (each KV head replicated on tp / num_kv_heads ranks)")
+    first, stop = kv_head_range(kv, rank, world)  # the transport moves KV between layouts by the same rule
+    if kv >= world:
+        return slice(first * group, stop * group), slice(first, stop)
     share = world // kv
     if group % share:
         raise ShardingError(f"tp {world}: KV head's {group} query heads do not split over the {share} "
                             f"ranks that replicate it")
-    head, part = rank // share, group // share
-    start = head * group + (rank % share) * part
-    return slice(start, start + part), slice(head, head + 1)
+    part = group // share
+    start = first * group + (rank % share) * part
+    return slice(start, start + part), slice(first, stop)
 
 
 def _check_int4_groups(cfg: ModelConfig, shard: Shard) -> None:

@@ -16,6 +16,11 @@ per layer two all_reduces (o and down), one for the embedding, one gather of the
 The ranks are `python -c` subprocesses (not multiprocessing's spawn, which re-imports the parent's
 `__main__`: a Ray worker's, a script's), holding one end of a socket pair as their pipe.
 
+Every rank's KV cache lives in a shared-memory file rank 0 creates (`KVShm`, unlinked once both
+have mapped it): rank 0 sees each rank's shard of every block (`Ranks.kv_caches`), so the KV
+transport moves each rank's heads to and from its own shard (engine/kv_shards.py) while the
+rank itself only ever reads and writes it inside the steps rank 0 hands it.
+
 Start: rank 0 spawns the ranks; each says "up" over its pipe, joins the process group with rank 0,
 loads and shards the weights, allocates its KV cache and says "ready" (or "error" with why). A
 rank that exits or errs before "ready" is a `CollectiveInitError` naming it; a rank lost later
@@ -29,7 +34,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Callable
 import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -42,6 +50,7 @@ from engine import parallel
 from engine.parallel import TPGroup, new_store, plan_shard
 from engine.loader import load_weights
 from engine.model import DecoderModel
+from engine.model_config import ModelConfig
 from engine.runner import StepInputs
 from kernels.attention import AttentionMetadata, DecodeBatch, PrefillSegment, get_backend
 
@@ -66,6 +75,7 @@ class RankSpec:
     port: int
     num_blocks: int
     timeout_s: float
+    kv_path: str  # the shared-memory file of this rank's KV cache (created by rank 0)
 
 
 # ---------------------------------------------------------------------------- step packets
@@ -141,26 +151,77 @@ def _segment(q_start: int, n: int, ctx: int, table: torch.Tensor) -> PrefillSegm
 # ---------------------------------------------------------------------------- rank 0's side
 
 
+class KVShm:
+    """A rank's KV cache in a shared-memory file: rank 0 creates it zeroed and maps it; the rank
+    maps the same file (`kv_cache_at`); the name is unlinked once the rank is ready (or gone),
+    so nothing outlives the two mappings, a rank killed by -9 included."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, self.path = tempfile.mkstemp(prefix="halfmoon-tp-kv-", dir=root)
+        try:
+            os.ftruncate(fd, _nbytes(shape, dtype))
+        finally:
+            os.close(fd)
+        self.tensor = kv_cache_at(self.path, shape, dtype)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:  # unlinked already
+            pass
+
+
+def kv_cache_at(path: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The KV cache in the shared-memory file `path` (`KVShm`), mapped shared."""
+    raw = torch.from_file(path, shared=True, size=_nbytes(shape, dtype), dtype=torch.uint8)
+    return raw.view(dtype).view(shape)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def kv_shape(cfg: ModelConfig, config: EngineConfig, rank: int, num_blocks: int) -> tuple[int, ...]:
+    """Rank `rank`'s KV cache: [layers, 2, blocks, block_size, its KV heads, head_dim]."""
+    shard = plan_shard(cfg, rank, config.tp, config.quantization)
+    return (cfg.num_layers, 2, num_blocks, config.block_size, shard.num_kv_heads, cfg.head_dim)
+
+
 class Ranks:
-    """Rank 0's handle on ranks 1..N-1: their processes, pipes and the group's collectives."""
+    """Rank 0's handle on ranks 1..N-1: their processes, pipes, KV caches (shared memory) and
+    the group's collectives."""
 
     def __init__(self, procs: list[subprocess.Popen[bytes]], conns: list[Connection], store: object,
-                 group: TPGroup) -> None:
+                 group: TPGroup, kv: list[KVShm]) -> None:
         self.procs, self.conns, self.store, self.group = procs, conns, store, group
+        self.kv = kv
         self.failed: BaseException | None = None
         group.describe_peers = self.describe
+        self._closing = threading.Event()
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        """Ranks 1..N-1's KV caches (rank 0's view of their shared memory)."""
+        return [k.tensor for k in self.kv]
 
     @classmethod
-    def launch(cls, config: EngineConfig, num_blocks: int, timeout_s: float | None = None) -> Ranks:
-        """Spawn ranks 1..tp-1 and join the group with them; `wait_ready` before the first step.
-        `timeout_s`: every collective's (default `COLLECTIVE_TIMEOUT_S`)."""
+    def launch(cls, config: EngineConfig, num_blocks: int, cfg: ModelConfig, timeout_s: float | None = None) -> Ranks:
+        """Spawn ranks 1..tp-1 (each KV cache `cfg`'s shard of `num_blocks` blocks) and join the
+        group with them; `wait_ready` before the first step. `timeout_s`: every collective's
+        (default `COLLECTIVE_TIMEOUT_S`)."""
         timeout_s = timeout_s or parallel.COLLECTIVE_TIMEOUT_S
         store = new_store(HOST, 0, config.tp, True, timeout_s)
         procs: list[subprocess.Popen[bytes]] = []
         conns: list[Connection] = []
+        kv: list[KVShm] = []
         try:
             for rank in range(1, config.tp):
-                proc, conn = _spawn(RankSpec(config, rank, config.tp, store.port, num_blocks, timeout_s))
+                kv.append(KVShm(kv_shape(cfg, config, rank, num_blocks), config.torch_dtype))
+                proc, conn = _spawn(RankSpec(config, rank, config.tp, store.port, num_blocks, timeout_s, kv[-1].path))
                 procs.append(proc)
                 conns.append(conn)
             for rank in range(1, config.tp):
@@ -168,8 +229,10 @@ class Ranks:
             group = TPGroup.join(store, 0, config.tp, torch.device("cpu"), timeout_s)
         except BaseException:
             _stop(procs, conns)
+            for k in kv:
+                k.unlink()
             raise
-        return cls(procs, conns, store, group)
+        return cls(procs, conns, store, group, kv)
 
     def wait_ready(self) -> None:
         """Until every rank holds its shard and KV cache; `CollectiveInitError` naming one that failed."""
@@ -179,6 +242,9 @@ class Ranks:
         except BaseException:
             self.close()
             raise
+        finally:
+            for k in self.kv:
+                k.unlink()  # both ends have mapped it (or the rank is gone)
 
     def send_step(self, inputs: StepInputs) -> None:
         """Hand the step's inputs to every rank (the runner calls this before its forward)."""
@@ -203,13 +269,29 @@ class Ranks:
             dead.append(f"rank {rank} (pid {proc.pid}) exited with code {code}")
         return "; ".join(dead) if dead else "every rank's process is running"
 
+    def watch(self, on_lost: Callable[[str], None], interval_s: float = 0.2) -> None:
+        """Call `on_lost(why)` once, from a thread of its own, when a rank's process exits while
+        the engine is not closing: an idle engine learns of it without waiting for a step."""
+
+        def run() -> None:
+            while not self._closing.wait(interval_s):
+                if any(p.poll() is not None for p in list(self.procs)):
+                    if not self._closing.is_set():
+                        on_lost(f"tensor-parallel rank lost: {self.describe()}")
+                    return
+
+        threading.Thread(target=run, name="tp-rank-watch", daemon=True).start()
+
     def pids(self) -> list[int]:
         """The processes of ranks 1..N-1."""
         return [p.pid for p in self.procs]
 
     def close(self) -> None:
         """Stop every rank (a stop packet, then kill past `STOP_TIMEOUT_S`)."""
+        self._closing.set()
         _stop(self.procs, self.conns)
+        for k in self.kv:
+            k.unlink()
         self.procs, self.conns = [], []
 
 
@@ -304,8 +386,7 @@ def _build(spec: RankSpec, group: TPGroup) -> tuple[DecoderModel, torch.Tensor]:
     max_len = min(config.max_model_len or cfg.max_position, cfg.max_position)
     model = DecoderModel(cfg, weights.weights, get_backend(config.attention_backend), config.torch_dtype,
                          config.quantization, weights.q4, max_len, weights.wide, shard, group)
-    kv_cache = torch.zeros(cfg.num_layers, 2, spec.num_blocks, config.block_size, shard.num_kv_heads,
-                           cfg.head_dim, dtype=config.torch_dtype)
+    kv_cache = kv_cache_at(spec.kv_path, kv_shape(cfg, config, spec.rank, spec.num_blocks), config.torch_dtype)
     return model, kv_cache
 
 

@@ -23,6 +23,7 @@ from core.params import SamplingParams
 from core.tracing import start_tracing
 from engine.config import WorkerSpec
 from engine.engine import Engine
+from engine.errors import RankLostError
 from engine.loop import EngineLoop
 from engine.profiling import measure_engine
 from engine.request import Request
@@ -142,6 +143,9 @@ class EngineWorker:
         self.engine = Engine(spec.engine_config(), remote=remote)
         self.layout = self.engine.kv_layout()
         self.loop = EngineLoop(self.engine, name=f"{spec.role}-engine").start()
+        if self.engine.ranks is not None:  # a rank that dies takes the worker down as one
+            self.loop.on_rank_lost = self.rank_lost
+            self.engine.ranks.watch(lambda why: self.rank_lost(RankLostError(why)))
         self.remote = remote
         if isinstance(remote, TransportBlockReader):
             remote.bind(self.layout, spec.transport)
@@ -189,6 +193,7 @@ class EngineWorker:
         served = self.block_server.served_blocks if self.block_server is not None else 0
         reader = self.remote if isinstance(self.remote, TransportBlockReader) else None
         return replace(engine_load(self.engine, self.loop), blocks_served_remote=served, node_id=self.spec.node_id,
+                       tp=self.engine.config.tp,
                        fetches_in_flight=reader.in_flight if reader is not None else 0,
                        fetch_failures=reader.failures if reader is not None else 0)
 
@@ -222,8 +227,21 @@ class EngineWorker:
                                  len(requests), pool.num_free(), pool.num_blocks)
         return problems, report
 
+    def rank_lost(self, error: RankLostError) -> None:
+        """A rank of this tensor-parallel worker died (or a collective with it failed): the
+        worker is down as one. Here its engine loop fails, and every request with it; a Ray
+        actor exits instead (conductor/ray_workers.py), so Ray restarts the whole worker and the
+        Conductor moves its requests (the migration path) without a client error."""
+        log.error("worker %s: %s", self.spec.worker_id, error)
+        self.loop.fail(error)
+
     async def pid(self) -> int:
         return os.getpid()
+
+    async def rank_pids(self) -> list[int]:
+        """Every rank's process, rank 0's (this one) first."""
+        ranks = self.engine.ranks
+        return [os.getpid(), *(ranks.pids() if ranks is not None else [])]
 
     async def flush_traces(self) -> bool:
         """Export the spans this worker has buffered (the Conductor asks before it stops the

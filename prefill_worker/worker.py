@@ -31,15 +31,16 @@ from engine.worker import EngineWorker
 from kvpool.remote import RemoteBlockReader
 from transport.errors import TransportError
 from transport.faults import FaultInjector
-from transport.peers import KVPeers
 from transport.sender import SentUnit
+from transport.tp import RankPeers
 
 
 class PrefillWorker(EngineWorker):
     def __init__(self, spec: WorkerSpec, remote: RemoteBlockReader | None = None) -> None:
         super().__init__(spec, remote)
         self.faults = FaultInjector()  # drills: corrupt_next_push
-        self.peers = KVPeers(self.engine.kv_cache, self.layout, spec.transport, faults=self.faults)
+        # a sender per (this rank, decode rank) pair, each over its rank's KV shard (transport/tp.py)
+        self.peers = RankPeers(self.engine.kv_shards(), spec.transport, faults=self.faults)
         self.pending_tokens = 0  # prompt tokens accepted and not yet prefilled
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
@@ -63,8 +64,8 @@ class PrefillWorker(EngineWorker):
             span.end()
 
     async def _prefill(self, task: PrefillTask, span: Span, arrived: int) -> PrefillResult:
-        sender = await asyncio.to_thread(self.peers.sender, task.handoff.address)
-        stream = sender.open(task.request_id, task.handoff.block_ids, span.traceparent, span.recording)
+        stream = await asyncio.to_thread(self.peers.open, task.handoff.receivers, task.request_id,
+                                         task.handoff.block_ids, span.traceparent, span.recording)
         queue = self.loop.watch_async(task.request_id)
         self.pending_tokens += len(task.prompt_ids)
         done = False

@@ -62,6 +62,9 @@ class SimConfig:
         --speculative`). A step of b requests then computes b x tokens_per_step rows and emits
         tokens_per_step tokens each: the workers are simulated one token-time per step
         (`SpeculativeCost`) and admission counts the same tokens per step.
+    prefill_tp, decode_tp: each worker's tensor-parallel size (devices it holds); the cost
+        model is the layout's (`CostModel.with_decode_of`: prefill from a TP=prefill_tp profile,
+        decode steps from a TP=decode_tp one). Co-located: prefill_tp is the engine's.
     """
 
     prefill: int = _SERVE.prefill
@@ -78,11 +81,13 @@ class SimConfig:
     drain_s: float | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     tokens_per_step: float = 1.0
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
             raise ConfigError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {self.prefill}P{self.decode}D")
-        check_positive(self, "device_tokens", "block_size", "chunk", "max_seqs")
+        check_positive(self, "device_tokens", "block_size", "chunk", "max_seqs", "prefill_tp", "decode_tp")
         if self.tokens_per_step < 1.0:
             raise ConfigError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}")
         for name in ("host_tokens", "disk_tokens", "overhead_ms"):
@@ -91,11 +96,19 @@ class SimConfig:
 
     @property
     def shape(self) -> str:
-        return "co-located" if self.colocated else f"{self.prefill}P{self.decode}D"
+        if self.colocated:
+            return "co-located"
+        layout = "" if (self.prefill_tp, self.decode_tp) == (1, 1) else f" tp{self.prefill_tp}:{self.decode_tp}"
+        return f"{self.prefill}P{self.decode}D{layout}"
 
     @property
     def workers(self) -> int:
         return 1 if self.colocated else self.prefill + self.decode
+
+    @property
+    def devices(self) -> int:
+        """Devices the shape holds: a tensor-parallel worker one per rank."""
+        return self.prefill_tp if self.colocated else self.prefill * self.prefill_tp + self.decode * self.decode_tp
 
     def capacity(self) -> Capacity:
         """A prefix cache's tiers in 512-token blocks."""

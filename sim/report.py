@@ -54,13 +54,15 @@ def summarize(result: SimResult, optimum: Optimum | None = None) -> dict[str, An
     span = result.makespan_s or 1.0
     busy = {wid: round(s / span, 3) for wid, s in result.busy_s.items()}
     summary = {
-        "shape": result.config.shape, "workers": result.config.workers, "policy": result.config.admission.admission,
+        "shape": result.config.shape, "workers": result.config.workers, "devices": result.config.devices,
+        "policy": result.config.admission.admission,
         "requests": len(records), "admitted": len(admitted), "completed": len(ok),
         "rejected": dict(Counter(r.reason or "" for r in records if r.status == "rejected")),
         "errors": sum(r.status == "error" for r in records), "timed_out": sum(r.status == "timeout" for r in records),
         "slo": {"ttft_ms": ttft_slo, "tbt_ms": tbt_slo}, "slo_met": good,
         "goodput_rps": round(good / window, 4) if window > 0 else None,
         "goodput_per_worker": round(good / window / result.config.workers, 4) if window > 0 else None,
+        "goodput_per_device": round(good / window / result.config.devices, 4) if window > 0 else None,
         "admitted_ok_pct": round(100 * good / len(admitted), 1) if admitted else None,
         "ttft_ms": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tbt_ms": percentiles([r.tbt_s for r in ok if r.tbt_s is not None]),

@@ -18,7 +18,11 @@ Connection setup (the receiver listens, the sender connects):
 
     receiver -> CHALLENGE {nonce}
     sender   -> HELLO {version, layout, mac = HMAC-SHA256(secret, nonce | layout)}
-    receiver -> ACCEPT | REFUSE {field, message}
+    receiver -> ACCEPT {layout} | REFUSE {field, message}
+
+Each side's layout names its tensor-parallel size, rank and KV heads: a KV push between two
+layouts moves the heads `transport.heads.check_layouts` gives the pair (block pulls, `exact`,
+only between equal layouts).
 
 Then the sender streams UNIT (request, layer, destination block ids, payload, checksum trailer), DONE
 (request, number of units, metadata such as the first token, and optionally `traceparent`: the
@@ -40,6 +44,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -47,13 +52,16 @@ from transport.channel import Channel
 from transport.errors import HandshakeError, ProtocolError
 from transport.faults import flip_one_bit
 from transport.frames import frame_lengths, new_hash, split_at, split_frames
-from transport.layout import KVLayout, KVShape
+from transport.heads import check_layouts
+from transport.layout import KVLayout, KVShape, run_bounds
 from transport.staging import HOST, PATHS
 
 # 2: payload frames and trailers on a data lane of their own (ucxx tags); 3: the sender's frame
 # cuts travel in the UNIT body; 4: a body beyond one control frame travels in CONTROL_BYTES frames
-# (a message backend keeps control receives of that size posted ahead).
-PROTOCOL_VERSION = 4
+# (a message backend keeps control receives of that size posted ahead); 5: each side's layout
+# names its tensor-parallel rank and the model's KV heads, ACCEPT carries the receiver's, DONE
+# the number of sources feeding the receiver (transport/heads.py).
+PROTOCOL_VERSION = 5
 MAGIC = b"HMKV"
 _HEADER = struct.Struct("<4sB3xIIIQQ")
 TRAILER = struct.Struct("<Q")
@@ -138,9 +146,12 @@ def parse_unit_body(header: Header, body: bytes) -> tuple[str, list[int], list[i
     return body[ids_len + cuts_len :].decode(), ids, lengths.tolist()
 
 
-def unit_frame_lengths(kv: KVShape, src_ids: Sequence[int], dst_ids: Sequence[int], nbytes: int) -> list[int]:
-    """Where the sender cuts a unit (see frames.frame_lengths)."""
-    return frame_lengths(kv.bounds(src_ids), kv.bounds(dst_ids), nbytes, FRAME_BYTES, MIN_DIRECT_BYTES)
+def unit_frame_lengths(kv: KVShape, src_ids: Sequence[int], dst_ids: Sequence[int], nbytes: int,
+                       dst_staged: bool = False) -> list[int]:
+    """Where the sender cuts a unit (see frames.frame_lengths); `dst_staged`: the receiver
+    lands it in one staging buffer (a head slice of its slabs)."""
+    dst_bounds = [] if dst_staged else run_bounds(dst_ids, kv.slab_bytes)
+    return frame_lengths(kv.bounds(src_ids), dst_bounds, nbytes, FRAME_BYTES, MIN_DIRECT_BYTES)
 
 
 def json_body(obj: object) -> bytes:
@@ -167,8 +178,10 @@ def hello(layout: KVLayout, nonce: bytes, secret: bytes | None, path: str = "hos
     return msg
 
 
-def check_hello(msg: dict, layout: KVLayout, nonce: bytes, secret: bytes | None) -> None:
-    """Raise `HandshakeError(field, ...)` naming the first thing that differs."""
+def check_hello(msg: dict, layout: KVLayout, nonce: bytes, secret: bytes | None,
+                exact: bool = True) -> KVLayout:
+    """The sender's layout; `HandshakeError(field, ...)` naming the first thing that differs
+    (`exact`: every field of the layouts; else `heads.check_layouts`)."""
     version = msg.get("version")
     if version != PROTOCOL_VERSION:
         raise HandshakeError("version", f"sender speaks protocol {version}, this receiver {PROTOCOL_VERSION}")
@@ -178,14 +191,35 @@ def check_hello(msg: dict, layout: KVLayout, nonce: bytes, secret: bytes | None)
     theirs = msg.get("layout")
     if not isinstance(theirs, dict):
         raise HandshakeError("protocol", "hello carries no KV layout")
-    for name, mine in layout.as_dict().items():
-        if theirs.get(name) != mine:
-            raise HandshakeError(name, f"sender has {name}={theirs.get(name)!r}, receiver has {mine!r}")
+    if exact:
+        for name, mine in layout.as_dict().items():
+            if theirs.get(name) != mine:
+                raise HandshakeError(name, f"sender has {name}={theirs.get(name)!r}, receiver has {mine!r}")
+    sender = _layout(theirs)
+    if not exact:
+        check_layouts(sender, layout)
+    return sender
+
+
+def _layout(d: dict) -> KVLayout:
+    try:
+        return KVLayout.from_dict(d)
+    except ProtocolError as e:
+        raise HandshakeError("protocol", str(e)) from e
+
+
+class Accepted(NamedTuple):
+    """What the listening side learns from a sender's HELLO: its KV layout and its transfer
+    path (transport/staging.py: host, staged)."""
+
+    layout: KVLayout
+    path: str
 
 
 def offer_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float,
-                    path: str = "host") -> None:
-    """The connecting side: answer the CHALLENGE with HELLO; raises HandshakeError on REFUSE."""
+                    path: str = "host") -> KVLayout:
+    """The connecting side: answer the CHALLENGE with HELLO (naming this side's `path`); the
+    receiver's layout (from its ACCEPT); raises HandshakeError on REFUSE."""
     header, body = recv_msg(channel, timeout, timeout)
     if header.kind is not Kind.CHALLENGE:
         raise HandshakeError("protocol", f"expected CHALLENGE, got {header.kind.name}")
@@ -197,11 +231,13 @@ def offer_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, ti
         raise HandshakeError(str(msg.get("field")), str(msg.get("message")))
     if header.kind is not Kind.ACCEPT:
         raise HandshakeError("protocol", f"expected ACCEPT, got {header.kind.name}")
+    return _layout(parse_json(body).get("layout"))
 
 
-def accept_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float) -> str:
-    """The listening side: CHALLENGE, check the HELLO, ACCEPT or REFUSE (naming the field).
-    Returns the sender's path (host when its HELLO names none)."""
+def accept_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, timeout: float,
+                     exact: bool = True) -> Accepted:
+    """The listening side: CHALLENGE, check the HELLO, ACCEPT (with this side's layout) or
+    REFUSE (naming the field); the sender's layout and path (host when its HELLO names none)."""
     nonce = os.urandom(16)
     send_json(channel, Kind.CHALLENGE, {"nonce": nonce.hex()}, timeout)
     header, body = recv_msg(channel, timeout, timeout)
@@ -209,12 +245,12 @@ def accept_handshake(channel: Channel, layout: KVLayout, secret: bytes | None, t
         raise HandshakeError("protocol", f"expected HELLO, got {header.kind.name}")
     msg = parse_json(body)
     try:
-        check_hello(msg, layout, nonce, secret)
+        sender = check_hello(msg, layout, nonce, secret, exact)
     except HandshakeError as e:
         send_json(channel, Kind.REFUSE, {"field": e.field, "message": e.message}, timeout)
         raise
-    send_json(channel, Kind.ACCEPT, {}, timeout)
-    return str(msg.get("path", HOST))
+    send_json(channel, Kind.ACCEPT, {"layout": layout.as_dict()}, timeout)
+    return Accepted(sender, str(msg.get("path", HOST)))
 
 
 def _check_secret(msg: dict, nonce: bytes, secret: bytes | None) -> None:

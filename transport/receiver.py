@@ -7,6 +7,12 @@ tells `wait()` when a request's transfer is complete.
                                                   # every verified unit in the result, for tracing)
     result = receiver.wait("r1", timeout=30)      # every unit in and verified, or an exception
 
+Between tensor-parallel layouts (transport/heads.py) a receiver is one decode rank's: each
+accepted sender (a prefill rank) moves the heads the handshake's plan gives the pair, straight
+into whole slabs or, for a head slice of them, through a staging buffer scattered into the blocks
+once its checksum verified. A request is complete when every source rank feeding this rank (the
+DONE says how many) sent its DONE with all its units in; `stats.bytes` counts this rank's bytes.
+
 Invariant: once `wait()` or `cancel()` has returned, no byte for that request will be written to
 the KV tensor again, so the caller may free (or use) the blocks. Units of unknown, cancelled or
 failed requests are drained into a scratch buffer, never into the KV tensor. A unit that fails its
@@ -38,6 +44,7 @@ from transport.errors import (
     TransportError,
 )
 from transport.faults import FaultInjector
+from transport.heads import check_layouts, receiver_heads
 from transport.layout import KVBytes, KVLayout, KVShape
 from transport.staging import HOST, Slot, Stager
 from transport.protocol import (
@@ -102,13 +109,26 @@ class _Expected:
     state: str = "pending"  # pending -> done | failed
     error: TransportError | None = None
     busy: int = 0  # units being written into our blocks right now
-    channel: Channel | None = None
+    channels: set[Channel] = field(default_factory=set)  # the senders feeding it
     units: int = 0
+    src_units: dict[int, int] = field(default_factory=dict)  # verified units by source rank
+    done_srcs: set[int] = field(default_factory=set)  # source ranks whose DONE checked out
     bytes: int = 0
     meta: dict = field(default_factory=dict)
     log: list[UnitRecord] | None = None  # recording: the verified units
     first_ns: int = 0
     traceparent: str | None = None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class _Link:
+    """One accepted sender: its channel, the view of this rank's KV its heads land in (whole
+    slabs, or a head slice: `KVBytes.staged`) and its tensor-parallel rank."""
+
+    channel: Channel
+    kv: KVShape
+    src_rank: int
+    path: str = HOST  # the sender's transfer path (transport/staging.py), from its HELLO
 
 
 class KVReceiver:
@@ -124,8 +144,8 @@ class KVReceiver:
         if stager is None and kv_cache.device.type != "cpu":
             stager = Stager.for_device(kv_cache, inflight_bytes)
         self.stager = stager
+        self.tensor = kv_cache
         self.kv: KVShape = KVBytes(kv_cache) if stager is None else KVShape(kv_cache)
-        self._paths: dict[Channel, str] = {}  # each connection's sender path (its handshake)
         self.layout = layout
         self.backend = backend
         self.secret = secret
@@ -216,45 +236,50 @@ class KVReceiver:
 
     def _serve(self, channel: Channel) -> None:
         try:
-            self._handshake(channel)
+            link = self._handshake(channel)
             if channel.posted_recv:
-                _Pipeline(self, channel).run()
+                _Pipeline(self, link).run()
             else:
-                self._serve_in_order(channel)
+                self._serve_in_order(link)
         except HandshakeError as e:
             self.stats.refused += 1
             log.warning("refused a KV sender from %s: %s", channel.peer, e)
         except TransportError as e:
             self._lost(channel, e)
-        finally:
-            with self._cond:
-                self._paths.pop(channel, None)
 
-    def _serve_in_order(self, channel: Channel) -> None:
+    def _serve_in_order(self, link: _Link) -> None:
         """One message at a time: a unit's payload is received and verified before the next
         header is read (byte streams cannot do otherwise)."""
         replying = None  # a RESULT still on the wire: it must not block the next message
         while True:
             self._delay()
-            header, body = recv_msg(channel, None, self.timeout)
+            header, body = recv_msg(link.channel, None, self.timeout)
             if replying is not None:
                 replying(self.timeout)
-            replying = self._dispatch(channel, header, body)
+            replying = self._dispatch(link, header, body)
 
     def _delay(self) -> None:
         if self.faults is not None and self.faults.receive_delay:
             time.sleep(self.faults.receive_delay)  # fault injection: a slow receiver
 
-    def _handshake(self, channel: Channel) -> None:
-        path = accept_handshake(channel, self.layout, self.secret, self.timeout)
-        with self._cond:
-            self._paths[channel] = path
+    def _handshake(self, channel: Channel) -> _Link:
+        """Accept a sender whose layout has heads for this rank: where its units land, and the
+        sender's transfer path (host, staged)."""
+        sender, path = accept_handshake(channel, self.layout, self.secret, self.timeout, exact=False)
+        heads = receiver_heads(check_layouts(sender, self.layout))
+        if self.stager is None:
+            return _Link(channel, KVBytes(self.tensor, heads), sender.rank, path)
+        kv = KVShape(self.tensor, heads)
+        if kv.staged:
+            raise HandshakeError("tp", "a device KV tensor receives whole slabs only: a head slice of its "
+                                 "blocks is not supported on the staged path")
+        return _Link(channel, kv, sender.rank, path)
 
     def _lost(self, channel: Channel, error: TransportError) -> None:
         """The channel broke: every request it was feeding fails with that error."""
         with self._cond:
             closing = self._closed
-            fed = [e for e in self._expected.values() if e.channel is channel and e.state == "pending"]
+            fed = [e for e in self._expected.values() if channel in e.channels and e.state == "pending"]
             for exp in fed:
                 self._fail(exp, error if isinstance(error, PeerLostError) else PeerLostError(str(error)))
         if closing or not fed:  # a sender that hangs up between transfers is no news
@@ -263,12 +288,12 @@ class KVReceiver:
         self.stats.peers_lost += 1
         log.warning("KV sender %s lost (%s); %d transfer(s) failed", channel.peer, error, len(fed))
 
-    def _dispatch(self, channel: Channel, header: Header, body: bytes) -> Callable[[float], None] | None:
+    def _dispatch(self, link: _Link, header: Header, body: bytes) -> Callable[[float], None] | None:
         """Handle one message; returns the wait for a reply still being sent, if any."""
         if header.kind is Kind.UNIT:
-            self._receive_unit(channel, header, body)
+            self._receive_unit(link, header, body)
         elif header.kind is Kind.DONE:
-            return self._complete(channel, header, parse_json(body))
+            return self._complete(link, header, parse_json(body))
         elif header.kind is Kind.CANCEL:
             self._sender_cancelled(str(parse_json(body).get("request_id")))
         else:
@@ -277,34 +302,42 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ units
 
-    def _receive_unit(self, channel: Channel, header: Header, body: bytes) -> None:
+    def _receive_unit(self, link: _Link, header: Header, body: bytes) -> None:
         request_id, ids, lengths = parse_unit_body(header, body)
-        exp = self._claim(channel, request_id, header.layer, ids, header.payload_len)
+        exp = self._claim(link, request_id, header.layer, ids, header.payload_len)
         if exp is None:
-            self._drain(channel, lengths)
+            self._drain(link.channel, lengths)
             return
         slot = self._landing(header.payload_len)
         try:
-            views = self._unit_views(header.layer, ids, slot)
-            actual, expected = receive_payload(channel, views, self.timeout, lengths)
-            self._land(slot, header.layer, ids, actual == expected)
+            views, commit = self._unit_views(link.kv, header.layer, ids, slot)
+            actual, expected = receive_payload(link.channel, views, self.timeout, lengths)
+            self._land(slot, header.layer, ids, actual == expected, commit)
         finally:
             self._release(exp, slot)
-        self._verified(exp, header, expected, actual)
+        self._verified(exp, header, expected, actual, link.src_rank, link.path)
 
     def _landing(self, payload_len: int) -> Slot | None:
         """A staging slot for a unit bound for device memory (None: received in place)."""
         return None if self.stager is None else self.stager.landing(payload_len, self.timeout)
 
-    def _unit_views(self, layer: int, ids: list[int], slot: Slot | None) -> list[memoryview]:
+    def _unit_views(self, kv: KVShape, layer: int, ids: list[int], slot: Slot | None
+                    ) -> tuple[list[memoryview], Callable[[], None] | None]:
+        """Where a unit lands, and what puts it in place once verified (None: nothing more)."""
         if slot is None:
-            return self.kv.views(layer, ids)  # type: ignore[attr-defined]
-        self.kv.check(layer, ids)
-        return [slot.view()]
+            return kv.write_views(layer, ids)  # type: ignore[attr-defined]
+        kv.check(layer, ids)
+        return [slot.view()], None
 
-    def _land(self, slot: Slot | None, layer: int, ids: list[int], intact: bool) -> None:
-        """A staged unit into its device blocks, only when it arrived intact."""
-        if slot is not None and intact:
+    def _land(self, slot: Slot | None, layer: int, ids: list[int], intact: bool,
+              commit: Callable[[], None] | None = None) -> None:
+        """A unit into its blocks, only when it arrived intact: a head slice scattered
+        (`commit`, while still claimed), a staged unit copied to the device."""
+        if not intact:
+            return
+        if commit is not None:
+            commit()
+        if slot is not None:
             self.stager.land(slot, layer, ids)  # type: ignore[union-attr]
 
     def _release(self, exp: _Expected | None, slot: Slot | None = None) -> None:
@@ -317,29 +350,30 @@ class KVReceiver:
                 exp.busy -= 1
                 self._cond.notify_all()
 
-    def _claim(self, channel: Channel, request_id: str, layer: int, ids: list[int],
+    def _claim(self, link: _Link, request_id: str, layer: int, ids: list[int],
                payload_len: int) -> _Expected | None:
         """The request's record, marked busy, when this unit may be written; else None (drain)."""
         with self._cond:
             exp = self._expected.get(request_id)
             if exp is None or exp.state != "pending":
                 return None
-            exp.channel = channel
+            exp.channels.add(link.channel)
             if not exp.blocks.issuperset(ids) or not 0 <= layer < self.layout.num_layers:
                 self._fail(exp, ProtocolError(
                     f"request {request_id!r}: unit for layer {layer} writes blocks it did not reserve"))
                 return None
-            if payload_len != self.layout.unit_bytes(len(ids)):
+            if payload_len != link.kv.unit_bytes(len(ids)):
                 self._fail(exp, ProtocolError(
                     f"request {request_id!r}: unit of {len(ids)} blocks carries {payload_len} bytes, "
-                    f"expected {self.layout.unit_bytes(len(ids))}"))
+                    f"expected {link.kv.unit_bytes(len(ids))}"))
                 return None
             exp.busy += 1
             if exp.log is not None and not exp.first_ns:
                 exp.first_ns = time.time_ns()
             return exp
 
-    def _verified(self, exp: _Expected, header: Header, expected: int, actual: int) -> None:
+    def _verified(self, exp: _Expected, header: Header, expected: int, actual: int, src_rank: int,
+                  path: str = HOST) -> None:
         with self._cond:
             if actual != expected:
                 self.stats.checksum_failures += 1
@@ -348,10 +382,10 @@ class KVReceiver:
                 self._fail(exp, ChecksumError(exp.request_id, header.layer, expected, actual))
                 return
             exp.units += 1
+            exp.src_units[src_rank] = exp.src_units.get(src_rank, 0) + 1
             exp.bytes += header.payload_len
             self.stats.units += 1
             self.stats.bytes += header.payload_len
-            path = self._paths.get(exp.channel, HOST) if exp.channel is not None else HOST
             self.stats.bytes_by_path[path] = self.stats.bytes_by_path.get(path, 0) + header.payload_len
             if exp.log is not None:
                 exp.log.append(UnitRecord(time.time_ns(), header.layer, header.num_blocks,
@@ -373,21 +407,27 @@ class KVReceiver:
 
     # ------------------------------------------------------------------ completion
 
-    def _complete(self, channel: Channel, header: Header, msg: dict) -> Callable[[float], None] | None:
-        request_id = str(msg.get("request_id"))
+    def _complete(self, link: _Link, header: Header, msg: dict) -> Callable[[float], None] | None:
+        """A source rank's DONE: its units all in? The request is done once every source's is."""
+        request_id, src = str(msg.get("request_id")), link.src_rank
         with self._cond:
             exp = self._expected.get(request_id)
             if exp is not None and exp.state == "pending":
-                if exp.units == header.count:
-                    exp.state, exp.meta = "done", dict(msg.get("meta") or {})
+                arrived = exp.src_units.get(src, 0)
+                if arrived == header.count:
+                    exp.done_srcs.add(src)
                     traceparent = msg.get("traceparent")  # optional: a sender without tracing omits it
-                    exp.traceparent = traceparent if isinstance(traceparent, str) else None
-                    self._cond.notify_all()
+                    if src == min(exp.done_srcs):
+                        exp.meta = dict(msg.get("meta") or {})
+                        exp.traceparent = traceparent if isinstance(traceparent, str) else None
+                    if len(exp.done_srcs) >= int(msg.get("sources", 1)):
+                        exp.state = "done"
+                        self._cond.notify_all()
                 else:
                     self._fail(exp, ProtocolError(
-                        f"request {request_id!r}: sender sent {header.count} units, {exp.units} arrived"))
-            reply = _result(request_id, exp if exp is not None else self._outcomes.get(request_id))
-        return channel.post_many(message_frames(Header(Kind.RESULT), json_body(reply)), self.timeout)
+                        f"request {request_id!r}: sender rank {src} sent {header.count} units, {arrived} arrived"))
+            reply = _result(request_id, exp if exp is not None else self._outcomes.get(request_id), src)
+        return link.channel.post_many(message_frames(Header(Kind.RESULT), json_body(reply)), self.timeout)
 
     def _sender_cancelled(self, request_id: str) -> None:
         with self._cond:
@@ -396,11 +436,12 @@ class KVReceiver:
                 self._fail(exp, TransferCancelledError(f"request {request_id!r} was cancelled by the sender"))
 
 
-def _result(request_id: str, exp: _Expected | None) -> dict:
+def _result(request_id: str, exp: _Expected | None, src_rank: int) -> dict:
+    """The RESULT for source rank `src_rank`'s DONE: ok once its own part is in and verified."""
     if exp is None:
         return {"request_id": request_id, "ok": False, "error": {
             "type": "TransferCancelledError", "message": f"request {request_id!r} is not expected (cancelled?)"}}
-    if exp.state == "done":
+    if exp.state == "done" or (exp.state == "pending" and src_rank in exp.done_srcs):
         return {"request_id": request_id, "ok": True}
     err = exp.error
     detail: dict = {"type": type(err).__name__, "message": str(err)}
@@ -418,6 +459,7 @@ class _PostedUnit:
     receipt: PayloadReceipt
     ids: list[int] = field(default_factory=list)
     slot: Slot | None = None  # where a unit bound for device memory lands first
+    commit: Callable[[], None] | None = None  # a head slice: scattered once verified
 
 
 class _Pipeline:
@@ -427,8 +469,8 @@ class _Pipeline:
     and handles DONE / CANCEL after the units sent before them. So the next unit's data flows
     while the previous one is hashed, instead of waiting for its receives to be posted."""
 
-    def __init__(self, receiver: KVReceiver, channel: Channel) -> None:
-        self.r, self.channel = receiver, channel
+    def __init__(self, receiver: KVReceiver, link: _Link) -> None:
+        self.r, self.link, self.channel = receiver, link, link.channel
         self.work: queue.Queue[_PostedUnit | tuple[Header, bytes] | None] = queue.Queue(PIPELINE_DEPTH)
         self.error: TransportError | None = None  # the verifier's, reported instead of "closed"
 
@@ -458,15 +500,16 @@ class _Pipeline:
 
     def _post_unit(self, header: Header, body: bytes) -> _PostedUnit:
         request_id, ids, lengths = parse_unit_body(header, body)
-        exp = self.r._claim(self.channel, request_id, header.layer, ids, header.payload_len)
+        exp = self.r._claim(self.link, request_id, header.layer, ids, header.payload_len)
         slot = None
         try:
+            commit = None
             if exp is None:
                 views = self._throwaway_views(header.payload_len)
             else:
                 slot = self.r._landing(header.payload_len)
-                views = self.r._unit_views(header.layer, ids, slot)
-            return _PostedUnit(exp, header, PayloadReceipt(self.channel, views, lengths), ids, slot)
+                views, commit = self.r._unit_views(self.link.kv, header.layer, ids, slot)
+            return _PostedUnit(exp, header, PayloadReceipt(self.channel, views, lengths), ids, slot, commit)
         except BaseException:
             self.r._release(exp, slot)
             raise
@@ -490,7 +533,7 @@ class _Pipeline:
                     continue
                 if replying is not None:
                     replying(self.r.timeout)
-                replying = self.r._dispatch(self.channel, *item)
+                replying = self.r._dispatch(self.link, *item)
             except TransportError as e:
                 self.error = e
                 self.channel.close()  # wakes the control thread; no receive writes after it
@@ -498,11 +541,11 @@ class _Pipeline:
     def _finish_unit(self, unit: _PostedUnit) -> None:
         try:
             actual, expected = unit.receipt.finish(self.r.timeout, verify=unit.exp is not None)
-            self.r._land(unit.slot, unit.header.layer, unit.ids, actual == expected)
+            self.r._land(unit.slot, unit.header.layer, unit.ids, actual == expected, unit.commit)
         except BaseException:
             self.channel.close()  # before the release: no posted receive may write after it
             raise
         finally:
             self.r._release(unit.exp, unit.slot)
         if unit.exp is not None:
-            self.r._verified(unit.exp, unit.header, expected, actual)
+            self.r._verified(unit.exp, unit.header, expected, actual, self.link.src_rank, self.link.path)

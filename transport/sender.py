@@ -7,6 +7,10 @@ streams transfer units straight from the local KV tensor, and a bound on in-flig
     stream.finish({"first_token": 42})          # after the last unit
     stream.wait(timeout=30)                      # the receiver verified everything, or raises
 
+Between tensor-parallel layouts (transport/heads.py) one sender connects one prefill rank's KV
+to one decode rank's receiver and moves the heads the handshake's plan gives the pair
+(`piece`); its DONE tells the receiver how many source ranks feed it (`sources`).
+
 `send_layer` only queues: the bytes are read from the KV tensor by the sender thread, so the
 caller must not overwrite those blocks until `stream.wait()` (or `stream.flush()`) returns.
 Queued + sending bytes never exceed `max_inflight_bytes`: a slow receiver makes `send_layer`
@@ -28,6 +32,7 @@ import torch
 from transport.channel import Backend
 from transport.errors import (
     ChecksumError,
+    HandshakeError,
     PeerLostError,
     ProtocolError,
     TransferCancelledError,
@@ -35,6 +40,7 @@ from transport.errors import (
     TransportError,
 )
 from transport.faults import FaultInjector
+from transport.heads import check_layouts, num_sources, sender_heads
 from transport.layout import KVBytes, KVLayout, KVShape
 from transport.staging import HOST, STAGED, Slot, Stager
 from transport.protocol import (
@@ -121,7 +127,7 @@ class PushStream:
             self._submit_unit(layer, src, dst_ids[start : start + stager.slot_blocks], slot)
 
     def _submit_unit(self, layer: int, src_ids: Sequence[int], dst_ids: Sequence[int], slot: Slot | None) -> None:
-        nbytes = self.sender.layout.unit_bytes(len(src_ids))
+        nbytes = self.sender.kv.unit_bytes(len(src_ids))
         try:
             self.sender._submit(_Job(Kind.UNIT, self, layer, list(src_ids), list(dst_ids), nbytes, slot=slot))
         except BaseException:
@@ -145,9 +151,10 @@ class PushStream:
         self.cancelled = True
         self.sender._cancel(self)
 
-    def flush(self, timeout: float) -> None:
-        """Block until every queued unit has left (its source blocks may be reused)."""
-        self.sender._flush(self, timeout)
+    def flush(self, timeout: float | None = None) -> None:
+        """Block until every queued unit has left (its source blocks may be reused); `timeout`
+        defaults to the sender's."""
+        self.sender._flush(self, self.sender.timeout if timeout is None else timeout)
 
     def wait(self, timeout: float) -> None:
         """Block until the receiver confirmed (raises its error, or TransferTimeoutError)."""
@@ -198,6 +205,7 @@ class KVSender:
         self.max_inflight_bytes = max_inflight_bytes
         self.faults = faults
         self.stats = SenderStats()
+        self.kv_cache = kv_cache
         self.channel = backend.connect(address, timeout)
         try:
             self._handshake(secret)
@@ -219,7 +227,21 @@ class KVSender:
             t.start()
 
     def _handshake(self, secret: bytes | None) -> None:
-        offer_handshake(self.channel, self.layout, secret, self.timeout, self.path)
+        """Agree on the layouts: which of this rank's heads go to the receiver's rank, and how;
+        the HELLO names this side's transfer path (host, staged)."""
+        peer = offer_handshake(self.channel, self.layout, secret, self.timeout, self.path)
+        self.peer_layout = peer
+        self.piece = check_layouts(self.layout, peer)
+        heads = sender_heads(self.piece)
+        if self.stager is None:
+            self.kv = KVBytes(self.kv_cache, heads)
+        else:
+            self.kv = KVShape(self.kv_cache, heads)
+            if self.kv.staged:
+                raise HandshakeError("tp", "a device KV tensor sends whole slabs only: a head slice of its "
+                                     "blocks is not supported on the staged path")
+        self.dst_staged = self.piece.count != peer.num_kv_heads  # the receiver scatters a head slice
+        self.sources = num_sources(peer.total_kv_heads, self.layout.tp, peer.tp, peer.rank)
 
     # ------------------------------------------------------------------ the caller's verbs
 
@@ -361,7 +383,7 @@ class KVSender:
         if job.kind is Kind.UNIT:
             return self._send_unit(job)
         if job.kind is Kind.DONE:
-            done = {"request_id": stream.request_id, "meta": job.meta}
+            done = {"request_id": stream.request_id, "meta": job.meta, "sources": self.sources}
             if stream.traceparent is not None:
                 done["traceparent"] = stream.traceparent
             body = json_body(done)
@@ -376,7 +398,7 @@ class KVSender:
         backend keeps frames in flight while the next ones are hashed."""
         views = self._unit_views(job)
         corrupt = self.faults is not None and self.faults.should_corrupt(job.stream.request_id, job.layer)
-        lengths = unit_frame_lengths(self.kv, job.src, job.dst, job.nbytes)
+        lengths = unit_frame_lengths(self.kv, job.src, job.dst, job.nbytes, self.dst_staged)
         header = Header(Kind.UNIT, layer=job.layer, num_blocks=len(job.dst), payload_len=job.nbytes,
                         count=len(lengths))
         head = message_frames(header, unit_body(job.stream.request_id, job.dst, lengths))
@@ -388,7 +410,7 @@ class KVSender:
     def _unit_views(self, job: _Job) -> list[memoryview]:
         """The unit's bytes: views of the KV tensor, or of its staging slot once copied."""
         if job.slot is None:
-            return self.kv.views(job.layer, job.src)  # type: ignore[attr-defined]
+            return self.kv.read_views(job.layer, job.src)  # type: ignore[attr-defined]
         if not job.slot.event.wait(self.timeout):  # type: ignore[union-attr]
             raise TransferTimeoutError(f"staging copy of layer {job.layer} not done after {self.timeout:.1f}s")
         return [job.slot.view()]

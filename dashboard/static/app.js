@@ -18,11 +18,12 @@ const share = (v) => num(v, PCT);
 const small = (v) => num(v, Math.abs(v) < 1 ? S2 : F2);
 const ms = (v) => (v >= 1000 ? num(v / 1000, F2, ' s') : num(v, v >= 10 ? F0 : S2, ' ms'));
 const kTokens = (v) => (v >= 1024 && v % 1024 === 0 ? `${v / 1024}k` : num(v, COMPACT));
-function bytesPerS(v) {
+function bytes(v) {
   let i = 0;
   while (Math.abs(v) >= 1000 && i < 4) { v /= 1000; i++; }
-  return num(v, i ? F1 : F0, ` ${['B', 'kB', 'MB', 'GB', 'TB'][i]}/s`);
+  return num(v, i ? F1 : F0, ` ${['B', 'kB', 'MB', 'GB', 'TB'][i]}`);
 }
+const bytesPerS = (v) => (isNum(v) ? `${bytes(v)}/s` : DASH);
 
 // setText(el, s): touches the DOM only when the text changes.
 const setText = (el, s) => { if (el && el.textContent !== s) el.textContent = s; };
@@ -160,7 +161,7 @@ function makeCard(w) {
   f.role = h('p', {class: 'role'});
   const root = h('article', {class: 'card', 'data-worker': w.id},
     h('h3', {}, h('span', {}, w.id), ' ', fld('span', 'alive', {class: 'health'})), f.role,
-    h('dl', {class: 'stats'}, stat('restarts', 'restarts'), stat('queue depth', 'queue_depth'),
+    h('dl', {class: 'stats'}, stat('restarts', 'restarts'), stat('tensor parallel', 'tp'), stat('queue depth', 'queue_depth'),
       stat('running batch', 'running'), stat('steps', 'steps'), stat('steps/s', 'steps_per_s'),
       stat('KV transfer', 'transfer_bytes_per_s'), stat('speculation', 'speculation')),
     h('p', {class: 'prompt'}, 'prompt tokens: ', fld('b', 'prompt_tokens_computed'), ' computed, ',
@@ -195,6 +196,8 @@ function updateCard({root, f, tiers}, w) {
   setText(f.alive, w.alive ? 'alive' : 'down');
   root.classList.toggle('down', !w.alive);
   for (const k of ['restarts', 'queue_depth', 'running', 'steps', 'prompt_tokens_computed', 'prompt_tokens_cached']) setText(f[k], int(w[k]));
+  const ranks = Array.isArray(w.kv_rank_bytes) ? w.kv_rank_bytes : [];
+  setText(f.tp, int(w.tp) > 1 ? `${int(w.tp)} ranks${ranks.length > 1 ? ` (KV in by rank: ${ranks.map(bytes).join(' / ')})` : ''}` : '1 rank');
   setText(f.steps_per_s, num(w.steps_per_s, F1));
   setText(f.transfer_bytes_per_s, bytesPerS(w.transfer_bytes_per_s));
   const sp = w.speculation;

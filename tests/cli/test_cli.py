@@ -122,3 +122,16 @@ def test_serve_warns_when_bound_beyond_localhost(capsys: pytest.CaptureFixture[s
     assert "listening grpc=0.0.0.0:50051 http=http://0.0.0.0:8000 model=smollm2" in err
     announce(Endpoints("0.0.0.0", 1, 2, True, True), "smollm2", ServerConfig(host="0.0.0.0"))
     assert "WARNING" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ([], "--decode-tp 2: tensor-parallel workers keep no block index; pass --no-redis"),
+    (["--no-redis"], "tensor-parallel workers keep no host or disk KV tier; pass --host-cache-gb 0"),
+])
+def test_serve_refuses_tiers_and_index_with_tensor_parallel_workers(
+        extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused before anything starts (no Redis, no Ray), naming the flags to change."""
+    from cli.main import main
+
+    assert main(["serve", "--decode-tp", "2", "--http-port", "0", "--grpc-port", "0", *extra]) == 2
+    assert message in capsys.readouterr().err

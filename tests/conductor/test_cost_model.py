@@ -234,3 +234,14 @@ def test_halfmoon_profile_bad_flag_exits_2(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc.stderr
     assert "halfmoon: error:" in proc.stderr and "--transfer-gbps" in proc.stderr
     assert not (tmp_path / "x.json").exists()
+
+
+def test_a_layouts_cost_model_takes_prefill_from_one_profile_and_decode_from_the_other() -> None:
+    prefill = CostModel((1.0, 2.0, 3.0, 4.0), (1.0, 1.0, 1.0),
+                        1e9, 100, source="tp1")
+    decode = CostModel(tuple(9.0 for _ in PREFILL_TERMS), tuple(0.5 for _ in DECODE_TERMS), 2e9, 50, source="tp2")
+    both = prefill.with_decode_of(decode)
+    assert (both.prefill_coef, both.decode_coef) == (prefill.prefill_coef, decode.decode_coef)
+    assert (both.transfer_bytes_per_s, both.kv_bytes_per_token) == (1e9, 100)
+    assert both.est_decode_step_ms(4, 100) == decode.est_decode_step_ms(4, 100)
+    assert both.est_prefill_ms(64) == prefill.est_prefill_ms(64) and both.source == "prefill: tp1; decode: tp2"

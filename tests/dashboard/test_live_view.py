@@ -58,6 +58,7 @@ def test_rates_and_prefix_hits_per_tier_come_from_the_workers_histories() -> Non
     assert p["steps_per_s"] == pytest.approx(20 / 5) and p["transfer_bytes_per_s"] == 0
     assert d["steps_per_s"] == pytest.approx(50 / 5) and d["transfer_bytes_per_s"] == pytest.approx(2e6)
     assert d["kv"]["device"] == {"used": 10, "free": 90, "reserved": 4, "total": 100}
+    assert (p["tp"], d["tp"], d["kv_rank_bytes"]) == (1, 1, [])
     # Over the minute: 500 prompt tokens computed, 500 cached: 160 from host, 80 fetched, 260 device.
     hits = doc["cluster"]["prefix_hits"]
     assert hits == {"device": 0.26, "host": 0.16, "disk": 0.0, "remote": 0.08, "total": 0.5}

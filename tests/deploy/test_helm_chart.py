@@ -655,6 +655,19 @@ def test_both_groups_on_one_ray_resource_fails_with_a_message(renderer: Renderer
         renderer.render(values)
 
 
+def test_tensor_parallel_groups_reach_the_conductor_without_tiers_or_index(renderer: Renderer) -> None:
+    """prefill.tp / decode.tp give --prefill-tp / --decode-tp; tensor-parallel workers keep no
+    tier and no block index (--no-redis); a tier asked for with them fails the render, saying so."""
+    values = {"prefill": {"tp": 2, "gpus": 2}, "decode": {"tp": 4, "gpus": 4}, "kvTiers": {"hostGb": 0}}
+    head = next(d for d in yaml.safe_load_all(renderer.render(values)["halfmoon/templates/head.yaml"])
+                if d["kind"] == "Deployment")
+    args = parse_serve(head["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert (args.prefill_tp, args.decode_tp, args.prefill_gpus, args.decode_gpus) == (2, 4, 2, 4)
+    assert args.no_redis and args.redis_url is None and args.host_cache_gb == 0
+    with pytest.raises(helm.HelmRenderError, match="tensor-parallel workers keep no host or disk KV tier"):
+        renderer.render({"decode": {"tp": 2}})
+
+
 @pytest.mark.parametrize("role", ROLES)
 def test_a_groups_ray_resource_is_what_its_pods_advertise_and_the_conductor_asks(renderer: Renderer,
                                                                                  role: str) -> None:
@@ -747,6 +760,8 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--decode": HelmValue("decode.replicas", 2, "2"),
     "--prefill-gpus": HelmValue("prefill.gpus", 1, "1"),
     "--decode-gpus": HelmValue("decode.gpus", 1, "1"),
+    "--prefill-tp": HelmValue("prefill.tp", 1, "1"),
+    "--decode-tp": HelmValue("decode.tp", 1, "1"),
     "--prefill-resource": HelmValue("prefill.rayResource", "probe-prefill", "probe-prefill"),
     "--decode-resource": HelmValue("decode.rayResource", "probe-decode", "probe-decode"),
     "--no-remote-fetch": HelmValue("kvTiers.remoteFetch", False, None),
@@ -832,7 +847,8 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--object-store-mb": "embedded Ray only; the chart's Ray nodes take *.objectStoreMemoryGb",
     "--cost-model": "a file: the first prefill worker profiles itself (or mount one and use extraArgs)",
     "--host-cache-name": "the Conductor names one host-tier arena per node",
-    "--no-redis": "the chart always runs a block index (bundled or external Redis)",
+    "--no-redis": "the chart runs a block index (bundled or external Redis) unless a worker group is "
+                  "tensor-parallel (prefill.tp / decode.tp > 1): then it gives --no-redis",
     "--dashboard": "on by default; conductor.dashboard=false gives --no-dashboard",
     "--no-tracing": "off by default; tracing.enabled=true gives --tracing",
     "--remote-fetch": "on by default; kvTiers.remoteFetch=false gives --no-remote-fetch",

@@ -40,15 +40,18 @@ def cost_model_file(path: Path) -> str:
     return str(path)
 
 
-def start_cluster(tmp: Path, prefill: int, decode: int, redis: EmbeddedRedis,
-                  kv_transport: str = "tcp", tracing: TracingConfig | None = None, standby: int = 0) -> RunningApi:
-    config = ClusterConfig(prefill=prefill, decode=decode,
+def start_cluster(tmp: Path, prefill: int, decode: int, redis: EmbeddedRedis | None,
+                  kv_transport: str = "tcp", tracing: TracingConfig | None = None, standby: int = 0,
+                  **cluster: object) -> RunningApi:
+    """`redis` None: no block index; `cluster`: more `ClusterConfig` fields (e.g. decode_tp)."""
+    config = ClusterConfig(prefill=prefill, decode=decode, **cluster,  # type: ignore[arg-type]
                            engine=EngineConfig(num_blocks=256, max_num_batched_tokens=256),
                            transport=TransportConfig(backend=kv_transport, timeout_s=20.0), worker_threads=1,
                            object_store_mb=128, cost_model=cost_model_file(tmp / "cost.json"),
                            request_timeout_s=30.0, tracing=tracing or TracingConfig(), standby=standby)
     # Admission on the objectives a request sends only: these tests are about the request path.
-    return run_api(ClusterBackend(config, redis.url, admission=CLIENT_SLOS_ONLY), ServerConfig(grpc_port=0, http_port=0))
+    return run_api(ClusterBackend(config, redis.url if redis is not None else None, admission=CLIENT_SLOS_ONLY),
+                   ServerConfig(grpc_port=0, http_port=0))
 
 
 def prompts(engine: Engine) -> list[list[int]]:

@@ -20,6 +20,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import os
 import signal
 import threading
@@ -288,25 +290,36 @@ def test_the_bench_counts_each_steps_collectives(engine: Engine, smol_tp2: Engin
     assert_engine_idle(smol_tp2)
 
 
-def test_the_kv_handshake_refuses_another_tensor_parallel_layout(folders: dict[str, Path]) -> None:
+def test_the_kv_handshake_moves_kv_between_layouts_and_block_pulls_refuse_them(folders: dict[str, Path]) -> None:
     """Qwen3's one KV head is replicated: rank 0 of TP=2 holds the same bytes per block as
-    TP=1, and only the layout's `tp` tells them apart. Moving KV between layouts is not built:
-    the handshake names the field that differs instead of moving a wrong shard."""
+    TP=1. A KV push between the layouts is accepted (the pair moves head 0, transport/heads.py);
+    a block pull (exact) names the field that differs instead of reading another layout's block."""
     from transport.errors import HandshakeError
     from transport.protocol import check_hello, hello
 
     one, two = tp_engine(str(folders["qwen3"])), tp_engine(str(folders["qwen3"]), tp=2)
     try:
         a, b = one.kv_layout(), two.kv_layout()
-        assert (a.num_kv_heads, a.tp, b.num_kv_heads, b.tp, b.kv_head_start) == (1, 1, 1, 2, 0)
+        assert (a.num_kv_heads, a.tp, b.num_kv_heads, b.tp, b.kv_head_start, b.total_kv_heads) == (1, 1, 1, 2, 0, 1)
         nonce = b"n" * 16
-        check_hello(hello(a, nonce, None), a, nonce, None)
+        assert check_hello(hello(b, nonce, None), a, nonce, None, exact=False) == b
         with pytest.raises(HandshakeError) as err:
             check_hello(hello(b, nonce, None), a, nonce, None)
         assert err.value.field == "tp"
     finally:
         one.close()
         two.close()
+
+
+def test_the_transport_shards_kv_heads_as_the_engine_does() -> None:
+    from transport.heads import kv_head_range
+
+    for kv, group, tp in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 8), (1, 2, 3, 4, 8)):
+        if kv < tp and (tp % kv or group % (tp // kv)):
+            continue
+        for rank in range(tp):
+            s = plan_shard(_cfg(kv * group, kv, intermediate=256, vocab=64), rank, tp).kv_heads
+            assert (s.start, s.stop) == kv_head_range(kv, rank, tp)
 
 
 def test_tp_engines_hash_blocks_under_their_own_root() -> None:

@@ -10,9 +10,13 @@ import jsonschema
 import pytest
 import yaml
 
+from dataclasses import replace
+
 from cli.main import main
+from conductor.cost_model import CostModel
 from conductor.serve_defaults import tier_tokens
 from engine.config import EngineConfig
+from sim import builtin
 from sim.builtin import load as load_profile
 from tests.deploy.values import drop_nulls, merge
 from tests.sim.support import sample_trace
@@ -55,13 +59,46 @@ def test_sweep_recommends_a_shape_whose_helm_values_the_chart_accepts(
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    (["--workers", "1"], "budget of >= 2 workers"),
+    (["--workers", "1"], "budget of >= 2 devices"),
+    (["--tp-cost-model", "two=x.json"], "--tp-cost-model takes TP=FILE"),
     (["--device-tokens", "lots"], "--device-tokens takes integers"),
 ])
 def test_bad_sweep_arguments_are_named(extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     args = ["sim", "sweep", "--trace", str(sample_trace()), "--profile", "llama3-8b-h100", "--workers", "2", *extra]
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_sweep_over_layouts_recommends_a_layout_and_split_from_a_profile_per_tp(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tp-cost-model 2=FILE`: every (prefill tp, decode tp) over {1, 2}, each P:D split of 4
+    devices. The TP=2 profile here is the A100 one with decode steps 1.6x and prefill 1.8x as
+    fast (a stand-in for a measured `halfmoon profile --tp 2`): the sweep's arithmetic, not a
+    claim about the hardware."""
+    base = CostModel.load(Path(builtin.PROFILES / "llama3-8b-a100.json"))
+    tp2 = replace(base, prefill_coef=tuple(c / 1.8 for c in base.prefill_coef),
+                  decode_coef=tuple(c / 1.6 for c in base.decode_coef), source="test: tp2 stand-in")
+    tp2.save(tmp_path / "tp2.json")
+    args = ["sim", "sweep", "--trace", str(sample_trace()), "--profile", "llama3-8b-a100", "--workers", "4",
+            "--tp-cost-model", f"2={tmp_path / 'tp2.json'}", "--device-tokens", "65536", "--host-tokens", "0,200000",
+            "--speed", "4", "--out", str(tmp_path), "--json", "--no-progress", *SLO]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out)
+    rows = result["rows"]
+    layouts = {(r["prefill_tp"], r["decode_tp"]) for r in rows}
+    assert layouts == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    for r in rows:  # the budget: P x tp_p + D x tp_d devices at most, every worker whole
+        assert r["devices"] == r["prefill"] * r["prefill_tp"] + r["decode"] * r["decode_tp"] <= 4
+        assert r["host_tokens"] == 0 or (r["prefill_tp"], r["decode_tp"]) == (1, 1)
+    # 1:1 {1P3D, 2P2D, 3P1D} x host; 1:2 {1P1D (3 devices), 2P1D}; 2:1 {1P2D}; 2:2 {1P1D}
+    assert len(rows) == 3 * 2 + 2 + 1 + 1
+    best = result["best"]
+    assert best["goodput_per_device"] == max(r["goodput_per_device"] for r in rows)
+    snippet = yaml.safe_load((tmp_path / "values.yaml").read_text())
+    assert (snippet["prefill"]["tp"], snippet["decode"]["tp"]) == (best["prefill_tp"], best["decode_tp"])
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator(schema).validate(drop_nulls(merge(yaml.safe_load((CHART / "values.yaml").read_text()),
+                                                                 snippet)))
 
 
 def test_sweep_without_a_budget_says_so(capsys: pytest.CaptureFixture[str]) -> None:
