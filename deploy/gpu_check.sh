@@ -16,7 +16,8 @@
 #   c (30%): `halfmoon bench engine --device cuda` (bf16, torch attention: the backend CUDA graphs
 #            capture; graphs on / off vs transformers bf16 on the same GPU), then the layer-pipelined
 #            transfer from device memory (its path, the share of the transfer hidden)
-#   d (15%): every model family and speculative decoding on CUDA
+#   d (15%): every model family and speculative decoding on CUDA; the tensor-parallel
+#            collectives on NCCL (tests/engine/test_cuda_tp.py: one rank, and two ranks on one GPU)
 # A step still running at its limit is interrupted (its output is kept); a step with under 30 s
 # is skipped. Everything goes to $OUT/gpu_log.txt (OUT: /tmp/gpu_check) with JUnit XML per
 # pytest step, each phase's JSON, and $OUT/gpu_summary.json (bench/gpu_summary.py) to quote.
@@ -154,7 +155,7 @@ phase_c() {
 
 phase_d() {
   pytest_step d "$(phase_limit d)" 0 "$(nproc)" tests/engine/test_cuda_families.py \
-    tests/engine/test_cuda_graphs.py::test_cuda_speculative_matches_plain_greedy
+    tests/engine/test_cuda_graphs.py::test_cuda_speculative_matches_plain_greedy tests/engine/test_cuda_tp.py
 }
 
 main() {
