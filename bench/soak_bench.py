@@ -112,8 +112,6 @@ def _soak(args: argparse.Namespace, server: Any, disk_dir: Path, kinds: tuple[st
     arrivals, prompts = soak_load.trace_prompts(args.trace, args.scale_tokens, args.max_tokens, args.requests)
     say(f"cluster up at {server.grpc}; the undisturbed reference of {len(prompts)} prompts ...")
     want = soak_load.reference(server.grpc, prompts)
-    if any(w is None for w in want):
-        raise RuntimeError(f"the undisturbed reference failed for {sum(w is None for w in want)} prompts")
     duration = args.minutes * 60
     mark = min(args.warm_mark_min * 60, duration / 3)
     faults = soak_faults.schedule(kinds, args.minutes, args.seed, warm_up_s=min(30.0, duration / 6))
@@ -129,6 +127,9 @@ def _soak(args: argparse.Namespace, server: Any, disk_dir: Path, kinds: tuple[st
         wait = f.at_s - cluster.now()
         if wait > 0:
             time.sleep(wait)  # the schedule's clock
+        if cluster.now() >= duration - 5:
+            f.note = "not struck: the load had ended (the faults before it took longer than their slots)"
+            continue
         say(f"fault {f.kind} at {cluster.now():.1f} s ...")
         soak_faults.strike(cluster, f)
         say(f"  {f.kind} on {f.target}: serving again after {f.restart_to_serving_s} s {f.note}")
@@ -164,7 +165,7 @@ def _agree(server: Any, checks: dict[str, Any], timeout_s: float = 15.0) -> dict
         time.sleep(0.5)  # polling the Conductor's views
 
 
-def _result(args: argparse.Namespace, load: soak_load.OpenLoop, want: list[list[int] | None], faults: list[Any],
+def _result(args: argparse.Namespace, load: soak_load.OpenLoop, want: list[list[int]], faults: list[Any],
             sampler: soak_load.Sampler, checks: dict[str, Any], left: dict[str, int], agreement: dict[str, Any],
             mark: float, excluded: list[str], serve_args: list[str], kinds: tuple[str, ...]) -> dict[str, Any]:
     outs = [o.as_dict() for o in load.outcomes]

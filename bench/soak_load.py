@@ -57,7 +57,7 @@ def one_request(target: str, prompt: list[int], max_tokens: int, out: Outcome, t
     try:
         with grpc.insecure_channel(target) as channel:
             req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
-                                     temperature=0.0)
+                                     sampling=pb.SamplingParams(temperature=0.0))  # greedy
             for chunk in pb_grpc.GenerationStub(channel).Generate(req, timeout=600):
                 if chunk.token_ids and out.first_s is None:
                     out.first_s = time.monotonic() - t0
@@ -115,9 +115,11 @@ class OpenLoop:
         return not any(t.is_alive() for t in self._threads)
 
 
-def reference(target: str, prompts: list[tuple[list[int], int]], concurrency: int = 4) -> list[list[int] | None]:
-    """Every unique prompt once through the undisturbed cluster: its greedy tokens (None: failed)."""
+def reference(target: str, prompts: list[tuple[list[int], int]], concurrency: int = 4) -> list[list[int]]:
+    """Every unique prompt once through the undisturbed cluster: its greedy tokens. Raises
+    RuntimeError naming the first failure when any failed (an undisturbed cluster must serve)."""
     out: list[list[int] | None] = [None] * len(prompts)
+    failed: list[str] = []
     lock, todo = threading.Lock(), list(range(len(prompts)))
 
     def worker() -> None:
@@ -129,13 +131,17 @@ def reference(target: str, prompts: list[tuple[list[int], int]], concurrency: in
             o = Outcome(i, 0.0)
             one_request(target, prompts[i][0], prompts[i][1], o, time.monotonic())
             out[i] = o.tokens if o.status == "ok" else None
+            if o.status != "ok":
+                failed.append(f"prompt {i}: {o.status} {o.detail}")
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return out
+    if failed:
+        raise RuntimeError(f"the undisturbed reference failed for {len(failed)} prompts: {failed[:2]}")
+    return [tokens for tokens in out if tokens is not None]
 
 
 class Sampler:

@@ -81,7 +81,7 @@ def verdict(result: dict[str, Any]) -> list[str]:
     for kind, t in result["restarts"].items():
         if t["growing"]:
             failed.append(f"restart-to-serving of {kind} grows: {t['first_half_s']} s -> {t['second_half_s']} s")
-    unrecovered = [f for f in result["faults"] if f["note"].startswith(("not serving", "strike failed"))]
+    unrecovered = [f for f in result["faults"] if f["note"].startswith(("not serving", "strike failed", "not struck"))]
     if unrecovered:
         failed.append(f"{len(unrecovered)} faults not struck or not recovered: {unrecovered[:3]}")
     return failed
