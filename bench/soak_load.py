@@ -244,9 +244,11 @@ def agreement(server: Any, checks: dict[str, Any]) -> dict[str, Any]:
     health = server.health()
     with urllib.request.urlopen(server.http + "/metrics", timeout=10) as r:
         metrics = r.read().decode()
-    free_metric = {m.group(1): int(float(m.group(2))) for m in re.finditer(
-        r'^halfmoon_worker_kv_blocks\{[^}]*worker="([^"]+)"[^}]*tier="device"[^}]*state="free"[^}]*\} (\S+)$',
-        metrics, re.MULTILINE)}
+    free_metric = {}
+    for m in re.finditer(r"^halfmoon_worker_kv_blocks\{([^}]*)\} (\S+)$", metrics, re.MULTILINE):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("tier") == "device" and labels.get("state") == "free":
+            free_metric[labels["worker"]] = int(float(m.group(2)))
     live = {w["id"]: w for w in server.live()["workers"]}
     all_ok = all(c["ok"] for c in checks.values())
     problems = []
@@ -262,4 +264,6 @@ def agreement(server: Any, checks: dict[str, Any]) -> dict[str, Any]:
             problems.append(f"{wid}: dashboard free blocks {dash.get('free')} != integrity {c['free']}")
         if not (live.get(wid) or {}).get("alive"):
             problems.append(f"{wid}: dashboard says not alive, its integrity check answered")
-    return {"agree": not problems, "problems": problems, "health": health.get("status")}
+    seen = [line for line in metrics.splitlines() if "kv_blocks" in line and not line.startswith("#")][:12]
+    return {"agree": not problems, "problems": problems, "health": health.get("status"),
+            "metrics_kv_lines": [] if not problems else seen}

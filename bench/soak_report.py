@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 RSS_GROWTH_LIMIT = 0.05
+PROCESS_WARM_S = 60.0  # a restarted process's own warm-up, left out of its growth
 BUCKET_S = 10.0
 
 
@@ -23,11 +24,15 @@ def outcome_counts(outcomes: list[dict[str, Any]]) -> dict[str, int]:
 def rss_growth(rss: list[dict[str, Any]], mark_s: float) -> dict[str, dict[str, Any]]:
     """Per process label: RSS growth of its longest-lived process after `mark_s` (the median of
     the first fifth of its samples after the mark vs the median of the last fifth). A process
-    restarted by a fault is measured from its own start (plus nothing: its warm-up is in it)."""
+    restarted by a fault is measured from `PROCESS_WARM_S` after its first sample (its own warm-up)."""
+    born: dict[tuple[str, int], float] = {}
+    for s in rss:
+        born.setdefault((s["label"], s["pid"]), s["t"])
     lives: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
     for s in rss:
-        if s["t"] >= mark_s:
-            lives[(s["label"], s["pid"])].append((s["t"], s["rss_mib"]))
+        life = (s["label"], s["pid"])
+        if s["t"] >= mark_s and s["t"] >= born[life] + PROCESS_WARM_S:
+            lives[life].append((s["t"], s["rss_mib"]))
     best: dict[str, list[tuple[float, float]]] = {}
     for (label, _), samples in lives.items():
         if len(samples) > len(best.get(label, [])):

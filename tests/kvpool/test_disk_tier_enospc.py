@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from kvpool.disk_tier import DiskTier
-from tests.kvpool.tier_support import SLOT_BYTES, Checked, blocks, key
+from tests.kvpool.tier_support import Checked, key
 from tests.waiting import wait_until
 
 
@@ -33,6 +33,14 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(path)], check=True)
 
 
+SLOT = 2 * 4096  # whole pages: a slot never shares a tmpfs page with another
+
+
+def blocks(keys: list[bytes]) -> np.ndarray:
+    """One SLOT-byte block per key, its bytes taken from the key."""
+    return np.stack([np.resize(np.frombuffer(k, np.uint8), SLOT) for k in keys])
+
+
 def fill(path: Path) -> None:
     """Write to `path` until the filesystem is full (a real ENOSPC)."""
     with open(path, "wb", buffering=0) as f:
@@ -45,7 +53,7 @@ def fill(path: Path) -> None:
 
 def test_a_full_disk_makes_the_tier_read_only_and_it_writes_again_once_space_is_back(
         small_disk: Path, caplog: pytest.LogCaptureFixture) -> None:
-    tier = Checked(DiskTier(small_disk / "tier", SLOT_BYTES, 8, retry_writes_s=0.2))
+    tier = Checked(DiskTier(small_disk / "tier", SLOT, 8, retry_writes_s=0.2))
     try:
         held = [key(0)]
         assert tier.put(held, blocks(held)).stored == [True]
@@ -59,7 +67,7 @@ def test_a_full_disk_makes_the_tier_read_only_and_it_writes_again_once_space_is_
         wait_until(lambda: tier.put([key(2)], blocks([key(2)])).stored == [True], timeout_s=10,
                    what="the tier writing again after the ballast was removed")
         assert not tier.read_only
-        got = np.zeros((2, SLOT_BYTES), np.uint8)
+        got = np.zeros((2, SLOT), np.uint8)
         assert tier.get([key(0), key(2)], got) == [True, True]
         assert np.array_equal(got, blocks([key(0), key(2)]))
     finally:
@@ -67,7 +75,7 @@ def test_a_full_disk_makes_the_tier_read_only_and_it_writes_again_once_space_is_
 
 
 def test_a_fault_that_persists_backs_off(small_disk: Path) -> None:
-    tier = Checked(DiskTier(small_disk / "tier", SLOT_BYTES, 8, retry_writes_s=0.05))
+    tier = Checked(DiskTier(small_disk / "tier", SLOT, 8, retry_writes_s=0.05))
     try:
         fill(small_disk / "ballast")
         assert tier.put([key(1)], blocks([key(1)])).stored == [False]

@@ -15,5 +15,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="the long soak: run with `pytest -m soak` or HALFMOON_SOAK=1")
     for item in items:
-        if "soak" in item.keywords:
+        if item.get_closest_marker("soak") is not None:
             item.add_marker(skip)
