@@ -80,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                                  file=sys.stderr, flush=True))
     result = run(args, out, say)
     (out / "soak_bench.json").write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "outcomes"}) if args.json
+    print(json.dumps({k: v for k, v in result.items() if k not in ("outcomes", "rss_samples", "block_samples")})
+          if args.json
           else soak_report.render(result))
     return 1 if result["failed"] else 0
 
@@ -184,7 +185,8 @@ def _result(args: argparse.Namespace, load: soak_load.OpenLoop, want: list[list[
         "warm_mark_s": mark, "rss_growth": soak_report.rss_growth(sampler.rss, mark),
         "restarts": soak_report.restart_trend(fault_dicts), "integrity": checks, "leases": left,
         "agreement": agreement, "faults": fault_dicts, "outcomes": outs,
-        "error_samples": [o for o in outs if o["status"].startswith("error")][:10]}
+        "error_samples": [o for o in outs if o["status"].startswith("error")][:10],
+        "rss_samples": sampler.rss, "block_samples": sampler.blocks}
     result["failed"] = soak_report.verdict(result)
     if args.plot is not None:
         soak_report.plot(result, sampler.rss, sampler.blocks, args.plot)

@@ -157,7 +157,8 @@ def plot(result: dict[str, Any], rss: list[dict[str, Any]], blocks: list[dict[st
         if f["struck_s"] is None:
             continue
         for ax in axes:
-            ax.axvspan(f["struck_s"], max(f["ended_s"] or f["struck_s"], f["struck_s"] + 0.5),
+            until = max(f["ended_s"] or 0, f["recovered_s"] or 0, f["struck_s"] + 0.5)  # a kill: until serving again
+            ax.axvspan(f["struck_s"], until,
                        color=colors[f["kind"]], alpha=0.25, lw=0)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c, alpha=0.4) for c in colors.values()]
     axes[0].legend(handles, list(colors), fontsize=7, ncol=len(colors), loc="upper left")
