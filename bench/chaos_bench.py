@@ -72,12 +72,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 class Server:
     """`halfmoon serve` in its own process group; its HTTP / gRPC addresses and its processes."""
 
-    def __init__(self, log: Path, standby: int = 0) -> None:
+    def __init__(self, log: Path, standby: int = 0, serve_args: Sequence[str] = tuple(SERVE_ARGS)) -> None:
+        """`serve_args`: the cluster's flags (the chaos bench's 1P1D by default; the soak's 1P2D)."""
         self.log = log
         self.standby = standby
         with open(log, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--grpc-port", "0",
-                                          "--http-port", "0", *SERVE_ARGS, "--standby", str(standby)],
+                                          "--http-port", "0", *serve_args, "--standby", str(standby)],
                                          stdout=out, stderr=out, text=True,
                                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.killed_redis = 0  # the pid the redis fault killed last

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "sim-vs-live": "bench.sim_vs_live",
     "dashboard": "bench.dashboard_bench",
     "chaos": "bench.chaos_bench",
+    "soak": "bench.soak_bench",
     "make-trace": "bench.make_trace",  # not a benchmark: writes a synthetic Mooncake trace to replay
 }
 

@@ -40,6 +40,7 @@ from conductor.dispatch import Ask, Booking, DecodeSide, Dispatcher, PrefillSide
 from conductor.errors import OverloadedError, RetryableRejection, ServiceUnavailableError
 from conductor.migration import Progress
 from conductor.profile_cache import cached_cost_model, profile_key
+from conductor.router import NoWorkerAvailableError
 from conductor import spans
 from conductor.workers import PING_TIMEOUT_S, Worker, WorkerGroup
 from core.messages import (
@@ -199,8 +200,9 @@ class ClusterBackend(GenerationBackend):
         request moves (conductor/migration.py): before its first token it runs again; after it,
         it is re-admitted with its prompt + the tokens already sent and goes on from there on a
         live or restarted pair of workers; the client sees a pause, not an error. At most
-        `migration_attempts` moves, waiting at most `migration_stall_s` in all for live workers;
-        past either, UNAVAILABLE naming the cause."""
+        `migration_attempts` moves, waiting at most `migration_stall_s` in all for live workers
+        (a new request finding every worker of a role down waits the same way); past either,
+        UNAVAILABLE naming the cause."""
         rid = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
         progress = Progress(inp, time.perf_counter())
         stall_left = self.config.migration_stall_s
@@ -230,6 +232,14 @@ class ClusterBackend(GenerationBackend):
                 else:
                     log.warning("request %s: %s before its first token; re-running it", rid, e)
                 stall_left -= await self._await_live_pair(rid, stall_left)
+            except NoWorkerAvailableError as e:
+                # Every worker of a role is down (being restarted): the request waits for one as a
+                # moving request does, within the same --migration-stall-s (found by the soak).
+                if stall_left <= 0:
+                    raise ServiceUnavailableError(f"{e}; request {rid} waited {self.config.migration_stall_s:g} s "
+                                                  "(--migration-stall-s)") from e
+                await asyncio.sleep(MIGRATION_POLL_S)  # the health loop's verdicts, polled
+                stall_left -= MIGRATION_POLL_S + await self._await_live_pair(rid, stall_left)
 
     async def _await_live_pair(self, rid: str, budget_s: float) -> float:
         """Wait (up to `budget_s`) until a live prefill and a live decode worker exist (the health

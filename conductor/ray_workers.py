@@ -277,15 +277,23 @@ class RayWorkers(WorkerGroup):
 def on_this_ray_node(spec: WorkerSpec) -> WorkerSpec:
     """`spec` of a worker whose actor Ray has just placed (called in the actor, on every
     (re)start): its node is the Ray node's id, and a node-shared host arena gets that node's
-    name (workers of one node share it; two Ray nodes on one machine do not)."""
+    name (workers of one node share it; two Ray nodes on one machine do not). A disk tier is
+    one process's (kvpool/disk_tier.py): each worker's slab lives in `<disk dir>/<worker id>`,
+    where its restart finds it again."""
     import ray
 
     node = ray.get_runtime_context().get_node_id()[:NODE_ID_CHARS]
     engine = spec.engine
     if engine.host_cache_name is not None:
         engine = replace(engine, host_cache_name=f"{engine.host_cache_name}-{node}")
+    if engine.disk_cache_dir is not None:
+        engine = replace(engine, disk_cache_dir=worker_disk_dir(engine.disk_cache_dir, spec.worker_id))
     return replace(spec, node_id=node, engine=engine)
 
+
+def worker_disk_dir(disk_cache_dir: str, worker_id: str) -> str:
+    """The worker's own directory under the cluster's `--disk-cache-dir`."""
+    return os.path.join(disk_cache_dir, worker_id)
 
 
 def exit_as_one(worker_id: str, error: Exception) -> None:

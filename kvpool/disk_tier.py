@@ -20,6 +20,9 @@ pinned (leased) one is never evicted. The verbs every tier shares are in kvpool.
 Faults: a write failing with ENOSPC / EDQUOT / EFBIG / EACCES / EPERM / EROFS / EIO, or a
 directory that cannot be written at open, switches the tier to READ-ONLY with one warning:
 later puts store nothing and count `stats.write_errors`, reads of what is held keep working.
+A write fault is often passing (a full disk freed again): `RETRY_WRITES_S` after it, the next put
+tries to write again (logged); failing again, the tier is read-only for twice as long (at most
+`MAX_RETRY_S`). A directory unwritable at open stays read-only.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import heapq
 import logging
 import os
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -63,6 +67,9 @@ from kvpool.tier_base import (
 logger = logging.getLogger(__name__)
 
 SLAB_FILE = "slab.bin"
+RETRY_WRITES_S = 5.0  # read-only after a write fault, until the next put this long after it
+MAX_RETRY_S = 120.0
+
 # Errors that mean "this disk cannot take writes now"; any other OSError is a bug and raises.
 WRITE_FAULTS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
                           errno.EROFS, errno.EIO})
@@ -114,8 +121,9 @@ class DiskTier(BlockTier):
     _log = logger
 
     def __init__(self, directory: str | os.PathLike[str], slot_bytes: int, capacity_slots: int,
-                 io_threads: int = 2) -> None:
-        """Open (or create) the tier in `directory`; a clean previous close comes back warm."""
+                 io_threads: int = 2, retry_writes_s: float = RETRY_WRITES_S) -> None:
+        """Open (or create) the tier in `directory`; a clean previous close comes back warm.
+        `retry_writes_s`: read-only this long after a write fault, then writes are tried again."""
         check_positive_ints(slot_bytes=slot_bytes, capacity_slots=capacity_slots,
                             io_threads=io_threads)
         check_slot_bytes(slot_bytes)
@@ -123,6 +131,8 @@ class DiskTier(BlockTier):
         self.slot_bytes, self.capacity = slot_bytes, capacity_slots
         self.stats = TierStats()
         self.read_only = False
+        self._retry_at: float | None = None  # read-only after a write fault: writes again from then
+        self._retry_first_s = self._retry_s = retry_writes_s
         self._lock = threading.Lock()
         self._slots = [_Slot() for _ in range(capacity_slots)]
         self._index: dict[bytes, int] = {}  # key -> slot, for WRITING and READY slots
@@ -290,6 +300,10 @@ class DiskTier(BlockTier):
         for row, key in enumerate(keys):
             if key not in self._index and key not in wanted:
                 wanted[key] = row
+        if self.read_only and self._retry_at is not None and time.monotonic() >= self._retry_at:
+            self.read_only, self._retry_at = False, None
+            logger.info("disk tier %s: trying writes again %.0f s after the write fault", self.directory,
+                        self._retry_s)
         if self.read_only:
             self.stats.write_errors += len(wanted)
             return plan
@@ -376,6 +390,8 @@ class DiskTier(BlockTier):
         if job.faults:
             self.stats.write_errors += job.ok.count(False)
             self._go_read_only(job.faults[0])
+        else:
+            self._retry_s = self._retry_first_s  # writing works: the next fault waits the shortest again
         return self._finish(plan, job.keys, job.ok)
 
     def _finish(self, plan: _WritePlan, keys: list[bytes], ok: list[bool]) -> PutResult:
@@ -467,10 +483,18 @@ class DiskTier(BlockTier):
             heapq.heappush(self._free, slot)
 
     def _go_read_only(self, err: OSError) -> None:
-        if not self.read_only:
-            self.read_only = True
+        if self.read_only:
+            return
+        self.read_only = True
+        if self._opened_read_only:
             logger.warning("disk tier %s: %s; the tier is READ-ONLY from now on (blocks it "
                            "holds stay readable, new writes are dropped)", self.directory, err)
+            return
+        self._retry_at = time.monotonic() + self._retry_s
+        logger.warning("disk tier %s: %s; the tier is READ-ONLY for %.0f s (blocks it holds stay "
+                       "readable, new writes are dropped), then tries writes again", self.directory, err,
+                       self._retry_s)
+        self._retry_s = min(self._retry_s * 2, MAX_RETRY_S)
 
     def _locked(self) -> AbstractContextManager[object]:
         if self._closed:

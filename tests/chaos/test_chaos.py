@@ -106,3 +106,18 @@ def test_dropped_kv_connections_mid_push(cluster: RunningApi, engine: Engine) ->
     assert dropped >= 1
     assert streams.finish() == want
     assert_no_leaks(cluster)
+
+
+def test_a_request_arriving_while_every_prefill_worker_is_down_waits_for_the_restart(
+        cluster: RunningApi, short: tuple) -> None:
+    """Found by `halfmoon bench soak`: new requests during the only prefill worker's restart were
+    UNAVAILABLE at once ("no live prefill worker"); they wait for it within --migration-stall-s."""
+    ids, want = short
+    prefill = cluster.backend.manager.workers["prefill-0"]
+    restarts = prefill.restarts
+    kill9(cluster, "prefill-0")
+    wait_until(lambda: not prefill.alive, timeout_s=30, what="the Conductor seeing prefill-0 down")
+    streams = Streams(cluster.grpc_target, ids[:2], MAX_TOKENS, cache_salt="arrive-while-down")
+    assert streams.finish() == want[:2]
+    wait_until(lambda: restarted(cluster, "prefill-0", restarts), timeout_s=60, what="prefill-0 restarted")
+    assert_no_leaks(cluster)
