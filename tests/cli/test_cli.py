@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
+from conductor.serve_defaults import EXACT_FLAGS
 from core.params import SamplingParams
+from engine.engine import Engine
 from tests.waiting import poll
 
 PROMPT = "The capital of France is"
@@ -29,7 +30,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 
 def test_generate_json_matches_the_engine(engine: Engine) -> None:
     proc = run_cli("generate", "--prompt", PROMPT, "--max-tokens", "12", "--ignore-eos", "--json",
-                   "--threads", "1")
+                   "--threads", "1", *EXACT_FLAGS)  # token-exact: the engine fixture is fp32
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert set(out) == {"prompt_ids", "output_ids", "text", "finish_reason", "ttft_ms", "tpot_ms"}
