@@ -31,13 +31,13 @@ GIB = 2**30
 # `serve`'s precision: `auto` = bf16 where its dense layers have a native bf16 GEMM (CUDA, or a
 # CPU with oneDNN's bf16 path), fp32 elsewhere (engine/config.py `choose_dtype`), weights
 # unquantized. Of the precisions the engine offers that is the most goodput on the same 1P1D
-# replay (`halfmoon bench serve --defaults-compare`, docs/BENCHMARKS.md: on an AVX-512 + bf16 CPU
-# bf16 served 1.46-1.59x fp32's goodput, ahead of bf16 + int8 / int4, whose prefill runs a
-# dequantized fp32 copy; with oneDNN and ATen capped at AVX2, bf16 served 0.56-0.74x fp32's), with
-# its quality within the quantization bounds against fp32 (engine/quality.py;
-# tests/engine/test_serve_precision.py). `--dtype float32 --quantization none` is the
-# token-exact mode: fp32 greedy output equals transformers', and the tests that compare tokens
-# ask for it (`EXACT_FLAGS`). `generate` keeps `EngineConfig`'s fp32.
+# replay (`halfmoon bench serve --defaults-compare`, docs/BENCHMARKS.md): on an AVX-512 + bf16
+# CPU bf16 served 1.46-1.59x fp32's goodput, ahead of bf16 + int8 / int4, whose prefill runs a
+# dequantized fp32 copy; with oneDNN and ATen capped at AVX2, bf16 served 0.71x fp32's (pooled
+# over two runs). Its quality stays within the quantization bounds against fp32
+# (engine/quality.py; tests/engine/test_serve_precision.py). `--dtype float32 --quantization
+# none` is the token-exact mode: fp32 greedy output equals transformers', and the tests that
+# compare tokens ask for it (`EXACT_FLAGS`). `generate` keeps `EngineConfig`'s fp32.
 SERVE_DTYPE = AUTO
 SERVE_QUANTIZATION = "none"
 EXACT_FLAGS = ("--dtype", "float32", "--quantization", "none")

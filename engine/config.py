@@ -33,7 +33,7 @@ def choose_dtype(device: str, onednn_bf16: bool) -> tuple[str, str]:
     """(dtype, why) for `dtype="auto"`: bf16 where its dense layers run a native bf16 GEMM (CUDA,
     or a CPU with oneDNN's bf16 path: AVX512-BW/VL/DQ, AVX512-BF16, AMX), fp32 elsewhere. Chosen
     from `halfmoon bench serve --defaults-compare` (docs/BENCHMARKS.md): bf16 served 1.46-1.59x
-    fp32's goodput with oneDNN's bf16, 0.56-0.74x without it (ATen and oneDNN capped at AVX2)."""
+    fp32's goodput with oneDNN's bf16, 0.71x pooled without it (ATen and oneDNN capped at AVX2)."""
     if device == "cuda":
         return "bfloat16", "CUDA: bf16 is the device's serving precision"
     if onednn_bf16:
@@ -138,7 +138,7 @@ class EngineConfig:
         if self.dtype == AUTO:  # resolved here, once: the config carries the concrete dtype from now on
             object.__setattr__(self, "dtype", auto_dtype(self.device)[0])
         if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {sorted(DTYPES)}")
+            raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {[AUTO, *sorted(DTYPES)]}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} not supported; choose from {list(QUANTIZATIONS)}")
         check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads", "tp")
