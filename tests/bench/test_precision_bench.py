@@ -89,4 +89,4 @@ def test_the_comparison_starts_a_cluster_per_precision_and_reports_against_the_d
         m = rep["runs"][name][0]["metrics"]
         assert m["completed"] == m["requests"] > 0 and m["errors"] == 0
     bf16_log = (tmp_path / "serve-bf16.log").read_text()
-    assert "precision bfloat16, quantization none (serve's default" in bf16_log
+    assert "precision bfloat16, quantization none (asked: serve's default is --dtype auto)" in bf16_log

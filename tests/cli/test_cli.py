@@ -16,6 +16,7 @@ import pytest
 
 from conductor.serve_defaults import EXACT_FLAGS
 from core.params import SamplingParams
+from engine.config import auto_dtype
 from engine.engine import Engine
 from tests.waiting import poll
 
@@ -89,6 +90,8 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
                                 stderr=err, text=True, env=ENV)
     try:
         url = _wait_for_url(proc, log)
+        # no --dtype: serve says what `auto` chose on this machine and why, and how to ask for exact
+        assert f"precision {auto_dtype('cpu')[0]}, quantization none (--dtype auto: " in log.read_text()
         with urllib.request.urlopen(url + "/health", timeout=10) as resp:
             assert json.loads(resp.read()) == {"status": "ok"}
         out = _post(url + "/v1/completions", {"model": "smollm2", "prompt": PROMPT, "max_tokens": 5,
