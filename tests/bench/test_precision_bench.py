@@ -1,6 +1,6 @@
 """`halfmoon bench serve --defaults-compare`: the precisions and their flags, flag checks, the
 ratios against serve's default from given run records, and the comparison itself with real 1P1D
-clusters (fp32 and serve's default, bf16)."""
+clusters (fp32 and bf16, one of them serve's default here)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ import pytest
 
 from bench import precision_bench as pb
 from bench.serve_args import parse_args
-from conductor.serve_defaults import SERVE_DTYPE, SERVE_QUANTIZATION
+from conductor.serve_defaults import SERVE_QUANTIZATION
+from engine.config import auto_dtype
 
 
 def test_the_precisions_their_flags_and_serves_default() -> None:
-    assert [p.name for p in pb.PRECISIONS] == ["fp32", "bf16", "bf16+int8", "bf16+int4"]
-    assert pb.serve_default() == pb.Precision(SERVE_DTYPE, SERVE_QUANTIZATION) in pb.PRECISIONS
+    assert [p.name for p in pb.PRECISIONS] == ["fp32", "bf16", "bf16+int8", "bf16+int4", "fp32+int4"]
+    # serve's `--dtype auto` as resolved on this machine
+    assert pb.serve_default() == pb.Precision(auto_dtype("cpu")[0], SERVE_QUANTIZATION) in pb.PRECISIONS
     assert pb.precision_args("--prefill 1", pb.BF16) == "--prefill 1 --dtype bfloat16 --quantization none"
     for bad in ("--prefill 1 --dtype float32", "--quantization=int4"):
         with pytest.raises(ValueError, match="must not set --dtype or --quantization"):
@@ -81,9 +83,10 @@ def test_the_comparison_starts_a_cluster_per_precision_and_reports_against_the_d
          "--ttft-slo-ms", "60000", "--tbt-slo-ms", "60000", "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
-    assert "headline: goodput bf16 (default) / bf16" in proc.stdout
+    default = pb.serve_default().name  # `auto` on this machine: bf16 or fp32, run either way
+    assert f"headline: goodput {default} (default) / bf16" in proc.stdout
     rep = json.loads((tmp_path / "defaults_bench.json").read_text())
-    assert rep["default"] == "bf16" and set(rep["runs"]) == {"fp32", "bf16"}
+    assert rep["default"] == default and set(rep["runs"]) == {"fp32", "bf16"}
     assert rep["runs"]["fp32"][0]["serve_args"].endswith("--dtype float32 --quantization none")
     for name in ("fp32", "bf16"):
         m = rep["runs"][name][0]["metrics"]
