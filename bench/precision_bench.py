@@ -5,8 +5,10 @@ The same cluster flags (`--cluster-args`, 1P1D) are started once per precision o
 (fp32, bf16, bf16 + int8, bf16 + int4 weight-only, fp32 + int4) and replay the same open-loop Poisson
 arrivals of the synthetic chat workload at every rate of `--rates` (one cluster per precision,
 kept across its rates, each rate's requests salted so no rate hits another's prefixes). The
-precision `serve` picks with no flag (conductor/serve_defaults.py) is the row every ratio is taken
-against; it is one of `PRECISIONS`, so it runs once, with its flags spelled out.
+precision `serve` picks with no flag (conductor/serve_defaults.py: `--dtype auto`, resolved on this
+machine, bf16 or fp32) is the row every ratio is taken against; it is one of `PRECISIONS`, so it
+runs once, with its flags spelled out. `--precisions fp32,bf16` runs a subset (with bf16 and the
+default always).
 
     every rate    goodput default / bfloat16                target >= 1.0  (issue 38: defaults that serve)
     every rate    goodput default / the best other precision   reported (> 1: the default is the best)
