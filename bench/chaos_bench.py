@@ -41,8 +41,10 @@ from pathlib import Path
 from typing import Any
 
 FAULTS = ("decode", "prefill", "redis", "kv-drop")
+# Token-exact (fp32, unquantized; serve's default is bf16): every fault's streams are compared with
+# the undisturbed run's tokens, and a recomputed or re-routed request must give the same ones.
 SERVE_ARGS = ["--prefill", "1", "--decode", "1", "--worker-threads", "1", "--kv-transport", "tcp",
-              "--admission", "none"]
+              "--admission", "none", "--dtype", "float32", "--quantization", "none"]
 TOPICS = ["the sea", "a lighthouse", "the moon", "a red fox", "winter rain", "an old clock", "a river", "snow"]
 
 

@@ -71,6 +71,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     t.add_argument("--speculative-compare", action="store_true",
                    help="with --synthetic quoting: start --cluster-args twice, --speculative off then ngram, "
                         "and report TBT p50 at the first rate and goodput at the last (bench/spec_serve_bench.py)")
+    t.add_argument("--defaults-compare", action="store_true",
+                   help="start --cluster-args once per precision (fp32, bf16, bf16+int8, bf16+int4), replay "
+                        "the same chat workload at each --rates, print goodput against serve's default "
+                        "precision (bench/precision_bench.py)")
+    t.add_argument("--precisions", default=None,
+                   help="--defaults-compare: a subset, e.g. fp32,bf16 (bf16 and serve's default always run)")
     t.add_argument("--otlp-sink", action="store_true",
                    help="receive the started servers' traces here (OTLP/gRPC on 127.0.0.1): appends "
                         "--otlp-endpoint to their flags; with --tracing in them, every span is exported")
@@ -91,6 +97,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         from bench.spec_serve_bench import check_args
 
         if (why := check_args(args)) is not None:
+            p.error(why)
+    if args.defaults_compare:
+        from bench.precision_bench import check_args as check_defaults
+
+        if (why := check_defaults(args)) is not None:
             p.error(why)
     if (args.trace or args.synthetic == "conversation") and args.rates:
         p.error("--rates sweeps the synthetic chat workload; a trace is scaled with --speed")

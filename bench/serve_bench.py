@@ -477,6 +477,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from bench import spec_serve_bench
 
         return spec_serve_bench.run(args, words)
+    if args.defaults_compare:
+        from bench import precision_bench
+
+        return precision_bench.run(args, words)
     if args.nodes is not None or args.spill:
         from bench import prefix_bench
 

@@ -12,11 +12,11 @@ import dataclasses
 from conductor.admission import AdmissionConfig, Policy
 from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
-from conductor.serve_defaults import HOST_CACHE_GB
+from conductor.serve_defaults import HOST_CACHE_GB, SERVE_DTYPE, SERVE_QUANTIZATION
 from conductor.server import ServerConfig
 from core.logs import FORMATS, LEVELS, LogConfig
 from core.tracing import PROTOCOLS, SAMPLERS, TracingConfig
-from engine.config import QUANTIZATIONS, EngineConfig
+from engine.config import AUTO, QUANTIZATIONS, EngineConfig
 from transport.config import TransportConfig
 
 from cli.flags import Component, Flag
@@ -39,14 +39,27 @@ ENGINE = Component(
         "node_id": "the worker's node (hostname) in the cluster",
     })
 
-# `serve` keeps a host DRAM tier by default (conductor/serve_defaults.py, which `halfmoon sim`
-# reads too). The engine commands (generate, profile) serve one request and keep the field's
-# default, no host tier.
+# `serve` runs `--dtype auto` by default (conductor/serve_defaults.py, which `halfmoon sim` reads too), and
+# `profile` measures what serve runs, so a cost model profiled with no flags is serve's (the
+# router's, admission's and the simulator's). `generate` keeps the fields' defaults: fp32, the
+# token-exact reference.
+PRECISION_FLAGS = {
+    "dtype": Flag(choices=(AUTO, "float32", "bfloat16"), default=SERVE_DTYPE,
+                  help=f"compute and KV dtype (default {SERVE_DTYPE}: bfloat16 on CUDA and on a CPU with oneDNN's "
+                       "bf16 path, else float32: the most goodput within fp32's quality bounds, said at start; "
+                       "float32 with --quantization none is the token-exact mode)"),
+    "quantization": Flag(choices=QUANTIZATIONS, default=SERVE_QUANTIZATION,
+                         help=f"weight-only quantization of the dense layers, CPU only (default {SERVE_QUANTIZATION})"),
+}
+PROFILE_ENGINE = dataclasses.replace(ENGINE, flags={**ENGINE.flags, **PRECISION_FLAGS})
+
+# `serve` keeps a host DRAM tier by default too. The engine commands serve one request: no host tier.
 SERVE_ENGINE = dataclasses.replace(ENGINE, excluded={
     **ENGINE.excluded,
     "tp": "serve sets each role's own: --prefill-tp and --decode-tp (the cluster's fields)",
 }, flags={
     **ENGINE.flags,
+    **PRECISION_FLAGS,
     "host_cache_gb": Flag(default=HOST_CACHE_GB,
                           help=f"host DRAM KV tier in GiB, one shared-memory arena per node (default {HOST_CACHE_GB:g}; 0 = off): the "
                                "device tier's evicted blocks spill there and are hits again"),

@@ -8,7 +8,7 @@ import sys
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    from cli.components import ENGINE
+    from cli.components import PROFILE_ENGINE
     from cli.flags import add_flags
 
     p.add_argument("--out", default="cost_model.json", help="where to write the cost model")
@@ -17,7 +17,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer-gbps", type=float, default=None,
                    help="KV fetch bandwidth between workers in GB/s (not measured; default 2, the low "
                         "end of `halfmoon bench transport` on loopback)")
-    add_flags(p, ENGINE)
+    add_flags(p, PROFILE_ENGINE)  # serve's precision by default: the cost model of what serve runs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,13 +25,13 @@ def run(args: argparse.Namespace) -> int:
     from engine.profiling import measure_engine
     from engine.engine import Engine
     from core.errors import ConfigError
-    from cli.components import ENGINE
+    from cli.components import PROFILE_ENGINE
     from cli.flags import build
 
     bandwidth = DEFAULT_TRANSFER_BYTES_PER_S if args.transfer_gbps is None else args.transfer_gbps * 1e9
     if not bandwidth > 0:
         raise ConfigError(f"--transfer-gbps must be > 0, got {args.transfer_gbps}")
-    engine = Engine(build(ENGINE, args))
+    engine = Engine(build(PROFILE_ENGINE, args))
     try:
         profile = measure_engine(engine, quick=args.quick)
     finally:

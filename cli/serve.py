@@ -134,11 +134,12 @@ def _serve(args: argparse.Namespace, config, engine_cfg, admission, observabilit
               "to replace)", file=sys.stderr, flush=True)
     from conductor.colocated import ColocatedBackend
     from conductor.cost_model import CostModel
+    from conductor.serve_defaults import precision_line
     from core.tracing import start_tracing
     from engine.engine import Engine
 
     cost = CostModel.load(args.cost_model) if args.cost_model else None  # read before loading the model
-    print(f"halfmoon: loading {args.model} ({args.dtype}, quantization {args.quantization}) ...",
+    print(f"halfmoon: loading {args.model}; {precision_line(args.dtype, args.quantization, args.device)} ...",
           file=sys.stderr, flush=True)
     tracer = start_tracing(observability[0], "colocated", "engine")
     engine = Engine(engine_cfg)
@@ -169,11 +170,12 @@ def cluster_config(args: argparse.Namespace, engine_cfg, observability=None):  #
 
 def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission, observability) -> int:
     from conductor.cluster import ClusterBackend
+    from conductor.serve_defaults import precision_line
 
     cluster = cluster_config(args, engine_cfg, observability)
     print(f"halfmoon: starting {cluster.prefill} prefill + {cluster.decode} decode workers "
-          f"({args.model}, {args.dtype}, quantization {args.quantization}, {cluster.worker_threads} thread(s) "
-          "each) on Ray ...",
+          f"({args.model}, {cluster.worker_threads} thread(s) each) on Ray; "
+          f"{precision_line(args.dtype, args.quantization, args.device)} ...",
           file=sys.stderr, flush=True)
     backend = ClusterBackend(cluster, engine_cfg.redis_url, admission=admission)
     backend.manager.init_ray()  # on the main thread, before the servers' threads exist

@@ -67,7 +67,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-output-tokens", type=int, default=None, help="cap outputs (as bench serve)")
     p.add_argument("--max-requests", type=int, default=None, help="replay only the first N (as bench serve)")
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--cost-model", default=None, help="a `halfmoon profile` JSON (this hardware)")
+    model.add_argument("--cost-model", default=None, help="a `halfmoon profile` JSON (this hardware; profiled with no flags: the "
+                            "precision serve runs, --dtype auto)")
     model.add_argument("--profile", choices=profile_names(),
                        help="a built-in GPU cost model (sim/profiles/README.md cites each one's sources)")
     p.add_argument("--prefill", type=int, default=served.prefill, help="prefill workers (serve's default)")

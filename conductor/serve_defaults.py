@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from conductor.admission import AdmissionConfig
 from conductor.cluster_config import ClusterConfig
-from engine.config import EngineConfig
+from engine.config import AUTO, DTYPES, EngineConfig, auto_dtype
 
 # `serve` keeps a host DRAM tier by default (vLLM's --swap-space and SGLang's hierarchical cache
 # do alike): blocks the device tier evicts spill there and are hits again. One arena per node,
@@ -28,10 +28,37 @@ from engine.config import EngineConfig
 HOST_CACHE_GB = 4.0
 GIB = 2**30
 
+# `serve`'s precision: `auto` = bf16 where its dense layers have a native bf16 GEMM (CUDA, or a
+# CPU with oneDNN's bf16 path), fp32 elsewhere (engine/config.py `choose_dtype`), weights
+# unquantized. Of the precisions the engine offers that is the most goodput on the same 1P1D
+# replay (`halfmoon bench serve --defaults-compare`, docs/BENCHMARKS.md): on an AVX-512 + bf16
+# CPU bf16 served 1.46-1.59x fp32's goodput, ahead of bf16 + int8 / int4, whose prefill runs a
+# dequantized fp32 copy; with oneDNN and ATen capped at AVX2, bf16 served 0.71x fp32's (pooled
+# over two runs). Its quality stays within the quantization bounds against fp32
+# (engine/quality.py; tests/engine/test_serve_precision.py). `--dtype float32 --quantization
+# none` is the token-exact mode: fp32 greedy output equals transformers', and the tests that
+# compare tokens ask for it (`EXACT_FLAGS`). `generate` keeps `EngineConfig`'s fp32.
+SERVE_DTYPE = AUTO
+SERVE_QUANTIZATION = "none"
+EXACT_FLAGS = ("--dtype", "float32", "--quantization", "none")
+
 
 def serve_engine() -> EngineConfig:
-    """The engine every `serve` worker runs at the defaults (no disk tier: it needs a directory)."""
-    return dataclasses.replace(EngineConfig(), host_cache_gb=HOST_CACHE_GB)
+    """The engine every `serve` worker runs at the defaults, its dtype resolved on this machine
+    (no disk tier: it needs a directory)."""
+    return dataclasses.replace(EngineConfig(), host_cache_gb=HOST_CACHE_GB, dtype=SERVE_DTYPE,
+                               quantization=SERVE_QUANTIZATION)
+
+
+def precision_line(dtype: str, quantization: str, device: str = "cpu") -> str:
+    """What `serve` says at start about its precision: what `auto` chose and why, or that it was asked."""
+    if dtype == AUTO:
+        chosen, why = auto_dtype(device)
+        return (f"precision {chosen}, quantization {quantization} (--dtype auto: {why}; token-exact: "
+                + " ".join(EXACT_FLAGS) + ")")
+    exact = "the token-exact mode, greedy output equals transformers'; " if (DTYPES[dtype], quantization) == (
+        "float32", "none") else ""
+    return f"precision {DTYPES[dtype]}, quantization {quantization} (asked: {exact}serve's default is --dtype auto)"
 
 
 def serve_cluster() -> ClusterConfig:

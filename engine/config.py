@@ -17,6 +17,9 @@ if TYPE_CHECKING:
 # dtype names -> torch's attribute; torch is imported only when a dtype is asked for, so building a
 # command line's flags from this config stays fast.
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16"}
+# `dtype="auto"` (serve's and profile's default): resolved once, where the config is built, by
+# `auto_dtype` (so every worker of a cluster gets the Conductor's choice, never its own).
+AUTO = "auto"
 # Weight-only quantization of the dense layers (kernels/quant_linear.py): none, int8 per output
 # channel, int4 in groups of 32 (a Q4_1 GGUF's own blocks, loaded without re-quantizing).
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -24,6 +27,31 @@ QUANTIZATIONS = ("none", "int8", "int4")
 SPECULATIVE_MODES = ("off", "ngram")
 DEVICES = ("cpu", "cuda")
 DRAFT_PREFIX = "draft:"
+
+
+def choose_dtype(device: str, onednn_bf16: bool) -> tuple[str, str]:
+    """(dtype, why) for `dtype="auto"`: bf16 where its dense layers run a native bf16 GEMM (CUDA,
+    or a CPU with oneDNN's bf16 path: AVX512-BW/VL/DQ, AVX512-BF16, AMX), fp32 elsewhere. Chosen
+    from `halfmoon bench serve --defaults-compare` (docs/BENCHMARKS.md): bf16 served 1.46-1.59x
+    fp32's goodput with oneDNN's bf16, 0.71x pooled without it (ATen and oneDNN capped at AVX2)."""
+    if device == "cuda":
+        return "bfloat16", "CUDA: bf16 is the device's serving precision"
+    if onednn_bf16:
+        return "bfloat16", "this CPU has oneDNN's bf16 path: bf16 serves the most goodput here"
+    return "float32", ("this CPU has no oneDNN bf16 path (AVX2 only): bf16 serves less goodput than fp32 "
+                       "here; --dtype bfloat16 forces it")
+
+
+def auto_dtype(device: str) -> tuple[str, str]:
+    """`choose_dtype` for this machine."""
+    if device == "cuda":
+        return choose_dtype(device, False)
+    import torch
+
+    # kernels/linear.py's test for its oneDNN bf16 kind, without its warning about the fallback
+    # kind (an fp32 engine runs none): mkldnn in this build, and the CPU's bf16 path
+    return choose_dtype(device, torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                        and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -37,7 +65,8 @@ class EngineConfig:
     """Everything that shapes one engine instance.
 
     model: alias (`smollm2`), a GGUF file, or a HF folder (config.json + *.safetensors).
-    dtype: compute and KV dtype, `float32` (CPU default) or `bfloat16`.
+    dtype: compute and KV dtype, `float32` (this class's default: token-exact) or `bfloat16`;
+        `auto` (serve's default) is resolved at construction by `auto_dtype`.
     quantization: weight-only quantization of the dense layers: `none`, `int8` (per output
         channel) or `int4` (groups of 32; a Q4_1 GGUF's own blocks); CPU only.
     block_size: tokens per KV block (the unit of paging, hashing and transfer).
@@ -106,8 +135,10 @@ class EngineConfig:
     gpu_memory_fraction: float = 0.0
 
     def __post_init__(self) -> None:
+        if self.dtype == AUTO:  # resolved here, once: the config carries the concrete dtype from now on
+            object.__setattr__(self, "dtype", auto_dtype(self.device)[0])
         if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {sorted(DTYPES)}")
+            raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {[AUTO, *sorted(DTYPES)]}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} not supported; choose from {list(QUANTIZATIONS)}")
         check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads", "tp")

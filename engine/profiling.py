@@ -86,7 +86,7 @@ def measure_engine(engine: Engine, *, quick: bool, grid: ProfileGrid | None = No
         prefill = _measure_prefills(engine, grid, bar.update)
         decode = _measure_decodes(engine, grid, bar.update)
     cfg = engine.config
-    source = (f"{cfg.model} {cfg.dtype} threads={cfg.num_threads or 'default'} "
+    source = (f"{cfg.model} {cfg.kv_tag} threads={cfg.num_threads or 'default'} "
               f"{'quick' if quick else 'full'} profile, {time.strftime('%Y-%m-%d %H:%M:%S')}")
     return Profile(tuple(prefill), tuple(decode), kv_bytes_per_token(engine), source)
 

@@ -1,6 +1,10 @@
 """How close a quantized engine stays to the fp32 one: perplexity on a fixed text and greedy
 agreement on a fixed prompt set (issue 23's bounds: int8 within 1% perplexity, int4 within 3%).
 
+The bounds live here (`PERPLEXITY_BOUND`, `MIN_TOP1_AGREEMENT`): the quantization tests
+(tests/engine/test_quantization.py) and the test of serve's default precision
+(tests/engine/test_serve_precision.py) hold engines to the same ones.
+
 Both are measured through the engine's own model and runner, so they see exactly the layers a
 request would: `perplexity` is one prefill of the text with logits at every position,
 `greedy_outputs` the engine's `generate`.
@@ -46,6 +50,11 @@ QUALITY_PROMPTS = (
     "The largest planet in our solar system is",
 )
 GREEDY_TOKENS = 32
+# |perplexity / fp32's - 1| by weight quantization (issue 23); `none` is bf16 compute without
+# quantization (measured -0.2% .. +0.6% against fp32): held to int8's 1%.
+PERPLEXITY_BOUND = {"none": 0.01, "int8": 0.01, "int4": 0.03}
+# The share of the text's positions whose next-token argmax (teacher-forced) equals fp32's.
+MIN_TOP1_AGREEMENT = 0.9
 
 
 class Agreement(NamedTuple):

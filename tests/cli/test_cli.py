@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
+from conductor.serve_defaults import EXACT_FLAGS
 from core.params import SamplingParams
+from engine.config import auto_dtype
+from engine.engine import Engine
 from tests.waiting import poll
 
 PROMPT = "The capital of France is"
@@ -29,7 +31,7 @@ def run_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str
 
 def test_generate_json_matches_the_engine(engine: Engine) -> None:
     proc = run_cli("generate", "--prompt", PROMPT, "--max-tokens", "12", "--ignore-eos", "--json",
-                   "--threads", "1")
+                   "--threads", "1", *EXACT_FLAGS)  # token-exact: the engine fixture is fp32
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
     assert set(out) == {"prompt_ids", "output_ids", "text", "finish_reason", "ttft_ms", "tpot_ms"}
@@ -88,6 +90,8 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
                                 stderr=err, text=True, env=ENV)
     try:
         url = _wait_for_url(proc, log)
+        # no --dtype: serve says what `auto` chose on this machine and why, and how to ask for exact
+        assert f"precision {auto_dtype('cpu')[0]}, quantization none (--dtype auto: " in log.read_text()
         with urllib.request.urlopen(url + "/health", timeout=10) as resp:
             assert json.loads(resp.read()) == {"status": "ok"}
         out = _post(url + "/v1/completions", {"model": "smollm2", "prompt": PROMPT, "max_tokens": 5,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conductor.serve_defaults import serve_engine
 from conductor.cost_model import (DECODE_TERMS, PREFILL_TERMS, CostModel, FitError, fit_decode, fit_prefill,
                                   fit_profile, profile_engine)
 from engine.engine import Engine
@@ -226,6 +227,10 @@ def test_halfmoon_profile_writes_a_loadable_cost_model(tmp_path: Path) -> None:
     assert model.transfer_bytes_per_s == 3e9
     assert "max error" in proc.stdout and "measured ms" in proc.stdout
     assert "quick profile" in model.source
+    # no --dtype: serve's precision (`auto`, resolved alike), the cost model of what serve runs
+    served = serve_engine()
+    assert model.source.startswith(f"smollm2 {served.kv_tag} threads=1 "), model.source
+    assert model.kv_bytes_per_token == 30 * 2 * 3 * 64 * served.torch_dtype.itemsize
 
 
 def test_halfmoon_profile_bad_flag_exits_2(tmp_path: Path) -> None:

@@ -8,15 +8,19 @@ import dataclasses
 
 import pytest
 
-from conductor.serve_defaults import (HOST_CACHE_GB, TierTokens, gib_for_tokens, serve_cluster, serve_engine,
-                                      tier_tokens)
-from engine.config import EngineConfig
+from conductor.serve_defaults import (HOST_CACHE_GB, SERVE_DTYPE, SERVE_QUANTIZATION, TierTokens, gib_for_tokens,
+                                      serve_cluster, serve_engine, tier_tokens)
+from engine.config import EngineConfig, auto_dtype
 
 SMOLLM2_FP32 = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32 bytes
 
 
-def test_serve_runs_the_engine_defaults_plus_a_host_tier() -> None:
-    assert serve_engine() == dataclasses.replace(EngineConfig(), host_cache_gb=HOST_CACHE_GB) != EngineConfig()
+def test_serve_runs_the_engine_defaults_plus_a_host_tier_in_its_own_precision() -> None:
+    """Serve's engine differs from the engine commands' only in a host tier and `--dtype auto`
+    (resolved on this machine: bf16 with oneDNN's bf16 path, else fp32); unquantized alike."""
+    assert serve_engine() == dataclasses.replace(EngineConfig(), host_cache_gb=HOST_CACHE_GB,
+                                                 dtype=auto_dtype("cpu")[0]) != EngineConfig()
+    assert (SERVE_DTYPE, SERVE_QUANTIZATION, EngineConfig().dtype) == ("auto", "none", "float32")
     assert serve_cluster().engine == serve_engine() and serve_engine().disk_cache_dir is None
 
 

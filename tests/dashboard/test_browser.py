@@ -23,6 +23,7 @@ import openai
 import pytest
 import yaml
 
+from conductor.serve_defaults import EXACT_FLAGS
 from tests.deploy.values import drop_nulls, merge
 from tests.e2e.support import cost_model_file, wait_for_log
 
@@ -47,7 +48,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log = tmp / "serve.log"
     args = [sys.executable, "-m", "cli.main", "serve", "--prefill", "1", "--decode", "1", "--worker-threads", "1",
             "--kv-transport", "tcp", "--grpc-port", "0", "--http-port", "0", "--num-blocks", "256",
-            "--object-store-mb", "128", "--cost-model", cost_model_file(tmp / "cost.json")]
+            "--object-store-mb", "128", "--cost-model", cost_model_file(tmp / "cost.json"),
+            *EXACT_FLAGS]  # the cost model's KV bytes are fp32's
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HALFMOON_API_TOKENS": TOKEN}
     with open(log, "w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=out, text=True, start_new_session=True, env=env)

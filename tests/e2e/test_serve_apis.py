@@ -1,6 +1,7 @@
 """`halfmoon serve` as users run it (a real process), called by clients nobody here wrote: the
 official `openai` package and a generic gRPC reflection client. Greedy output through either
-API equals `halfmoon generate` for the same prompt."""
+API equals `halfmoon generate` for the same prompt (both in the token-exact mode, fp32 unquantized:
+serve's default precision is bf16, whose batched steps may round differently)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from conductor.serve_defaults import EXACT_FLAGS
 from tests.e2e.support import wait_for_log
 
 CLI = [sys.executable, "-m", "cli.main"]
+EXACT = list(EXACT_FLAGS)  # --dtype float32 --quantization none
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 PROMPT = "The capital of France is"
 QUESTION = "What is the capital of France?"
@@ -42,7 +45,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([*CLI, "serve", "--colocated", "--grpc-port", "0", "--http-port", "0", "--threads", "1",
-                                 "--no-redis"], stdout=out, stderr=out, text=True, env=ENV)
+                                 "--no-redis", *EXACT], stdout=out, stderr=out, text=True, env=ENV)
     try:
         match = wait_for_log(proc, log, r"listening grpc=(\S+) http=(\S+)")
         yield Served(proc, log, match.group(1), match.group(2))
@@ -56,7 +59,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 def halfmoon_generate(*args: str) -> dict:
     proc = subprocess.run([*CLI, "generate", *args, "--max-tokens", str(N), "--ignore-eos", "--json",
-                           "--threads", "1"], capture_output=True, text=True, timeout=180, env=ENV)
+                           "--threads", "1", *EXACT], capture_output=True, text=True, timeout=180, env=ENV)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

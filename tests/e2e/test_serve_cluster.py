@@ -28,7 +28,7 @@ def test_cluster_serves_from_a_yaml_config_and_ctrl_c_leaves_no_orphan(tmp_path:
     config.write_text(yaml.safe_dump({
         "prefill": 1, "decode": 1, "worker_threads": 1, "kv_transport": "tcp", "grpc_port": 0,
         "http_port": 0, "num_blocks": 256, "cost_model": cost_model_file(tmp_path / "cost.json"),
-        "object_store_mb": 128}))
+        "object_store_mb": 128, "dtype": "float32", "quantization": "none"}))  # token-exact: vs the fp32 engine
     log = tmp_path / "serve.log"
     with open(log, "w") as out:  # its own session: Ctrl-C in a terminal signals the whole group
         proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config)],

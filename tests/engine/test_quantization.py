@@ -31,8 +31,7 @@ from kernels.quant_linear import Int4Linear, Int8Linear
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-PERPLEXITY_BOUND = {"int8": 0.01, "int4": 0.03}
-MIN_TOP1_AGREEMENT = 0.9
+PERPLEXITY_BOUND, MIN_TOP1_AGREEMENT = quality.PERPLEXITY_BOUND, quality.MIN_TOP1_AGREEMENT
 GREEDY_TOKENS = 16
 
 

@@ -5,12 +5,13 @@ profile's model and this machine's (conductor/serve_defaults.py owns the values)
 from __future__ import annotations
 
 import pytest
+import torch
 
-from cli.components import ADMISSION, CLUSTER, SERVE_ENGINE
+from cli.components import ADMISSION, CLUSTER, PROFILE_ENGINE, SERVE_ENGINE
 from cli.flags import build
 from cli.main import parse_args
 from cli.sim import sim_config
-from conductor.serve_defaults import TierTokens, tier_tokens
+from conductor.serve_defaults import TierTokens, serve_engine, tier_tokens
 from engine.config import EngineConfig
 from sim.builtin import load as load_profile
 from sim.builtin import names
@@ -18,7 +19,9 @@ from sim.cluster import SimConfig, serve_config
 from tests.sim.support import sample_trace
 from transport.config import TransportConfig
 
-SMOLLM2_FP32 = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32: this machine's model
+# layers x (K, V) x KV heads x head dim x bytes of serve's KV dtype (`auto`, as resolved on this
+# machine): this machine's model as served
+SMOLLM2_SERVED = 30 * 2 * 3 * 64 * torch.empty(0, dtype=serve_engine().torch_dtype).element_size()
 
 
 def serve_defaults() -> tuple[EngineConfig, int, int]:
@@ -29,7 +32,7 @@ def serve_defaults() -> tuple[EngineConfig, int, int]:
     return engine, cluster.prefill, cluster.decode
 
 
-@pytest.mark.parametrize("kv_bytes_per_token", [SMOLLM2_FP32, *(load_profile(n).kv_bytes_per_token for n in names())])
+@pytest.mark.parametrize("kv_bytes_per_token", [SMOLLM2_SERVED, *(load_profile(n).kv_bytes_per_token for n in names())])
 def test_sim_without_flags_is_serve_without_flags(kv_bytes_per_token: int) -> None:
     engine, prefill, decode = serve_defaults()
     config, (device, host) = sim_config(parse_args(["sim", "--trace", str(sample_trace()), "--profile", names()[0]]),
@@ -48,12 +51,12 @@ def test_sim_without_flags_is_serve_without_flags(kv_bytes_per_token: int) -> No
 def test_flags_given_to_sim_override_serves_values() -> None:
     args = parse_args(["sim", "--trace", str(sample_trace()), "--profile", names()[0], "--host-tokens", "0,1024",
                        "--device-tokens", "4096", "--block-size", "32", "--prefill", "2"])
-    config, (device, host) = sim_config(args, SMOLLM2_FP32)
+    config, (device, host) = sim_config(args, SMOLLM2_SERVED)
     assert (config.device_tokens, config.host_tokens, config.block_size, config.prefill) == (4096, 0, 32, 2)
     assert (device, host) == ((4096,), (0, 1024))
     # a block size changes how serve's GiB cut into tokens (whole blocks), as it would live
     assert sim_config(parse_args(["sim", "--trace", str(sample_trace()), "--profile", names()[0], "--block-size",
-                                  "48"]), SMOLLM2_FP32)[0].device_tokens == 2**30 // (48 * SMOLLM2_FP32) * 48
+                                  "48"]), SMOLLM2_SERVED)[0].device_tokens == 2**30 // (48 * SMOLLM2_SERVED) * 48
 
 
 def test_simconfigs_own_defaults_are_serves_where_no_model_is_needed() -> None:
@@ -61,3 +64,17 @@ def test_simconfigs_own_defaults_are_serves_where_no_model_is_needed() -> None:
     plain = SimConfig()
     assert (plain.prefill, plain.decode, plain.block_size, plain.chunk, plain.max_seqs) == (
         prefill, decode, engine.block_size, engine.max_num_batched_tokens, engine.max_num_seqs)
+
+
+def test_a_cost_model_profiled_without_flags_is_of_the_engine_serve_runs() -> None:
+    """`halfmoon sim --cost-model` reads a `halfmoon profile` JSON: with no flags, profile measures
+    serve's precision (`--dtype auto`, resolved alike), so the simulated workers cost what serve's
+    do, their tiers in that dtype's KV bytes; `generate` keeps the token-exact fp32."""
+    profiled = build(PROFILE_ENGINE, parse_args(["profile"]))
+    served, _, _ = serve_defaults()
+    assert (profiled.dtype, profiled.quantization) == (served.dtype, served.quantization) == (
+        serve_engine().dtype, serve_engine().quantization)
+    assert profiled.kv_tag == served.kv_tag
+    assert parse_args(["profile"]).dtype == parse_args(["serve"]).dtype == "auto"
+    assert build(PROFILE_ENGINE, parse_args(["profile", "--dtype", "float32"])).kv_tag == "float32"
+    assert parse_args(["generate", "--prompt", "x"]).dtype == "float32"
