@@ -96,9 +96,9 @@ class AdmissionConfig:
     admit_quantile: predictions are reported at the median of what admitted requests measured
         against them, but tested against the objectives at this quantile (0.5 = the median):
         half of the requests predicted right at their SLO would otherwise miss it.
-    admit_window_ms: arrivals are held this long (from the first one held), then decided highest
-        class and shortest predicted prefill first (conductor/admission_window.py); 0 = each
-        as it arrives.
+    admit_window_ms: cluster mode: arrivals are held this long (from the first one held), then
+        decided highest class and shortest predicted prefill first (conductor/admission_window.py);
+        0 = each as it arrives. Co-located mode decides each as it arrives.
     """
 
     admission: str = Policy.PREDICTIVE.value
@@ -113,7 +113,7 @@ class AdmissionConfig:
     max_queue_per_worker: int = 128
     shed_headroom: float = 0.8
     admit_quantile: float = 0.9
-    admit_window_ms: float = 0.0
+    admit_window_ms: float = 20.0
 
     def __post_init__(self) -> None:
         if self.admission not in {p.value for p in Policy}:

@@ -215,7 +215,8 @@ class Simulator:
         self._tick: Callable[[int], None] | None = None
         # equal deadlines are served in admission order, as the ledger's and the engine's queues
         self._admitted = itertools.count()
-        self.window = AdmissionWindow(config.admission.admit_window_ms,
+        # the cluster backend's admission window; co-located decides each request as it arrives
+        self.window = AdmissionWindow(0.0 if config.colocated else config.admission.admit_window_ms,
                                       lambda delay, fn: clock.at(clock.now + delay, fn))
 
     def _cache(self) -> TieredCache:
