@@ -384,6 +384,9 @@ class Admission:
         idle_ttft, idle_tbt = self._idle(c)
         # Tested at the admit quantile of past errors (the floor too), reported at the median.
         gt, gb = self.calibration.ttft.guard, self.calibration.tbt.guard
+        # The floor is the time on idle workers, not the admission window's hold: a held request
+        # that misses even on idle workers is refused (admitting such requests lowered goodput
+        # and admitted-within-SLO on the bundled trace: docs/BENCHMARKS.md, issue 38).
         if not o.own_ttft:
             ttft_limit = max(ttft_limit, idle_ttft * gt)
         if not o.own_tbt:
