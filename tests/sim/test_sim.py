@@ -45,7 +45,7 @@ def test_one_request_through_1p1d_has_the_cost_models_timings() -> None:
     assert HOLD > 0  # the default window
     assert r.ttft_s == pytest.approx(HOLD + prefill + tail + step)  # the first token rides a decode step
     assert r.tbt_s == pytest.approx(step)
-    assert r.end_s == pytest.approx(prefill + tail + 5 * step)
+    assert r.end_s == pytest.approx(HOLD + prefill + tail + 5 * step)
 
 
 def test_one_request_co_located_chunks_its_prefill() -> None:
@@ -66,7 +66,7 @@ def test_speculative_tokens_per_step_shorten_decode_and_admission_counts_them() 
     step = 0.010 / 3
     assert r.tbt_s == pytest.approx(step)
     assert r.ttft_s == pytest.approx(HOLD + 1.100 + 0.0005 + step)
-    assert r.end_s == pytest.approx(1.100 + 0.0005 + 7 * step)
+    assert r.end_s == pytest.approx(HOLD + 1.100 + 0.0005 + 7 * step)
     assert all(ledger.tokens_per_step == 3.0 for ledger in sim.decode_ledgers.values())
     plain = simulate(Workload((one(output=7),), 1.0), SimConfig(kv_tail=0.5, admission=LOOSE), FLAT).records[0]
     assert r.predicted_tbt_ms == pytest.approx(plain.predicted_tbt_ms / 3)
