@@ -335,8 +335,11 @@ class Admission:
         arrive = prefill.wait_ms(c.objective.rank, now, c.deadline) + c.prefill_ms
         # The first token rides a decode step; co-located, the prefill's last chunk samples it
         # (c.prefill_ms already holds the running batch's steps its chunks share).
-        first_step = 0.0 if self.colocated_chunk is not None else \
-            self.predictor.predict(jobs, arrive, c.prompt_len).tbt_ms
+        first_step = 0.0
+        if self.colocated_chunk is None:
+            first = self.predictor.predict(jobs, arrive, c.prompt_len)
+            # joining a batch that is decoding, it waits for the step in progress: half of one, on average
+            first_step = first.tbt_ms * (1.5 if first.batch > 1 else 1.0)
         peak = self.predictor.peak(jobs, arrive, c.prompt_len, c.expected_output, c.objective.tbt_ms)
         stretched, limit = self._stretched(c, jobs, prefill)
         # a step emits tokens_per_step tokens a request (speculative decoding): TBT counts each
