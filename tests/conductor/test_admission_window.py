@@ -87,8 +87,8 @@ def burst(window_ms: float) -> tuple[list[str], list[str]]:
 
 def test_a_burst_decided_in_a_window_admits_its_short_prompts() -> None:
     fcfs, _ = burst(0.0)
-    # 900 + 800 ms of prefill: only the 200-token prompt still fits after them
-    assert fcfs == ["r0-900", "r1-800", "r5-200"]
+    # 900 + 800 ms of prefill, then 200 + 1.5 steps (joining a decoding batch) is over 2 s
+    assert fcfs == ["r0-900", "r1-800"]
     sjf, refused = burst(20.0)
     assert sjf == ["r5-200", "r4-250", "r3-300", "r2-700"]  # 1450 ms; 800 more would miss 2 s
     assert refused == ["r1-800", "r0-900"]
