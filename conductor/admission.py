@@ -96,6 +96,9 @@ class AdmissionConfig:
     admit_quantile: predictions are reported at the median of what admitted requests measured
         against them, but tested against the objectives at this quantile (0.5 = the median):
         half of the requests predicted right at their SLO would otherwise miss it.
+    admit_window_ms: cluster mode: arrivals are held this long (from the first one held), then
+        decided highest class and shortest predicted prefill first (conductor/admission_window.py);
+        0 = each as it arrives. Co-located mode decides each as it arrives.
     """
 
     admission: str = Policy.PREDICTIVE.value
@@ -110,6 +113,7 @@ class AdmissionConfig:
     max_queue_per_worker: int = 128
     shed_headroom: float = 0.8
     admit_quantile: float = 0.9
+    admit_window_ms: float = 20.0
 
     def __post_init__(self) -> None:
         if self.admission not in {p.value for p in Policy}:
@@ -121,6 +125,8 @@ class AdmissionConfig:
             if not 0 <= getattr(self, name) < math.inf:
                 raise ConfigError(f"{name} must be a finite number >= 0 (0 = no objective), got {getattr(self, name)}")
         check_positive(self, "queue_threshold", "max_queue_per_worker", "shed_headroom")
+        if not 0 <= self.admit_window_ms <= 10_000:
+            raise ConfigError(f"admit_window_ms must be in [0, 10000], got {self.admit_window_ms}")
         if not 0.5 <= self.admit_quantile < 1:
             raise ConfigError(f"admit_quantile must be in [0.5, 1), got {self.admit_quantile}")
 
@@ -198,6 +204,8 @@ class Candidate:
     blocks: KV blocks it needs on the decode worker (prompt + max_tokens).
     deadline: monotonic s when its first token is due (inf = no TTFT objective).
     new_tokens: prompt tokens it computes (the rest are a cached prefix).
+    held_ms: how long the admission window held it before this decision (conductor/
+        admission_window.py): part of its TTFT, spent before any prediction starts.
     """
 
     objective: Objective
@@ -208,6 +216,7 @@ class Candidate:
     blocks: int
     deadline: float
     new_tokens: int
+    held_ms: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,18 +273,23 @@ class Admission:
         self._shed_class = min(with_slo, key=lambda c: c.rank) if with_slo else None
 
     def candidate(self, objective: Objective, prompt_len: int, max_tokens: int, prefill_ms: float,
-                  block_size: int, arrival: float, new_tokens: int | None = None) -> Candidate:
-        """`new_tokens`: the prompt tokens not in a cached prefix (default: all)."""
+                  block_size: int, arrival: float, new_tokens: int | None = None,
+                  held_ms: float = 0.0) -> Candidate:
+        """`new_tokens`: the prompt tokens not in a cached prefix (default: all); `held_ms`: the
+        time since `arrival` the admission window held it."""
         deadline = arrival + objective.ttft_ms / 1e3 if math.isfinite(objective.ttft_ms) else math.inf
         return Candidate(objective, prompt_len, max_tokens, self.outputs.expected(objective.slo_class.name, max_tokens),
                          prefill_ms, cdiv(prompt_len + max_tokens, block_size), deadline,
-                         prompt_len if new_tokens is None else new_tokens)
+                         prompt_len if new_tokens is None else new_tokens, max(0.0, held_ms))
 
     def decide(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float) -> Decision:
         """Admit or reject `c` on the chosen workers' ledgers (predictions as calibrated)."""
         raw = self.predict(c, prefill, decode, now)
         p = self._calibrated(raw)
-        return replace(self._decide(c, p, prefill, decode, now), joins_in_ms=p.ttft_ms - p.first_step_ms,
+        joins_in_ms = p.ttft_ms - p.first_step_ms
+        if c.held_ms > 0:  # the window's hold is spent already: part of the TTFT, exactly
+            raw, p = raw._replace(ttft_ms=raw.ttft_ms + c.held_ms), p._replace(ttft_ms=p.ttft_ms + c.held_ms)
+        return replace(self._decide(c, p, prefill, decode, now), joins_in_ms=joins_in_ms,
                        raw_ttft_ms=raw.ttft_ms, raw_tbt_ms=raw.tbt_ms)
 
     def _calibrated(self, p: Predicted) -> Predicted:
@@ -321,8 +335,11 @@ class Admission:
         arrive = prefill.wait_ms(c.objective.rank, now, c.deadline) + c.prefill_ms
         # The first token rides a decode step; co-located, the prefill's last chunk samples it
         # (c.prefill_ms already holds the running batch's steps its chunks share).
-        first_step = 0.0 if self.colocated_chunk is not None else \
-            self.predictor.predict(jobs, arrive, c.prompt_len).tbt_ms
+        first_step = 0.0
+        if self.colocated_chunk is None:
+            first = self.predictor.predict(jobs, arrive, c.prompt_len)
+            # joining a batch that is decoding, it waits for the step in progress: half of one, on average
+            first_step = first.tbt_ms * (1.5 if first.batch > 1 else 1.0)
         peak = self.predictor.peak(jobs, arrive, c.prompt_len, c.expected_output, c.objective.tbt_ms)
         stretched, limit = self._stretched(c, jobs, prefill)
         # a step emits tokens_per_step tokens a request (speculative decoding): TBT counts each
@@ -370,6 +387,9 @@ class Admission:
         idle_ttft, idle_tbt = self._idle(c)
         # Tested at the admit quantile of past errors (the floor too), reported at the median.
         gt, gb = self.calibration.ttft.guard, self.calibration.tbt.guard
+        # The floor is the time on idle workers, not the admission window's hold: a held request
+        # that misses even on idle workers is refused (admitting such requests lowered goodput
+        # and admitted-within-SLO on the bundled trace: docs/BENCHMARKS.md, issue 38).
         if not o.own_ttft:
             ttft_limit = max(ttft_limit, idle_ttft * gt)
         if not o.own_tbt:

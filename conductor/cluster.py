@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conductor.admission import AdmissionConfig
+from conductor.admission_window import AdmissionWindow
 from conductor.admission_stats import AdmissionStats, TopGaps
 from conductor.backend import BackendStats, WorkerView, GenerationBackend, GenerationInput
 from conductor.cluster_config import ClusterConfig
@@ -88,6 +89,9 @@ class ClusterBackend(GenerationBackend):
         self.admission_config = admission or AdmissionConfig()
         self.priority_classes = frozenset(self.admission_config.classes())
         self.dispatcher: Dispatcher | None = None  # route + admission + booking, once the cost model is known
+        # arrivals held admit_window_ms, then decided shortest prefill first (on this event loop)
+        self.window = AdmissionWindow(self.admission_config.admit_window_ms,
+                                      lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn))
         self.admission_stats = AdmissionStats()
         self.redis_url = redis_url
         self.manager: WorkerGroup = workers if workers is not None else RayWorkers(config)
@@ -404,20 +408,50 @@ class ClusterBackend(GenerationBackend):
 
     async def _route(self, inp: GenerationInput, wid: str, resumed: bool) -> Route:
         """The index's prefix match, then `_admit`; traced as the request's admission span."""
-        started = now_ns()
+        started, arrival = now_ns(), time.monotonic()
         # Hashing the prompt and the index round trip run off the event loop: a slow or hung
         # Redis (up to the index's socket timeout) must not stall every other stream.
         prefix = await asyncio.to_thread(self.prefix_match, inp.prompt_ids, inp.cache_salt)
         policy = self.admission_config.admission
         try:
-            route = self._admit(inp, wid, prefix, resumed)  # on the loop: decision + booking at once
+            route = await self._held(inp, wid, prefix, resumed, arrival)  # decision + booking at once
         except RetryableRejection as e:
             spans.admission(self.tracer, inp.span, started, policy, e)
             raise
         spans.admission(self.tracer, inp.span, started, policy, route.booking)
         return route
 
-    def _admit(self, inp: GenerationInput, wid: str, prefix: PrefixMatch, resumed: bool = False) -> Route:
+    async def _held(self, inp: GenerationInput, wid: str, prefix: PrefixMatch, resumed: bool,
+                    arrival: float) -> Route:
+        """`_admit` when the admission window next decides (conductor/admission_window.py); a
+        resumed request (admitted once already) at once. Cancelled while held, it books nothing;
+        cancelled once booked, its bookings are released."""
+        assert self.dispatcher is not None
+        if resumed or self.window.window_ms <= 0:
+            return self._admit(inp, wid, prefix, resumed)
+        future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
+
+        def decide() -> None:
+            if future.done():  # cancelled while held: nothing to decide
+                return
+            try:
+                future.set_result(self._admit(inp, wid, prefix, resumed, arrival))
+            except Exception as e:  # the rejection (or no worker): the request's own error
+                future.set_exception(e)
+
+        ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo)
+        self.window.hold(*self.dispatcher.window_key(ask, prefix), decide)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled() and future.exception() is None:
+                route = future.result()  # booked, then its caller went away
+                route.prefill.pending.finish(wid, time.monotonic())
+                route.decode.bound.release(wid)
+            raise
+
+    def _admit(self, inp: GenerationInput, wid: str, prefix: PrefixMatch, resumed: bool = False,
+               arrival: float | None = None) -> Route:
         """Route (Mooncake Algorithm 1 over the live workers, given the index's `prefix_match`),
         decide admission on the chosen workers' ledgers, and book the request in both
         (conductor/dispatch.py; all on the event loop, so no other request sees the ledgers in
@@ -426,7 +460,7 @@ class ClusterBackend(GenerationBackend):
         prefill = [PrefillSide(w.worker_id, w.pending, w.alive) for w in self.manager.role("prefill")]
         decode = [DecodeSide(w.worker_id, w.bound, w.alive) for w in self.manager.role("decode")]
         ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo, resumed)
-        booking = self.dispatcher.dispatch(ask, prefix, prefill, decode, time.monotonic())
+        booking = self.dispatcher.dispatch(ask, prefix, prefill, decode, time.monotonic(), arrival)
         p, d = self.manager.workers[booking.prefill_id], self.manager.workers[booking.decode_id]
         return Route(p, d, booking)
 

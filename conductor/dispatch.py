@@ -114,10 +114,17 @@ class Dispatcher:
 
     # ------------------------------------------------------------------ cluster
 
+    def window_key(self, ask: Ask, prefix: PrefixMatch) -> tuple[int, float]:
+        """Its rank and predicted prefill (at the best prefix anywhere): its place in the
+        admission window (conductor/admission_window.py)."""
+        cached = max(0, min(prefix.best_tokens, ask.prompt_len - 1))
+        return self.objective(ask).rank, self.cost.est_prefill_ms(ask.prompt_len - cached, cached)
+
     def dispatch(self, ask: Ask, prefix: PrefixMatch, prefill: Sequence[PrefillSide],
-                 decode: Sequence[DecodeSide], now: float) -> Booking:
+                 decode: Sequence[DecodeSide], now: float, arrival: float | None = None) -> Booking:
         """Route over the live workers, decide on the chosen pair's ledgers, book both; raises
-        `NoWorkerAvailableError` (none alive) or the rejection (`OverloadedError`)."""
+        `NoWorkerAvailableError` (none alive) or the rejection (`OverloadedError`). `arrival`:
+        when it arrived, if the admission window held it (default: now)."""
         objective = self.objective(ask)
         try:
             plan = self.route(ask, prefix, objective, prefill, decode, now)
@@ -126,8 +133,9 @@ class Dispatcher:
             raise
         chosen = next(e for e in plan.per_worker if e.worker_id == plan.prefill_id)
         cost_ms = chosen.prefill_ms + chosen.transfer_ms
+        arrived = now if arrival is None else min(arrival, now)
         candidate = self.admission.candidate(objective, ask.prompt_len, ask.max_tokens, cost_ms,
-                                             self.block_size, now)
+                                             self.block_size, arrived, held_ms=(now - arrived) * 1e3)
         p = next(s for s in prefill if s.worker_id == plan.prefill_id)
         d = next(s for s in decode if s.worker_id == plan.decode_id)
         return self._book(ask, objective, candidate, p, d, plan.prefix_len, now, plan.fetch_from)
@@ -147,15 +155,17 @@ class Dispatcher:
     # ------------------------------------------------------------------ co-located
 
     def dispatch_colocated(self, ask: Ask, cached_tokens: int, pending: PrefillLedger,
-                           bound: DecodeLedger, now: float) -> Booking:
+                           bound: DecodeLedger, now: float, arrival: float | None = None) -> Booking:
         """One engine: its waiting requests are the prefill ledger, every request in it the
         decode ledger; `cached_tokens` of the prompt are in its prefix cache."""
         objective = self.objective(ask)
         n = ask.prompt_len
         cached = max(0, min(cached_tokens, n - 1))
+        arrived = now if arrival is None else min(arrival, now)
         candidate = self.admission.candidate(objective, n, ask.max_tokens, self.colocated_prefill_ms(n - cached, cached,
                                                                                                     bound, now),
-                                             self.block_size, now, new_tokens=n - cached)
+                                             self.block_size, arrived, new_tokens=n - cached,
+                                             held_ms=(now - arrived) * 1e3)
         return self._book(ask, objective, candidate, PrefillSide(COLOCATED, pending),
                           DecodeSide(COLOCATED, bound), cached, now)
 

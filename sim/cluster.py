@@ -16,11 +16,13 @@ Conductor learns it from the token stream.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from conductor.admission import AdmissionConfig
+from conductor.admission_window import AdmissionWindow
 from conductor.backend import Slo
 from conductor.cost_model import CostModel
 from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
@@ -211,6 +213,11 @@ class Simulator:
                                    for wid in self.decode}
         self._flights: dict[int, tuple[Flight, str]] = {}  # running: request index -> (flight, decode id)
         self._tick: Callable[[int], None] | None = None
+        # equal deadlines are served in admission order, as the ledger's and the engine's queues
+        self._admitted = itertools.count()
+        # the cluster backend's admission window; co-located decides each request as it arrives
+        self.window = AdmissionWindow(0.0 if config.colocated else config.admission.admit_window_ms,
+                                      lambda delay, fn: clock.at(clock.now + delay, fn))
 
     def _cache(self) -> TieredCache:
         return TieredCache(self.config.capacity(), HASH_BLOCK_TOKENS, engine_block=self.config.block_size)
@@ -245,19 +252,30 @@ class Simulator:
     # ------------------------------------------------------------------ requests
 
     def _arrive(self, request: SimRequest) -> None:
+        """Held by the admission window (the Conductor's: conductor/admission_window.py), then
+        decided on the ledgers as they are then."""
         if self._tick is not None and request.index % TICK == TICK - 1:
             self._tick(TICK)
-        record = self.records[request.index]
         ask = Ask(f"r{request.index}", request.prompt_len, request.output_len, None, Slo())
+        if self.config.colocated:
+            prefix = PrefixMatch({}, self._cached_tokens(self.engine.cache, request))
+        else:
+            prefix = self._prefix(request)
+        rank, prefill_ms = self.dispatcher.window_key(ask, prefix)
+        arrival = self.clock.now
+        self.window.hold(rank, prefill_ms, lambda: self._decide(request, ask, arrival))
+
+    def _decide(self, request: SimRequest, ask: Ask, arrival: float) -> None:
+        record = self.records[request.index]
         now = self.clock.now
         self._sync_generated()
         try:
             if self.config.colocated:
                 cached = self._cached_tokens(self.engine.cache, request)
-                booking = self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, now)
+                booking = self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, now, arrival)
             else:
                 booking = self.dispatcher.dispatch(ask, self._prefix(request), self._prefill_sides(),
-                                                   self._decode_sides(), now)
+                                                   self._decode_sides(), now, arrival)
         except OverloadedError as e:
             record.status, record.reason = "rejected", e.reason or "overloaded"
             record.end_s = self._now()
@@ -267,7 +285,7 @@ class Simulator:
             return
         prediction = booking.decision.prediction
         record.predicted_ttft_ms, record.predicted_tbt_ms = prediction.predicted_ttft_ms, prediction.predicted_tbt_ms
-        flight = Flight(request, booking, (-booking.objective.rank, booking.deadline, request.index),
+        flight = Flight(request, booking, (-booking.objective.rank, booking.deadline, next(self._admitted)),
                         prefix_tokens=booking.prefix_tokens)
         if self.config.colocated:
             self._flights[request.index] = (flight, "engine")

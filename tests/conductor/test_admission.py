@@ -409,3 +409,14 @@ def test_tokens_per_step_follows_the_workers_recent_steps() -> None:
     # one-token steps' gaps half of the longest tenth, the rest chunks of 2: 1 / (0.5 + 0.5 / 2)
     assert tbt_tokens_per_step(3.0, 0.15) == pytest.approx(4 / 3)
     assert tbt_tokens_per_step(0.5, 0.0) == 1.0  # a mean below one is read as one
+
+
+def test_joining_a_decoding_batch_waits_half_a_step_in_progress_on_average() -> None:
+    """Alone, the first token rides the first step; joining a batch that decodes, the request
+    first waits out the step in progress (half of one on average: issue 38, bursty seed 0)."""
+    alone = decide(admission())
+    joined = decide(admission(), prompt=500, obj=objective(ttft_ms=5000), decode=decoding(2))
+    step = COST.est_decode_step_ms(3, 2 * 100 + 500)  # the batch it joins, itself included
+    assert alone.prediction.predicted_ttft_ms == pytest.approx(500 + 60)
+    assert joined.prediction.predicted_ttft_ms == pytest.approx(500 + 1.5 * step)
+    assert joined.joins_in_ms == pytest.approx(500)  # its prefill's end: the wait is after it

@@ -794,6 +794,7 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--max-queue-per-worker": HelmValue("admission.maxQueuePerWorker", 64, "64"),
     "--shed-headroom": HelmValue("admission.shedHeadroom", 0.5, "0.5"),
     "--admit-quantile": HelmValue("admission.admitQuantile", 0.95, "0.95"),
+    "--admit-window-ms": HelmValue("admission.admitWindowMs", 40, "40"),
     "--kv-transport": HelmValue("kvTransport.backend", "ucxx", "ucxx"),
     "--kv-port": HelmValue("kvTransport.port", 5601, "5601"),
     "--ucx-tls": HelmValue("kvTransport.ucxTls", "sm,self", "sm,self"),

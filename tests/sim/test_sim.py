@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # prefill(n, c) = 100 + 1*n ms; decode step = 10 ms + 0*b + 0*k; transfer 1 GB/s of 1000 B/token
 FLAT = CostModel((100.0, 1.0, 0.0, 0.0), (10.0, 0.0, 0.0), 1e9, 1000, "test: flat")
 LOOSE = AdmissionConfig(standard_ttft_ms=60_000, standard_tbt_ms=10_000)
+HOLD = LOOSE.admit_window_ms / 1e3  # a cluster's admission window holds each arrival (co-located: none)
 
 
 def one(prompt: int = 1000, output: int = 5, at: float = 0.0, index: int = 0, blocks: tuple[bytes, ...] = ()
@@ -41,9 +42,10 @@ def test_one_request_through_1p1d_has_the_cost_models_timings() -> None:
     r = simulate(Workload((one(),), 1.0), SimConfig(kv_tail=0.5, admission=LOOSE), FLAT).records[0]
     prefill, tail, step = 1.100, 0.5 * 1000 * 1000 / 1e9, 0.010
     assert r.status == "ok"
-    assert r.ttft_s == pytest.approx(prefill + tail + step)  # the first token rides a decode step
+    assert HOLD > 0  # the default window
+    assert r.ttft_s == pytest.approx(HOLD + prefill + tail + step)  # the first token rides a decode step
     assert r.tbt_s == pytest.approx(step)
-    assert r.end_s == pytest.approx(prefill + tail + 5 * step)
+    assert r.end_s == pytest.approx(HOLD + prefill + tail + 5 * step)
 
 
 def test_one_request_co_located_chunks_its_prefill() -> None:
@@ -63,8 +65,8 @@ def test_speculative_tokens_per_step_shorten_decode_and_admission_counts_them() 
     r = sim.run(Workload((one(output=7),), 1.0)).records[0]
     step = 0.010 / 3
     assert r.tbt_s == pytest.approx(step)
-    assert r.ttft_s == pytest.approx(1.100 + 0.0005 + step)
-    assert r.end_s == pytest.approx(1.100 + 0.0005 + 7 * step)
+    assert r.ttft_s == pytest.approx(HOLD + 1.100 + 0.0005 + step)
+    assert r.end_s == pytest.approx(HOLD + 1.100 + 0.0005 + 7 * step)
     assert all(ledger.tokens_per_step == 3.0 for ledger in sim.decode_ledgers.values())
     plain = simulate(Workload((one(output=7),), 1.0), SimConfig(kv_tail=0.5, admission=LOOSE), FLAT).records[0]
     assert r.predicted_tbt_ms == pytest.approx(plain.predicted_tbt_ms / 3)
@@ -73,7 +75,7 @@ def test_speculative_tokens_per_step_shorten_decode_and_admission_counts_them() 
 def test_overhead_delays_the_first_token_outside_the_engines() -> None:
     config = SimConfig(kv_tail=0.5, admission=LOOSE, overhead_ms=250.0)
     r = simulate(Workload((one(),), 1.0), config, FLAT).records[0]
-    assert r.ttft_s == pytest.approx(1.100 + 0.0005 + 0.250 + 0.010)
+    assert r.ttft_s == pytest.approx(HOLD + 1.100 + 0.0005 + 0.250 + 0.010)
     colocated = simulate(Workload((one(),), 1.0), SimConfig(colocated=True, chunk=400, admission=LOOSE,
                                                                overhead_ms=250.0), FLAT).records[0]
     assert colocated.ttft_s == pytest.approx(0.250 + 1.300)

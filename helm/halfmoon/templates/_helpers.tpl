@@ -243,7 +243,7 @@ argparse parser, so a flag that does not exist fails the tests).
 - {{ . | quote }}
 {{- end }}
 {{- $c := $a.classes }}
-{{- range $flag, $value := dict "--interactive-ttft-ms" $c.interactive.ttftMs "--interactive-tbt-ms" $c.interactive.tbtMs "--standard-ttft-ms" $c.standard.ttftMs "--standard-tbt-ms" $c.standard.tbtMs "--batch-ttft-ms" $c.batch.ttftMs "--batch-tbt-ms" $c.batch.tbtMs "--queue-threshold" $a.queueThreshold "--max-queue-per-worker" $a.maxQueuePerWorker "--shed-headroom" $a.shedHeadroom "--admit-quantile" $a.admitQuantile }}
+{{- range $flag, $value := dict "--interactive-ttft-ms" $c.interactive.ttftMs "--interactive-tbt-ms" $c.interactive.tbtMs "--standard-ttft-ms" $c.standard.ttftMs "--standard-tbt-ms" $c.standard.tbtMs "--batch-ttft-ms" $c.batch.ttftMs "--batch-tbt-ms" $c.batch.tbtMs "--queue-threshold" $a.queueThreshold "--max-queue-per-worker" $a.maxQueuePerWorker "--shed-headroom" $a.shedHeadroom "--admit-quantile" $a.admitQuantile "--admit-window-ms" $a.admitWindowMs }}
 {{- if not (kindIs "invalid" $value) }}
 - {{ $flag }}
 - {{ include "halfmoon.num" $value | quote }}

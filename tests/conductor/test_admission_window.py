@@ -1,0 +1,106 @@
+"""The admission window (conductor/admission_window.py): arrivals held, then decided highest
+class and shortest predicted prefill first; the held time counts in the TTFT predicted; a burst
+decided so admits its short prompts where first come, first served admits its first ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from conductor.admission import AdmissionConfig
+from conductor.admission_window import AdmissionWindow
+from conductor.cost_model import CostModel
+from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
+from conductor.errors import OverloadedError
+from conductor.ledger import DecodeLedger, PrefillLedger
+
+NOW = 1000.0
+# prefill: 1 ms per new token; decode step: 50 ms + 10 ms per request in the batch.
+COST = CostModel((0.0, 1.0, 0.0, 0.0), (50.0, 10.0, 0.0), 1e9, 1, "test")
+
+
+class Later:
+    """What the window asked to run later, run when the test says (no clock)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, Callable[[], None]]] = []
+
+    def __call__(self, delay_s: float, fn: Callable[[], None]) -> None:
+        self.calls.append((delay_s, fn))
+
+    def run(self) -> None:
+        calls, self.calls = self.calls, []
+        for _, fn in calls:
+            fn()
+
+
+def test_a_zero_window_decides_at_once() -> None:
+    later, order = Later(), []
+    window = AdmissionWindow(0.0, later)
+    window.hold(1, 500.0, lambda: order.append("a"))
+    assert order == ["a"] and not later.calls and window.held == 0
+
+
+def test_held_requests_are_decided_by_class_then_shortest_prefill_then_arrival() -> None:
+    later, order = Later(), []
+    window = AdmissionWindow(20.0, later)
+    for name, rank, ms in [("long", 1, 600.0), ("short", 1, 100.0), ("urgent-long", 2, 900.0),
+                           ("short-2", 1, 100.0), ("mid", 1, 300.0)]:
+        window.hold(rank, ms, lambda n=name: order.append(n))
+    assert order == [] and window.held == 5
+    assert [d for d, _ in later.calls] == [pytest.approx(0.02)]  # one flush for the whole window
+    later.run()
+    assert order == ["urgent-long", "short", "short-2", "mid", "long"] and window.held == 0
+    window.hold(1, 1.0, lambda: order.append("next"))  # a new window opens with the next arrival
+    assert len(later.calls) == 1
+
+
+def test_a_negative_window_is_refused() -> None:
+    with pytest.raises(ValueError, match=">= 0"):
+        AdmissionWindow(-1.0, Later())
+
+
+def burst(window_ms: float) -> tuple[list[str], list[str]]:
+    """Six requests at one instant, the long ones first, through one Dispatcher on one 1P1D
+    pair (TTFT 2 s): which are admitted, which refused."""
+    dispatcher = Dispatcher(AdmissionConfig(admit_window_ms=window_ms), COST, 16)
+    prefill, decode = [PrefillSide("p0", PrefillLedger())], [DecodeSide("d0", DecodeLedger(total_blocks=10_000))]
+    later, admitted, refused = Later(), [], []
+    window = AdmissionWindow(window_ms, later)
+    held_until = NOW + window_ms / 1e3
+    for i, n in enumerate([900, 800, 700, 300, 250, 200]):
+        ask = Ask(f"r{i}-{n}", n, 16)
+
+        def decide(ask: Ask = ask) -> None:
+            try:
+                dispatcher.dispatch(ask, PrefixMatch(), prefill, decode, held_until, arrival=NOW)
+                admitted.append(ask.request_id)
+            except OverloadedError as e:
+                assert e.reason in ("ttft", "deadline")
+                refused.append(ask.request_id)
+
+        window.hold(*dispatcher.window_key(ask, PrefixMatch()), decide)
+    later.run()
+    return admitted, refused
+
+
+def test_a_burst_decided_in_a_window_admits_its_short_prompts() -> None:
+    fcfs, _ = burst(0.0)
+    # 900 + 800 ms of prefill, then 200 + 1.5 steps (joining a decoding batch) is over 2 s
+    assert fcfs == ["r0-900", "r1-800"]
+    sjf, refused = burst(20.0)
+    assert sjf == ["r5-200", "r4-250", "r3-300", "r2-700"]  # 1450 ms; 800 more would miss 2 s
+    assert refused == ["r1-800", "r0-900"]
+
+
+def test_the_held_time_counts_in_the_predicted_ttft() -> None:
+    dispatcher = Dispatcher(AdmissionConfig(), COST, 16)
+    prefill, decode = [PrefillSide("p0", PrefillLedger())], [DecodeSide("d0", DecodeLedger(total_blocks=1000))]
+    at_once = dispatcher.dispatch(Ask("a", 100, 16), PrefixMatch(), prefill, decode, NOW)
+    prefill, decode = [PrefillSide("p0", PrefillLedger())], [DecodeSide("d0", DecodeLedger(total_blocks=1000))]
+    held = dispatcher.dispatch(Ask("b", 100, 16), PrefixMatch(), prefill, decode, NOW + 0.05, arrival=NOW)
+    assert held.decision.prediction.predicted_ttft_ms == pytest.approx(
+        at_once.decision.prediction.predicted_ttft_ms + 50.0)
+    assert held.deadline == pytest.approx(at_once.deadline)  # due 2 s after it arrived, not after the hold
+    assert held.decision.joins_in_ms == pytest.approx(at_once.decision.joins_in_ms)  # from the decision on
