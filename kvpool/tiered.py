@@ -195,7 +195,20 @@ class KVTiers:
         else:
             self.traffic.demoted_to_disk += len(kept)
         self._announce("move", kept, Tier.DEVICE, Tier.HOST if target is self.host else Tier.DISK)
-        self._announce("remove", [h for h, ok in zip(spill.hashes, stored) if not ok], Tier.DEVICE)
+        missed = [i for i, ok in enumerate(stored) if not ok]
+        if missed and target is self.host and self.disk is not None:
+            # a batch larger than the arena: its trailing blocks go straight to disk, not away
+            self._spill_to_disk([spill.hashes[i] for i in missed], spill.rows[missed])
+        else:
+            self._announce("remove", [spill.hashes[i] for i in missed], Tier.DEVICE)
+
+    def _spill_to_disk(self, hashes: list[bytes], rows: torch.Tensor) -> None:
+        assert self.disk is not None
+        result = self.disk.put(hashes, rows)
+        self.traffic.demoted_to_disk += sum(result.stored)
+        self._announce("move", [h for h, ok in zip(hashes, result.stored) if ok], Tier.DEVICE, Tier.DISK)
+        self._announce("remove", [h for h, ok in zip(hashes, result.stored) if not ok], Tier.DEVICE)
+        self._announce("remove", result.evicted, Tier.DISK)
 
     def _apply(self, ops: list[object]) -> None:
         """The write-behind's batch, in order; runs of spills become one put, runs of the same
