@@ -59,16 +59,6 @@ def start_index(args: argparse.Namespace) -> tuple[str | None, object | None]:
     return server.url, server
 
 
-def check_tensor_parallel(args: argparse.Namespace) -> None:
-    """Tensor-parallel workers keep no block index (nor tiers: ClusterConfig says so): refused
-    before the embedded Redis starts, naming the flag."""
-    from core.errors import ConfigError
-
-    if not args.colocated and max(args.prefill_tp, args.decode_tp) > 1 and not args.no_redis:
-        raise ConfigError(f"--prefill-tp {args.prefill_tp} / --decode-tp {args.decode_tp}: tensor-parallel workers "
-                          "keep no block index; pass --no-redis (and --host-cache-gb 0)")
-
-
 def model_id(args: argparse.Namespace) -> str:
     if args.served_model_name:
         return args.served_model_name
@@ -105,7 +95,6 @@ def run(args: argparse.Namespace) -> int:
     tracing = build(TRACING, args).resolve(os.environ)
     configure_logging(log)
     announce_tracing(tracing)
-    check_tensor_parallel(args)
     redis_url, redis_server = start_index(args)
     try:
         return _serve(args, config, build(SERVE_ENGINE, args, redis_url=redis_url), admission, (tracing, log))

@@ -86,11 +86,6 @@ class ClusterConfig:
                        "migration_stall_s", "ray_wait_s", "prefill_tp", "decode_tp")
         if self.standby < 0:
             raise ConfigError(f"standby must be >= 0, got {self.standby}")
-        e = self.engine
-        if max(self.prefill_tp, self.decode_tp) > 1 and (e.host_cache_gb > 0 or e.disk_cache_dir is not None):
-            # each rank would keep its own shard of every tier block: not built (docs/OPERATIONS.md)
-            raise ConfigError(f"--prefill-tp {self.prefill_tp} / --decode-tp {self.decode_tp}: tensor-parallel "
-                              "workers keep no host or disk KV tier; pass --host-cache-gb 0 and no --disk-cache-dir")
         if self.migration_attempts < 0:
             raise ConfigError(f"migration_attempts must be >= 0, got {self.migration_attempts}")
         for name in ("prefill_resource", "decode_resource"):

@@ -97,7 +97,8 @@ class EngineConfig:
         crossover this engine measures from its own step times (engine/speculative.py StepCostTable).
     tp: tensor-parallel size: the engine spans this many processes, each with its share of
         the heads, MLP and vocabulary and its KV heads (engine/parallel.py); 1 = one process.
-        CPU (gloo) only for now, without host/disk tiers or a cluster index.
+        CPU (gloo) only for now. Its tier records and index entries hold every rank's shard
+        of a block, under hashes rooted in the layout (`kv_tag`; kvpool/tiered.py).
     device: where the model and its KV cache live: `cpu` or `cuda` (the process's current GPU;
         `serve` gives each worker one, or a share of one: conductor/gpu_plan.py).
     cuda_graphs: on CUDA, capture decode steps as CUDA graphs at start-up, one per
@@ -156,12 +157,6 @@ class EngineConfig:
                               f"{list(SPECULATIVE_MODES)} or {DRAFT_PREFIX}MODEL (an alias, GGUF file or HF folder)")
         if not 1 <= self.speculative_tokens <= 16 or self.speculative_max_batch < 0:
             raise ConfigError("speculative_tokens must be in 1..16 and speculative_max_batch >= 0")
-        if self.tp > 1 and (self.host_cache_gb > 0 or self.disk_cache_dir is not None or self.redis_url is not None):
-            # each rank would need its own shard of every tier block, and a block pulled by another
-            # worker every rank's: deliberately not built (docs/OPERATIONS.md, "Tensor-parallel workers")
-            raise ConfigError(f"tp {self.tp}: a tensor-parallel engine keeps no host / disk tier and no cluster "
-                              "index; set host_cache_gb 0, no disk_cache_dir, no redis_url (serve: "
-                              "--host-cache-gb 0 --no-redis)")
         self._check_device()
 
     def _check_device(self) -> None:

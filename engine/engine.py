@@ -10,6 +10,7 @@ thread (so errors reach the caller at once) and hand over through a lock-guarded
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import operator
 import os
@@ -51,6 +52,8 @@ from kvpool.tiered import KVTiers
 from kvpool.tiered import kv_block_bytes as kv_tier_block_bytes
 from transport.layout import KVLayout
 
+log = logging.getLogger(__name__)
+
 
 def kv_block_bytes(lw: LoadedWeights, config: EngineConfig, kv_heads: int | None = None) -> int:
     """One block's KV bytes on this rank (`kv_heads`: its KV heads; default the model's)."""
@@ -73,17 +76,22 @@ def as_token_ids(ids: Sequence[int]) -> list[int]:
         raise InvalidRequestError("prompt_ids", f"token ids must be integers ({e})") from e
 
 
-def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool,
-                remote: RemoteBlockReader | None = None) -> KVTiers | None:
-    """Host arena, disk tier and cluster index below the device prefix cache, as configured."""
+def build_tiers(config: EngineConfig, kv_caches: Sequence[torch.Tensor], pool: BlockPool,
+                remote: RemoteBlockReader | None = None, full_block_bytes: int | None = None) -> KVTiers | None:
+    """Host arena, disk tier and cluster index below the device prefix cache, as configured.
+    `kv_caches`: every rank's KV cache, rank 0's first (one record holds each rank's shard of a
+    block: kvpool/tiered.py); `full_block_bytes`: a TP=1 engine's record of this model (default
+    this one's), the size of the node's shared arena."""
     if config.host_cache_gb <= 0 and config.disk_cache_dir is None and config.redis_url is None:
         return None
-    block_bytes = kv_tier_block_bytes(kv_cache)
+    kv_cache = kv_caches[0]
+    block_bytes = kv_tier_block_bytes(kv_caches)
     host = None
     if config.host_cache_gb > 0:
         slots = max(1, int(config.host_cache_gb * 2**30) // block_bytes)
         name = config.host_cache_name or f"halfmoon-{os.getpid()}-{id(kv_cache):x}"
-        host = _create_or_attach(name, slots, block_bytes)
+        host = _create_or_attach(arena_name(name, config.tp, block_bytes, full_block_bytes or block_bytes),
+                                 slots, block_bytes)
     disk = None
     if config.disk_cache_dir is not None:
         slots = max(1, int(config.disk_cache_gb * 2**30) // block_bytes)
@@ -94,10 +102,21 @@ def build_tiers(config: EngineConfig, kv_cache: torch.Tensor, pool: BlockPool,
                           config.node_id or socket.gethostname())
         index = ClusterIndex(config.redis_url, holder)
         index.start()  # heartbeat thread: our entries vanish from lookups if we die
-    tiers = KVTiers(kv_cache, pool, host, disk, index, remote if config.remote_fetch else None)
+    tiers = KVTiers(kv_caches, pool, host, disk, index, remote if config.remote_fetch else None)
     if index is not None and isinstance(remote, InProcessReader):
         remote.register(index.holder, tiers)
     return tiers
+
+
+def arena_name(name: str, tp: int, block_bytes: int, full_block_bytes: int) -> str:
+    """The node's arena for records of `block_bytes`: the shared one when they are a TP=1
+    engine's size (every layout whose ranks split the KV heads), else one of its own for this
+    layout (replicated KV heads: fewer than the ranks), loudly."""
+    if block_bytes == full_block_bytes:
+        return name
+    log.warning("tp %d replicates KV heads (records of %d bytes, not %d): this worker's host tier is an "
+                "arena of its own, %s-tp%d, of the same --host-cache-gb", tp, block_bytes, full_block_bytes, name, tp)
+    return f"{name}-tp{tp}"
 
 
 def _create_or_attach(name: str, slots: int, block_bytes: int, tries: int = 3) -> HostArena:
@@ -158,7 +177,8 @@ class Engine:
                                     shard.num_kv_heads, cfg.head_dim, dtype=config.torch_dtype)
         self.pool = BlockPool(num_blocks)
         self.device_tier = DeviceTier(self.kv_cache, self.pool, self.kv_cache.shape[2] - num_blocks)
-        self.tiers = build_tiers(config, self.kv_cache, self.pool, remote)
+        self.tiers = build_tiers(config, [self.kv_cache, *(self.ranks.kv_caches if self.ranks is not None else [])],
+                                 self.pool, remote, kv_block_bytes(weights, config))
         spec = SpeculativeConfig.of(config)
         proposer = (DraftModelProposer(spec.draft_model, config, cfg.vocab_size, self.max_model_len)
                     if spec.mode == "draft" else None)

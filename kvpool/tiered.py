@@ -7,6 +7,15 @@
 A block's bytes are `kv_cache[:, :, b]` ([layers, 2, block_size, kv_heads, head_dim]) made
 contiguous: the same bytes on every tier, keyed by the block's chained hash.
 
+Under tensor parallelism (engine/tp_ranks.py) rank 0 maps every rank's KV cache (its shard: the
+rank's KV heads of the same blocks), and a tier record is every shard's block, rank by rank:
+
+    record(b) = shard_0[:, :, b] | shard_1[:, :, b] | ... | shard_{N-1}[:, :, b]   (each contiguous)
+
+one record per (hash, layout): the layout is in the hash's root (`+tp{N}` in the KV tag), so a
+record is only ever read back by an engine of the same layout, which splits it the same way.
+Spilling, reloading and serving a block to another worker move every rank's shard at once.
+
 Spills and cluster-index announcements are written behind (kvpool/write_behind.py): the engine
 thread copies an evicted block's bytes to a staging row and goes on; one thread of its own puts
 them in the host arena (or disk) and tells the index, in the order the engine queued them.
@@ -92,21 +101,46 @@ class Prefetched(NamedTuple):
     count: int
 
 
-def kv_block_bytes(kv_cache: torch.Tensor) -> int:
-    layers, two, _, block_size, kv_heads, head_dim = kv_cache.shape
-    return layers * two * block_size * kv_heads * head_dim * kv_cache.element_size()
+def kv_block_bytes(kv_cache: torch.Tensor | Sequence[torch.Tensor]) -> int:
+    """One tier record's bytes: a block of the cache (of every shard, when given several)."""
+    if isinstance(kv_cache, torch.Tensor):
+        layers, two, _, block_size, kv_heads, head_dim = kv_cache.shape
+        return layers * two * block_size * kv_heads * head_dim * kv_cache.element_size()
+    return sum(kv_block_bytes(shard) for shard in kv_cache)
+
+
+def check_shards(shards: Sequence[torch.Tensor], num_blocks: int) -> None:
+    """ValueError unless the shards are caches of the same blocks: [layers, 2, >= num_blocks,
+    block_size, heads, head_dim] with layers, block size, head_dim and dtype alike."""
+    if not shards:
+        raise ValueError("a KV tier needs at least one KV cache")
+    first = shards[0]
+    for rank, shard in enumerate(shards):
+        if shard.dim() != 6 or shard.shape[2] < num_blocks:
+            raise ValueError(f"KV shard of rank {rank}: shape {tuple(shard.shape)} is not "
+                             f"[layers, 2, >= {num_blocks} blocks, block_size, heads, head_dim]")
+        same = (shard.shape[:2], shard.shape[3], shard.shape[5], shard.dtype) == \
+               (first.shape[:2], first.shape[3], first.shape[5], first.dtype)
+        if not same:
+            raise ValueError(f"KV shard of rank {rank} ({tuple(shard.shape)}, {shard.dtype}) does not match "
+                             f"rank 0's ({tuple(first.shape)}, {first.dtype})")
 
 
 class KVTiers:
     """Device <-> host <-> disk block movement for one worker's paged KV cache."""
 
-    def __init__(self, kv_cache: torch.Tensor, pool: BlockPool, host: HostArena | None,
+    def __init__(self, kv_cache: torch.Tensor | Sequence[torch.Tensor], pool: BlockPool, host: HostArena | None,
                  disk: DiskTier | None, index: ClusterIndex | None = None,
                  remote: RemoteBlockReader | None = None, write_behind: bool = True) -> None:
-        """`write_behind`: spills and index announcements on a thread of their own (module doc);
-        False applies them on the caller's thread at once (tests of exact tier states)."""
-        self.kv_cache = kv_cache
-        self.block_bytes = kv_block_bytes(kv_cache)
+        """`kv_cache`: the paged KV tensor, or a tensor-parallel engine's every shard, rank 0's
+        first (a record holds each: module doc). `write_behind`: spills and index announcements
+        on a thread of their own (module doc); False applies them on the caller's thread at
+        once (tests of exact tier states)."""
+        self.shards = [kv_cache] if isinstance(kv_cache, torch.Tensor) else list(kv_cache)
+        check_shards(self.shards, pool.num_blocks)
+        self.kv_cache = self.shards[0]
+        self.shard_bytes = [kv_block_bytes(shard) for shard in self.shards]
+        self.block_bytes = sum(self.shard_bytes)
         for tier in (host, disk):
             if tier is not None and tier.slot_bytes != self.block_bytes:
                 raise ValueError(f"tier slot_bytes {tier.slot_bytes} != KV block bytes {self.block_bytes}")
@@ -123,18 +157,18 @@ class KVTiers:
     # ------------------------------------------------------------ device block bytes
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """Device blocks -> [n, block_bytes] uint8 host rows (one batched gather; from a GPU, one
-        copy to host, synchronous: the caller may reuse the blocks once this returns)."""
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_cache.device)
-        blocks = self.kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
-        return blocks.view(len(idx), -1).view(torch.uint8).to("cpu")
+        """Device blocks -> [n, block_bytes] uint8 host rows, every shard's block in rank order
+        (one batched gather per shard; from a GPU, one copy to host, synchronous: the caller may
+        reuse the blocks once this returns)."""
+        parts = [_gather(shard, block_ids) for shard in self.shards]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
-        """[n, block_bytes] uint8 host rows -> device blocks (one batched scatter)."""
-        layers, two, _, bs, kvh, hd = self.kv_cache.shape
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_cache.device)
-        typed = data.to(self.kv_cache.device).view(self.kv_cache.dtype).view(len(idx), layers, two, bs, kvh, hd)
-        self.kv_cache.index_copy_(2, idx, typed.permute(1, 2, 0, 3, 4, 5))
+        """[n, block_bytes] uint8 host rows -> device blocks (one batched scatter per shard)."""
+        start = 0
+        for shard, nbytes in zip(self.shards, self.shard_bytes):
+            _scatter(shard, block_ids, data[:, start : start + nbytes])
+            start += nbytes
 
     # ------------------------------------------------------------ demotion
 
@@ -161,7 +195,20 @@ class KVTiers:
         else:
             self.traffic.demoted_to_disk += len(kept)
         self._announce("move", kept, Tier.DEVICE, Tier.HOST if target is self.host else Tier.DISK)
-        self._announce("remove", [h for h, ok in zip(spill.hashes, stored) if not ok], Tier.DEVICE)
+        missed = [i for i, ok in enumerate(stored) if not ok]
+        if missed and target is self.host and self.disk is not None:
+            # a batch larger than the arena: its trailing blocks go straight to disk, not away
+            self._spill_to_disk([spill.hashes[i] for i in missed], spill.rows[missed])
+        else:
+            self._announce("remove", [spill.hashes[i] for i in missed], Tier.DEVICE)
+
+    def _spill_to_disk(self, hashes: list[bytes], rows: torch.Tensor) -> None:
+        assert self.disk is not None
+        result = self.disk.put(hashes, rows)
+        self.traffic.demoted_to_disk += sum(result.stored)
+        self._announce("move", [h for h, ok in zip(hashes, result.stored) if ok], Tier.DEVICE, Tier.DISK)
+        self._announce("remove", [h for h, ok in zip(hashes, result.stored) if not ok], Tier.DEVICE)
+        self._announce("remove", result.evicted, Tier.DISK)
 
     def _apply(self, ops: list[object]) -> None:
         """The write-behind's batch, in order; runs of spills become one put, runs of the same
@@ -347,6 +394,21 @@ class KVTiers:
             if not flag:
                 return i
         return len(flags)
+
+
+def _gather(kv_cache: torch.Tensor, block_ids: Sequence[int]) -> torch.Tensor:
+    """Blocks of one KV cache -> [n, its block bytes] uint8 host rows."""
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
+    blocks = kv_cache.index_select(2, idx).permute(2, 0, 1, 3, 4, 5).contiguous()
+    return blocks.view(len(idx), -1).view(torch.uint8).to("cpu")
+
+
+def _scatter(kv_cache: torch.Tensor, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+    """[n, its block bytes] uint8 rows (a column range of records: made contiguous) -> blocks."""
+    layers, two, _, bs, kvh, hd = kv_cache.shape
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv_cache.device)
+    typed = rows.contiguous().to(kv_cache.device).view(kv_cache.dtype).view(len(idx), layers, two, bs, kvh, hd)
+    kv_cache.index_copy_(2, idx, typed.permute(1, 2, 0, 3, 4, 5))
 
 
 def _runs(ops: list[object]) -> list[list]:

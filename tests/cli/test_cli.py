@@ -128,14 +128,12 @@ def test_serve_warns_when_bound_beyond_localhost(capsys: pytest.CaptureFixture[s
     assert "WARNING" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("extra", "message"), [
-    ([], "--decode-tp 2: tensor-parallel workers keep no block index; pass --no-redis"),
-    (["--no-redis"], "tensor-parallel workers keep no host or disk KV tier; pass --host-cache-gb 0"),
-])
-def test_serve_refuses_tiers_and_index_with_tensor_parallel_workers(
-        extra: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """Refused before anything starts (no Redis, no Ray), naming the flags to change."""
-    from cli.main import main
+def test_serve_takes_tiers_and_index_with_tensor_parallel_workers() -> None:
+    """Tiers and the block index under tp are built (no refusal left): the cluster's config
+    takes them, as the engine's does."""
+    from conductor.cluster_config import ClusterConfig
+    from engine.config import EngineConfig
 
-    assert main(["serve", "--decode-tp", "2", "--http-port", "0", "--grpc-port", "0", *extra]) == 2
-    assert message in capsys.readouterr().err
+    engine = EngineConfig(tp=2, host_cache_gb=1.0, redis_url="redis://localhost:6379/0")
+    config = ClusterConfig(prefill_tp=2, decode_tp=2, engine=engine)
+    assert config.tp("decode") == 2 and config.engine.host_cache_gb == 1.0

@@ -655,17 +655,18 @@ def test_both_groups_on_one_ray_resource_fails_with_a_message(renderer: Renderer
         renderer.render(values)
 
 
-def test_tensor_parallel_groups_reach_the_conductor_without_tiers_or_index(renderer: Renderer) -> None:
-    """prefill.tp / decode.tp give --prefill-tp / --decode-tp; tensor-parallel workers keep no
-    tier and no block index (--no-redis); a tier asked for with them fails the render, saying so."""
-    values = {"prefill": {"tp": 2, "gpus": 2}, "decode": {"tp": 4, "gpus": 4}, "kvTiers": {"hostGb": 0}}
+def test_tensor_parallel_groups_reach_the_conductor_with_tiers_and_index(renderer: Renderer) -> None:
+    """prefill.tp / decode.tp give --prefill-tp / --decode-tp; tensor-parallel workers keep the
+    host and disk tiers and the block index as every worker does (their records hold every
+    rank's shard: docs/ARCHITECTURE.md, "Tiers and the block index under tp")."""
+    values = {"prefill": {"tp": 2, "gpus": 2}, "decode": {"tp": 4, "gpus": 4},
+              "kvTiers": {"hostGb": 2, "disk": {"sizeGb": 4}}}
     head = next(d for d in yaml.safe_load_all(renderer.render(values)["halfmoon/templates/head.yaml"])
                 if d["kind"] == "Deployment")
     args = parse_serve(head["spec"]["template"]["spec"]["containers"][0]["args"])
     assert (args.prefill_tp, args.decode_tp, args.prefill_gpus, args.decode_gpus) == (2, 4, 2, 4)
-    assert args.no_redis and args.redis_url is None and args.host_cache_gb == 0
-    with pytest.raises(helm.HelmRenderError, match="tensor-parallel workers keep no host or disk KV tier"):
-        renderer.render({"decode": {"tp": 2}})
+    assert not args.no_redis and args.redis_url is not None and args.host_cache_gb == 2
+    assert args.disk_cache_dir is not None and args.disk_cache_gb == 4
 
 
 @pytest.mark.parametrize("role", ROLES)
@@ -848,8 +849,7 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--object-store-mb": "embedded Ray only; the chart's Ray nodes take *.objectStoreMemoryGb",
     "--cost-model": "a file: the first prefill worker profiles itself (or mount one and use extraArgs)",
     "--host-cache-name": "the Conductor names one host-tier arena per node",
-    "--no-redis": "the chart runs a block index (bundled or external Redis) unless a worker group is "
-                  "tensor-parallel (prefill.tp / decode.tp > 1): then it gives --no-redis",
+    "--no-redis": "the chart always runs a block index (bundled or external Redis)",
     "--dashboard": "on by default; conductor.dashboard=false gives --no-dashboard",
     "--no-tracing": "off by default; tracing.enabled=true gives --tracing",
     "--remote-fetch": "on by default; kvTiers.remoteFetch=false gives --no-remote-fetch",

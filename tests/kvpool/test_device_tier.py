@@ -84,3 +84,28 @@ def test_tiers_keep_host_rows_on_the_host_whatever_the_default_device() -> None:
         host.check_integrity()
     finally:
         host.release()
+
+
+def test_a_spill_batch_larger_than_the_arena_sends_the_rest_to_disk(tmp_path) -> None:
+    """The write-behind hands the host arena whole runs of evicted blocks; the ones a small
+    arena cannot take go to disk (they were dropped before: a timing-dependent miss)."""
+    from kvpool.disk_tier import DiskTier
+    from kvpool.tiered import _Spill
+
+    kv = torch.randn(*SHAPE)
+    block_bytes = kv[:, :, 0].numel() * kv.element_size()
+    host = HostArena.create(f"hm-devtier-batch-{os.getpid()}", 2, block_bytes)
+    disk = DiskTier(tmp_path / "disk", block_bytes, 16)
+    try:
+        tiers = KVTiers(kv, BlockPool(8), host, disk, write_behind=False)
+        hashes = [key(i) for i in range(5)]
+        tiers._spill(_Spill(hashes, tiers.read_blocks(range(5))))
+        assert tiers.match(hashes) == 5
+        assert (tiers.traffic.demoted_to_host, tiers.traffic.demoted_to_disk) == (2, 3)
+        kv.zero_()
+        assert tiers.load(hashes, list(range(5))) == 5 and kv[:, :, :5].any()
+        host.check_integrity()
+        disk.check_integrity()
+    finally:
+        host.release()
+        disk.close()

@@ -171,13 +171,8 @@ argparse parser, so a flag that does not exist fails the tests).
 {{- end }}
 - --ucx-poll-us
 - {{ $v.kvTransport.ucxPollUs | int | quote }}
-{{- if or (gt (int $v.prefill.tp) 1) (gt (int $v.decode.tp) 1) }}
-{{- /* tensor-parallel workers keep no block index (docs/OPERATIONS.md, "Tensor-parallel workers") */}}
-- --no-redis
-{{- else }}
 - --redis-url
 - {{ include "halfmoon.redisUrl" . | quote }}
-{{- end }}
 - --model
 - {{ include "halfmoon.modelArg" . | quote }}
 {{- with $v.model.dtype }}
