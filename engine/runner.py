@@ -239,7 +239,8 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots),
             decode=decode,
-            prefills=self._prefill_segments(prefills, len(decodes), tables),
+            # the chunks start after the decode *rows* (a verification has 1 + len(draft) of them)
+            prefills=self._prefill_segments(prefills, sum(s.num_tokens for s in decodes), tables),
             num_tokens=len(ids),
         )
         return StepInputs(torch.tensor(ids), torch.cat(positions), meta,

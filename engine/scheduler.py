@@ -122,8 +122,7 @@ class Scheduler:
 
     def _schedule_running(self, batch: list[ScheduledRequest], preempted: list[Request],
                           budget: int) -> int:
-        prefills = bool(self.waiting) or any(r.num_computed_tokens < r.num_tokens - 1 for r in self.running)
-        drafts = self.speculator.drafts(self.running, budget, prefills) if self.speculator is not None else {}
+        drafts = self.speculator.drafts(self.running, budget) if self.speculator is not None else {}
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

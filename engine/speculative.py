@@ -229,13 +229,12 @@ class Speculator:
         self.proposer: Proposer = proposer or NgramProposer(config.ngram_max, config.ngram_min)
         self._acceptance: dict[str, float] = {}
 
-    def drafts(self, running: Sequence[Request], budget: int, prefills: bool = False) -> dict[str, tuple[int, ...]]:
+    def drafts(self, running: Sequence[Request], budget: int) -> dict[str, tuple[int, ...]]:
         """Draft tokens for this step's decoding requests, by request id (none: plain decode).
-        `prefills`: the step may prefill a request; a draft model then drafts nothing (a draft
-        model's forwards in a step that prefills the target changed the target's tokens: a known
-        bug, tests/engine/test_draft_model.py), n-gram lookup drafts as always."""
+        A step that also prefills verifies as any other (its chunks follow the verification
+        rows: engine/runner.py)."""
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1 and r.params.speculative]
-        if not decoding or (prefills and not isinstance(self.proposer, NgramProposer)):
+        if not decoding:
             return {}
         batch = len(running)
         if batch > self.cost.max_batch():

@@ -121,6 +121,17 @@ class AttentionMetadata:
     # built by the first layer that needs one, reused by the rest of the step's layers
     window_cache: dict[Any, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        """The flat layout (module docstring): the prefill chunks follow the decode rows back
+        to back. A chunk placed after the decode *requests* instead of their rows read a
+        verification's queries as its own (a mixed step's wrong tokens, engine/runner.py)."""
+        at = self.decode.num_rows if self.decode is not None else 0
+        for seg in self.prefills:
+            if seg.q_start != at:
+                raise ValueError(f"a prefill chunk starts at row {seg.q_start}, not at {at} (after the "
+                                 "decode rows and the chunks before it)")
+            at += seg.q_len
+
 
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and computes attention for a flat batch."""

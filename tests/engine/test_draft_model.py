@@ -1,7 +1,8 @@
 """A draft model as the draft source (`--speculative draft:MODEL`, engine/draft_model.py): output
 token-identical to decoding without speculation (greedy and seeded sampling), with a draft that
 agrees with the target (SmolLM2 drafting for itself: nearly every draft accepted) and one that
-does not (a tiny random-weight model); a draft with another vocabulary is refused."""
+does not (a tiny random-weight model), also when requests prefill in the steps where others
+verify drafts (staggered arrivals, with preemption); a draft with another vocabulary is refused."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.errors import UnsupportedModelError
 from tests.conftest import EngineFactory
+from tests.engine.staggered_support import staggered
 from tests.model_families import BY_NAME, build_checkpoint
 
 pytestmark = [pytest.mark.timeout(300)]
+QUOTING = ("Repeat this sentence exactly, twice: The committee approved the budget for the new library "
+           "on Tuesday evening after a long debate.\nAnswer:")
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,")
 
 
@@ -64,26 +68,24 @@ def test_the_mode_is_validated() -> None:
     assert EngineConfig(speculative="draft:smollm2").speculative == "draft:smollm2"
 
 
+@pytest.mark.parametrize("draft, num_blocks", [("tiny", 10), ("smollm2", 128)])
 def test_requests_arriving_while_others_draft_are_unchanged(make_engine: EngineFactory, shared_engine: Engine,
-                                                            tmp_path: Path) -> None:
-    """Staggered arrivals: a request prefills while others decode with drafts. A draft model's
-    forwards in such a step changed the new request's tokens (its first one already); the
-    scheduler now drafts nothing with a draft model in a step that may prefill."""
-    tiny = dataclasses.replace(BY_NAME["llama"], kwargs={**BY_NAME["llama"].kwargs, "vocab_size": 49152})
-    build_checkpoint(tiny, tmp_path / "tiny")
-    spec = make_engine(num_blocks=128, speculative=f"draft:{tmp_path / 'tiny'}")
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
-    ids = [spec.tokenizer.encode(p) for p in PROMPTS]
-    expected = outputs(shared_engine, params)
-    got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(ids))}
-    for i, prompt in enumerate(ids):
-        spec.add_request(prompt, params, request_id=f"r{i}")
-        for _ in range(3):  # the earlier requests decode (and draft) before the next arrives
-            for chunk in spec.step():
-                got[chunk.request_id] += chunk.token_ids
-    while spec.has_unfinished():
-        for chunk in spec.step():
-            got[chunk.request_id] += chunk.token_ids
-    assert [got[f"r{i}"] for i in range(len(ids))] == expected
-    assert spec.speculator.stats.proposed > 0
+                                                            tmp_path: Path, draft: str, num_blocks: int) -> None:
+    """Staggered arrivals: requests prefill in the steps where others verify a draft model's
+    drafts. Such a step once placed the prefill chunk after the decode requests instead of their
+    rows (engine/runner.py), and both got wrong tokens: the prefilling request from its first
+    token (seen with the random draft), the verifying one wherever a draft was accepted (SmolLM2
+    drafting for itself). With 10 blocks the tiny draft's run also preempts a drafting request."""
+    if draft == "tiny":
+        tiny = dataclasses.replace(BY_NAME["llama"], kwargs={**BY_NAME["llama"].kwargs, "vocab_size": 49152})
+        build_checkpoint(tiny, tmp_path / "tiny")
+        draft = str(tmp_path / "tiny")
+    spec = make_engine(num_blocks=num_blocks, speculative=f"draft:{draft}")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompts = [shared_engine.tokenizer.encode(p) for p in (QUOTING, *PROMPTS)]
+    expected = [r.output_ids for r in shared_engine.generate(prompts, params)]
+    got, mixed = staggered(spec, prompts, params)
+    assert got == expected
+    assert mixed > 0 and spec.speculator.stats.proposed > 0
+    assert (spec.scheduler.stats.preemptions > 0) == (num_blocks == 10)
     spec.pool.check_integrity()

@@ -71,3 +71,26 @@ def test_a_one_token_chunk_that_samples_nothing_is_not_sampled(engine: Engine) -
     finally:
         engine.pool.free(d.block_table)
         engine.pool.free(p.block_table)
+
+
+def test_a_prefill_beside_a_verification_computes_what_it_computes_alone(engine: Engine) -> None:
+    """A verification brings 1 + len(draft) rows; the prefill chunk after it starts at row
+    1 + len(draft), not at 1 (one decoding request): placed after the decode *requests*, the chunk
+    read the verification's queries as its own and wrote its output over them, so both requests
+    got wrong tokens (first seen with a draft model: tests/engine/test_draft_model.py)."""
+    d, p = _request(engine, "d", 20, 2), _request(engine, "p", 0, 1)
+    p.token_ids = p.token_ids + [40 + i for i in range(11)]  # a 12-token prompt, no KV yet
+    verify_d, prefill_p = ScheduledRequest(d, 4, True, (301, 302, 303)), ScheduledRequest(p, 12, True)
+    try:
+        runner = engine.runner
+        mixed = runner.prepare([verify_d, prefill_p])
+        assert [(seg.q_start, seg.q_len) for seg in mixed.meta.prefills] == [(4, 12)]
+        together = runner._forward(mixed)  # rows: d's 4, then p's last
+        alone = torch.cat([runner._forward(runner.prepare([verify_d])), runner._forward(runner.prepare([prefill_p]))])
+        assert together.shape == alone.shape == (5, engine.model.cfg.vocab_size)
+        # other matmul shapes, other rounding: ~1e-3 apart; a row computed from the wrong queries is far off
+        torch.testing.assert_close(together, alone, atol=1e-2, rtol=0)
+        assert together.argmax(dim=1).tolist() == alone.argmax(dim=1).tolist()
+    finally:
+        engine.pool.free(d.block_table)
+        engine.pool.free(p.block_table)

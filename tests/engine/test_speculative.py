@@ -4,7 +4,8 @@ Greedy output with n-gram speculation is token-identical to decoding without it 
 prompts that quote themselves and ones that do not, in a batch, with stop strings, EOS and
 max_tokens landing inside a verified run; every model family); sampled tokens follow the
 target's distribution (chi-square over many draws of `verify` on a small vocabulary); the
-prefix cache only ever holds verified tokens; the pool is intact afterwards."""
+prefix cache only ever holds verified tokens; requests prefilling in the steps where others
+verify (staggered arrivals, preemption) are unchanged; the pool is intact afterwards."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from engine.request import Request
 from engine.speculative import NgramProposer, SpeculativeConfig, Speculator, StepCostTable, verify
 from kvpool.block_hash import block_hashes
 from tests.conftest import EngineFactory
+from tests.engine.staggered_support import staggered
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -53,6 +55,23 @@ def test_greedy_is_token_identical_with_and_without_speculation(pair: tuple[Engi
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     assert run(spec, prompts, params) == run(plain, prompts, params)
     assert spec.speculator.stats.accepted - before > 20  # it did speculate (and accept) here
+
+
+@pytest.mark.parametrize("num_blocks", [192, 10])
+def test_requests_prefilling_beside_verifications_are_unchanged(pair: tuple[Engine, Engine], make_engine: EngineFactory,
+                                                                num_blocks: int) -> None:
+    """Staggered arrivals: requests prefill in the steps where the quoting request verifies
+    n-gram drafts (such steps once gave both wrong tokens: engine/runner.py); with 10 blocks a
+    drafting request is also preempted and recomputed."""
+    plain, _ = pair
+    spec = make_engine(num_blocks=num_blocks, speculative="ngram")
+    prompts = encode(plain, QUOTING, PLAIN, STORY, "def fibonacci(n):")
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    got, mixed = staggered(spec, prompts, params)
+    assert got == run(plain, prompts, params)
+    assert mixed > 0 and spec.speculator.stats.accepted > 0
+    assert (spec.scheduler.stats.preemptions > 0) == (num_blocks == 10)
+    spec.pool.check_integrity()
 
 
 @pytest.mark.parametrize("params", [

@@ -8,6 +8,7 @@ keys at positions < ctx - n + j + 1, under a window W only the last W of them.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -314,6 +315,23 @@ def test_supported_counts_rows_not_requests() -> None:
                         dec.q_starts.int())
     meta = AttentionMetadata(scene.meta.slot_mapping, int32, [], 5)
     assert not fused.supported(torch.zeros(5, 8), cache, meta, 4, rope)
+
+
+def test_prefill_chunks_must_follow_the_decode_rows() -> None:
+    """The flat layout: a verification's rows, then the prefill chunks back to back. A chunk
+    placed after the decode *requests* (the runner's bug: it read a verification's queries as its
+    own, and its output overwrote them) is refused, as is a gap between chunks."""
+    scene = make_scene(decode_ctx=[9, 13], decode_q=[3, 4], prefills=[(0, 5), (4, 2)])
+    meta, dec = scene.meta, scene.meta.decode
+    assert dec is not None and [seg.q_start for seg in meta.prefills] == [7, 12]
+    first, second = meta.prefills
+    after_requests = dataclasses.replace(first, q_start=dec.num)
+    with pytest.raises(ValueError, match="starts at row 2, not at 7"):
+        AttentionMetadata(meta.slot_mapping, dec, [after_requests, second], meta.num_tokens)
+    with pytest.raises(ValueError, match="starts at row 13, not at 12"):
+        AttentionMetadata(meta.slot_mapping, dec, [first, dataclasses.replace(second, q_start=13)], 15)
+    alone = dataclasses.replace(first, q_start=0)  # no decodes: the chunks start at row 0
+    assert AttentionMetadata(meta.slot_mapping[7:12], None, [alone], 5).prefills == [alone]
 
 
 # ---------------------------------------------------------------- flashinfer translation
