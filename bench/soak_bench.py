@@ -38,7 +38,8 @@ from typing import Any
 from bench import soak_faults, soak_load, soak_report
 
 SERVE_ARGS = ["--prefill", "1", "--decode", "2", "--worker-threads", "1", "--kv-transport", "tcp",
-              "--admission", "none", "--num-blocks", "192", "--host-cache-gb", "0.004", "--disk-cache-gb", "0.01"]
+              "--admission", "none", "--num-blocks", "192", "--host-cache-gb", "0.004", "--disk-cache-gb", "0.01",
+              "--dtype", "float32", "--quantization", "none"]  # greedy streams compared token for token
 TMPFS_MIB = 48
 DEFAULT_TRACE = Path(__file__).parent / "data" / "sample_trace.jsonl"
 
