@@ -143,6 +143,7 @@ def _soak(args: argparse.Namespace, server: Any, disk_dir: Path, kinds: tuple[st
     checks = soak_load.integrity(cluster)
     left = _index_leftovers(server)
     agreement = _agree(server, checks)
+    cluster.close()
     return _result(args, load, want, faults, sampler, checks, left, agreement, mark, excluded, serve_args, kinds)
 
 

@@ -111,6 +111,14 @@ class Cluster:
             self.ray_ready = True
         return ray.get_actor(worker_id, namespace="halfmoon")
 
+    def close(self) -> None:
+        """Disconnect this process from the cluster's Ray (a test process outlives the cluster)."""
+        if self.ray_ready:
+            import ray
+
+            ray.shutdown()
+            self.ray_ready = False
+
 
 def strike(cluster: Cluster, fault: Fault) -> None:
     """Strike `fault` now, lift it, and wait until the cluster serves again (recorded on it)."""
