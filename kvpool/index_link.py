@@ -160,6 +160,7 @@ class IndexLink:
         self._gc_cursor = 0
         self._gc_dead: list[bytes] = []
         self._stop = threading.Event()
+        self._wake = threading.Event()  # the heartbeat thread's: a stop, or an outage to probe
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -256,6 +257,7 @@ class IndexLink:
             self.healthy = False
             self._stale = True
             self._lease_blackout_until = self._clock() + self.settings.max_lease_ttl_s
+            self._wake.set()  # the heartbeat thread now probes every retry_interval_s
         logger.warning("cluster index: Redis at %s is unreachable (%s failed: %s: %s); holder "
                        "%s degrades to local-only lookups and re-publishes its blocks when Redis "
                        "is back", self.url, verb, type(err).__name__, err, self.holder.key)

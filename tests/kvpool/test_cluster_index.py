@@ -413,6 +413,22 @@ def test_redis_down_degrades_then_recovers_and_republishes(
     assert a.leased(blocks) == set()
 
 
+def test_the_background_thread_probes_a_lost_redis_sooner_than_a_beat(
+        private_redis: EmbeddedRedis, make_private_index: IndexFactory) -> None:
+    """Back within about `retry_interval_s` of Redis' return with no request touching the index
+    (a beat is 7.5 s here): what the soak's Redis kills measure as serving again."""
+    a = make_private_index("A", heartbeat_ttl_s=30.0, retry_interval_s=0.1).start()
+    blocks = chain(3)
+    a.publish(blocks, Tier.HOST)
+    private_redis.stop()
+    assert a.lookup(blocks).degraded and not a.healthy
+
+    private_redis.start()  # same port, empty
+    wait_until(lambda: a.healthy, timeout_s=5.0, what="the heartbeat thread's probe re-syncing A")
+    assert a.stats.resyncs == 1
+    assert a.stats.republished_blocks == 3 and a.lookup(blocks).match_len(a.holder) == 3
+
+
 def test_silent_redis_restart_is_noticed_and_repopulated(
         private_redis: EmbeddedRedis, make_private_index: IndexFactory,
         caplog: pytest.LogCaptureFixture) -> None:
