@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from core.blocks import cdiv
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 MIN_GRAPH_CTX = 256  # the smallest context bucket, in tokens
 MAX_GRAPH_BATCH = 256  # the largest batch bucket (vLLM's default capture list ends at 512)
+MAX_VERIFY_BATCH = 32  # the most requests a verification graph holds (speculation pays at small batches)
 
 
 class Captured(Protocol):
@@ -191,6 +193,139 @@ class DecodeGraphs:
             self.slots[n:b].fill_(self.pad_block * self.block_size)
             self.ctx_lens[n:b].fill_(1)
             self.tables[n:b].fill_(self.pad_block)
+
+
+class VerifyBucket(NamedTuple):
+    requests: int
+    queries: int  # rows per request: 1 + the most draft tokens the graph verifies
+    ctx: int  # as Bucket.ctx, for the requests' keys as if each had `queries` rows
+
+
+class VerifyShape(NamedTuple):
+    """A verification step's shape on the host (the runner's lists, no device read): each
+    decoding request's rows (1 + its draft's length) and its keys after the step."""
+
+    q_lens: list[int]
+    ctx: list[int]
+
+
+def query_buckets(max_draft: int) -> tuple[int, ...]:
+    """Rows per request a verification graph holds: 1 + k for k = 1, 2, 4, 8 below
+    `max_draft`, then 1 + max_draft."""
+    if max_draft < 1:
+        raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+    sizes, k = [], 1
+    while k < max_draft:
+        sizes.append(1 + k)
+        k *= 2
+    sizes.append(1 + max_draft)
+    return tuple(sizes)
+
+
+class VerifyGraphs:
+    """Persistent buffers and one captured graph per (requests, queries, context) bucket for
+    speculative verification steps (module docstring); as `DecodeGraphs` otherwise."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor, pad_block: int,
+                 max_requests: int, max_draft: int, max_ctx: int, capture: GraphCapture) -> None:
+        self.forward = forward
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        self.pad_block = pad_block
+        self.requests = batch_buckets(max_requests)
+        self.queries = query_buckets(max_draft)
+        self.ctxs = ctx_buckets(max_ctx, self.block_size)
+        self.capture_with = capture
+        dev = kv_cache.device
+        r, width = self.requests[-1], self.ctxs[-1] // self.block_size
+        rows = r * self.queries[-1]
+        self.ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slots = torch.full((rows,), pad_block * self.block_size, dtype=torch.int64, device=dev)
+        self.tables = torch.full((r, width), pad_block, dtype=torch.int64, device=dev)
+        self.ctx_lens = torch.ones(r, dtype=torch.int64, device=dev)
+        self.q_lens = {q: torch.full((r,), q, dtype=torch.int64, device=dev) for q in self.queries}
+        self.logits_rows = torch.arange(rows, dtype=torch.int64, device=dev)
+        self.graphs: dict[VerifyBucket, Captured] = {}
+        self.replays = 0  # verification steps run by a graph
+        self.eager = 0  # all-decode verification steps that fit no bucket
+
+    def capture(self) -> VerifyGraphs:
+        """Record every bucket, widest first; a bucket's padding requests see `queries` keys of
+        the pad block, so each is recorded with the context lengths padding has."""
+        with torch.inference_mode():
+            for ctx in reversed(self.ctxs):
+                for q in reversed([q for q in self.queries if q <= ctx]):
+                    for r in reversed(self.requests):
+                        self.ctx_lens.fill_(q)
+                        bucket = VerifyBucket(r, q, ctx)
+                        self.graphs[bucket] = self.capture_with.capture(self._step_fn(bucket))
+        return self
+
+    def _step_fn(self, bucket: VerifyBucket) -> Callable[[], torch.Tensor]:
+        """The bucket's step: r requests of exactly q rows each (`static_q`: no shape read
+        from the device), every row's logits."""
+        r, q, ctx = bucket
+        rows, width, q_lens = r * q, ctx // self.block_size, self.q_lens[q][:r]
+
+        def step() -> torch.Tensor:
+            dec = DecodeBatch(r, self.tables[:r, :width], self.ctx_lens[:r], ctx, None, q_lens=q_lens, static_q=q)
+            meta = AttentionMetadata(slot_mapping=self.slots[:rows], decode=dec, prefills=[], num_tokens=rows)
+            return self.forward(self.ids[:rows], self.positions[:rows], self.kv_cache, meta, self.logits_rows[:rows])
+
+        return step
+
+    def bucket_for(self, shape: VerifyShape) -> VerifyBucket | None:
+        """The graph a verification step of this shape runs; None: eager. Its context covers
+        every request's cached keys plus `queries` rows."""
+        r, q = pick(self.requests, len(shape.q_lens)), pick(self.queries, max(shape.q_lens))
+        if r is None or q is None:
+            return None
+        c = pick(self.ctxs, max(c - n for c, n in zip(shape.ctx, shape.q_lens)) + q)
+        return None if c is None else VerifyBucket(r, q, c)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logits_rows: torch.Tensor, shape: VerifyShape) -> torch.Tensor | None:
+        """Logits of `logits_rows` (flat rows of the eager layout) of an all-decode
+        verification step by replay; None when no graph holds it (the caller runs it eagerly)."""
+        dec = meta.decode
+        if dec is None or meta.prefills or not dec.multi_query or dec.num_rows != meta.num_tokens:
+            return None
+        bucket = self.bucket_for(shape)
+        if bucket is None or bucket not in self.graphs:
+            self.eager += 1
+            return None
+        dest = self.load(input_ids, positions, meta.slot_mapping, dec, shape, bucket)
+        graph = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return graph.output.index_select(0, dest[logits_rows.to(dest.device)])
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             dec: DecodeBatch, shape: VerifyShape, bucket: VerifyBucket) -> torch.Tensor:
+        """Copy a step into the persistent buffers, request b's row j to row b * queries + j;
+        returns that row of each flat row. The other rows are padding (token 0, position 0,
+        KV slot in the pad block); a request's context counts `queries` rows, so its real rows
+        keep their keys (ctx - q_len + j + 1) and its padding rows see its cached keys."""
+        n, (r, q, _) = dec.num, bucket
+        lens = np.asarray(shape.q_lens, dtype=np.int64)
+        starts = np.cumsum(lens) - lens
+        dest_np = np.repeat(np.arange(n, dtype=np.int64) * q - starts, lens) + np.arange(int(lens.sum()))
+        dest = torch.from_numpy(dest_np).to(self.ids.device)
+        rows, pad_slot = r * q, self.pad_block * self.block_size
+        self.ids[:rows].zero_()
+        self.ids.index_copy_(0, dest, input_ids)
+        self.positions[:rows].zero_()
+        self.positions.index_copy_(0, dest, positions)
+        self.slots[:rows].fill_(pad_slot)
+        self.slots.index_copy_(0, dest, slots)
+        assert dec.q_lens is not None
+        self.ctx_lens[:n].copy_(dec.ctx_lens - dec.q_lens + q)
+        self.ctx_lens[n:r].fill_(q)
+        width = min(dec.block_tables.shape[1], self.tables.shape[1])
+        self.tables[:n, :width].copy_(dec.block_tables[:, :width])
+        self.tables[n:r].fill_(self.pad_block)
+        return dest
 
 
 class _CudaGraph:
