@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: captured per shape bucket at start-up, replayed each step.
+"""CUDA graphs for decode and speculative verification steps: captured per shape bucket at
+start-up, replayed each step.
 
 A decode step's shape is (rows, context): an all-decode batch of `n` requests whose longest
 context is `max_ctx` tokens runs the graph of the smallest bucket (B, C) with B >= n and
@@ -14,8 +15,28 @@ Padding rows write their K/V into one pad block past the pool's blocks (the KV t
 Why context buckets too: the torch backend gathers each row's blocks up to the step's widest
 context, so a graph fixes that width. Buckets double from 256 tokens to the engine's context
 limit, or to the smallest sliding window (past a window the backend takes a data-dependent
-path that a graph cannot hold). Prefill, mixed and speculative verification steps, a layer
-hook (KV push), dynamic-NTK RoPE, and batches wider than the largest bucket run eagerly.
+path that a graph cannot hold).
+
+A speculative verification step (engine/speculative.py: request i brings q_i = 1 + k_i rows,
+its last token and k_i drafts) runs the graph of the smallest (R, Q, C) bucket with R >= n
+requests, Q >= max q_i rows per request (Q: 1 + k for k = 1, 2, 4, .. and 1 + the most
+drafted, `query_buckets`) and C >= max(ctx_i - q_i) + Q. Inside the graph every request has
+exactly Q rows (`DecodeBatch.static_q`: the torch backend's multi-query path then needs no
+`int(q_lens.max())`, a data-dependent shape), request b's row j at flat row b * Q + j:
+
+    rows:  | req 0: real q_0 rows, padding .. Q | req 1: .. | ... | padding requests n .. R-1 |
+    ctx:   request i counts ctx_i - q_i + Q keys: row j < q_i sees keys < ctx_i - q_i + j + 1,
+           as eager; its padding rows see a few stale keys of its blocks (read only)
+
+Padding rows and padding requests write their K/V into the pad block (token 0, position 0);
+every row's logits are computed and the real rows' are gathered back in the eager layout's
+order, so acceptance (`verify`) is unchanged. Verification graphs exist only when speculation
+is configured, for up to MAX_VERIFY_BATCH requests (speculation pays at small batches; the
+policy's own crossover, `speculative_max_batch`, lowers it); both kinds are captured at
+start-up through one recorder and share its CUDA memory pool. Prefill and mixed steps (a
+verification beside a prefill chunk), a layer hook (KV push), dynamic-NTK RoPE, tensor
+parallelism, and shapes past the largest bucket run eagerly; `cuda_graphs=False` turns both
+kinds off.
 
 The graph object is abstracted (`GraphCapture`): `CudaGraphCapture` records a
 torch.cuda.CUDAGraph; the CPU tests drive the bucket, padding and buffer logic through a fake
