@@ -327,19 +327,17 @@ class VerifyGraphs:
         """Copy a step into the persistent buffers, request b's row j to row b * queries + j;
         returns that row of each flat row. The other rows are padding (token 0, position 0,
         KV slot in the pad block); a request's context counts `queries` rows, so its real rows
-        keep their keys (ctx - q_len + j + 1) and its padding rows see its cached keys."""
+        keep their keys (ctx - q_len + j + 1); its padding rows read keys of its own blocks (their
+        logits are dropped)."""
         n, (r, q, _) = dec.num, bucket
         lens = np.asarray(shape.q_lens, dtype=np.int64)
         starts = np.cumsum(lens) - lens
         dest_np = np.repeat(np.arange(n, dtype=np.int64) * q - starts, lens) + np.arange(int(lens.sum()))
         dest = torch.from_numpy(dest_np).to(self.ids.device)
         rows, pad_slot = r * q, self.pad_block * self.block_size
-        self.ids[:rows].zero_()
-        self.ids.index_copy_(0, dest, input_ids)
-        self.positions[:rows].zero_()
-        self.positions.index_copy_(0, dest, positions)
-        self.slots[:rows].fill_(pad_slot)
-        self.slots.index_copy_(0, dest, slots)
+        for buf, src, fill in ((self.ids, input_ids, 0), (self.positions, positions, 0), (self.slots, slots, pad_slot)):
+            buf[:rows].fill_(fill)
+            buf.index_copy_(0, dest, src.to(buf.device))
         assert dec.q_lens is not None
         self.ctx_lens[:n].copy_(dec.ctx_lens - dec.q_lens + q)
         self.ctx_lens[n:r].fill_(q)
