@@ -29,8 +29,9 @@ exactly Q rows (`DecodeBatch.static_q`: the torch backend's multi-query path the
            as eager; its padding rows see a few stale keys of its blocks (read only)
 
 Padding rows and padding requests write their K/V into the pad block (token 0, position 0);
-every row's logits are computed and the real rows' are gathered back in the eager layout's
-order, so acceptance (`verify`) is unchanged. Verification graphs exist only when speculation
+every row's logits are computed into one buffer all verification graphs share (an output per
+graph would keep buckets x rows x vocab fp32 alive in the pool) and the real rows' are
+gathered back in the eager layout's order, so acceptance (`verify`) is unchanged. Verification graphs exist only when speculation
 is configured, for up to MAX_VERIFY_BATCH requests (speculation pays at small batches; the
 policy's own crossover, `speculative_max_batch`, lowers it); both kinds are captured at
 start-up through one recorder and share its CUDA memory pool. Prefill and mixed steps (a
@@ -267,32 +268,45 @@ class VerifyGraphs:
         self.ctx_lens = torch.ones(r, dtype=torch.int64, device=dev)
         self.q_lens = {q: torch.full((r,), q, dtype=torch.int64, device=dev) for q in self.queries}
         self.logits_rows = torch.arange(rows, dtype=torch.int64, device=dev)
+        self.logits: torch.Tensor | None = None  # [rows, vocab]: every graph's output, set by capture
         self.graphs: dict[VerifyBucket, Captured] = {}
         self.replays = 0  # verification steps run by a graph
         self.eager = 0  # all-decode verification steps that fit no bucket
 
     def capture(self) -> VerifyGraphs:
         """Record every bucket, widest first; a bucket's padding requests see `queries` keys of
-        the pad block, so each is recorded with the context lengths padding has."""
+        the pad block, so each is recorded with the context lengths padding has. One eager run
+        of the widest bucket first sizes `logits`, the buffer every graph's logits land in."""
         with torch.inference_mode():
             for ctx in reversed(self.ctxs):
                 for q in reversed([q for q in self.queries if q <= ctx]):
                     for r in reversed(self.requests):
                         self.ctx_lens.fill_(q)
                         bucket = VerifyBucket(r, q, ctx)
+                        if self.logits is None:
+                            self.logits = torch.empty_like(self._forward(bucket))
                         self.graphs[bucket] = self.capture_with.capture(self._step_fn(bucket))
         return self
 
-    def _step_fn(self, bucket: VerifyBucket) -> Callable[[], torch.Tensor]:
-        """The bucket's step: r requests of exactly q rows each (`static_q`: no shape read
+    def _forward(self, bucket: VerifyBucket) -> torch.Tensor:
+        """The bucket's forward: r requests of exactly q rows each (`static_q`: no shape read
         from the device), every row's logits."""
         r, q, ctx = bucket
-        rows, width, q_lens = r * q, ctx // self.block_size, self.q_lens[q][:r]
+        rows = r * q
+        dec = DecodeBatch(r, self.tables[:r, : ctx // self.block_size], self.ctx_lens[:r], ctx, None,
+                          q_lens=self.q_lens[q][:r], static_q=q)
+        meta = AttentionMetadata(slot_mapping=self.slots[:rows], decode=dec, prefills=[], num_tokens=rows)
+        return self.forward(self.ids[:rows], self.positions[:rows], self.kv_cache, meta, self.logits_rows[:rows])
+
+    def _step_fn(self, bucket: VerifyBucket) -> Callable[[], torch.Tensor]:
+        """The bucket's forward copied into the shared `logits` buffer: no graph keeps an
+        output of its own alive in the memory pool (buckets x rows x vocab fp32 would add up
+        to gigabytes), so the pool holds only the widest graph's activations."""
+        rows = bucket.requests * bucket.queries
 
         def step() -> torch.Tensor:
-            dec = DecodeBatch(r, self.tables[:r, :width], self.ctx_lens[:r], ctx, None, q_lens=q_lens, static_q=q)
-            meta = AttentionMetadata(slot_mapping=self.slots[:rows], decode=dec, prefills=[], num_tokens=rows)
-            return self.forward(self.ids[:rows], self.positions[:rows], self.kv_cache, meta, self.logits_rows[:rows])
+            assert self.logits is not None
+            return self.logits[:rows].copy_(self._forward(bucket))
 
         return step
 

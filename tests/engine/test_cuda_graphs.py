@@ -275,6 +275,9 @@ def test_every_verification_bucket_is_captured_writing_only_the_pad_block(folder
     decode, verify, pad = with_fake_step_graphs(engine)
     assert set(verify.graphs) == {VerifyBucket(r, q, 256) for r in (1, 2, 4, 6) for q in (2, 3, 5, 7)}
     assert len(decode.graphs) == 4
+    assert verify.logits is not None and verify.logits.shape[0] == 6 * 7
+    assert {g.output.data_ptr() for g in verify.graphs.values()} == {verify.logits.data_ptr()}, \
+        "every verification graph's logits land in one shared buffer"
     changed = (engine.kv_cache != kv_before).flatten(3).any(-1).any(1).any(0).nonzero().flatten().tolist()
     assert changed == [pad]
 
