@@ -9,7 +9,8 @@
 # the cold start, then runs four phases, each with its share of GPU_CHECK_BUDGET_S (default 480
 # s = 8 min; a phase also gets what earlier phases left unused):
 #   a (38%): today's engine and kernel tests: tests/engine/test_cuda_engine.py, the real CUDA
-#            graph and staged-transfer tests, the flashinfer kernels (bf16 first: their JIT
+#            graph tests (decode and speculative verification) and the staged-transfer test,
+#            the flashinfer kernels (bf16 first: their JIT
 #            builds overlap under pytest-xdist, then the rest)
 #   b (17%): `halfmoon serve --device cuda` 1P1D sharing the GPU, greedy completions through the
 #            openai client identical to transformers on CUDA, the KV path (bench/gpu_serve_check.py)
@@ -132,6 +133,7 @@ phase_a() {
   local end=$(($(elapsed) + $(phase_limit a))) rc=0
   pytest_step a1 "$((end - $(elapsed) - 90))" 0 "$(nproc)" tests/engine/test_cuda_engine.py \
     tests/engine/test_cuda_graphs.py::test_cuda_graphs_match_eager_on_cuda \
+    tests/engine/test_cuda_graphs.py::test_cuda_verification_graphs_match_eager_on_cuda \
     tests/transport/test_staging.py::test_cuda_staged_transfer || rc=1
   pytest_step a2 "$((end - $(elapsed) - 40))" 3 6 -k "dtype1 or write_kv" \
     tests/kernels/test_flashinfer_backend.py || rc=1

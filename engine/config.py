@@ -102,8 +102,9 @@ class EngineConfig:
     device: where the model and its KV cache live: `cpu` or `cuda` (the process's current GPU;
         `serve` gives each worker one, or a share of one: conductor/gpu_plan.py).
     cuda_graphs: on CUDA, capture decode steps as CUDA graphs at start-up, one per
-        (batch, context) bucket, and replay them (engine/cuda_graphs.py); prefill, mixed and
-        verification steps run eagerly. Ignored on CPU.
+        (batch, context) bucket, and replay them (engine/cuda_graphs.py); with speculation,
+        verification steps too, one per (requests, rows per request, context) bucket; prefill
+        and mixed steps run eagerly. Ignored on CPU.
     gpu_memory_fraction: the share of the GPU's memory this process may allocate (0 = no cap;
         `serve` sets an equal share when workers share one GPU).
     """

@@ -1,4 +1,5 @@
-"""CUDA graphs for decode steps: captured per shape bucket at start-up, replayed each step.
+"""CUDA graphs for decode and speculative verification steps: captured per shape bucket at
+start-up, replayed each step.
 
 A decode step's shape is (rows, context): an all-decode batch of `n` requests whose longest
 context is `max_ctx` tokens runs the graph of the smallest bucket (B, C) with B >= n and
@@ -14,8 +15,29 @@ Padding rows write their K/V into one pad block past the pool's blocks (the KV t
 Why context buckets too: the torch backend gathers each row's blocks up to the step's widest
 context, so a graph fixes that width. Buckets double from 256 tokens to the engine's context
 limit, or to the smallest sliding window (past a window the backend takes a data-dependent
-path that a graph cannot hold). Prefill, mixed and speculative verification steps, a layer
-hook (KV push), dynamic-NTK RoPE, and batches wider than the largest bucket run eagerly.
+path that a graph cannot hold).
+
+A speculative verification step (engine/speculative.py: request i brings q_i = 1 + k_i rows,
+its last token and k_i drafts) runs the graph of the smallest (R, Q, C) bucket with R >= n
+requests, Q >= max q_i rows per request (Q: 1 + k for k = 1, 2, 4, .. and 1 + the most
+drafted, `query_buckets`) and C >= max(ctx_i - q_i) + Q. Inside the graph every request has
+exactly Q rows (`DecodeBatch.static_q`: the torch backend's multi-query path then needs no
+`int(q_lens.max())`, a data-dependent shape), request b's row j at flat row b * Q + j:
+
+    rows:  | req 0: real q_0 rows, padding .. Q | req 1: .. | ... | padding requests n .. R-1 |
+    ctx:   request i counts ctx_i - q_i + Q keys: row j < q_i sees keys < ctx_i - q_i + j + 1,
+           as eager; its padding rows see a few stale keys of its blocks (read only)
+
+Padding rows and padding requests write their K/V into the pad block (token 0, position 0);
+every row's logits are computed into one buffer all verification graphs share (an output per
+graph would keep buckets x rows x vocab fp32 alive in the pool) and the real rows' are
+gathered back in the eager layout's order, so acceptance (`verify`) is unchanged. Verification graphs exist only when speculation
+is configured, for up to MAX_VERIFY_BATCH requests (speculation pays at small batches; the
+policy's own crossover, `speculative_max_batch`, lowers it); both kinds are captured at
+start-up through one recorder and share its CUDA memory pool. Prefill and mixed steps (a
+verification beside a prefill chunk), a layer hook (KV push), dynamic-NTK RoPE, tensor
+parallelism, and shapes past the largest bucket run eagerly; `cuda_graphs=False` turns both
+kinds off.
 
 The graph object is abstracted (`GraphCapture`): `CudaGraphCapture` records a
 torch.cuda.CUDAGraph; the CPU tests drive the bucket, padding and buffer logic through a fake
@@ -28,6 +50,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from core.blocks import cdiv
@@ -37,6 +60,7 @@ log = logging.getLogger(__name__)
 
 MIN_GRAPH_CTX = 256  # the smallest context bucket, in tokens
 MAX_GRAPH_BATCH = 256  # the largest batch bucket (vLLM's default capture list ends at 512)
+MAX_VERIFY_BATCH = 32  # the most requests a verification graph holds (speculation pays at small batches)
 
 
 class Captured(Protocol):
@@ -191,6 +215,150 @@ class DecodeGraphs:
             self.slots[n:b].fill_(self.pad_block * self.block_size)
             self.ctx_lens[n:b].fill_(1)
             self.tables[n:b].fill_(self.pad_block)
+
+
+class VerifyBucket(NamedTuple):
+    requests: int
+    queries: int  # rows per request: 1 + the most draft tokens the graph verifies
+    ctx: int  # as Bucket.ctx, for the requests' keys as if each had `queries` rows
+
+
+class VerifyShape(NamedTuple):
+    """A verification step's shape on the host (the runner's lists, no device read): each
+    decoding request's rows (1 + its draft's length) and its keys after the step."""
+
+    q_lens: list[int]
+    ctx: list[int]
+
+
+def query_buckets(max_draft: int) -> tuple[int, ...]:
+    """Rows per request a verification graph holds: 1 + k for k = 1, 2, 4, 8 below
+    `max_draft`, then 1 + max_draft."""
+    if max_draft < 1:
+        raise ValueError(f"max_draft must be >= 1, got {max_draft}")
+    sizes, k = [], 1
+    while k < max_draft:
+        sizes.append(1 + k)
+        k *= 2
+    sizes.append(1 + max_draft)
+    return tuple(sizes)
+
+
+class VerifyGraphs:
+    """Persistent buffers and one captured graph per (requests, queries, context) bucket for
+    speculative verification steps (module docstring); as `DecodeGraphs` otherwise."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor, pad_block: int,
+                 max_requests: int, max_draft: int, max_ctx: int, capture: GraphCapture) -> None:
+        self.forward = forward
+        self.kv_cache = kv_cache
+        self.block_size = kv_cache.shape[3]
+        self.pad_block = pad_block
+        self.requests = batch_buckets(max_requests)
+        self.queries = query_buckets(max_draft)
+        self.ctxs = ctx_buckets(max_ctx, self.block_size)
+        self.capture_with = capture
+        dev = kv_cache.device
+        r, width = self.requests[-1], self.ctxs[-1] // self.block_size
+        rows = r * self.queries[-1]
+        self.ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.slots = torch.full((rows,), pad_block * self.block_size, dtype=torch.int64, device=dev)
+        self.tables = torch.full((r, width), pad_block, dtype=torch.int64, device=dev)
+        self.ctx_lens = torch.ones(r, dtype=torch.int64, device=dev)
+        self.q_lens = {q: torch.full((r,), q, dtype=torch.int64, device=dev) for q in self.queries}
+        self.logits_rows = torch.arange(rows, dtype=torch.int64, device=dev)
+        self.logits: torch.Tensor | None = None  # [rows, vocab]: every graph's output, set by capture
+        self.graphs: dict[VerifyBucket, Captured] = {}
+        self.replays = 0  # verification steps run by a graph
+        self.eager = 0  # all-decode verification steps that fit no bucket
+
+    def capture(self) -> VerifyGraphs:
+        """Record every bucket, widest first; a bucket's padding requests see `queries` keys of
+        the pad block, so each is recorded with the context lengths padding has. One eager run
+        of the widest bucket first sizes `logits`, the buffer every graph's logits land in."""
+        with torch.inference_mode():
+            for ctx in reversed(self.ctxs):
+                for q in reversed([q for q in self.queries if q <= ctx]):
+                    for r in reversed(self.requests):
+                        self.ctx_lens.fill_(q)
+                        bucket = VerifyBucket(r, q, ctx)
+                        if self.logits is None:
+                            self.logits = torch.empty_like(self._forward(bucket))
+                        self.graphs[bucket] = self.capture_with.capture(self._step_fn(bucket))
+        return self
+
+    def _forward(self, bucket: VerifyBucket) -> torch.Tensor:
+        """The bucket's forward: r requests of exactly q rows each (`static_q`: no shape read
+        from the device), every row's logits."""
+        r, q, ctx = bucket
+        rows = r * q
+        dec = DecodeBatch(r, self.tables[:r, : ctx // self.block_size], self.ctx_lens[:r], ctx, None,
+                          q_lens=self.q_lens[q][:r], static_q=q)
+        meta = AttentionMetadata(slot_mapping=self.slots[:rows], decode=dec, prefills=[], num_tokens=rows)
+        return self.forward(self.ids[:rows], self.positions[:rows], self.kv_cache, meta, self.logits_rows[:rows])
+
+    def _step_fn(self, bucket: VerifyBucket) -> Callable[[], torch.Tensor]:
+        """The bucket's forward copied into the shared `logits` buffer: no graph keeps an
+        output of its own alive in the memory pool (buckets x rows x vocab fp32 would add up
+        to gigabytes), so the pool holds only the widest graph's activations."""
+        rows = bucket.requests * bucket.queries
+
+        def step() -> torch.Tensor:
+            assert self.logits is not None
+            return self.logits[:rows].copy_(self._forward(bucket))
+
+        return step
+
+    def bucket_for(self, shape: VerifyShape) -> VerifyBucket | None:
+        """The graph a verification step of this shape runs; None: eager. Its context covers
+        every request's cached keys plus `queries` rows."""
+        r, q = pick(self.requests, len(shape.q_lens)), pick(self.queries, max(shape.q_lens))
+        if r is None or q is None:
+            return None
+        c = pick(self.ctxs, max(c - n for c, n in zip(shape.ctx, shape.q_lens)) + q)
+        return None if c is None else VerifyBucket(r, q, c)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            logits_rows: torch.Tensor, shape: VerifyShape) -> torch.Tensor | None:
+        """Logits of `logits_rows` (flat rows of the eager layout) of an all-decode
+        verification step by replay; None when no graph holds it (the caller runs it eagerly)."""
+        dec = meta.decode
+        if dec is None or meta.prefills or not dec.multi_query or dec.num_rows != meta.num_tokens:
+            return None
+        bucket = self.bucket_for(shape)
+        if bucket is None or bucket not in self.graphs:
+            self.eager += 1
+            return None
+        dest = self.load(input_ids, positions, meta.slot_mapping, dec, shape, bucket)
+        graph = self.graphs[bucket]
+        graph.replay()
+        self.replays += 1
+        return graph.output.index_select(0, dest[logits_rows.to(dest.device)])
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+             dec: DecodeBatch, shape: VerifyShape, bucket: VerifyBucket) -> torch.Tensor:
+        """Copy a step into the persistent buffers, request b's row j to row b * queries + j;
+        returns that row of each flat row. The other rows are padding (token 0, position 0,
+        KV slot in the pad block); a request's context counts `queries` rows, so its real rows
+        keep their keys (ctx - q_len + j + 1); its padding rows read keys of its own blocks (their
+        logits are dropped)."""
+        n, (r, q, _) = dec.num, bucket
+        lens = np.asarray(shape.q_lens, dtype=np.int64)
+        starts = np.cumsum(lens) - lens
+        dest_np = np.repeat(np.arange(n, dtype=np.int64) * q - starts, lens) + np.arange(int(lens.sum()))
+        dest = torch.from_numpy(dest_np).to(self.ids.device)
+        rows, pad_slot = r * q, self.pad_block * self.block_size
+        for buf, src, fill in ((self.ids, input_ids, 0), (self.positions, positions, 0), (self.slots, slots, pad_slot)):
+            buf[:rows].fill_(fill)
+            buf.index_copy_(0, dest, src.to(buf.device))
+        assert dec.q_lens is not None
+        self.ctx_lens[:n].copy_(dec.ctx_lens - dec.q_lens + q)
+        self.ctx_lens[n:r].fill_(q)
+        width = min(dec.block_tables.shape[1], self.tables.shape[1])
+        self.tables[:n, :width].copy_(dec.block_tables[:, :width])
+        self.tables[n:r].fill_(self.pad_block)
+        return dest
 
 
 class _CudaGraph:

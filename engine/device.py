@@ -1,5 +1,5 @@
 """Where an engine runs: the device check, the GPU memory share, weights placement, the
-factory-call scope, and the decode CUDA graphs.
+factory-call scope, and the decode and speculative verification CUDA graphs.
 
 An engine on CUDA builds its KV cache, RoPE tables and step buffers with factory calls on
 torch's default device, so construction and every step run inside `scope(device)`
@@ -20,8 +20,10 @@ import torch
 
 from core.errors import ConfigError
 from engine.config import EngineConfig
-from engine.cuda_graphs import MAX_GRAPH_BATCH, CudaGraphCapture, DecodeGraphs, GraphCapture, graph_ctx_limit
+from engine.cuda_graphs import (MAX_GRAPH_BATCH, MAX_VERIFY_BATCH, CudaGraphCapture, DecodeGraphs, GraphCapture,
+                                VerifyGraphs, graph_ctx_limit)
 from engine.loader import LoadedWeights
+from engine.speculative import SpeculativeConfig
 from kvpool.device_tier import DeviceBudget
 
 log = logging.getLogger(__name__)
@@ -97,3 +99,35 @@ def build_graphs(config: EngineConfig, forward: Callable[..., torch.Tensor], kv_
     log.info("captured %d decode CUDA graphs (batch %s x context %s)", len(graphs.graphs),
              list(graphs.rows), list(graphs.ctxs))
     return graphs
+
+
+def build_verify_graphs(config: EngineConfig, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor,
+                        pad_block: int, max_model_len: int, windows: Sequence[int],
+                        capture: GraphCapture) -> VerifyGraphs | None:
+    """The speculative verification graphs, captured now through `capture`; None when
+    speculation is off. Requests up to the batch from which speculation turns off (or
+    MAX_VERIFY_BATCH), rows per request up to 1 + speculative_tokens."""
+    spec = SpeculativeConfig.of(config)
+    most = min(config.max_num_seqs, MAX_VERIFY_BATCH, spec.max_batch - 1 if spec.max_batch else MAX_VERIFY_BATCH)
+    top = graph_ctx_limit(max_model_len, windows, config.block_size)
+    if not spec.enabled or most < 1 or top == 0:
+        return None
+    graphs = VerifyGraphs(forward, kv_cache, pad_block, most, spec.max_draft, top, capture).capture()
+    log.info("captured %d verification CUDA graphs (requests %s x rows %s x context %s)", len(graphs.graphs),
+             list(graphs.requests), list(graphs.queries), list(graphs.ctxs))
+    return graphs
+
+
+def build_step_graphs(config: EngineConfig, forward: Callable[..., torch.Tensor], kv_cache: torch.Tensor,
+                      pad_block: int, max_model_len: int, windows: Sequence[int],
+                      capture: GraphCapture | None = None) -> tuple[DecodeGraphs | None, VerifyGraphs | None]:
+    """Decode graphs and, with speculation, verification graphs, captured at start-up through
+    one recorder (on CUDA one memory pool: the activations take the largest graph's memory);
+    (None, None) when graphs are off (`cuda_graphs`, CPU, flashinfer). `capture`: as in
+    `build_graphs` (the CPU tests pass a fake)."""
+    if capture is None:
+        if not graphs_wanted(config):
+            return None, None
+        capture = CudaGraphCapture()
+    return (build_graphs(config, forward, kv_cache, pad_block, max_model_len, windows, capture),
+            build_verify_graphs(config, forward, kv_cache, pad_block, max_model_len, windows, capture))

@@ -35,7 +35,7 @@ from engine.request import Request
 from engine.runner import ModelRunner
 from core.params import SamplingParams, check_token_ids
 from engine.scheduler import Scheduler
-from engine.device import build_graphs, check_kv_fits, kv_blocks_with_pad, open_device, place_weights, scope
+from engine.device import build_step_graphs, check_kv_fits, kv_blocks_with_pad, open_device, place_weights, scope
 from engine.draft_model import DraftModelProposer
 from engine.speculative import SpeculativeConfig, Speculator
 from engine.tp_ranks import Ranks
@@ -197,9 +197,10 @@ class Engine:
         self._live_ids: set[str] = set()  # guarded by _lock; an id is live until its final output
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # per layer, 0 = full attention
         self.pushes = KVPushes(self.pool, config.block_size, self.windows)  # disaggregation, prefill side
-        # decode CUDA graphs, captured now; padding rows write the pad block past the pool's
-        self.runner.graphs = build_graphs(config, self.model.forward, self.kv_cache, num_blocks,
-                                          self.max_model_len, self.windows)
+        # decode (and verification) CUDA graphs, captured now; padding rows write the pad block
+        # past the pool's
+        self.runner.graphs, self.runner.verify_graphs = build_step_graphs(
+            config, self.model.forward, self.kv_cache, num_blocks, self.max_model_len, self.windows)
 
     # ------------------------------------------------------------------ requests in
 

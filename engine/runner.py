@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from core.blocks import cdiv
-from engine.cuda_graphs import DecodeGraphs
+from engine.cuda_graphs import DecodeGraphs, VerifyGraphs, VerifyShape
 from engine.model import LayerHook, DecoderModel
 from engine.request import Request
 from engine.sampler import sample
@@ -30,12 +30,12 @@ from kernels.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 
 
 class StepInputs:
-    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens", "drafts")
+    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens", "drafts", "verify")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits_rows: torch.Tensor, sampled: list[Request],
                  rope_lens: torch.Tensor | None = None,
-                 drafts: list[tuple[int, ...]] | None = None) -> None:
+                 drafts: list[tuple[int, ...]] | None = None, verify: VerifyShape | None = None) -> None:
         self.input_ids = input_ids
         self.positions = positions
         self.meta = meta
@@ -43,6 +43,8 @@ class StepInputs:
         self.logits_rows = logits_rows
         self.sampled = sampled
         self.drafts = drafts  # per sampled request, its draft (None: no verification this step)
+        # a verification step's decode rows and contexts on the host (the graphs' bucket choice)
+        self.verify = verify
         # dynamic NTK RoPE only: the sequence length each token's frequencies are for
         self.rope_lens = rope_lens
 
@@ -120,8 +122,10 @@ class ModelRunner:
         self.last_rows = 0  # tokens that forward pass computed (speculation's cost table)
         # tensor parallel (engine/tp_ranks.py): hands each step's inputs to the other ranks
         self.step_sync: Callable[[StepInputs], None] | None = None
-        # decode CUDA graphs (engine/cuda_graphs.py), set by the engine when captured
+        # decode and speculative verification CUDA graphs (engine/cuda_graphs.py), set by the
+        # engine when captured
         self.graphs: DecodeGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> list[list[int]]:
         """One forward pass over the batch; returns the new tokens of each request whose
@@ -140,15 +144,23 @@ class ModelRunner:
         return self._verify(logits, inputs.sampled, inputs.drafts)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        """A graph's replay for a plain decode step that fits one (no layer hook, no tensor
-        parallel peers, no dynamic-NTK lengths); else the eager forward."""
-        if (self.graphs is not None and self.layer_hook is None and self.step_sync is None
-                and inputs.rope_lens is None and inputs.drafts is None):
-            logits = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        """A graph's replay for a plain decode or verification step that fits one (no layer
+        hook, no tensor parallel peers, no dynamic-NTK lengths); else the eager forward."""
+        if self.layer_hook is None and self.step_sync is None and inputs.rope_lens is None:
+            logits = self._replay(inputs)
             if logits is not None:
                 return logits
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
                                   inputs.meta, inputs.logits_rows, self.layer_hook, inputs.rope_lens)
+
+    def _replay(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The step's logits from a decode or verification graph; None: no graph holds it."""
+        if inputs.drafts is None:
+            return None if self.graphs is None else self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.verify_graphs is None or inputs.verify is None:
+            return None
+        return self.verify_graphs.run(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows,
+                                      inputs.verify)
 
     @staticmethod
     def _verify(logits: torch.Tensor, requests: list[Request], drafts: list[tuple[int, ...]]) -> list[list[int]]:
@@ -231,11 +243,12 @@ class ModelRunner:
         # a verification's logits: every one of its 1 + len(draft) rows
         rows = [row for r, d in zip(sampled, drafts) for row in range(last_row[r.request_id] - len(d),
                                                                       last_row[r.request_id] + 1)]
-        decode = None
+        decode, verify = None, None
         if decodes:
-            decode = self._decode_batch([s.request for s in decodes],
-                                        [s.request.num_computed_tokens + s.num_tokens for s in decodes],
-                                        [s.num_tokens for s in decodes] if any(s.draft for s in decodes) else None)
+            ctx = [s.request.num_computed_tokens + s.num_tokens for s in decodes]
+            if any(s.draft for s in decodes):
+                verify = VerifyShape([s.num_tokens for s in decodes], ctx)
+            decode = self._decode_batch([s.request for s in decodes], ctx, verify.q_lens if verify else None)
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots),
             decode=decode,
@@ -245,7 +258,7 @@ class ModelRunner:
         )
         return StepInputs(torch.tensor(ids), torch.cat(positions), meta,
                           torch.tensor(rows, dtype=torch.long), sampled,
-                          drafts=drafts if any(drafts) else None)
+                          drafts=drafts if any(drafts) else None, verify=verify)
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) for a request's block table."""

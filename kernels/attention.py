@@ -75,6 +75,10 @@ class DecodeBatch:
     it when not given. Request i's rows are [q_starts[i], q_starts[i + 1]) of the flat batch;
     row q_starts[i] + j sees the keys at positions < ctx_lens[i] - q_lens[i] + j + 1 (module
     docstring). Both live on ctx_lens's device.
+
+    `static_q` > 0: every request has exactly that many rows (a verification CUDA graph's
+    layout, engine/cuda_graphs.py), so the rows and q_max are known without reading q_lens on
+    the device (a graph cannot hold `int(q_lens.max())`); 0: read from q_lens / q_starts.
     """
 
     num: int
@@ -84,16 +88,23 @@ class DecodeBatch:
     mask: torch.Tensor | None
     q_lens: torch.Tensor | None = None
     q_starts: torch.Tensor | None = None
+    static_q: int = 0
     _rows: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.q_lens is None:
-            if self.q_starts is not None:
-                raise ValueError("DecodeBatch: q_starts without q_lens")
+            if self.q_starts is not None or self.static_q:
+                raise ValueError("DecodeBatch: q_starts without q_lens" if self.static_q == 0
+                                 else "DecodeBatch: static_q without q_lens")
             self._rows = self.num
             return
         if self.q_lens.shape != (self.num,):
             raise ValueError(f"DecodeBatch: q_lens is [{self.num}], got {tuple(self.q_lens.shape)}")
+        if self.static_q:  # nothing read back from the device: a CUDA graph records this
+            if self.q_starts is None:
+                self.q_starts = torch.arange(self.num + 1, device=self.q_lens.device) * self.static_q
+            self._rows = self.num * self.static_q
+            return
         if self.q_starts is None:
             self.q_starts = F.pad(self.q_lens.cumsum(0), (1, 0))
         self._rows = int(self.q_starts[-1])  # once per step (a device sync on CUDA)

@@ -31,7 +31,9 @@ dropped), the group folded in as for one row:
     mask [B, 1, q_max * group, keys]: row j of request b sees keys < ctx_b - q_len_b + j + 1
                                       (and >= that - W under a window)
 
-built once per (step, window, group) like the one-row masks.
+built once per (step, window, group) like the one-row masks. A batch whose requests all have
+`static_q` rows (a verification CUDA graph's, engine/cuda_graphs.py) takes q_max from it and
+needs no padding: nothing depends on the values of q_lens, so a graph can record the step.
 """
 
 from __future__ import annotations
@@ -194,6 +196,9 @@ def decode_keys(dec: DecodeBatch, window: int, block_size: int) -> Keys:
 def query_rows(dec: DecodeBatch) -> QueryRows:
     """The padding of a multi-query decode batch's rows to its most rows per request."""
     assert dec.q_lens is not None and dec.q_starts is not None
+    if dec.static_q:  # every request has q_max rows: the flat rows are the padded ones
+        same = torch.arange(dec.num_rows, device=dec.q_lens.device)
+        return QueryRows(same, same, dec.static_q)
     q_lens, starts = dec.q_lens, dec.q_starts[:-1]
     q_max = int(q_lens.max())
     j = torch.arange(q_max, device=q_lens.device)
@@ -216,7 +221,7 @@ def decode_rows_keys(dec: DecodeBatch, window: int, block_size: int, group: int)
     """
     assert dec.q_lens is not None
     ctx, q_lens, device = dec.ctx_lens, dec.q_lens, dec.ctx_lens.device
-    q_max = int(q_lens.max())
+    q_max = dec.static_q or int(q_lens.max())
     j = torch.minimum(torch.arange(q_max, device=device), (q_lens - 1).unsqueeze(1))
     hi = (ctx - q_lens + 1).unsqueeze(1) + j  # [B, q_max]
     if window == 0 or dec.max_ctx <= window:

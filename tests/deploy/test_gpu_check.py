@@ -46,6 +46,8 @@ def test_dry_run_runs_every_phase_within_the_budget(tmp_path: Path) -> None:
 
 def test_each_step_names_what_it_runs(tmp_path: Path) -> None:
     out, _ = dry_run(tmp_path)
+    assert re.search(r"== a1 .*test_cuda_graphs_match_eager_on_cuda .*"
+                     r"test_cuda_verification_graphs_match_eager_on_cuda", out)
     assert re.search(r"== b .*bench\.gpu_serve_check", out)
     assert re.search(r"== c1 .*bench engine --device cuda --dtype bfloat16", out)
     assert re.search(r"== c2 .*transport_bench --skip throughput --device cuda", out)

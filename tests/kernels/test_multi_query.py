@@ -365,3 +365,23 @@ def test_flashinfer_multi_query_decode_only_step_with_window() -> None:
     got, cache = _attend(backend, scene, 3, scale=0.2)  # type: ignore[arg-type]
     torch.testing.assert_close(got.double(), reference(scene, cache, 3, 0.2), atol=1e-5,
                                rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 50])
+def test_static_rows_per_request_match_the_rows_read_from_q_lens(window: int) -> None:
+    """`static_q` (a verification CUDA graph's layout: every request has that many rows, so no
+    shape is read from the device) gives the dynamic path's result in every backend."""
+    scene = make_scene(decode_ctx=[9, 13, 30, 3], decode_q=[3, 3, 3, 3], prefills=[], head_dim=64, seed=7)
+    dec = scene.meta.decode
+    assert dec is not None
+    static = dataclasses.replace(dec, q_starts=None, static_q=3)
+    assert static.num_rows == 12 and static.q_starts.tolist() == [0, 3, 6, 9, 12]
+    layout = query_rows(static)
+    assert layout.q_max == 3 and layout.pad.tolist() == layout.keep.tolist() == list(range(12))
+    fixed = dataclasses.replace(scene, meta=AttentionMetadata(scene.meta.slot_mapping, static, [], 12))
+    for make in BACKENDS.values():
+        want, _ = _attend(make(), scene, window)
+        got, _ = _attend(make(), fixed, window)
+        assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="static_q without q_lens"):
+        DecodeBatch(1, dec.block_tables[:1], dec.ctx_lens[:1], 9, None, static_q=3)
