@@ -148,30 +148,42 @@ class DecodeGraphs:
         self.ctx_lens = torch.ones(b, dtype=torch.int64, device=dev)
         self.logits_rows = torch.arange(b, dtype=torch.int64, device=dev)
         self.key_pos = torch.arange(self.ctxs[-1], dtype=torch.int64, device=dev)
+        self.logits: torch.Tensor | None = None  # [rows, vocab]: every graph's output, set by capture
         self.graphs: dict[Bucket, Captured] = {}
         self.replays = 0  # steps run by a graph
         self.eager = 0  # decode steps that fit no bucket
 
     def capture(self) -> DecodeGraphs:
-        """Record every bucket, widest first (later, smaller graphs reuse its memory pool)."""
+        """Record every bucket, widest first (later, smaller graphs reuse its memory pool). One
+        eager run of the widest bucket first sizes `logits`, the buffer every graph's logits
+        land in (its rows write only the pad block)."""
         with torch.inference_mode():  # as the eager steps run: no autograd state recorded
             for ctx in reversed(self.ctxs):
                 for rows in reversed(self.rows):
                     bucket = Bucket(rows, ctx)
+                    if self.logits is None:
+                        self.logits = torch.empty_like(self._forward(bucket))
                     self.graphs[bucket] = self.capture_with.capture(self._step_fn(bucket))
         return self
 
-    def _step_fn(self, bucket: Bucket) -> Callable[[], torch.Tensor]:
+    def _forward(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's step over the persistent buffers; the mask is built inside the graph."""
         b, ctx = bucket
-        width = ctx // self.block_size
+        lens = self.ctx_lens[:b]
+        mask = (self.key_pos[:ctx].unsqueeze(0) < lens.unsqueeze(1)).view(b, 1, 1, ctx)
+        dec = DecodeBatch(b, self.tables[:b, : ctx // self.block_size], lens, ctx, mask)
+        meta = AttentionMetadata(slot_mapping=self.slots[:b], decode=dec, prefills=[], num_tokens=b)
+        return self.forward(self.ids[:b], self.positions[:b], self.kv_cache, meta, self.logits_rows[:b])
+
+    def _step_fn(self, bucket: Bucket) -> Callable[[], torch.Tensor]:
+        """The bucket's forward copied into the shared `logits` buffer: no graph keeps an output
+        of its own alive in the memory pool (buckets x rows x vocab fp32: ~3 GB for a 49k
+        vocabulary's 9 x 4 buckets), so the pool holds only the widest graph's activations."""
+        rows = bucket.rows
 
         def step() -> torch.Tensor:
-            lens = self.ctx_lens[:b]
-            mask = (self.key_pos[:ctx].unsqueeze(0) < lens.unsqueeze(1)).view(b, 1, 1, ctx)
-            dec = DecodeBatch(b, self.tables[:b, :width], lens, ctx, mask)
-            meta = AttentionMetadata(slot_mapping=self.slots[:b], decode=dec, prefills=[], num_tokens=b)
-            return self.forward(self.ids[:b], self.positions[:b], self.kv_cache, meta, self.logits_rows[:b])
+            assert self.logits is not None
+            return self.logits[:rows].copy_(self._forward(bucket))
 
         return step
 

@@ -123,6 +123,9 @@ def test_every_bucket_is_captured_once(folder: Path) -> None:
     assert graphs.ctxs == (256,)  # the tiny model's 256-token context
     assert set(graphs.graphs) == {Bucket(b, 256) for b in (1, 2, 4, 6)}
     assert len(capture.captured) == 4
+    assert graphs.logits is not None and graphs.logits.shape[0] == 6
+    assert {g.output.data_ptr() for g in graphs.graphs.values()} == {graphs.logits.data_ptr()}, \
+        "every decode graph's logits land in one shared buffer (no output per graph in the pool)"
 
 
 def test_replayed_decode_steps_are_token_identical_to_eager(folder: Path) -> None:
