@@ -45,7 +45,7 @@ from bench.admission_metrics import (POLICIES, Calibration, best_goodput, goodpu
 from bench.admission_optimum import fetch_cost_model, replay_optimum
 from bench.admission_report import plot, render
 from bench.report import Progress, machine_info, utc_now
-from bench.serve_args import BASELINE_ARGS, CLUSTER_ARGS, add_replay_flags
+from bench.serve_args import BASELINE_ARGS, CLUSTER_ARGS, SERVE_SLO, add_replay_flags
 from bench.serve_bench import ReplayOptions, System, replay, serving
 from bench.serve_metrics import RequestRecord, Slo, request_rows, summarize
 from bench.workload import Caps, Workload, trace_workload
@@ -81,8 +81,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     c.add_argument("--attainment-target", type=float, default=90.0,
                    help="%% of requests meeting both SLOs the calibrated rate sustains")
     s = p.add_argument_group("SLOs (the server's `standard` class)")
-    s.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    s.add_argument("--tbt-slo-ms", type=float, default=200.0)
+    s.add_argument("--ttft-slo-ms", type=float, default=SERVE_SLO.standard_ttft_ms,
+                   help="default: serve's standard class (conductor/serve_defaults.py)")
+    s.add_argument("--tbt-slo-ms", type=float, default=SERVE_SLO.standard_tbt_ms,
+                   help="default: serve's standard class (conductor/serve_defaults.py)")
     t = p.add_argument_group("servers")
     t.add_argument("--cluster-args", default=CLUSTER_ARGS, help="`halfmoon serve` flags of the cluster")
     t.add_argument("--colocated-args", default=BASELINE_ARGS, help="`halfmoon serve` flags of co-located")

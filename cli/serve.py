@@ -160,13 +160,15 @@ def cluster_config(args: argparse.Namespace, engine_cfg, observability=None):  #
 def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission, observability) -> int:
     from conductor.cluster import ClusterBackend
     from conductor.serve_defaults import precision_line
+    from conductor.startup_probe import PROBE_PROMPTS
 
     cluster = cluster_config(args, engine_cfg, observability)
     print(f"halfmoon: starting {cluster.prefill} prefill + {cluster.decode} decode workers "
           f"({args.model}, {cluster.worker_threads} thread(s) each) on Ray; "
           f"{precision_line(args.dtype, args.quantization, args.device)} ...",
           file=sys.stderr, flush=True)
-    backend = ClusterBackend(cluster, engine_cfg.redis_url, admission=admission)
+    # lone probes at start measure the per-request overhead admission predicts with
+    backend = ClusterBackend(cluster, engine_cfg.redis_url, admission=admission, overhead_probes=PROBE_PROMPTS)
     backend.manager.init_ray()  # on the main thread, before the servers' threads exist
     asyncio.run(_main(backend, config))
     print("halfmoon: stopped", file=sys.stderr, flush=True)

@@ -53,7 +53,7 @@ def sim_jobs(result: SimResult, cost: CostModel) -> list[Job]:
     jobs = []
     for r, shared in zip(requests, hits, strict=True):
         reusable = reusable_tokens(shared, r.prompt_len, HASH_BLOCK_TOKENS, config.block_size)
-        handoff = 0.0 if config.colocated else config.kv_tail * cost.est_transfer_ms(r.prompt_len) + config.overhead_ms
+        handoff = 0.0 if config.colocated else config.kv_tail * cost.est_transfer_ms(r.prompt_len) + (config.overhead_ms or 0.0)
         jobs.append(Job(r.arrival_s * 1e3, r.prompt_len, r.output_len, best_prefill_ms(cost, r.prompt_len, reusable),
                         handoff, cdiv(r.prompt_len + r.output_len, config.block_size)))
     return jobs
