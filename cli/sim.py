@@ -90,6 +90,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=served.engine.block_size, help="the engine's KV block (tokens)")
     p.add_argument("--chunk", type=int, default=served.engine.max_num_batched_tokens,
                    help="prefill tokens per engine step, several prompts each (serve's --max-num-batched-tokens)")
+    p.add_argument("--prefill-max-seqs", type=int, default=served.prefill_max_seqs,
+                   help="prompts a prefill worker steps at once (serve's --prefill-max-seqs)")
     p.add_argument("--max-seqs", type=int, default=served.engine.max_num_seqs,
                    help="requests decoding at once per worker (serve's --max-num-seqs)")
     p.add_argument("--overhead-ms", type=float, default=None,
@@ -144,6 +146,7 @@ def sim_config(args: argparse.Namespace, kv_bytes_per_token: int) -> tuple[SimCo
     base = serve_config(kv_bytes_per_token, prefill=args.prefill, decode=args.decode, colocated=args.colocated,
                         device_tokens=device[0], host_tokens=host[0], disk_tokens=disk,
                         block_size=args.block_size, chunk=args.chunk, max_seqs=args.max_seqs,
+                        prefill_max_seqs=args.prefill_max_seqs,
                         drain_s=args.drain_s, overhead_ms=args.overhead_ms, admission=build(ADMISSION, args),
                         tokens_per_step=args.tokens_per_step)
     return base, (device, host)

@@ -139,7 +139,8 @@ class ClusterBackend(GenerationBackend):
     def _dispatch_with(self, cost: CostModel, stats: AdmissionStats) -> None:
         assert self.info is not None
         self.dispatcher = Dispatcher(self.admission_config, cost, self.info.block_size, stats=stats,
-                                     prefill_budget=self.config.engine.max_num_batched_tokens)
+                                     prefill_budget=self.config.engine.max_num_batched_tokens,
+                                     prefill_max_seqs=self.config.max_seqs("prefill"))
 
     def _learn_capacity(self) -> None:
         """The largest request (prompt + max_tokens) a decode worker's KV holds: more is a 400."""

@@ -100,17 +100,19 @@ class Dispatcher:
         prefill tokens (co-located mode; None in a cluster).
     clock: what the calibration's window is measured on (the simulator passes its own).
     prefill_budget: a cluster's prefill workers pack their queues into steps of this many
-        tokens (their engines' max_num_batched_tokens): their ledgers lay queues out so
-        (conductor/prefill_steps.py). None: one prefill at a time.
+        tokens (their engines' max_num_batched_tokens) and at most `prefill_max_seqs` prompts
+        (None: no limit): their ledgers lay queues out so (conductor/prefill_steps.py). None: one
+        prefill at a time.
     """
 
     def __init__(self, config: AdmissionConfig, cost: CostModel, block_size: int,
                  colocated_chunk: int | None = None, stats: AdmissionStats | None = None,
-                 clock: Callable[[], float] = time.monotonic, prefill_budget: int | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefill_budget: int | None = None,
+                 prefill_max_seqs: int | None = None) -> None:
         self.config = config
         self.cost = cost
         self.block_size = block_size
-        self.prefill_steps = PrefillSteps(cost, prefill_budget) if prefill_budget else None
+        self.prefill_steps = PrefillSteps(cost, prefill_budget, prefill_max_seqs) if prefill_budget else None
         self.admission = Admission(config, cost, colocated_chunk, clock)
         self.router = Router(cost, block_size)
         self.stats = stats if stats is not None else AdmissionStats()

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from conductor.prediction import DecodeJob
-from conductor.prefill_steps import PrefillSteps, pack
+from conductor.prefill_steps import PrefillSteps
 
 
 @dataclass(slots=True)
@@ -73,9 +73,6 @@ class Slot(NamedTuple):
     end_ms: float
 
 
-JOIN_S = 0.005  # batched: jobs sent this soon after a step began are in it (one window's decisions)
-
-
 @dataclass(slots=True)
 class PrefillLedger:
     """The pending prefills of one worker (see the module docstring).
@@ -84,9 +81,9 @@ class PrefillLedger:
     it was sent to an idle worker or when the head before it finished; then the next in order.
     steps set (the cluster's prefill workers; `Dispatcher` sets it): the worker packs its queue
     into steps of `steps.budget` tokens (conductor/prefill_steps.py). The step in progress began
-    when a job was sent to an idle worker (with it: the jobs sent within `JOIN_S`, a window's
-    decisions) or when one of its jobs finished (then: the queue as it stands); every later job
-    waits for the steps after it.
+    when a job was sent to an idle worker (it alone: the engine steps as soon as work arrives)
+    or when one of its jobs finished (then: the queue as it stands); every job sent after it
+    began, a window's next decisions too, waits for the steps after it.
     """
 
     jobs: dict[str, PendingPrefill] = field(default_factory=dict)
@@ -105,8 +102,8 @@ class PrefillLedger:
         self.jobs[job.request_id] = job
         if self.head is None:
             self.head, self.head_started = job.request_id, job.sent_at
-        if self.steps is not None and job.sent_at - self.head_started <= JOIN_S:
-            self._start_step(self.head_started, lambda j: j.sent_at - self.head_started <= JOIN_S)
+            if self.steps is not None:
+                self.in_step = self._members([job])
 
     def finish(self, request_id: str, now: float) -> None:
         """The prefill ended (or failed, or was aborted); idempotent."""
@@ -117,24 +114,24 @@ class PrefillLedger:
                 for rid, take in self.in_step.items():
                     if rid in self.jobs:  # computed its chunk (its own finish may come a moment later)
                         self.jobs[rid].done_tokens += take
-                self._start_step(now, lambda j: True)
+                self._start_step(now)
             return
         if request_id != self.head:
             return
         nxt = min(self.jobs.values(), key=PendingPrefill.order, default=None)
         self.head, self.head_started = (nxt.request_id, now) if nxt is not None else (None, 0.0)
 
-    def _start_step(self, at: float, eligible: Callable[[PendingPrefill], bool]) -> None:
-        """Batched: a step began at `at` with the eligible jobs the budget takes: the ones begun
-        first, then in order (a job computed in full only waits for its finish)."""
-        self.in_step = self._members([j for j in self._waiting() if eligible(j)])
+    def _start_step(self, at: float) -> None:
+        """Batched: a step began at `at` with the jobs the budget takes: the ones begun first,
+        then in order (a job computed in full only waits for its finish)."""
+        self.in_step = self._members(self._waiting())
         self.head = next(iter(self.in_step), None)
         self.head_started = at if self.in_step else 0.0
 
     def _members(self, queue: list[PendingPrefill]) -> dict[str, int]:
         """The jobs of `queue` (in service order) one step takes, with their tokens."""
         assert self.steps is not None
-        takes = pack((self.steps.remaining(j) for j in queue), self.steps.budget)
+        takes = self.steps.pack(self.steps.remaining(j) for j in queue)
         return {j.request_id: take for j, take in zip(queue, takes)}
 
     def _ordered(self) -> list[PendingPrefill]:
@@ -172,10 +169,8 @@ class PrefillLedger:
         assert self.steps is not None
         waiting = self._waiting()
         members, started = self.in_step, self.head_started
-        if extra is not None and (not members or now - started <= JOIN_S):  # it joins the step beginning
-            started = started if members else now
-            members = self._members(sorted([*(j for j in waiting if j.sent_at - started <= JOIN_S), extra],
-                                           key=_service_key))
+        if extra is not None and not members:  # an idle worker: its step begins now
+            members, started = self._members([extra]), now
         queue = sorted([*waiting, extra] if extra is not None else waiting, key=_service_key)
         first = [j for j in queue if j.request_id in members]
         rest = [j for j in queue if j.request_id not in members]

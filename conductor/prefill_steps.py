@@ -24,13 +24,14 @@ from typing import Protocol
 from conductor.cost_model import CostModel
 
 
-def pack(remaining: Iterable[int], budget: int) -> list[int]:
+def pack(remaining: Iterable[int], budget: int, max_seqs: int | None = None) -> list[int]:
     """Tokens each prefill computes in one step, in queue order: all it has left while the
-    budget lasts, the last one the rest of the budget (a chunk). The list stops where the budget
-    does: what follows in `remaining` is not read (a lazy queue costs only what fits)."""
+    budget lasts, the last one the rest of the budget (a chunk); at most `max_seqs` prompts.
+    The list stops where the step does: what follows in `remaining` is not read (a lazy queue
+    costs only what fits)."""
     takes, left = [], budget
     for tokens in remaining:
-        if left <= 0:
+        if left <= 0 or (max_seqs is not None and len(takes) >= max_seqs):
             break
         take = min(tokens, left)
         takes.append(take)
@@ -51,10 +52,12 @@ class StepJob(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PrefillSteps:
-    """The prefill engine's step budget and the cost model that times its steps."""
+    """The prefill engine's step budget (tokens; prompts: its max_num_seqs, None = no limit) and
+    the cost model that times its steps."""
 
     cost: CostModel
     budget: int
+    max_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -63,6 +66,9 @@ class PrefillSteps:
     def demand(self, job: StepJob) -> int:
         """Tokens the job computes; a job of unknown size (new_tokens 0) fills a step alone."""
         return job.new_tokens if job.new_tokens > 0 else self.budget
+
+    def pack(self, remaining: Iterable[int]) -> list[int]:
+        return pack(remaining, self.budget, self.max_seqs)
 
     def remaining(self, job: StepJob) -> int:
         return max(0, self.demand(job) - job.done_tokens)
@@ -91,7 +97,7 @@ class PrefillSteps:
             if not in_progress:
                 queue += pending
                 pending = []
-            takes = pack((self.demand(j) - done[j.request_id] for j in queue), self.budget)
+            takes = self.pack(self.demand(j) - done[j.request_id] for j in queue)
             takes += [0] * (len(queue) - len(takes))
             chunks = [(j, take, done[j.request_id]) for j, take in zip(queue, takes, strict=True)]
             start = t

@@ -28,6 +28,7 @@ from conductor.cost_model import CostModel
 from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
 from conductor.errors import OverloadedError, ServiceUnavailableError
 from conductor.ledger import DecodeLedger, PrefillLedger
+from conductor.prefill_steps import PrefillSteps
 from conductor.serve_defaults import serve_admission, serve_cluster, tier_tokens
 from core.errors import ConfigError, check_positive
 from sim.engines import KV_TAIL, Clock, ColocatedWorker, DecodeBatch, DecodeWorker, Flight, PrefillWorker
@@ -53,6 +54,8 @@ class SimConfig:
     chunk: prefill tokens per step (the engine's max_num_batched_tokens): a prefill worker's
         steps (several prompts each), co-located the engine's steps.
     max_seqs: requests decoding at once per worker.
+    prefill_max_seqs: prompts a prefill worker steps at once (serve's `--prefill-max-seqs`;
+        None: no limit but the chunk).
     kv_tail: the share of a prompt's KV transfer not hidden behind its prefill.
     overhead_ms: what a request pays outside the engines (RPCs, the KV handoff's handshake,
         streaming back through the Conductor): the simulated first token comes this much
@@ -81,6 +84,7 @@ class SimConfig:
     block_size: int = _SERVE.engine.block_size
     chunk: int = _SERVE.engine.max_num_batched_tokens
     max_seqs: int = _SERVE.engine.max_num_seqs
+    prefill_max_seqs: int | None = _SERVE.prefill_max_seqs
     kv_tail: float = KV_TAIL
     overhead_ms: float | None = None
     drain_s: float | None = None
@@ -198,7 +202,8 @@ class Simulator:
         clock = self.clock
         self.dispatcher = (after.dispatcher if after is not None else
                            Dispatcher(config.admission, self.cost, config.block_size, chunk, clock=lambda: clock.now,
-                                      prefill_budget=None if config.colocated else config.chunk))
+                                      prefill_budget=None if config.colocated else config.chunk,
+                                      prefill_max_seqs=config.prefill_max_seqs))
         self.records: list[Record] = []
         blocks = config.device_tokens // config.block_size
         if config.colocated:
@@ -209,7 +214,8 @@ class Simulator:
             self.decode: dict[str, DecodeWorker] = {}
         else:
             self.prefill = {f"prefill-{i}": PrefillWorker(f"prefill-{i}", cost, self.clock, self._cache(),
-                                                          config.kv_tail, self._pushed, config.chunk)
+                                                          config.kv_tail, self._pushed,
+                                                          PrefillSteps(cost, config.chunk, config.prefill_max_seqs))
                             for i in range(config.prefill)}
             self.decode = {f"decode-{i}": DecodeWorker(f"decode-{i}", cost, self.clock, config.max_seqs,
                                                        self._first, self._finished)

@@ -31,7 +31,7 @@ from typing import Any
 
 from conductor.cost_model import CostModel
 from conductor.dispatch import Booking
-from conductor.prefill_steps import PrefillSteps, pack
+from conductor.prefill_steps import PrefillSteps
 from sim.tiers import Hits, TieredCache
 from sim.workload import SimRequest
 
@@ -211,19 +211,20 @@ class Stepper(Worker):
 
 
 class PrefillWorker(Worker):
-    """A prefill engine: steps of up to `budget` prompt tokens, packed as the real scheduler packs
+    """A prefill engine: steps of up to `steps.budget` prompt tokens, packed as the real scheduler packs
     them (conductor/prefill_steps.py `pack`: its unfinished prefills first, then the queue in
     order); a step takes `CostModel.est_prefill_step_ms` of its chunks plus the fetches of the
-    prefills it starts. Work submitted while a step runs waits for the next; a step starts once
-    the submissions of its instant are in (the admission window's decisions arrive together)."""
+    prefills it starts. An idle worker steps as soon as work arrives (that work alone); work
+    submitted while a step runs, a window's later decisions of the same instant too, waits for
+    the next (as `PrefillLedger` predicts)."""
 
     def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cache: TieredCache,
-                 kv_tail: float, on_done: Callable[[Flight], None], budget: int) -> None:
+                 kv_tail: float, on_done: Callable[[Flight], None], steps: PrefillSteps) -> None:
         super().__init__(worker_id, cost, clock)
         self.cache = cache
         self.kv_tail = kv_tail
         self.on_done = on_done
-        self.steps = PrefillSteps(cost, budget)
+        self.steps = steps  # the engine's budget (and prompts a step); timed by `cost`, not steps.cost
         self._queue: list[tuple[tuple[int, float, int], Flight]] = []
         self._started: list[Flight] = []  # prefills begun and not finished, in the order begun
         self._busy = False
@@ -236,13 +237,13 @@ class PrefillWorker(Worker):
         heapq.heappush(self._queue, (flight.order, flight))
         if not self._busy:
             self._busy = True
-            self.clock.at(self.clock.now, self._step)
+            self._step()
 
     def _step(self) -> None:
         started = [(f, f.new_tokens - f.done_tokens) for f in self._started]
         waiting = [f for _, f in sorted(self._queue)]
         line = started + [(f, 0) for f in waiting]
-        takes = pack((left or self._begin_demand(f) for f, left in line), self.steps.budget)
+        takes = self.steps.pack(left or self._begin_demand(f) for f, left in line)
         chunks: list[tuple[Flight, int]] = []
         fetch_ms = 0.0
         for (flight, left), take in zip(line, takes):

@@ -27,6 +27,7 @@ def job(rid: str, tokens: int, sent_at: float = NOW, deadline: float = math.inf)
 
 
 def batched(*jobs: PendingPrefill) -> PrefillLedger:
+    """A ledger of jobs sent in this order (the first found the worker idle: its step alone)."""
     ledger = PrefillLedger(steps=STEPS)
     for j in jobs:
         ledger.add(j)
@@ -61,19 +62,17 @@ def test_a_burst_in_one_step_gets_its_first_tokens_together() -> None:
 
 
 def test_the_ledger_lays_out_the_step_in_progress_then_the_queue() -> None:
-    ledger = batched(job("a", 100), job("b", 100))  # one window's decisions: one step
-    assert list(ledger.in_step) == ["a", "b"]
-    late = job("c", 100, sent_at=NOW + 0.05)  # sent while the step runs: the next step
-    ledger.add(late)
-    assert list(ledger.in_step) == ["a", "b"]
-    plan = {s.job.request_id: s for s in ledger.plan(NOW + 0.1)}
-    assert plan["a"].end_ms == pytest.approx(210 - 100)
-    assert plan["c"].end_ms == pytest.approx(110 + 110)
-    ledger.finish("a", NOW + 0.2)  # the step ended: b is computed, the next step takes the rest
-    assert ledger.in_step == {"c": 100} and ledger.head_started == NOW + 0.2
-    assert {s.job.request_id: s.end_ms for s in ledger.plan(NOW + 0.2)} == pytest.approx({"b": 0.0, "c": 110.0})
-    ledger.finish("b", NOW + 0.21)  # its own finish, a moment later: nothing else changes
-    assert ledger.in_step == {"c": 100} and ledger.depth == 1
+    ledger = batched(job("a", 100), job("b", 100), job("c", 200))  # a window's decisions, same instant
+    assert ledger.in_step == {"a": 100}  # the engine stepped as soon as "a" arrived
+    plan = {s.job.request_id: s.end_ms for s in ledger.plan(NOW + 0.05)}
+    assert plan == pytest.approx({"a": 110 - 50, "b": 60 + 310, "c": 60 + 310})  # b and c: one step
+    ledger.finish("a", NOW + 0.1)  # the step ended: the next takes the queue as it stands
+    assert ledger.in_step == {"b": 100, "c": 200} and ledger.head_started == NOW + 0.1
+    ledger.finish("b", NOW + 0.45)  # b's step ended: c is computed, waiting for its own finish
+    assert ledger.in_step == {} and ledger.head is None
+    assert [s.end_ms for s in ledger.plan(NOW + 0.45)] == [0.0]
+    ledger.finish("c", NOW + 0.46)
+    assert ledger.depth == 0
 
 
 def test_a_chunked_prompt_goes_on_in_the_next_step() -> None:
@@ -90,12 +89,6 @@ def test_a_candidate_joins_the_step_after_the_one_in_progress() -> None:
     assert ledger.end_ms(job("x", 50), NOW + 0.01) == pytest.approx(110 + 60 - 10)
     assert PrefillLedger(steps=STEPS).end_ms(job("x", 50), NOW) == pytest.approx(60)  # idle: at once
     assert ledger.wait_ms(1, NOW + 0.01) == pytest.approx(100)
-
-
-def test_a_window_decision_joins_the_step_it_is_sent_with() -> None:
-    ledger = batched(job("a", 100))  # sent to an idle worker: its step begins
-    assert ledger.end_ms(job("x", 50), NOW + 0.001) == pytest.approx(10 + 150 - 1)  # decided with it: one step
-    assert ledger.end_ms(job("x", 50), NOW + 0.05) == pytest.approx(110 + 60 - 50)  # later: the next step
 
 
 def test_pushed_past_deadline_sees_the_steps() -> None:
