@@ -37,6 +37,7 @@ ENGINE = Component(
         "redis_url": "`serve` sets it: --redis-url, --no-redis, else the embedded Redis it starts",
         "worker_id": "the cluster names each worker",
         "node_id": "the worker's node (hostname) in the cluster",
+        "max_prefill_seqs": "a prefill worker's, set by serve's --prefill-max-seqs (the cluster's field)",
     })
 
 # `serve` runs `--dtype auto` by default (conductor/serve_defaults.py, which `halfmoon sim` reads too), and

@@ -140,7 +140,7 @@ class ClusterBackend(GenerationBackend):
         assert self.info is not None
         self.dispatcher = Dispatcher(self.admission_config, cost, self.info.block_size, stats=stats,
                                      prefill_budget=self.config.engine.max_num_batched_tokens,
-                                     prefill_max_seqs=self.config.max_seqs("prefill"))
+                                     prefill_max_seqs=self.config.prefill_seqs("prefill"))
 
     def _learn_capacity(self) -> None:
         """The largest request (prompt + max_tokens) a decode worker's KV holds: more is a 400."""

@@ -52,8 +52,9 @@ class ClusterConfig:
         the actor on its node (engine/tp_ranks.py); 1 = one process.
     decode_tp: the same for every decode worker; it need not equal prefill_tp: the KV moves
         between the layouts, each decode rank receiving only its heads (transport/heads.py).
-    prefill_max_seqs: prompts a prefill worker's engine steps at once (its max_num_seqs; the
-        token budget still chunks a long prompt); None = the engine's max_num_seqs. A step's
+    prefill_max_seqs: prompts a prefill worker's engine steps at once (its engine's
+        max_prefill_seqs; the token budget still chunks a long prompt); None = as many as the
+        budget takes. A step's
         prompts all get their first tokens at its end: on a burst, one prompt a step serves the
         window's shortest prompts first (conductor/prefill_steps.py; serve's default is 1,
         conductor/serve_defaults.py).
@@ -112,11 +113,9 @@ class ClusterConfig:
         """Tensor-parallel size of `role`'s workers."""
         return self.prefill_tp if role == "prefill" else self.decode_tp
 
-    def max_seqs(self, role: str) -> int:
-        """The max_num_seqs of `role`'s engines (prefill: `prefill_max_seqs`, when set)."""
-        if role == "prefill" and self.prefill_max_seqs is not None:
-            return self.prefill_max_seqs
-        return self.engine.max_num_seqs
+    def prefill_seqs(self, role: str) -> int | None:
+        """The max_prefill_seqs of `role`'s engines (prefill workers: `prefill_max_seqs`)."""
+        return self.prefill_max_seqs if role == "prefill" else self.engine.max_prefill_seqs
 
     def gpus(self, role: str) -> float:
         """The Ray `num_gpus` of `role`'s actors: given, else the planned share per rank."""
@@ -151,7 +150,7 @@ class ClusterConfig:
             index = i if role == "prefill" else i - n_prefill
             first = (i * self.worker_threads) % cores
             cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
-            role_engine = dataclasses.replace(engine, tp=self.tp(role), max_num_seqs=self.max_seqs(role))
+            role_engine = dataclasses.replace(engine, tp=self.tp(role), max_prefill_seqs=self.prefill_seqs(role))
             specs.append(WorkerSpec(f"{role}-{index}", role, role_engine, self.transport, cpus,
                                     tracing=self.tracing, log=self.log))
         return specs
