@@ -264,7 +264,9 @@ def run_loads(server: Server, speed: float, loads: Sequence[float], plan: Plan) 
         runs.append({"mode": server.mode, "policy": server.policy, "load": load, "speed": round(speed * load, 4),
                      "goodput_basis": "makespan" if plan.same_requests else "window",
                      "serve_args": server.serve_args, "workload": w.summary(), "metrics": metrics,
-                     "optimum": optimum, "index": scrape_index_health(server.http_url), "requests": rows(records)})
+                     "optimum": optimum, "index": scrape_index_health(server.http_url), "requests": rows(records),
+                     # the server's own (with the overhead it measured at start): `halfmoon sim --cost-model`
+                     "cost_model": None if cost is None else json.loads(cost.to_json())})
         plan.say(f"{label}: goodput {goodput(runs[-1]) or 0:.3f} req/s ({runs[-1]['goodput_basis']}), "
                  f"{metrics['rejected']} rejected, {metrics['errors_5xx']} errors")
     return runs
