@@ -142,7 +142,9 @@ class Dispatcher:
             self.stats.rejected(objective.slo_class.name, e.reason or "kv_capacity")
             raise
         chosen = next(e for e in plan.per_worker if e.worker_id == plan.prefill_id)
-        cost_ms = chosen.prefill_ms + chosen.transfer_ms
+        steps = self.prefill_steps  # a long prompt's chunks are steps of their own
+        alone = chosen.prefill_ms if steps is None else steps.alone_ms(ask.prompt_len - plan.prefix_len, plan.prefix_len)
+        cost_ms = alone + chosen.transfer_ms
         arrived = now if arrival is None else min(arrival, now)
         candidate = self.admission.candidate(objective, ask.prompt_len, ask.max_tokens, cost_ms,
                                              self.block_size, arrived, ask.prompt_len - plan.prefix_len,

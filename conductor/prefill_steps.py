@@ -39,6 +39,18 @@ def pack(remaining: Iterable[int], budget: int, max_seqs: int | None = None) -> 
     return takes
 
 
+def chunked_prefill_ms(cost: CostModel, new: int, cached: int, budget: int) -> float:
+    """A prompt's prefill alone on a worker stepping `budget` tokens: the steps of its chunks,
+    each after the ones before it (a long prompt pays each step's constant, and its later chunks
+    attend to the earlier ones as to a cached prefix)."""
+    total, done = 0.0, 0
+    while done < new:
+        take = min(budget, new - done)
+        total += cost.est_prefill_step_ms([(take, cached + done)])
+        done += take
+    return total
+
+
 class StepJob(Protocol):
     """A prefill as the layout sees it (conductor/ledger.py's `PendingPrefill`)."""
 
@@ -66,6 +78,10 @@ class PrefillSteps:
     def demand(self, job: StepJob) -> int:
         """Tokens the job computes; a job of unknown size (new_tokens 0) fills a step alone."""
         return job.new_tokens if job.new_tokens > 0 else self.budget
+
+    def alone_ms(self, new: int, cached: int) -> float:
+        """A prefill of `new` tokens after `cached` on an idle worker."""
+        return chunked_prefill_ms(self.cost, new, cached, self.budget)
 
     def pack(self, remaining: Iterable[int]) -> list[int]:
         return pack(remaining, self.budget, self.max_seqs)

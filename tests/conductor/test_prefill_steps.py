@@ -128,3 +128,18 @@ def test_a_window_is_served_in_the_order_it_decided() -> None:
     assert long_.candidate.deadline < short.candidate.deadline  # its TTFT deadline stays its arrival's
     order = [j.request_id for j in sorted(prefill[0].ledger.jobs.values(), key=PendingPrefill.order)]
     assert order == ["first", "short", "long"]
+
+
+def test_a_long_prompt_alone_is_its_chunks_steps() -> None:
+    from conductor.prefill_steps import chunked_prefill_ms
+
+    attention = CostModel((10.0, 1.0, 0.01, 0.0), (50.0, 0.0, 0.0), 1e9, 1)
+    assert chunked_prefill_ms(attention, 300, 0, 512) == pytest.approx(attention.est_prefill_ms(300))
+    # 700 tokens: 512 alone, then 188 attending to the first 512 as to a cached prefix
+    assert chunked_prefill_ms(attention, 700, 0, 512) == pytest.approx(
+        attention.est_prefill_ms(512) + attention.est_prefill_ms(188, 512))
+    assert STEPS.alone_ms(700, 0) == pytest.approx(10 + 512 + 10 + 188)
+    dispatcher = Dispatcher(AdmissionConfig(standard_ttft_ms=60_000), COST, 16, prefill_budget=512)
+    booking = dispatcher.dispatch(Ask("long", 700, 4), PrefixMatch(), [PrefillSide("p0", PrefillLedger())],
+                                  [DecodeSide("d0", DecodeLedger(total_blocks=10_000))], NOW)
+    assert booking.candidate.prefill_ms == pytest.approx(720.0)
