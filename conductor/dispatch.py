@@ -135,7 +135,7 @@ class Dispatcher:
         when it arrived, if the admission window held it (default: now)."""
         objective = self.objective(ask)
         for side in prefill:  # how the workers step: their ledgers lay their queues out so
-            side.ledger.steps = self.prefill_steps
+            side.ledger.use(self.prefill_steps)
         try:
             plan = self.route(ask, prefix, objective, prefill, decode, now)
         except OverloadedError as e:  # no decode worker has the KV free

@@ -97,6 +97,15 @@ class PrefillLedger:
     def depth(self) -> int:
         return len(self.jobs)
 
+    def use(self, steps: PrefillSteps | None) -> None:
+        """How the worker steps (the Dispatcher's, before each decision); jobs queued before
+        are laid out from here on as a step in progress since the head started."""
+        if steps is self.steps:
+            return
+        self.steps = steps
+        if steps is not None and self.jobs:
+            self._start_step(self.head_started if self.head is not None else min(j.sent_at for j in self.jobs.values()))
+
     def add(self, job: PendingPrefill) -> None:
         job.seq = next(self._seq)
         self.jobs[job.request_id] = job

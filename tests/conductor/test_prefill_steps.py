@@ -84,6 +84,14 @@ def test_a_chunked_prompt_goes_on_in_the_next_step() -> None:
     assert plan == pytest.approx({"long": 522 + 10 + 188 + 100, "b": 522 + 10 + 188 + 100})
 
 
+def test_a_queue_kept_before_the_steps_were_known_is_a_step_in_progress() -> None:
+    ledger = PrefillLedger()
+    ledger.add(PendingPrefill("hold", 0, math.inf, 1e6, NOW))  # no size known: a step of its cost
+    ledger.use(STEPS)
+    assert ledger.in_step == {"hold": 512} and ledger.head_started == NOW
+    assert ledger.end_ms(job("x", 50), NOW) == pytest.approx(1e6 + 60)
+
+
 def test_a_candidate_joins_the_step_after_the_one_in_progress() -> None:
     ledger = batched(job("a", 100))
     assert ledger.end_ms(job("x", 50), NOW + 0.01) == pytest.approx(110 + 60 - 10)
