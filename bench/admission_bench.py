@@ -45,7 +45,7 @@ from bench.admission_metrics import (POLICIES, Calibration, best_goodput, goodpu
 from bench.admission_optimum import fetch_cost_model, replay_optimum
 from bench.admission_report import plot, render
 from bench.report import Progress, machine_info, utc_now
-from bench.serve_args import BASELINE_ARGS, CLUSTER_ARGS, add_replay_flags
+from bench.serve_args import BASELINE_ARGS, CLUSTER_ARGS, SERVE_SLO, add_replay_flags
 from bench.serve_bench import ReplayOptions, System, replay, serving
 from bench.serve_metrics import RequestRecord, Slo, request_rows, summarize
 from bench.workload import Caps, Workload, trace_workload
@@ -81,8 +81,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     c.add_argument("--attainment-target", type=float, default=90.0,
                    help="%% of requests meeting both SLOs the calibrated rate sustains")
     s = p.add_argument_group("SLOs (the server's `standard` class)")
-    s.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    s.add_argument("--tbt-slo-ms", type=float, default=200.0)
+    s.add_argument("--ttft-slo-ms", type=float, default=SERVE_SLO.standard_ttft_ms,
+                   help="default: serve's standard class (conductor/serve_defaults.py)")
+    s.add_argument("--tbt-slo-ms", type=float, default=SERVE_SLO.standard_tbt_ms,
+                   help="default: serve's standard class (conductor/serve_defaults.py)")
     t = p.add_argument_group("servers")
     t.add_argument("--cluster-args", default=CLUSTER_ARGS, help="`halfmoon serve` flags of the cluster")
     t.add_argument("--colocated-args", default=BASELINE_ARGS, help="`halfmoon serve` flags of co-located")
@@ -262,7 +264,9 @@ def run_loads(server: Server, speed: float, loads: Sequence[float], plan: Plan) 
         runs.append({"mode": server.mode, "policy": server.policy, "load": load, "speed": round(speed * load, 4),
                      "goodput_basis": "makespan" if plan.same_requests else "window",
                      "serve_args": server.serve_args, "workload": w.summary(), "metrics": metrics,
-                     "optimum": optimum, "index": scrape_index_health(server.http_url), "requests": rows(records)})
+                     "optimum": optimum, "index": scrape_index_health(server.http_url), "requests": rows(records),
+                     # the server's own (with the overhead it measured at start): `halfmoon sim --cost-model`
+                     "cost_model": None if cost is None else json.loads(cost.to_json())})
         plan.say(f"{label}: goodput {goodput(runs[-1]) or 0:.3f} req/s ({runs[-1]['goodput_basis']}), "
                  f"{metrics['rejected']} rejected, {metrics['errors_5xx']} errors")
     return runs

@@ -24,6 +24,7 @@ import numpy as np
 
 from bench.serve_metrics import RequestRecord, Slo, meets_slo, tbt_s
 from conductor.cost_model import CostModel
+from conductor.serve_defaults import serve_engine
 from core.errors import ConfigError
 from sim.optimum import DEFAULT_NODE_BUDGET, Job, Reference, solve
 from sim.optimum_jobs import best_prefill_ms, optimum_summary
@@ -56,19 +57,27 @@ def shape(serve_args: str | None) -> tuple[int, int, bool]:
     return count("--prefill"), count("--decode"), False
 
 
+def step_budget(serve_args: str | None) -> int:
+    """A prefill worker's token budget a step: `--max-num-batched-tokens`, else serve's default."""
+    match = re.search(r"--max-num-batched-tokens[ =](\d+)", serve_args or "")
+    return int(match.group(1)) if match else serve_engine().max_num_batched_tokens
+
+
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     differ = np.flatnonzero(a[:n] != b[:n])
     return int(differ[0]) if differ.size else n
 
 
-def prefill_ms(cost: CostModel, prompts: Sequence[np.ndarray], seen: Sequence[np.ndarray]) -> list[float]:
+def prefill_ms(cost: CostModel, prompts: Sequence[np.ndarray], seen: Sequence[np.ndarray],
+               chunk: int | None = None) -> list[float]:
     """Each prompt's prefill at its best hit: any prompt before it, of this replay or of `seen`
-    (earlier replays on the same server), may have left its prefix cached."""
+    (earlier replays on the same server), may have left its prefix cached; `chunk`: a prefill
+    worker's step budget (a long prompt's chunks are steps of their own)."""
     out = []
     for i, prompt in enumerate(prompts):
         hits = {min(common_prefix(prompt, other), len(prompt) - 1) for other in (*seen, *prompts[:i])}
-        out.append(best_prefill_ms(cost, len(prompt), hits))
+        out.append(best_prefill_ms(cost, len(prompt), hits, chunk))
     return out
 
 
@@ -91,7 +100,8 @@ def replay_optimum(records: Sequence[RequestRecord], prompts: Sequence[np.ndarra
     prefill, decode, colocated = shape(serve_args)
     ref = Reference(prefill, decode, slo.ttft_ms, slo.tbt_ms, cost, math.inf)
     jobs = [Job(r.arrival_s * 1e3, r.prompt_tokens, max(1, r.max_tokens), ms)
-            for r, ms in zip(records, prefill_ms(cost, prompts, seen), strict=True)]
+            for r, ms in zip(records, prefill_ms(cost, prompts, seen, None if colocated else step_budget(serve_args)),
+                             strict=True)]
     optimum = solve(ref, jobs, node_budget)
     if colocated:
         optimum = optimum._replace(exact=False)

@@ -9,11 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench.workload import Caps, Workload, chat_workload, trace_workload
+from conductor.serve_defaults import serve_admission
 from sim.conversations import ConversationShape, conversation_trace, write_trace
 
 DEFAULT_SERVE_ARGS = "--colocated --threads 2 --no-redis"
 BASELINE_ARGS = "--colocated --threads 2"
 CLUSTER_ARGS = "--prefill 1 --decode 1 --worker-threads 1"
+SERVE_SLO = serve_admission()  # the benches' SLOs default to serve's `standard` class
 
 
 def add_replay_flags(p: argparse.ArgumentParser, json_name: str) -> None:
@@ -56,8 +58,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     c.add_argument("--save-trace", default=None,
                    help="write the generated trace here (replay it with --trace, or `halfmoon sim`)")
     s = p.add_argument_group("SLOs")
-    s.add_argument("--ttft-slo-ms", type=float, default=2000.0)
-    s.add_argument("--tbt-slo-ms", type=float, default=200.0)
+    s.add_argument("--ttft-slo-ms", type=float, default=SERVE_SLO.standard_ttft_ms,
+                   help="default: serve's standard class (conductor/serve_defaults.py)")
+    s.add_argument("--tbt-slo-ms", type=float, default=SERVE_SLO.standard_tbt_ms,
+                   help="default: serve's standard class (conductor/serve_defaults.py)")
     s.add_argument("--send-slo", action=argparse.BooleanOptionalAction, default=True,
                    help="send the SLOs with each request (the server may then reject early)")
     s.add_argument("--attainment-target", type=float, default=90.0,

@@ -12,7 +12,7 @@ import dataclasses
 from conductor.admission import AdmissionConfig, Policy
 from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
-from conductor.serve_defaults import HOST_CACHE_GB, SERVE_DTYPE, SERVE_QUANTIZATION
+from conductor.serve_defaults import HOST_CACHE_GB, SERVE_DTYPE, SERVE_PREFILL_MAX_SEQS, SERVE_QUANTIZATION
 from conductor.server import ServerConfig
 from core.logs import FORMATS, LEVELS, LogConfig
 from core.tracing import PROTOCOLS, SAMPLERS, TracingConfig
@@ -37,6 +37,7 @@ ENGINE = Component(
         "redis_url": "`serve` sets it: --redis-url, --no-redis, else the embedded Redis it starts",
         "worker_id": "the cluster names each worker",
         "node_id": "the worker's node (hostname) in the cluster",
+        "max_prefill_seqs": "a prefill worker's, set by serve's --prefill-max-seqs (the cluster's field)",
     })
 
 # `serve` runs `--dtype auto` by default (conductor/serve_defaults.py, which `halfmoon sim` reads too), and
@@ -83,6 +84,12 @@ TRANSPORT = Component(
 CLUSTER = Component(
     ClusterConfig, "cluster (default: 1 prefill + 1 decode worker as Ray actors)",
     nested={"transport": TRANSPORT},
+    flags={
+        "prefill_max_seqs": Flag(default=SERVE_PREFILL_MAX_SEQS,
+                                 help=f"prompts a prefill worker's engine steps at once (default "
+                                      f"{SERVE_PREFILL_MAX_SEQS}: one a step, the admission window's shortest "
+                                      "first; a long prompt is still chunked by --max-num-batched-tokens)"),
+    },
     excluded={
         "engine": "built from the engine flags by `serve` (one EngineConfig for both modes)",
         "model_id": "derived: --served-model-name, else the model's file or folder name",

@@ -160,13 +160,15 @@ def cluster_config(args: argparse.Namespace, engine_cfg, observability=None):  #
 def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission, observability) -> int:
     from conductor.cluster import ClusterBackend
     from conductor.serve_defaults import precision_line
+    from conductor.startup_probe import PROBE_PROMPTS
 
     cluster = cluster_config(args, engine_cfg, observability)
     print(f"halfmoon: starting {cluster.prefill} prefill + {cluster.decode} decode workers "
           f"({args.model}, {cluster.worker_threads} thread(s) each) on Ray; "
           f"{precision_line(args.dtype, args.quantization, args.device)} ...",
           file=sys.stderr, flush=True)
-    backend = ClusterBackend(cluster, engine_cfg.redis_url, admission=admission)
+    # lone probes at start measure the per-request overhead admission predicts with
+    backend = ClusterBackend(cluster, engine_cfg.redis_url, admission=admission, overhead_probes=PROBE_PROMPTS)
     backend.manager.init_ray()  # on the main thread, before the servers' threads exist
     asyncio.run(_main(backend, config))
     print("halfmoon: stopped", file=sys.stderr, flush=True)
@@ -186,7 +188,8 @@ async def _main(backend, config) -> None:
         from dashboard.routes import mount
 
         extensions.append(mount)
-    await serve(backend, config, stop, lambda ep: announce(ep, backend.model.id, config), extensions)
+    await serve(backend, config, stop, lambda ep: announce(ep, backend.model.id, config, overhead_note(backend)),
+                extensions)
 
 
 def _stopper(stop: asyncio.Event):
@@ -198,8 +201,18 @@ def _stopper(stop: asyncio.Event):
     return on_signal
 
 
-def announce(ep, model: str, config) -> None:
-    """How to call what is now listening (stderr; the `listening` line is stable for scripts)."""
+def overhead_note(backend) -> list[str]:
+    """The per-request overhead the cluster measured at start (conductor/startup_probe.py)."""
+    cost = getattr(backend, "cost", None)
+    if getattr(backend, "overhead_probes", ()) and cost is not None:
+        return [f"halfmoon: per-request overhead {cost.overhead_ms:.0f} ms (lone probe requests at start: "
+                "RPCs, KV handoff, streaming; admission adds it to every predicted TTFT)"]
+    return []
+
+
+def announce(ep, model: str, config, notes: list[str] | tuple[str, ...] = ()) -> None:
+    """How to call what is now listening (stderr; the `listening` line is stable for scripts);
+    `notes`: lines said first."""
     tls = " --tls" if ep.tls else ""
     token = " --token-file TOKENS" if ep.auth else ""
     auth = " -H 'Authorization: Bearer $TOKEN'" if ep.auth else ""
@@ -213,6 +226,7 @@ def announce(ep, model: str, config) -> None:
         f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi!\"}}]}}'",
         "  Ctrl-C stops.",
     ]
+    lines[:0] = notes
     if not config.loopback and not (ep.tls and ep.auth):
         missing = " and ".join(x for x, on in (("auth", ep.auth), ("TLS", ep.tls)) if not on)
         lines.insert(0, f"halfmoon: WARNING: listening on {config.host} without {missing}; "

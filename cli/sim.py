@@ -89,12 +89,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="disk tier per prefill worker, tokens; default: serve's (none)")
     p.add_argument("--block-size", type=int, default=served.engine.block_size, help="the engine's KV block (tokens)")
     p.add_argument("--chunk", type=int, default=served.engine.max_num_batched_tokens,
-                   help="co-located: prefill tokens per step (serve's --max-num-batched-tokens)")
+                   help="prefill tokens per engine step, several prompts each (serve's --max-num-batched-tokens)")
+    p.add_argument("--prefill-max-seqs", type=int, default=served.prefill_max_seqs,
+                   help="prompts a prefill worker steps at once (serve's --prefill-max-seqs)")
     p.add_argument("--max-seqs", type=int, default=served.engine.max_num_seqs,
                    help="requests decoding at once per worker (serve's --max-num-seqs)")
-    p.add_argument("--overhead-ms", type=float, default=0.0,
-                   help="per-request cost outside the engines (RPCs, KV handoff, streaming); "
-                        "`halfmoon bench sim-vs-live` measures it on a live server")
+    p.add_argument("--overhead-ms", type=float, default=None,
+                   help="per-request cost outside the engines (RPCs, KV handoff, streaming); default: "
+                        "the cost model's overhead_ms (what `halfmoon serve` measured at start, in the "
+                        "model its dashboard serves; 0 in a profile file)")
     p.add_argument("--tokens-per-step", type=float, default=1.0,
                    help="decode tokens per request per step: > 1 with speculative decoding (a live "
                         "worker's emitted / verifications, or bench engine --speculative); default 1")
@@ -143,6 +146,7 @@ def sim_config(args: argparse.Namespace, kv_bytes_per_token: int) -> tuple[SimCo
     base = serve_config(kv_bytes_per_token, prefill=args.prefill, decode=args.decode, colocated=args.colocated,
                         device_tokens=device[0], host_tokens=host[0], disk_tokens=disk,
                         block_size=args.block_size, chunk=args.chunk, max_seqs=args.max_seqs,
+                        prefill_max_seqs=args.prefill_max_seqs,
                         drain_s=args.drain_s, overhead_ms=args.overhead_ms, admission=build(ADMISSION, args),
                         tokens_per_step=args.tokens_per_step)
     return base, (device, host)

@@ -35,7 +35,7 @@ from conductor.backend import Slo
 from conductor.calibration import Calibration
 from conductor.cost_model import CostModel
 from conductor.errors import OverloadedError, SloMissError
-from conductor.ledger import DecodeLedger, PrefillLedger
+from conductor.ledger import DecodeLedger, PendingPrefill, PrefillLedger
 from conductor.prediction import DecodeJob, DecodeLoadPredictor
 from core.blocks import cdiv
 from core.errors import ConfigError, InvalidRequestError, check_positive
@@ -206,6 +206,7 @@ class Candidate:
     new_tokens: prompt tokens it computes (the rest are a cached prefix).
     held_ms: how long the admission window held it before this decision (conductor/
         admission_window.py): part of its TTFT, spent before any prediction starts.
+    fetch_ms: of prefill_ms, pulling a prefix from another worker.
     """
 
     objective: Objective
@@ -217,6 +218,19 @@ class Candidate:
     deadline: float
     new_tokens: int
     held_ms: float = 0.0
+    fetch_ms: float = 0.0
+
+    @property
+    def queue_deadline(self) -> float:
+        """Its place in the prefill queue: the decision time + its TTFT objective (a window's
+        requests in the window's order; `PendingPrefill.queue_deadline`)."""
+        return self.deadline + self.held_ms / 1e3
+
+    def prefill_job(self, request_id: str, now: float, chunks: int = 0) -> PendingPrefill:
+        """Its prefill as a ledger entry sent at `now`."""
+        return PendingPrefill(request_id, self.objective.rank, self.deadline, self.prefill_ms, now, chunks,
+                              new_tokens=self.new_tokens, cached_tokens=self.prompt_len - self.new_tokens,
+                              fetch_ms=self.fetch_ms, queue_deadline=self.queue_deadline)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,13 +288,14 @@ class Admission:
 
     def candidate(self, objective: Objective, prompt_len: int, max_tokens: int, prefill_ms: float,
                   block_size: int, arrival: float, new_tokens: int | None = None,
-                  held_ms: float = 0.0) -> Candidate:
+                  held_ms: float = 0.0, fetch_ms: float = 0.0) -> Candidate:
         """`new_tokens`: the prompt tokens not in a cached prefix (default: all); `held_ms`: the
-        time since `arrival` the admission window held it."""
+        time since `arrival` the admission window held it; `fetch_ms`: of `prefill_ms`, pulling
+        a prefix from another worker."""
         deadline = arrival + objective.ttft_ms / 1e3 if math.isfinite(objective.ttft_ms) else math.inf
         return Candidate(objective, prompt_len, max_tokens, self.outputs.expected(objective.slo_class.name, max_tokens),
                          prefill_ms, cdiv(prompt_len + max_tokens, block_size), deadline,
-                         prompt_len if new_tokens is None else new_tokens, max(0.0, held_ms))
+                         prompt_len if new_tokens is None else new_tokens, max(0.0, held_ms), fetch_ms)
 
     def decide(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float) -> Decision:
         """Admit or reject `c` on the chosen workers' ledgers (predictions as calibrated)."""
@@ -328,11 +343,13 @@ class Admission:
         step_now = self.predictor.step_ms_now(jobs)
         retry = min((j.leaves_at_ms(step_now) for j in jobs), default=0.0) / 1e3
         if self.policy is not Policy.PREDICTIVE:
-            ttft = prefill.wait_ms(-1, now) + c.prefill_ms
+            ttft = prefill.wait_ms(-1, now) + c.prefill_ms + self.cost.overhead_ms
             running = [j for j in jobs if j.joins_at_ms <= 0]
             tbt = self.cost.est_decode_step_ms(len(running) + 1, sum(j.context_tokens for j in running) + c.prompt_len)
             return Predicted(ttft, tbt / decode.tokens_per_step, c.objective.tbt_ms, retry)
-        arrive = prefill.wait_ms(c.objective.rank, now, c.deadline) + c.prefill_ms
+        # its end of prefill in its place in the queue (a cluster's worker batches: the step its
+        # last chunk rides), then the handoff: RPCs, KV, the decode join (`CostModel.overhead_ms`)
+        arrive = prefill.end_ms(c.prefill_job("", now), now) + self.cost.overhead_ms
         # The first token rides a decode step; co-located, the prefill's last chunk samples it
         # (c.prefill_ms already holds the running batch's steps its chunks share).
         first_step = 0.0
@@ -407,7 +424,8 @@ class Admission:
             misses.append((Reason.TBT, p.retry_tbt_s, "its prefill would stretch the running requests' steps to "
                            f"{p.stretched_ms:.1f} ms > {stretch_limit:.4g} ms (the tightest objective among them)"))
         if not misses and self.policy is Policy.PREDICTIVE:
-            late = prefill.pushed_past_deadline(o.rank, c.deadline, c.prefill_ms, now, p.first_step_ms)
+            late = prefill.pushed_past_deadline(c.prefill_job("", now), now,
+                                                p.first_step_ms + self.cost.overhead_ms)
             if late is not None:
                 misses.append((Reason.DEADLINE, c.prefill_ms / 1e3,
                                f"it would push queued request {late.request_id} past its TTFT deadline"))
@@ -419,7 +437,7 @@ class Admission:
     def _idle(self, c: Candidate) -> tuple[float, float]:
         """TTFT and TBT of `c` on idle workers, calibrated (warned once per class over its SLOs)."""
         step = self.cost.est_decode_step_ms(1, c.prompt_len + c.expected_output)
-        ttft, tbt = self.calibration.ttft(c.prefill_ms + step), self.calibration.tbt(step)
+        ttft, tbt = self.calibration.ttft(c.prefill_ms + self.cost.overhead_ms + step), self.calibration.tbt(step)
         o = c.objective
         over = (ttft > o.ttft_ms and not o.own_ttft) or (tbt > o.tbt_ms and not o.own_tbt)
         if over and o.slo_class.name not in self._warned:

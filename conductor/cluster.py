@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
@@ -41,6 +41,7 @@ from conductor.dispatch import Ask, Booking, DecodeSide, Dispatcher, PrefillSide
 from conductor.errors import OverloadedError, RetryableRejection, ServiceUnavailableError
 from conductor.migration import Progress
 from conductor.profile_cache import cached_cost_model, profile_key
+from conductor.startup_probe import measured_overhead
 from conductor.router import NoWorkerAvailableError
 from conductor import spans
 from conductor.workers import PING_TIMEOUT_S, Worker, WorkerGroup
@@ -82,10 +83,14 @@ class ClusterBackend(GenerationBackend):
     """The Conductor's backend over the prefill and decode workers (see the module docstring)."""
 
     def __init__(self, config: ClusterConfig, redis_url: str | None, workers: WorkerGroup | None = None,
-                 admission: AdmissionConfig | None = None) -> None:
+                 admission: AdmissionConfig | None = None, overhead_probes: Sequence[int] = ()) -> None:
+        """`overhead_probes`: prompt lengths of lone requests sent at start to measure the
+        per-request overhead (conductor/startup_probe.py; `halfmoon serve` sends PROBE_PROMPTS;
+        none: the cost model's own, 0 unless its file sets it)."""
         from conductor.ray_workers import RayWorkers
 
         self.config = config
+        self.overhead_probes = tuple(overhead_probes)
         self.admission_config = admission or AdmissionConfig()
         self.priority_classes = frozenset(self.admission_config.classes())
         self.dispatcher: Dispatcher | None = None  # route + admission + booking, once the cost model is known
@@ -117,14 +122,25 @@ class ClusterBackend(GenerationBackend):
                                architecture=self.info.architecture, dtype=self.info.dtype)
         self.block_size = self.info.block_size
         self.cost = await self._cost_model(first)
-        self.dispatcher = Dispatcher(self.admission_config, self.cost, self.info.block_size,
-                                     stats=self.admission_stats)
+        self._dispatch_with(self.cost, self.admission_stats)
         if self.redis_url is not None:
             # Started: a holder that never beats expires and re-registers on its next lookup.
             self.index = ClusterIndex(self.redis_url, HolderId("conductor", "conductor")).start()
         await self.manager.check_health()
         self._learn_capacity()
+        if self.overhead_probes and not self.cost.overhead_ms:
+            # the probes decide on a Conductor of their own: counted nowhere, calibrating nothing
+            self._dispatch_with(self.cost, AdmissionStats())
+            self.cost = await measured_overhead(self.generate, self.cost, self.info.vocab_size,
+                                                self.admission_config.admit_window_ms, self.overhead_probes)
+            self._dispatch_with(self.cost, self.admission_stats)
         self._health = asyncio.create_task(self._health_loop())
+
+    def _dispatch_with(self, cost: CostModel, stats: AdmissionStats) -> None:
+        assert self.info is not None
+        self.dispatcher = Dispatcher(self.admission_config, cost, self.info.block_size, stats=stats,
+                                     prefill_budget=self.config.engine.max_num_batched_tokens,
+                                     prefill_max_seqs=self.config.prefill_seqs("prefill"))
 
     def _learn_capacity(self) -> None:
         """The largest request (prompt + max_tokens) a decode worker's KV holds: more is a 400."""

@@ -52,6 +52,12 @@ class ClusterConfig:
         the actor on its node (engine/tp_ranks.py); 1 = one process.
     decode_tp: the same for every decode worker; it need not equal prefill_tp: the KV moves
         between the layouts, each decode rank receiving only its heads (transport/heads.py).
+    prefill_max_seqs: prompts a prefill worker's engine steps at once (its engine's
+        max_prefill_seqs; the token budget still chunks a long prompt); None = as many as the
+        budget takes. A step's
+        prompts all get their first tokens at its end: on a burst, one prompt a step serves the
+        window's shortest prompts first (conductor/prefill_steps.py; serve's default is 1,
+        conductor/serve_defaults.py).
     standby: spare workers per role, started, loaded and warmed at boot but not routed to
         (not counted in capacity, admission or the router); when a worker dies the Conductor
         promotes one in its place at once (conductor/workers.py). Each needs one more unit of
@@ -80,10 +86,13 @@ class ClusterConfig:
     prefill_tp: int = 1
     decode_tp: int = 1
     standby: int = 0
+    prefill_max_seqs: int | None = None
 
     def __post_init__(self) -> None:
         check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",
                        "migration_stall_s", "ray_wait_s", "prefill_tp", "decode_tp")
+        if self.prefill_max_seqs is not None and self.prefill_max_seqs < 1:
+            raise ConfigError(f"prefill_max_seqs must be >= 1, got {self.prefill_max_seqs}")
         if self.standby < 0:
             raise ConfigError(f"standby must be >= 0, got {self.standby}")
         if self.migration_attempts < 0:
@@ -103,6 +112,10 @@ class ClusterConfig:
     def tp(self, role: str) -> int:
         """Tensor-parallel size of `role`'s workers."""
         return self.prefill_tp if role == "prefill" else self.decode_tp
+
+    def prefill_seqs(self, role: str) -> int | None:
+        """The max_prefill_seqs of `role`'s engines (prefill workers: `prefill_max_seqs`)."""
+        return self.prefill_max_seqs if role == "prefill" else self.engine.max_prefill_seqs
 
     def gpus(self, role: str) -> float:
         """The Ray `num_gpus` of `role`'s actors: given, else the planned share per rank."""
@@ -137,7 +150,7 @@ class ClusterConfig:
             index = i if role == "prefill" else i - n_prefill
             first = (i * self.worker_threads) % cores
             cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
-            role_engine = dataclasses.replace(engine, tp=self.tp(role))
+            role_engine = dataclasses.replace(engine, tp=self.tp(role), max_prefill_seqs=self.prefill_seqs(role))
             specs.append(WorkerSpec(f"{role}-{index}", role, role_engine, self.transport, cpus,
                                     tracing=self.tracing, log=self.log))
         return specs

@@ -6,6 +6,7 @@ in one process, as `halfmoon profile` does; the Conductor fits what its first pr
 measured when it is given no profile file) and stored as JSON.
 
     prefill_ms(n, c)      = p0 + p1*n + p2*n*c + p3*n^2    n new tokens computed, c cached
+    prefill_step_ms(...)  = p0 + sum of (p1*n + p2*n*c + p3*n^2)   one step of several prompts' chunks
     decode_step_ms(b, k)  = d0 + d1*b + d2*k               b running requests, k context tokens
     transfer_ms(t)        = t * kv_bytes_per_token / transfer_bytes_per_s * 1e3
 
@@ -13,6 +14,16 @@ Attention of n new tokens reads n*(n+c) keys, hence the n*c and n^2 terms; the w
 once per step, hence the constants. The fits are non-negative least squares weighted by 1/y (so
 the relative error is what is minimised and a 50 ms point counts as much as a 5 s one): every
 coefficient is >= 0, so a prediction never goes negative and never falls as n, c, b or k grow.
+
+A prefill worker's engine packs its queued prompts into steps of up to max_num_batched_tokens
+(engine/scheduler.py; conductor/prefill_steps.py lays a queue out so): the weights are read once
+a step, so a step of several chunks pays p0 once and each chunk its tokens and its attention.
+
+`overhead_ms`: what a request pays outside the engines (its RPCs, the KV handoff's handshake,
+the decode join, streaming back through the Conductor), measured by `halfmoon serve` at start
+with lone probe requests through the real path (conductor/startup_probe.py); 0 in a profile
+file unless set. Admission adds it to every predicted TTFT and the simulator to every request's
+handoff (`halfmoon sim`'s `--overhead-ms` defaults to it).
 
 Transfer bandwidth is not measured here: a memcpy of KV blocks on this machine runs at ~10-30
 GB/s, far above what the transport moves. The default, `DEFAULT_TRANSFER_BYTES_PER_S` = 2 GB/s,
@@ -119,6 +130,7 @@ class CostModel:
     transfer_bytes_per_s: KV fetch bandwidth between workers.
     kv_bytes_per_token: KV bytes of one token over all layers (K and V).
     source: where the numbers come from (model, dtype, threads, grid), for the operator.
+    overhead_ms: per-request time outside the engines (module docstring); 0 = not measured.
     """
 
     prefill_coef: tuple[float, ...]
@@ -126,6 +138,7 @@ class CostModel:
     transfer_bytes_per_s: float
     kv_bytes_per_token: int
     source: str = ""
+    overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         for name, coef, terms in (("prefill_ms.coef", self.prefill_coef, PREFILL_TERMS),
@@ -139,6 +152,8 @@ class CostModel:
         if self.kv_bytes_per_token <= 0:
             raise ConfigError(f"cost model field 'kv_bytes_per_token' must be > 0, "
                               f"got {self.kv_bytes_per_token}")
+        if not (math.isfinite(self.overhead_ms) and self.overhead_ms >= 0):
+            raise ConfigError(f"cost model field 'overhead_ms' must be >= 0, got {self.overhead_ms}")
 
     @classmethod
     def from_samples(cls, prefill: Iterable[PrefillSample], decode: Iterable[DecodeSample], *,
@@ -155,6 +170,14 @@ class CostModel:
             return 0.0
         p0, p1, p2, p3 = self.prefill_coef  # PREFILL_TERMS, written out: the simulator calls this per step
         return max(0.0, p0 + n_new * (p1 + p2 * n_cached + p3 * n_new))
+
+    def est_prefill_step_ms(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """Predicted time of one prefill step computing several prompts' chunks, each `(n, c)`:
+        n new tokens after c already computed (cached or earlier chunks). One chunk costs
+        `est_prefill_ms(n, c)`; more share the step's constant (the weights are read once)."""
+        p0, p1, p2, p3 = self.prefill_coef
+        work = [n * (p1 + p2 * c + p3 * n) for n, c in chunks if n > 0]
+        return max(0.0, p0 + sum(work)) if work else 0.0
 
     def est_decode_step_ms(self, batch: int, context_tokens: int) -> float:
         """Predicted time of one decode step of `batch` requests holding `context_tokens` in all."""
@@ -188,6 +211,8 @@ class CostModel:
                "transfer_bytes_per_s": self.transfer_bytes_per_s,
                "kv_bytes_per_token": self.kv_bytes_per_token,
                "source": self.source}
+        if self.overhead_ms:
+            doc["overhead_ms"] = self.overhead_ms
         return json.dumps(doc, indent=2) + "\n"
 
     @classmethod
@@ -207,7 +232,7 @@ class CostModel:
                    _poly_field(doc, "decode_step_ms", DECODE_TERMS),
                    float(_field(doc, "transfer_bytes_per_s", (int, float))),
                    _field(doc, "kv_bytes_per_token", int),
-                   str(doc.get("source", "")))
+                   str(doc.get("source", "")), _optional_number(doc, "overhead_ms"))
 
     def save(self, path: str | Path) -> None:
         """Write the JSON document to `path`."""
@@ -233,6 +258,13 @@ def _field(doc: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any
     if isinstance(value, bool) or not isinstance(value, kind):
         raise ConfigError(f"cost model field {name!r} has the wrong type: {value!r}")
     return value
+
+
+def _optional_number(doc: dict[str, Any], name: str) -> float:
+    """An optional numeric field (0 when absent)."""
+    if name not in doc:
+        return 0.0
+    return float(_field(doc, name, (int, float)))
 
 
 def _poly_field(doc: dict[str, Any], name: str, terms: tuple[str, ...]) -> tuple[float, ...]:

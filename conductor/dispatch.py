@@ -25,7 +25,8 @@ from conductor.admission_stats import MIN_SAMPLE_GAPS, AdmissionStats
 from conductor.backend import Slo
 from conductor.cost_model import CostModel
 from conductor.errors import OverloadedError
-from conductor.ledger import BoundRequest, DecodeLedger, PendingPrefill, PrefillLedger
+from conductor.ledger import BoundRequest, DecodeLedger, PrefillLedger
+from conductor.prefill_steps import PrefillSteps
 from conductor.router import DecodeView, PrefillView, RoutePlan, Router, RouteRequest
 from core.blocks import cdiv
 
@@ -87,8 +88,9 @@ class Booking:
 
     @property
     def deadline(self) -> float:
-        """When its first token is due (inf = no TTFT objective): its place in a queue."""
-        return self.candidate.deadline
+        """Its place in a prefill queue: the decision time + its TTFT objective (inf = none;
+        `Candidate.queue_deadline`)."""
+        return self.candidate.queue_deadline
 
 
 class Dispatcher:
@@ -97,14 +99,20 @@ class Dispatcher:
     colocated_chunk: prefill and decode share one engine whose steps carry up to this many
         prefill tokens (co-located mode; None in a cluster).
     clock: what the calibration's window is measured on (the simulator passes its own).
+    prefill_budget: a cluster's prefill workers pack their queues into steps of this many
+        tokens (their engines' max_num_batched_tokens) and at most `prefill_max_seqs` prompts
+        (None: no limit): their ledgers lay queues out so (conductor/prefill_steps.py). None: one
+        prefill at a time.
     """
 
     def __init__(self, config: AdmissionConfig, cost: CostModel, block_size: int,
                  colocated_chunk: int | None = None, stats: AdmissionStats | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, prefill_budget: int | None = None,
+                 prefill_max_seqs: int | None = None) -> None:
         self.config = config
         self.cost = cost
         self.block_size = block_size
+        self.prefill_steps = PrefillSteps(cost, prefill_budget, prefill_max_seqs) if prefill_budget else None
         self.admission = Admission(config, cost, colocated_chunk, clock)
         self.router = Router(cost, block_size)
         self.stats = stats if stats is not None else AdmissionStats()
@@ -126,16 +134,21 @@ class Dispatcher:
         `NoWorkerAvailableError` (none alive) or the rejection (`OverloadedError`). `arrival`:
         when it arrived, if the admission window held it (default: now)."""
         objective = self.objective(ask)
+        for side in prefill:  # how the workers step: their ledgers lay their queues out so
+            side.ledger.use(self.prefill_steps)
         try:
             plan = self.route(ask, prefix, objective, prefill, decode, now)
         except OverloadedError as e:  # no decode worker has the KV free
             self.stats.rejected(objective.slo_class.name, e.reason or "kv_capacity")
             raise
         chosen = next(e for e in plan.per_worker if e.worker_id == plan.prefill_id)
-        cost_ms = chosen.prefill_ms + chosen.transfer_ms
+        steps = self.prefill_steps  # a long prompt's chunks are steps of their own
+        alone = chosen.prefill_ms if steps is None else steps.alone_ms(ask.prompt_len - plan.prefix_len, plan.prefix_len)
+        cost_ms = alone + chosen.transfer_ms
         arrived = now if arrival is None else min(arrival, now)
         candidate = self.admission.candidate(objective, ask.prompt_len, ask.max_tokens, cost_ms,
-                                             self.block_size, arrived, held_ms=(now - arrived) * 1e3)
+                                             self.block_size, arrived, ask.prompt_len - plan.prefix_len,
+                                             (now - arrived) * 1e3, chosen.transfer_ms)
         p = next(s for s in prefill if s.worker_id == plan.prefill_id)
         d = next(s for s in decode if s.worker_id == plan.decode_id)
         return self._book(ask, objective, candidate, p, d, plan.prefix_len, now, plan.fetch_from)
@@ -197,8 +210,7 @@ class Dispatcher:
             self.stats.admitted(name)
         chunk = self.admission.colocated_chunk
         chunks = cdiv(candidate.new_tokens, chunk) if chunk else 0
-        p.ledger.add(PendingPrefill(ask.request_id, objective.rank, candidate.deadline, candidate.prefill_ms, now,
-                                    chunks))
+        p.ledger.add(candidate.prefill_job(ask.request_id, now, chunks))
         bound = BoundRequest(ask.request_id, ask.prompt_len, candidate.expected_output, objective.tbt_ms,
                              now + decision.joins_in_ms / 1e3, candidate.blocks)
         d.ledger.book(bound)

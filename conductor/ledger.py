@@ -11,6 +11,9 @@ sent to an idle worker), then the rest in that order:
      |--[ head: cost - elapsed ]--[ job 2 ]--[ job 3 ]--  ...   ms from now
                  ^ a new job of rank r starts after the head and every job of rank >= r
 
+A cluster's prefill worker packs its queue into steps of several prompts (conductor/
+prefill_steps.py): its ledger lays the queue out step by step, the step in progress first.
+
 A decode worker's `DecodeLedger` holds the requests bound to it — still in prefill (joining at
 their predicted end of prefill) or decoding (tokens so far) — and the KV blocks reserved for them,
 exactly: a reservation is booked here before the worker is asked, so two requests never count
@@ -26,16 +29,23 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from conductor.prediction import DecodeJob
+from conductor.prefill_steps import PrefillSteps
 
 
 @dataclass(slots=True)
 class PendingPrefill:
     """A request sent to a prefill worker whose prefill has not finished.
 
-    deadline: when its first token is due (monotonic s; inf = no TTFT objective): its place in
-        the worker's queue, as the engine's scheduler orders it.
-    cost_ms: predicted prefill + fetch time.
+    deadline: when its first token is due (monotonic s; inf = no TTFT objective).
+    cost_ms: predicted prefill + fetch time (alone).
     chunks: co-located: the engine steps its prefill takes (each stretches the running batch's).
+    new_tokens, cached_tokens: prompt tokens it computes and reuses (new 0 = unknown: a batched
+        ledger lays it out as a step of `cost_ms` alone).
+    fetch_ms: of cost_ms, pulling a prefix from another worker.
+    queue_deadline: its place in the worker's queue, as the engine's scheduler orders it (None:
+        `deadline`): the decision time + its TTFT objective, so a window's requests are served
+        in the order the window decided them (conductor/admission_window.py), not in the order
+        they arrived microseconds apart.
     """
 
     request_id: str
@@ -45,9 +55,14 @@ class PendingPrefill:
     sent_at: float
     chunks: int = 0
     seq: int = 0
+    new_tokens: int = 0
+    cached_tokens: int = 0
+    fetch_ms: float = 0.0
+    queue_deadline: float | None = None
+    done_tokens: int = 0  # batched: of new_tokens, computed by the steps that ended (predicted)
 
     def order(self) -> tuple[int, float, int]:
-        return (-self.rank, self.deadline, self.seq)
+        return (-self.rank, self.deadline if self.queue_deadline is None else self.queue_deadline, self.seq)
 
 
 class Slot(NamedTuple):
@@ -60,63 +75,154 @@ class Slot(NamedTuple):
 
 @dataclass(slots=True)
 class PrefillLedger:
-    """The pending prefills of one worker (see the module docstring). The worker is modelled as
-    serving one prefill at a time, never preempted: the head started when it was sent to an idle
-    worker or when the head before it finished; then the next in order starts."""
+    """The pending prefills of one worker (see the module docstring).
+
+    steps None: the worker serves one prefill at a time, never preempted: the head started when
+    it was sent to an idle worker or when the head before it finished; then the next in order.
+    steps set (the cluster's prefill workers; `Dispatcher` sets it): the worker packs its queue
+    into steps of `steps.budget` tokens (conductor/prefill_steps.py). The step in progress began
+    when a job was sent to an idle worker (it alone: the engine steps as soon as work arrives)
+    or when one of its jobs finished (then: the queue as it stands); every job sent after it
+    began, a window's next decisions too, waits for the steps after it.
+    """
 
     jobs: dict[str, PendingPrefill] = field(default_factory=dict)
     head: str | None = None
-    head_started: float = 0.0  # monotonic s
+    head_started: float = 0.0  # monotonic s: the head's start (batched: the step in progress's)
+    steps: PrefillSteps | None = None
+    in_step: dict[str, int] = field(default_factory=dict)  # batched: the step in progress: tokens per job
     _seq: Iterator[int] = field(default_factory=itertools.count)
 
     @property
     def depth(self) -> int:
         return len(self.jobs)
 
+    def use(self, steps: PrefillSteps | None) -> None:
+        """How the worker steps (the Dispatcher's, before each decision); jobs queued before
+        are laid out from here on as a step in progress since the head started."""
+        if steps is self.steps:
+            return
+        self.steps = steps
+        if steps is not None and self.jobs:
+            self._start_step(self.head_started if self.head is not None else min(j.sent_at for j in self.jobs.values()))
+
     def add(self, job: PendingPrefill) -> None:
         job.seq = next(self._seq)
         self.jobs[job.request_id] = job
         if self.head is None:
             self.head, self.head_started = job.request_id, job.sent_at
+            if self.steps is not None:
+                self.in_step = self._members([job])
 
     def finish(self, request_id: str, now: float) -> None:
         """The prefill ended (or failed, or was aborted); idempotent."""
-        if self.jobs.pop(request_id, None) is None or request_id != self.head:
+        if self.jobs.pop(request_id, None) is None:
+            return
+        if self.steps is not None:
+            if request_id in self.in_step:  # its step ended: the next one takes the queue as it stands
+                for rid, take in self.in_step.items():
+                    if rid in self.jobs:  # computed its chunk (its own finish may come a moment later)
+                        self.jobs[rid].done_tokens += take
+                self._start_step(now)
+            return
+        if request_id != self.head:
             return
         nxt = min(self.jobs.values(), key=PendingPrefill.order, default=None)
         self.head, self.head_started = (nxt.request_id, now) if nxt is not None else (None, 0.0)
 
-    def plan(self, now: float) -> list[Slot]:
-        """The queue in service order with predicted start and end (ms from now)."""
+    def _start_step(self, at: float) -> None:
+        """Batched: a step began at `at` with the jobs the budget takes: the ones begun first,
+        then in order (a job computed in full only waits for its finish)."""
+        self.in_step = self._members(self._waiting())
+        self.head = next(iter(self.in_step), None)
+        self.head_started = at if self.in_step else 0.0
+
+    def _members(self, queue: list[PendingPrefill]) -> dict[str, int]:
+        """The jobs of `queue` (in service order) one step takes, with their tokens."""
+        assert self.steps is not None
+        takes = self.steps.pack(self.steps.remaining(j) for j in queue)
+        return {j.request_id: take for j, take in zip(queue, takes)}
+
+    def _ordered(self) -> list[PendingPrefill]:
+        return sorted(self.jobs.values(), key=PendingPrefill.order)
+
+    def _waiting(self) -> list[PendingPrefill]:
+        """Batched: the jobs with tokens left, begun ones first (the engine's running
+        prefills), then in order."""
+        assert self.steps is not None
+        steps = self.steps
+        return sorted((j for j in self.jobs.values() if steps.remaining(j) > 0), key=_service_key)
+
+    def plan(self, now: float, extra: PendingPrefill | None = None) -> list[Slot]:
+        """The queue in service order with predicted start and end (ms from now); `extra`: a
+        job not sent yet, laid out in its place (after the step in progress)."""
+        if extra is not None:
+            extra.seq = UNSENT
+        if self.steps is not None:
+            return self._batched_plan(now, extra)
+        jobs = self._ordered() + ([extra] if extra is not None else [])
+        jobs.sort(key=PendingPrefill.order)
         if self.head is None:
-            return []
-        head = self.jobs[self.head]
-        t = max(0.0, head.cost_ms - (now - self.head_started) * 1e3)
-        slots = [Slot(head, 0.0, t)]
-        for job in sorted(self.jobs.values(), key=PendingPrefill.order):
+            head, t, slots = None, 0.0, []
+        else:
+            head = self.jobs[self.head]
+            t = max(0.0, head.cost_ms - (now - self.head_started) * 1e3)
+            slots = [Slot(head, 0.0, t)]
+        for job in jobs:
             if job is not head:
                 slots.append(Slot(job, t, t + job.cost_ms))
                 t += job.cost_ms
         return slots
 
+    def _batched_plan(self, now: float, extra: PendingPrefill | None) -> list[Slot]:
+        assert self.steps is not None
+        waiting = self._waiting()
+        members, started = self.in_step, self.head_started
+        if extra is not None and not members:  # an idle worker: its step begins now
+            members, started = self._members([extra]), now
+        queue = sorted([*waiting, extra] if extra is not None else waiting, key=_service_key)
+        first = [j for j in queue if j.request_id in members]
+        rest = [j for j in queue if j.request_id not in members]
+        elapsed = (now - started) * 1e3 if first else 0.0
+        times = self.steps.lay_out(first, rest, elapsed)
+        slots = [Slot(j, *times.get(j.request_id, (0.0, 0.0))) for j in self.jobs.values()]  # computed: 0
+        if extra is not None:
+            slots.append(Slot(extra, *times[extra.request_id]))
+        return sorted(slots, key=lambda s: (s.end_ms, s.start_ms))
+
+    def end_ms(self, job: PendingPrefill, now: float) -> float:
+        """Predicted end of prefill of `job`, not sent yet, in its place in the queue."""
+        return next(s.end_ms for s in self.plan(now, job) if s.job is job)
+
     def wait_ms(self, rank: int, now: float, deadline: float = math.inf) -> float:
         """Predicted wait before a new job of `rank` (and `deadline`) starts: the head (never
-        preempted) and every other job served before it."""
+        preempted; batched: the step in progress) and every other job served before it."""
+        if self.steps is not None:
+            probe = PendingPrefill("", rank, deadline, 0.0, now, new_tokens=1)
+            return next(s.start_ms for s in self.plan(now, probe) if s.job is probe)
         plan = self.plan(now)
         ahead = [s for i, s in enumerate(plan) if i == 0 or s.job.order() < (-rank, deadline, math.inf)]
         return sum(s.end_ms - s.start_ms for s in ahead)
 
-    def pushed_past_deadline(self, rank: int, deadline: float, cost_ms: float, now: float,
-                             first_token_ms: float) -> PendingPrefill | None:
-        """A queued job that a new job (served before it) would push past its deadline, if any:
-        its predicted first token is its end of prefill + `first_token_ms`."""
-        key = (-rank, deadline, math.inf)
-        for i, slot in enumerate(self.plan(now)):
-            if i == 0 or slot.job.order() < key or math.isinf(slot.job.deadline):
+    def pushed_past_deadline(self, job: PendingPrefill, now: float, first_token_ms: float) -> PendingPrefill | None:
+        """A queued job that `job` (not sent yet) would push past its deadline, if any: its
+        predicted first token is its end of prefill + `first_token_ms`."""
+        before = {s.job.request_id: s.end_ms for s in self.plan(now)}
+        for slot in self.plan(now, job):
+            queued = slot.job
+            if queued is job or math.isinf(queued.deadline) or slot.end_ms <= before[queued.request_id]:
                 continue
-            if now + (slot.end_ms + cost_ms + first_token_ms) / 1e3 > slot.job.deadline:
-                return slot.job
+            if now + (slot.end_ms + first_token_ms) / 1e3 > queued.deadline:
+                return queued
         return None
+
+
+UNSENT = 1 << 62  # the seq of a job not sent yet: after every job of its rank and deadline
+
+
+def _service_key(job: PendingPrefill) -> tuple[bool, tuple[int, float, int]]:
+    """Batched: where a job stands in the engine's next step: begun prefills first, then in order."""
+    return (job.done_tokens == 0, job.order())
 
 
 @dataclass(slots=True)

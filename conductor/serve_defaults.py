@@ -39,6 +39,14 @@ GIB = 2**30
 # none` is the token-exact mode: fp32 greedy output equals transformers', and the tests that
 # compare tokens ask for it (`EXACT_FLAGS`). `generate` keeps `EngineConfig`'s fp32.
 SERVE_DTYPE = AUTO
+
+# A prefill worker's engine steps one prompt at a time (`--prefill-max-seqs`): every prompt of a
+# step gets its first token at the step's end, so a burst packed into 512-token steps finishes
+# together, later than shortest-first one at a time; the steps' constant is small beside a
+# prompt's tokens (CPU: 27-35 ms against ~1-2 ms a token). Simulated on the bursty traces
+# (seeds 0-2, 1P1D, this machine's fp32 profile, window 20 ms): 95-100% of the offline optimum
+# one a step against 65-75% batched (docs/BENCHMARKS.md, issue 38).
+SERVE_PREFILL_MAX_SEQS = 1
 SERVE_QUANTIZATION = "none"
 EXACT_FLAGS = ("--dtype", "float32", "--quantization", "none")
 
@@ -63,7 +71,7 @@ def precision_line(dtype: str, quantization: str, device: str = "cpu") -> str:
 
 def serve_cluster() -> ClusterConfig:
     """The cluster `serve` starts at the defaults: its shape and each worker's engine."""
-    return dataclasses.replace(ClusterConfig(), engine=serve_engine())
+    return dataclasses.replace(ClusterConfig(), engine=serve_engine(), prefill_max_seqs=SERVE_PREFILL_MAX_SEQS)
 
 
 def serve_admission() -> AdmissionConfig:

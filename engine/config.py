@@ -74,6 +74,8 @@ class EngineConfig:
     num_blocks: KV cache size in blocks (overrides `kv_cache_gb`; tests use tiny pools).
     max_num_batched_tokens: token budget per step; prefills longer than this are chunked.
     max_num_seqs: most requests running at once.
+    max_prefill_seqs: most requests computing prompt tokens in one step (None: as many as the
+        budget takes); a prefill worker's comes from the cluster's `--prefill-max-seqs`.
     max_model_len: context limit (prompt + output); None = the model's own.
     num_threads: torch intra-op threads; None = leave torch's default.
     attention_backend: `torch` (CPU/CUDA) or `flashinfer` (CUDA only).
@@ -117,6 +119,7 @@ class EngineConfig:
     num_blocks: int | None = None
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
+    max_prefill_seqs: int | None = None
     max_model_len: int | None = None
     num_threads: int | None = None
     attention_backend: str = "torch"
@@ -143,7 +146,8 @@ class EngineConfig:
             raise ConfigError(f"dtype {self.dtype!r} not supported; choose from {[AUTO, *sorted(DTYPES)]}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} not supported; choose from {list(QUANTIZATIONS)}")
-        check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads", "tp")
+        check_positive(self, "block_size", "max_num_batched_tokens", "max_num_seqs", "num_blocks", "num_threads", "tp",
+                       "max_prefill_seqs")
         if self.num_blocks is None and self.kv_cache_gb <= 0:
             raise ConfigError(f"kv_cache_gb must be > 0, got {self.kv_cache_gb}")
         if self.max_model_len is not None and self.max_model_len <= 1:

@@ -185,7 +185,7 @@ class Engine:
         self.speculator = Speculator(spec, self.max_model_len, proposer=proposer) if spec.enabled else None
         self._drafted = 0.0  # the draft model's seconds counted into the step costs so far
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
-                                   config.max_num_seqs, self.tiers, self.speculator)
+                                   config.max_num_seqs, self.tiers, self.speculator, config.max_prefill_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
         if self.ranks is not None:
             self.runner.step_sync = self.ranks.send_step

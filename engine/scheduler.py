@@ -2,7 +2,8 @@
 
 Each step has a token budget. Running requests go first (a decode costs one token, an
 unfinished prefill takes what is left of the budget); then waiting requests are admitted while
-budget, sequence slots and KV blocks last. When a running request needs a block and none is
+budget, sequence slots, KV blocks and prefill slots (`max_prefill_seqs` requests computing prompt
+tokens in a step; a prefill worker's is 1 at serve's defaults) last. When a running request needs a block and none is
 free, the most recently admitted running request is preempted: its blocks are freed and it goes
 back to the head of the queue to be recomputed (prompt + outputs so far) later.
 
@@ -67,13 +68,14 @@ class SchedulerOutput(NamedTuple):
 class Scheduler:
     def __init__(self, pool: BlockPool, block_size: int, max_num_batched_tokens: int,
                  max_num_seqs: int, tiers: KVTiers | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, max_prefill_seqs: int | None = None) -> None:
         self.pool = pool
         self.speculator = speculator  # drafts for decoding requests, when speculation is on
         self.tiers = tiers  # host/disk tiers below the device prefix cache, if configured
         self.block_size = block_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.max_prefill_seqs = max_prefill_seqs  # requests computing prompt tokens in one step
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -136,7 +138,9 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, batch: list[ScheduledRequest], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        prefills = sum(s.request.num_computed_tokens < s.request.num_prompt_tokens for s in batch)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and (
+                self.max_prefill_seqs is None or prefills < self.max_prefill_seqs):
             req = self.waiting[0]
             usable, hit = self._device_hit(req)
             # Touching a cached-but-free block takes it out of the free list too.
@@ -161,6 +165,7 @@ class Scheduler:
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             batch.append(self._entry(req, n))
             budget -= n
+            prefills += 1
 
     def _plan(self, req: Request, usable: list[bytes], device_hit: int) -> TierPlan:
         """Where the blocks past the device hit come from (a finished pull's rows included)."""

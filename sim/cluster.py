@@ -28,6 +28,7 @@ from conductor.cost_model import CostModel
 from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
 from conductor.errors import OverloadedError, ServiceUnavailableError
 from conductor.ledger import DecodeLedger, PrefillLedger
+from conductor.prefill_steps import PrefillSteps
 from conductor.serve_defaults import serve_admission, serve_cluster, tier_tokens
 from core.errors import ConfigError, check_positive
 from sim.engines import KV_TAIL, Clock, ColocatedWorker, DecodeBatch, DecodeWorker, Flight, PrefillWorker
@@ -50,14 +51,19 @@ class SimConfig:
         (or co-located) worker's host DRAM and disk tiers.
     block_size: the engine's KV block (the decode booking's unit); the prefix caches work in
         the trace's 512-token blocks (sim/workload.py).
-    chunk: co-located: prefill tokens per step (the engine's max_num_batched_tokens).
+    chunk: prefill tokens per step (the engine's max_num_batched_tokens): a prefill worker's
+        steps (several prompts each), co-located the engine's steps.
     max_seqs: requests decoding at once per worker.
+    prefill_max_seqs: prompts a prefill worker steps at once (serve's `--prefill-max-seqs`;
+        None: no limit but the chunk).
     kv_tail: the share of a prompt's KV transfer not hidden behind its prefill.
     overhead_ms: what a request pays outside the engines (RPCs, the KV handoff's handshake,
         streaming back through the Conductor): the simulated first token comes this much
         later (1P1D: its decode join; co-located: its entry into the engine's queue). The cost
-        model times engines alone; `halfmoon bench sim-vs-live` measures this on the live
-        server (0 for the built-in GPU profiles, which cite engine figures).
+        model times engines alone; None (the default) = the cost model's `overhead_ms`, which
+        `halfmoon serve` measures at start with lone probes through the real path (the model
+        `GET /dashboard/api/cost-model` serves; 0 in a profile file and for the built-in GPU
+        profiles, which cite engine figures); `halfmoon bench sim-vs-live` measures it too.
     drain_s: requests still running this long after the window are cut (None: run to the end).
     tokens_per_step: decode tokens per request per step (> 1 with speculative decoding: what a
         live decode worker measures, `halfmoon_worker_speculative_*` / `bench engine
@@ -78,8 +84,9 @@ class SimConfig:
     block_size: int = _SERVE.engine.block_size
     chunk: int = _SERVE.engine.max_num_batched_tokens
     max_seqs: int = _SERVE.engine.max_num_seqs
+    prefill_max_seqs: int | None = _SERVE.prefill_max_seqs
     kv_tail: float = KV_TAIL
-    overhead_ms: float = 0.0
+    overhead_ms: float | None = None
     drain_s: float | None = None
     admission: AdmissionConfig = field(default_factory=AdmissionConfig)
     tokens_per_step: float = 1.0
@@ -93,7 +100,7 @@ class SimConfig:
         if self.tokens_per_step < 1.0:
             raise ConfigError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}")
         for name in ("host_tokens", "disk_tokens", "overhead_ms"):
-            if getattr(self, name) < 0:
+            if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
@@ -183,6 +190,8 @@ class Simulator:
         calibration, output-length estimates) and clock go on here, as a live server's do from
         one replay to the next (its workers and caches are fresh: a new replay's prefixes are
         new to them, as a live replay under its own cache salt)."""
+        if config.overhead_ms is None:  # the cost model's (measured by serve at start)
+            config = dataclasses.replace(config, overhead_ms=cost.overhead_ms)
         self.config = config
         self.cost = cost
         if config.tokens_per_step != 1.0:  # the workers' steps: one token-time each
@@ -192,7 +201,9 @@ class Simulator:
         chunk = config.chunk if config.colocated else None
         clock = self.clock
         self.dispatcher = (after.dispatcher if after is not None else
-                           Dispatcher(config.admission, self.cost, config.block_size, chunk, clock=lambda: clock.now))
+                           Dispatcher(config.admission, self.cost, config.block_size, chunk, clock=lambda: clock.now,
+                                      prefill_budget=None if config.colocated else config.chunk,
+                                      prefill_max_seqs=config.prefill_max_seqs))
         self.records: list[Record] = []
         blocks = config.device_tokens // config.block_size
         if config.colocated:
@@ -203,7 +214,8 @@ class Simulator:
             self.decode: dict[str, DecodeWorker] = {}
         else:
             self.prefill = {f"prefill-{i}": PrefillWorker(f"prefill-{i}", cost, self.clock, self._cache(),
-                                                          config.kv_tail, self._pushed)
+                                                          config.kv_tail, self._pushed,
+                                                          PrefillSteps(cost, config.chunk, config.prefill_max_seqs))
                             for i in range(config.prefill)}
             self.decode = {f"decode-{i}": DecodeWorker(f"decode-{i}", cost, self.clock, config.max_seqs,
                                                        self._first, self._finished)
@@ -218,6 +230,10 @@ class Simulator:
         # the cluster backend's admission window; co-located decides each request as it arrives
         self.window = AdmissionWindow(0.0 if config.colocated else config.admission.admit_window_ms,
                                       lambda delay, fn: clock.at(clock.now + delay, fn))
+
+    @property
+    def _overhead_s(self) -> float:
+        return (self.config.overhead_ms or 0.0) / 1e3
 
     def _cache(self) -> TieredCache:
         return TieredCache(self.config.capacity(), HASH_BLOCK_TOKENS, engine_block=self.config.block_size)
@@ -289,7 +305,7 @@ class Simulator:
                         prefix_tokens=booking.prefix_tokens)
         if self.config.colocated:
             self._flights[request.index] = (flight, "engine")
-            self.clock.at(now + self.config.overhead_ms / 1e3, lambda: self.engine.submit(flight))
+            self.clock.at(now + self._overhead_s, lambda: self.engine.submit(flight))
         else:
             self._flights[request.index] = (flight, booking.decode_id)
             self.prefill[booking.prefill_id].submit(flight)
@@ -324,7 +340,7 @@ class Simulator:
     def _pushed(self, flight: Flight) -> None:
         """Its prefill ended and its KV reached the decode worker."""
         self.prefill_ledgers[flight.booking.prefill_id].finish(flight.booking.request_id, self.clock.now)
-        joins = self.clock.now + self.config.overhead_ms / 1e3
+        joins = self.clock.now + self._overhead_s
         flight.booking.bound.joins_at = joins
         self.clock.at(joins, lambda: self.decode[flight.booking.decode_id].join(flight))
 

@@ -1,10 +1,13 @@
 """Simulated workers on a simulated clock: each serves its queue step by step as the real engine's
 scheduler does (engine/scheduler.py), each step timed by the cost model.
 
-    prefill worker   one prefill at a time, in the ledger's order (rank, deadline, arrival):
-                     prefill(new, cached) + fetch of the planned remote prefix; its KV reaches
-                     the decode worker `kv_tail` of a full transfer later (the rest overlapped
-                     the prefill layer by layer)
+    prefill worker   steps of up to max_num_batched_tokens prompt tokens, packed as the engine's
+                     scheduler packs them (conductor/prefill_steps.py: started prefills first,
+                     then the queue in the ledger's order: rank, deadline, admission): a step
+                     takes prefill_step(its chunks) + the fetches of the prefills it starts;
+                     every prompt finishing in it gets its first token at its end; its KV
+                     reaches the decode worker `kv_tail` of a full transfer later (the rest
+                     overlapped the prefill layer by layer)
     decode worker    continuous batching: who has KV joins at the next step (up to max_seqs);
                      a step of b requests holding k tokens takes decode_step(b, k); a request's
                      first token ends its first step
@@ -28,6 +31,7 @@ from typing import Any
 
 from conductor.cost_model import CostModel
 from conductor.dispatch import Booking
+from conductor.prefill_steps import PrefillSteps
 from sim.tiers import Hits, TieredCache
 from sim.workload import SimRequest
 
@@ -67,7 +71,7 @@ class Flight:
     order: tuple[int, float, int]  # its queue place: (-rank, deadline, arrival seq)
     hits: Hits = Hits(0, 0, 0)
     prefix_tokens: int = 0  # prompt tokens not computed (own cache or fetched)
-    done_tokens: int = 0  # co-located: prompt tokens computed so far
+    done_tokens: int = 0  # prompt tokens computed so far (after its prefix)
     table: list[int] = field(default_factory=list)  # co-located: its blocks in the engine's cache
     join_step: int = -1  # the step that produced its first token
     added_step: int = 0  # the batch's step count when it joined (its context grows from then)
@@ -207,47 +211,83 @@ class Stepper(Worker):
 
 
 class PrefillWorker(Worker):
+    """A prefill engine: steps of up to `steps.budget` prompt tokens, packed as the real scheduler packs
+    them (conductor/prefill_steps.py `pack`: its unfinished prefills first, then the queue in
+    order); a step takes `CostModel.est_prefill_step_ms` of its chunks plus the fetches of the
+    prefills it starts. An idle worker steps as soon as work arrives (that work alone); work
+    submitted while a step runs, a window's later decisions of the same instant too, waits for
+    the next (as `PrefillLedger` predicts)."""
+
     def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cache: TieredCache,
-                 kv_tail: float, on_done: Callable[[Flight], None]) -> None:
+                 kv_tail: float, on_done: Callable[[Flight], None], steps: PrefillSteps) -> None:
         super().__init__(worker_id, cost, clock)
         self.cache = cache
         self.kv_tail = kv_tail
         self.on_done = on_done
+        self.steps = steps  # the engine's budget (and prompts a step); timed by `cost`, not steps.cost
         self._queue: list[tuple[tuple[int, float, int], Flight]] = []
+        self._started: list[Flight] = []  # prefills begun and not finished, in the order begun
         self._busy = False
 
     @property
     def depth(self) -> int:
-        return len(self._queue) + self._busy
+        return len(self._queue) + len(self._started)
 
     def submit(self, flight: Flight) -> None:
         heapq.heappush(self._queue, (flight.order, flight))
         if not self._busy:
-            self._start()
+            self._busy = True
+            self._step()
 
-    def _start(self) -> None:
-        if not self._queue:
+    def _step(self) -> None:
+        started = [(f, f.new_tokens - f.done_tokens) for f in self._started]
+        waiting = [f for _, f in sorted(self._queue)]
+        line = started + [(f, 0) for f in waiting]
+        takes = self.steps.pack(left or self._begin_demand(f) for f, left in line)
+        chunks: list[tuple[Flight, int]] = []
+        fetch_ms = 0.0
+        for (flight, left), take in zip(line, takes):
+            if not left:  # it starts in this step
+                fetch_ms += self._begin(flight)
+            chunks.append((flight, take))
+        if not chunks:
             self._busy = False
             return
-        self._busy = True
-        _, flight = heapq.heappop(self._queue)
+        ms = self.cost.est_prefill_step_ms((take, f.prefix_tokens + f.done_tokens) for f, take in chunks)
+        seconds = (ms + fetch_ms) / 1e3
+        self.busy_s += seconds
+        self.clock.at(self.clock.now + seconds, lambda: self._end(chunks))
+
+    def _begin_demand(self, flight: Flight) -> int:
+        """Tokens a waiting prefill would compute (its prefix as the caches hold it now)."""
+        r = flight.request
+        own = self.cache.match(r.blocks, r.prompt_len).reused
+        return max(1, r.prompt_len - max(own, flight.booking.prefix_tokens))
+
+    def _begin(self, flight: Flight) -> float:
+        """It leaves the queue (the head: the queue is served in order) and starts: its prefix
+        found (own caches, else fetched); the fetch's ms."""
+        _, head = heapq.heappop(self._queue)
+        assert head is flight
+        self._started.append(flight)
         r = flight.request
         flight.hits = self.cache.match(r.blocks, r.prompt_len)
         own = flight.hits.reused
-        flight.prefix_tokens = max(own, flight.booking.prefix_tokens)
-        fetch = flight.prefix_tokens - own
+        flight.prefix_tokens = min(max(own, flight.booking.prefix_tokens), r.prompt_len - 1)
+        flight.done_tokens = 0
         if self.cache.can_acquire(r.blocks, r.prompt_len):
             table, _ = self.cache.acquire(r.blocks, r.prompt_len)
             self.cache.release(table)  # its blocks stay cached (evictable) once pushed
-        seconds = (self.cost.est_prefill_ms(flight.new_tokens, flight.prefix_tokens)
-                   + self.cost.est_transfer_ms(fetch)) / 1e3
-        self.busy_s += seconds
-        self.clock.at(self.clock.now + seconds, lambda: self._end(flight))
+        return self.cost.est_transfer_ms(flight.prefix_tokens - own) if flight.prefix_tokens > own else 0.0
 
-    def _end(self, flight: Flight) -> None:
-        tail = self.kv_tail * self.cost.est_transfer_ms(flight.request.prompt_len) / 1e3
-        self.clock.at(self.clock.now + tail, lambda: self.on_done(flight))
-        self._start()
+    def _end(self, chunks: list[tuple[Flight, int]]) -> None:
+        for flight, take in chunks:
+            flight.done_tokens += take
+            if flight.done_tokens >= flight.new_tokens:
+                self._started.remove(flight)
+                tail = self.kv_tail * self.cost.est_transfer_ms(flight.request.prompt_len) / 1e3
+                self.clock.at(self.clock.now + tail, lambda f=flight: self.on_done(f))
+        self._step()
 
 
 class DecodeWorker(Stepper):

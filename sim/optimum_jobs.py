@@ -18,15 +18,22 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from conductor.cost_model import CostModel
+from conductor.prefill_steps import chunked_prefill_ms
 from core.blocks import cdiv
 from sim.cluster import Record, SimResult, SpeculativeCost
 from sim.optimum import DEFAULT_NODE_BUDGET, Job, Optimum, Reference, solve
 from sim.trace import HASH_BLOCK_TOKENS
 
 
-def best_prefill_ms(cost: CostModel, prompt: int, reusable: Iterable[int]) -> float:
-    """The cheapest prefill over the prefix hits it could have had (0 included)."""
-    return min(cost.est_prefill_ms(prompt - hit, hit) for hit in {0, *reusable} if 0 <= hit < prompt)
+def best_prefill_ms(cost: CostModel, prompt: int, reusable: Iterable[int], chunk: int | None = None) -> float:
+    """The cheapest prefill over the prefix hits it could have had (0 included); `chunk`: a
+    prefill worker's step budget (its chunks are steps: conductor/prefill_steps.py)."""
+    def alone(hit: int) -> float:
+        if chunk is None:
+            return cost.est_prefill_ms(prompt - hit, hit)
+        return chunked_prefill_ms(cost, prompt - hit, hit, chunk)
+
+    return min(alone(hit) for hit in {0, *reusable} if 0 <= hit < prompt)
 
 
 def shared_blocks(chains: Sequence[Sequence[bytes]]) -> list[int]:
@@ -53,8 +60,9 @@ def sim_jobs(result: SimResult, cost: CostModel) -> list[Job]:
     jobs = []
     for r, shared in zip(requests, hits, strict=True):
         reusable = reusable_tokens(shared, r.prompt_len, HASH_BLOCK_TOKENS, config.block_size)
-        handoff = 0.0 if config.colocated else config.kv_tail * cost.est_transfer_ms(r.prompt_len) + config.overhead_ms
-        jobs.append(Job(r.arrival_s * 1e3, r.prompt_len, r.output_len, best_prefill_ms(cost, r.prompt_len, reusable),
+        handoff = 0.0 if config.colocated else config.kv_tail * cost.est_transfer_ms(r.prompt_len) + (config.overhead_ms or 0.0)
+        chunk = None if config.colocated else config.chunk
+        jobs.append(Job(r.arrival_s * 1e3, r.prompt_len, r.output_len, best_prefill_ms(cost, r.prompt_len, reusable, chunk),
                         handoff, cdiv(r.prompt_len + r.output_len, config.block_size)))
     return jobs
 

@@ -23,8 +23,10 @@ from bench import admission_bench as ab
 from bench import admission_metrics as am
 from bench import admission_report as ar
 from bench import serve_bench as sb
+from bench import serve_args as sa
 from bench import serve_metrics as sm
 from bench.workload import Request, Workload, trace_workload
+from conductor.admission import AdmissionConfig
 from tests.bench.records import record, write_trace
 from tests.conductor import conftest as server_fixtures
 
@@ -328,6 +330,10 @@ def test_arguments_parse_into_lists_and_serve_bench_hands_admission_over(
     args = ab.parse_args(["--trace", "t", "--admission", "predictive, none", "--loads", "4,1,2,2"])
     assert args.policies == ["predictive", "none"] and args.mode_list == ["cluster", "colocated"]
     assert args.load_list == [1.0, 2.0, 4.0]
+    served = AdmissionConfig()  # the SLOs default to serve's standard class, from one place
+    assert (args.ttft_slo_ms, args.tbt_slo_ms) == (served.standard_ttft_ms, served.standard_tbt_ms) == (2000.0, 150.0)
+    plain = sa.parse_args(["--trace", "t"])
+    assert (plain.ttft_slo_ms, plain.tbt_slo_ms) == (served.standard_ttft_ms, served.standard_tbt_ms)
     assert ab.serve_args("--colocated", "early", SLO) == \
         "--colocated --admission early --standard-ttft-ms 500 --standard-tbt-ms 125"
     with pytest.raises(SystemExit):

@@ -17,7 +17,7 @@ from cli.main import build_parser, parse_args, subparser
 from conductor.admission import AdmissionConfig
 from conductor.cluster_config import ClusterConfig
 from conductor.requests import Limits
-from conductor.serve_defaults import serve_engine
+from conductor.serve_defaults import SERVE_PREFILL_MAX_SEQS, serve_cluster, serve_engine
 from conductor.server import ServerConfig
 from core.errors import ConfigError
 from core.logs import LogConfig
@@ -73,8 +73,10 @@ def test_defaults_build_the_default_configs() -> None:
     assert build(SERVER, args) == ServerConfig()
     assert build(ADMISSION, args) == AdmissionConfig()
     assert build(TRANSPORT, args, host="127.0.0.1") == TransportConfig()
+    # serve steps one prompt at a time on a prefill worker (conductor/serve_defaults.py)
     assert build(CLUSTER, args, transport=TransportConfig(), engine=EngineConfig(),
-                 model_id="smollm2") == ClusterConfig()
+                 model_id="smollm2") == dataclasses.replace(ClusterConfig(), prefill_max_seqs=SERVE_PREFILL_MAX_SEQS)
+    assert serve_cluster().prefill_max_seqs == SERVE_PREFILL_MAX_SEQS
 
 
 def test_flags_become_fields() -> None:

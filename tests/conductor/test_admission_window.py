@@ -102,5 +102,7 @@ def test_the_held_time_counts_in_the_predicted_ttft() -> None:
     held = dispatcher.dispatch(Ask("b", 100, 16), PrefixMatch(), prefill, decode, NOW + 0.05, arrival=NOW)
     assert held.decision.prediction.predicted_ttft_ms == pytest.approx(
         at_once.decision.prediction.predicted_ttft_ms + 50.0)
-    assert held.deadline == pytest.approx(at_once.deadline)  # due 2 s after it arrived, not after the hold
+    # due 2 s after it arrived, not after the hold; queued in the order decided (decision + 2 s)
+    assert held.candidate.deadline == pytest.approx(at_once.candidate.deadline)
+    assert held.deadline == pytest.approx(at_once.deadline + 0.05)
     assert held.decision.joins_in_ms == pytest.approx(at_once.decision.joins_in_ms)  # from the decision on

@@ -775,6 +775,7 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--migration-stall-s": HelmValue("conductor.migrationStallS", 12.5, "12.5"),
     "--ray-wait-s": HelmValue("conductor.rayWaitS", 90, "90"),
     "--standby": HelmValue("conductor.standby", 1, "1"),
+    "--prefill-max-seqs": HelmValue("engine.prefillMaxSeqs", 4, "4"),
     "--max-prompt-tokens": HelmValue("conductor.limits.maxPromptTokens", 1000, "1000"),
     "--max-tokens-limit": HelmValue("conductor.limits.maxTokens", 1001, "1001"),
     "--max-request-bytes": HelmValue("conductor.limits.maxRequestBytes", 1002, "1002"),

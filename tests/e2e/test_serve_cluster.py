@@ -37,6 +37,7 @@ def test_cluster_serves_from_a_yaml_config_and_ctrl_c_leaves_no_orphan(tmp_path:
     try:
         match = wait_for_log(proc, log, r"listening grpc=(\S+) http=(\S+)")
         assert "starting 1 prefill + 1 decode workers" in log.read_text()
+        assert "per-request overhead" in log.read_text()  # measured by lone probes before listening
         # The first lines a user sees: no noise from Ray or gRPC about threads and forks.
         for noise in ("skipping fork() handlers", "SIGTERM handler is not set", "Failed to start the dashboard"):
             assert noise not in log.read_text(), log.read_text()[:3000]

@@ -196,6 +196,19 @@ def test_max_num_seqs_caps_admission() -> None:
     assert [r.request_id for r in sched.waiting] == ["r2"]
 
 
+def test_max_prefill_seqs_steps_one_prompt_at_a_time_beside_the_decodes() -> None:
+    """A prefill worker's engine (serve's --prefill-max-seqs 1): one prompt a step, a long one
+    chunked alone; requests past their prompt still decode in the same steps."""
+    pool = BlockPool(20)
+    sched = Scheduler(pool, BLOCK_SIZE, max_num_batched_tokens=8, max_num_seqs=8, max_prefill_seqs=1)
+    for name, n in (("a", 3), ("b", 10), ("c", 2)):
+        sched.add(make_request(name, n))
+    assert entries(step(sched)) == [("a", 3, True)]
+    assert entries(step(sched)) == [("a", 1, True), ("b", 7, False)]
+    assert entries(step(sched)) == [("a", 1, True), ("b", 3, True)]  # its last chunk: c still waits
+    assert entries(step(sched)) == [("a", 1, True), ("b", 1, True), ("c", 2, True)]
+
+
 def test_admission_waits_for_free_blocks() -> None:
     pool = BlockPool(4)
     sched = Scheduler(pool, BLOCK_SIZE, max_num_batched_tokens=64, max_num_seqs=8)

@@ -32,6 +32,18 @@ def serve_defaults() -> tuple[EngineConfig, int, int]:
     return engine, cluster.prefill, cluster.decode
 
 
+def test_sim_steps_prefill_workers_as_serve_does() -> None:
+    """A prefill worker's prompts a step: serve's flag and the simulator's, one default."""
+    args = parse_args(["serve"])
+    cluster = build(CLUSTER, args, engine=build(SERVE_ENGINE, args), transport=TransportConfig(), model_id="m")
+    sim = sim_config(parse_args(["sim", "--trace", str(sample_trace()), "--profile", names()[0]]), SMOLLM2_SERVED)[0]
+    assert cluster.prefill_max_seqs == sim.prefill_max_seqs == SimConfig().prefill_max_seqs == 1
+    assert cluster.prefill_seqs("prefill") == 1 and cluster.prefill_seqs("decode") is None
+    engines = {s.role: s.engine for s in cluster.specs(None)}
+    assert engines["prefill"].max_prefill_seqs == 1 and engines["decode"].max_prefill_seqs is None
+    assert engines["prefill"].max_num_seqs == engines["decode"].max_num_seqs  # decode batches untouched
+
+
 @pytest.mark.parametrize("kv_bytes_per_token", [SMOLLM2_SERVED, *(load_profile(n).kv_bytes_per_token for n in names())])
 def test_sim_without_flags_is_serve_without_flags(kv_bytes_per_token: int) -> None:
     engine, prefill, decode = serve_defaults()

@@ -40,7 +40,8 @@ def one(prompt: int = 1000, output: int = 5, at: float = 0.0, index: int = 0, bl
 
 def test_one_request_through_1p1d_has_the_cost_models_timings() -> None:
     r = simulate(Workload((one(),), 1.0), SimConfig(kv_tail=0.5, admission=LOOSE), FLAT).records[0]
-    prefill, tail, step = 1.100, 0.5 * 1000 * 1000 / 1e9, 0.010
+    # 1000 prompt tokens in two steps of the 512-token budget, each 100 ms + 1 ms a token
+    prefill, tail, step = 1.200, 0.5 * 1000 * 1000 / 1e9, 0.010
     assert r.status == "ok"
     assert HOLD > 0  # the default window
     assert r.ttft_s == pytest.approx(HOLD + prefill + tail + step)  # the first token rides a decode step
@@ -65,8 +66,8 @@ def test_speculative_tokens_per_step_shorten_decode_and_admission_counts_them() 
     r = sim.run(Workload((one(output=7),), 1.0)).records[0]
     step = 0.010 / 3
     assert r.tbt_s == pytest.approx(step)
-    assert r.ttft_s == pytest.approx(HOLD + 1.100 + 0.0005 + step)
-    assert r.end_s == pytest.approx(HOLD + 1.100 + 0.0005 + 7 * step)
+    assert r.ttft_s == pytest.approx(HOLD + 1.200 + 0.0005 + step)
+    assert r.end_s == pytest.approx(HOLD + 1.200 + 0.0005 + 7 * step)
     assert all(ledger.tokens_per_step == 3.0 for ledger in sim.decode_ledgers.values())
     plain = simulate(Workload((one(output=7),), 1.0), SimConfig(kv_tail=0.5, admission=LOOSE), FLAT).records[0]
     assert r.predicted_tbt_ms == pytest.approx(plain.predicted_tbt_ms / 3)
@@ -75,7 +76,7 @@ def test_speculative_tokens_per_step_shorten_decode_and_admission_counts_them() 
 def test_overhead_delays_the_first_token_outside_the_engines() -> None:
     config = SimConfig(kv_tail=0.5, admission=LOOSE, overhead_ms=250.0)
     r = simulate(Workload((one(),), 1.0), config, FLAT).records[0]
-    assert r.ttft_s == pytest.approx(HOLD + 1.100 + 0.0005 + 0.250 + 0.010)
+    assert r.ttft_s == pytest.approx(HOLD + 1.200 + 0.0005 + 0.250 + 0.010)
     colocated = simulate(Workload((one(),), 1.0), SimConfig(colocated=True, chunk=400, admission=LOOSE,
                                                                overhead_ms=250.0), FLAT).records[0]
     assert colocated.ttft_s == pytest.approx(0.250 + 1.300)
@@ -98,10 +99,10 @@ def test_replays_in_series_share_one_conductor() -> None:
 
 def test_a_decode_batch_shares_its_steps() -> None:
     # Two requests whose KV arrives at once decode in the same steps: the same TBT, and the
-    # second's prefill waited for the first's (one prefill at a time).
+    # second's prefill waited for the first's (one prompt a step, serve's default).
     w = Workload((one(index=0), one(index=1)), 1.0)
     a, b = simulate(w, SimConfig(kv_tail=0.0, admission=LOOSE), FLAT).records
-    assert b.ttft_s == pytest.approx(a.ttft_s + 1.100, abs=0.011)
+    assert b.ttft_s == pytest.approx(a.ttft_s + 1.200, abs=0.011)
     assert a.tbt_s == pytest.approx(0.010) and b.tbt_s == pytest.approx(0.010)
 
 

@@ -215,7 +215,7 @@ argparse parser, so a flag that does not exist fails the tests).
 - --log-level
 - {{ $v.logs.level | quote }}
 {{- end }}
-{{- range $flag, $value := dict "--kv-cache-gb" $v.engine.kvCacheGb "--block-size" $v.engine.blockSize "--max-num-seqs" $v.engine.maxNumSeqs "--max-num-batched-tokens" $v.engine.maxNumBatchedTokens "--max-model-len" $v.engine.maxModelLen "--num-blocks" $v.engine.numBlocks "--kv-timeout-s" $v.kvTransport.timeoutS "--kv-max-inflight-mb" $v.kvTransport.maxInflightMb "--request-timeout-s" $v.conductor.requestTimeoutS "--migration-attempts" $v.conductor.migrationAttempts "--migration-stall-s" $v.conductor.migrationStallS "--ray-wait-s" $v.conductor.rayWaitS }}
+{{- range $flag, $value := dict "--kv-cache-gb" $v.engine.kvCacheGb "--block-size" $v.engine.blockSize "--max-num-seqs" $v.engine.maxNumSeqs "--prefill-max-seqs" $v.engine.prefillMaxSeqs "--max-num-batched-tokens" $v.engine.maxNumBatchedTokens "--max-model-len" $v.engine.maxModelLen "--num-blocks" $v.engine.numBlocks "--kv-timeout-s" $v.kvTransport.timeoutS "--kv-max-inflight-mb" $v.kvTransport.maxInflightMb "--request-timeout-s" $v.conductor.requestTimeoutS "--migration-attempts" $v.conductor.migrationAttempts "--migration-stall-s" $v.conductor.migrationStallS "--ray-wait-s" $v.conductor.rayWaitS }}
 {{- if not (kindIs "invalid" $value) }}
 - {{ $flag }}
 - {{ include "halfmoon.num" $value | quote }}
