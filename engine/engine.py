@@ -262,9 +262,15 @@ class Engine:
     def info(self) -> EngineInfo:
         """What the Conductor needs to tokenize, hash blocks and size requests like this engine."""
         return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.model_config.fingerprint,
-                          self.config.block_size, self.config.kv_tag,
-                          self.kv_cache[:, :, 0, 0].numel() * self.kv_cache.element_size(),
+                          self.config.block_size, self.config.kv_tag, self.kv_bytes_per_token,
                           self.model_config.architecture)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token, all layers, K and V, of every tensor-parallel rank's shard (the
+        ranks' shards are the same size): what a tier record, a transfer and the sizing pages
+        count per token (rank 0's shard alone would undercount a tp > 1 worker tp-fold)."""
+        return self.kv_cache[:, :, 0, 0].numel() * self.kv_cache.element_size() * self.config.tp
 
     def kv_layout(self) -> KVLayout:
         """What a KV transfer's two ends must agree on: shapes, dtype, model, layer windows, and

@@ -92,9 +92,9 @@ def measure_engine(engine: Engine, *, quick: bool, grid: ProfileGrid | None = No
 
 
 def kv_bytes_per_token(engine: Engine) -> int:
-    """KV bytes of one token: layers x (K, V) x kv_heads x head_dim x itemsize."""
-    kv = engine.kv_cache  # [layers, 2, blocks, block_size, kv_heads, head_dim]
-    return kv.shape[0] * kv.shape[1] * kv.shape[4] * kv.shape[5] * kv.element_size()
+    """KV bytes of one token: layers x (K, V) x kv_heads x head_dim x itemsize, every
+    tensor-parallel rank's shard (`Engine.kv_bytes_per_token`)."""
+    return engine.kv_bytes_per_token
 
 
 def _tokens(engine: Engine, seed: int, n: int) -> list[int]:

@@ -117,6 +117,7 @@ def test_an_evicted_prefix_reloads_every_ranks_shard(folders: dict[str, Path], r
         tiers = engine.tiers
         assert tiers is not None and len(tiers.shards) == 2 and tiers.block_bytes == record
         assert tiers.host.slot_bytes == record
+        assert engine.info().kv_bytes_per_token * 16 == record, "a token's KV counts every rank's shard"
         cold, computed, _ = serve(engine)
         assert computed == len(PROMPT) and cold == reference[name]  # TP=2 == TP=1 fp32
         flood(engine, 6)
