@@ -71,16 +71,23 @@ class Agreement(NamedTuple):
 
 
 def prefill_logits(engine: Engine, ids: Sequence[int]) -> torch.Tensor:
-    """fp32 logits [len(ids), vocab] at every position: one prefill of `ids` into a scratch
-    paged cache, inputs from the engine's runner (the engine's own cache is untouched)."""
-    n, cfg, bs = len(ids), engine.model_config, engine.config.block_size
-    num_blocks = -(-n // bs)
-    cache = torch.zeros(cfg.num_layers, 2, num_blocks, bs, cfg.num_kv_heads, cfg.head_dim,
-                        dtype=engine.config.torch_dtype)
-    req = Request("quality", list(ids), SamplingParams(), n, torch.Generator())
-    req.block_table = list(range(num_blocks))
-    step = engine.runner.prepare([ScheduledRequest(req, n, True)])
-    return engine.model.forward(step.input_ids, step.positions, cache, step.meta, torch.arange(n))
+    """Logits [len(ids), vocab] at every position (teacher forcing): one prefill of `ids` through
+    the engine's runner — and its tensor-parallel ranks, which run the same step — in blocks
+    borrowed from its pool (never cached) and given back. A scratch cache of rank 0's alone
+    would hang a tp > 1 engine: its ranks would never join the step's collectives."""
+    n = len(ids)
+    blocks = engine.reserve_blocks(n)
+    try:
+        req = Request("quality", list(ids), SamplingParams(), n, torch.Generator())
+        req.block_table = blocks
+        step = engine.runner.prepare([ScheduledRequest(req, n, True)])
+        step.logits_rows = torch.arange(n)
+        if engine.runner.step_sync is not None:
+            engine.runner.step_sync(step)
+        return engine.model.forward(step.input_ids, step.positions, engine.kv_cache, step.meta, step.logits_rows,
+                                    None, step.rope_lens)
+    finally:
+        engine.release_blocks(blocks)
 
 
 def perplexity(engine: Engine, ids: Sequence[int]) -> float:

@@ -38,6 +38,7 @@ from core.errors import ConfigError
 from core.params import SamplingParams
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.quality import perplexity, prefill_logits
 from engine.errors import RankLostError, ShardingError
 from engine.model_config import ModelConfig
 from engine.parallel import plan_shard, span
@@ -68,27 +69,10 @@ def greedy(engine: Engine, prompt_ids: list[list[int]], new: int) -> list[list[i
     return [r.output_ids for r in engine.generate(prompt_ids, SamplingParams(max_tokens=new, ignore_eos=True))]
 
 
-def forced_logits(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """fp32 logits at every position of one prefill of `ids` (teacher forcing), through the
-    engine's runner and ranks, in blocks borrowed from its pool (never cached) and given back."""
-    blocks = engine.reserve_blocks(len(ids))
-    try:
-        req = Request("forced", list(ids), SamplingParams(), len(ids), torch.Generator())
-        req.block_table = blocks
-        step = engine.runner.prepare([ScheduledRequest(req, len(ids), True)])
-        step.logits_rows = torch.arange(len(ids))
-        if engine.runner.step_sync is not None:
-            engine.runner.step_sync(step)
-        return engine.model.forward(step.input_ids, step.positions, engine.kv_cache, step.meta, step.logits_rows,
-                                    None, step.rope_lens)
-    finally:
-        engine.release_blocks(blocks)
-
-
 def compare_forced(reference: Engine, engine: Engine, sequences: list[list[int]],
                    bounds: tuple[float, float, float]) -> None:
-    want = [forced_logits(reference, ids) for ids in sequences]
-    got = [forced_logits(engine, ids) for ids in sequences]
+    want = [prefill_logits(reference, ids) for ids in sequences]
+    got = [prefill_logits(engine, ids) for ids in sequences]
     diff = torch.cat([(a - b).abs().flatten() for a, b in zip(got, want)])
     top1 = torch.cat([(a.argmax(-1) == b.argmax(-1)).float() for a, b in zip(got, want)]).mean().item()
     least_top1, most_mean, most_max = bounds
@@ -113,6 +97,14 @@ def test_smollm2_tp2_is_token_identical_to_tp1(engine: Engine, smol_tp2: Engine)
     assert_engine_idle(smol_tp2)
     group = smol_tp2.model.group
     assert group is not None and group.backend == "gloo" and group.calls > 0
+
+
+def test_quality_measures_run_on_a_tp_engine(engine: Engine, smol_tp2: Engine) -> None:
+    """engine/quality.py's teacher-forced prefill steps the ranks too (it hung on rank 0's
+    collectives when it ran a scratch cache of rank 0's alone)."""
+    ids = SMOL_PROMPTS[0] + greedy(engine, SMOL_PROMPTS[:1], SMOL_NEW)[0]
+    assert perplexity(smol_tp2, ids) == pytest.approx(perplexity(engine, ids), rel=1e-3)
+    assert_engine_idle(smol_tp2)
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
