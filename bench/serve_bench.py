@@ -48,7 +48,7 @@ import numpy as np
 
 from bench.report import Figure, Progress, machine_info, render_table, ruled, utc_now
 from bench.serve_args import parse_args, workloads
-from bench.serve_metrics import RequestRecord, Slo, predicted_ms, request_rows, spread, summarize
+from bench.serve_metrics import RequestRecord, Slo, predicted_ms, request_rows, server_ms, spread, summarize
 from bench.workload import Request, Workload
 
 BASELINE_NAME, CLUSTER_NAME = "co-located", "cluster"
@@ -128,6 +128,7 @@ async def send(client: Any, request: Request, record: RequestRecord, clock: Call
             if chunk.result is not None:
                 record.cached_tokens = chunk.result.usage.cached_prompt_tokens
                 record.prediction = predicted_ms(chunk.result)
+                record.server = server_ms(chunk.result)
         record.status = "ok"
     except APIError as e:
         record.status = "rejected" if e.code == grpc.StatusCode.RESOURCE_EXHAUSTED else "error"

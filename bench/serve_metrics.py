@@ -30,6 +30,7 @@ class RequestRecord:
     code: str | None = None  # the gRPC status name of a rejection or error
     message: str = ""
     prediction: tuple[float, float] | None = None  # the server's (TTFT, TBT) prediction, ms
+    server: tuple[float, float, float, float] | None = None  # the server's queue, prefill, transfer, TTFT ms
 
     @property
     def ttft_s(self) -> float | None:
@@ -77,6 +78,16 @@ def stats_ms(values_s: Sequence[float]) -> dict[str, float | None]:
     for q in PERCENTILES:
         out[f"p{q}"] = round(float(np.percentile(ms, q)), 3)
     return out
+
+
+SERVER_TIMINGS = ("queue", "prefill", "transfer", "ttft")
+
+
+def server_ms(result: Any) -> tuple[float, float, float, float] | None:
+    """The server's own queue / prefill / transfer / TTFT milliseconds from a result's `timings`
+    (None when it carries none): where a request's TTFT went, beside what the client measured."""
+    t = getattr(result, "timings", None)
+    return None if t is None else (t.queue_ms, t.prefill_ms, t.transfer_ms, t.ttft_ms)
 
 
 def predicted_ms(result: Any) -> tuple[float, float] | None:
@@ -141,4 +152,7 @@ def request_rows(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
     return [{"index": r.index, "arrival_s": round(r.arrival_s, 4), "prompt_tokens": r.prompt_tokens,
              "cached_tokens": r.cached_tokens, "max_tokens": r.max_tokens, "tokens": len(r.token_times),
              "status": r.status, "code": r.code, "ttft_ms": ms(r.ttft_s), "tbt_ms": ms(tbt_s(r.token_times)),
-             "tpot_ms": ms(tpot_s(r.token_times)), "message": r.message or None} for r in records]
+             "tpot_ms": ms(tpot_s(r.token_times)), "message": r.message or None,
+             "sent_lag_ms": None if r.sent_s is None else ms(r.sent_s - r.arrival_s),
+             "server_ms": None if r.server is None else dict(zip(SERVER_TIMINGS, (round(x, 3) for x in r.server),
+                                                                 strict=True))} for r in records]

@@ -206,7 +206,9 @@ def overhead_note(backend) -> list[str]:
     cost = getattr(backend, "cost", None)
     if getattr(backend, "overhead_probes", ()) and cost is not None:
         return [f"halfmoon: per-request overhead {cost.overhead_ms:.0f} ms (lone probe requests at start: "
-                "RPCs, KV handoff, streaming; admission adds it to every predicted TTFT)"]
+                "RPCs, KV handoff, streaming; admission adds it to every predicted TTFT)",
+                f"halfmoon: prefill under load x{cost.prefill_scale:.2f} the profile (a burst of probe requests "
+                "at start; admission scales every predicted prefill by it)"]
     return []
 
 

@@ -53,6 +53,12 @@ class Policy(enum.StrEnum):
     PREDICTIVE = "predictive"
 
 
+SECOND_LOOK_MIN_S = 0.05  # less time left than this: refused at once
+# A decision that can be made again later admits only this far under the TTFT objective (what is
+# still to come, x this): a request at the margin waits for the queue ahead to be measured.
+SECOND_LOOK_MARGIN = 1.3
+
+
 class Reason(enum.StrEnum):
     """Why a request was rejected (the `reason` label of the admission metrics)."""
 
@@ -99,6 +105,12 @@ class AdmissionConfig:
     admit_window_ms: cluster mode: arrivals are held this long (from the first one held), then
         decided highest class and shortest predicted prefill first (conductor/admission_window.py);
         0 = each as it arrives. Co-located mode decides each as it arrives.
+    second_look: with a window, a request refused only for its predicted TTFT that would still
+        fit on idle workers is not refused yet: it is decided again each time a prefill ends (the
+        queue ahead measured, not predicted), until it fits or its latest start passes, and only
+        then refused (conductor/admission_window.py); while it may still get one, a request is
+        admitted only `SECOND_LOOK_MARGIN` under its TTFT objective (else kept: never refused for
+        the margin). False = decided at once, at the guard.
     """
 
     admission: str = Policy.PREDICTIVE.value
@@ -114,6 +126,7 @@ class AdmissionConfig:
     shed_headroom: float = 0.8
     admit_quantile: float = 0.9
     admit_window_ms: float = 20.0
+    second_look: bool = True
 
     def __post_init__(self) -> None:
         if self.admission not in {p.value for p in Policy}:
@@ -244,6 +257,7 @@ class Decision:
     joins_in_ms: float = 0.0  # predicted end of its prefill (it joins the decode batch), ms from now
     raw_ttft_ms: float = 0.0  # the cost model's predictions before calibration
     raw_tbt_ms: float = 0.0
+    second_look_s: float = 0.0  # refused for TTFT alone, it fits idle if its prefill starts within this
 
     @property
     def admitted(self) -> bool:
@@ -297,14 +311,16 @@ class Admission:
                          prefill_ms, cdiv(prompt_len + max_tokens, block_size), deadline,
                          prompt_len if new_tokens is None else new_tokens, max(0.0, held_ms), fetch_ms)
 
-    def decide(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float) -> Decision:
-        """Admit or reject `c` on the chosen workers' ledgers (predictions as calibrated)."""
+    def decide(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float,
+               final: bool = True) -> Decision:
+        """Admit or reject `c` on the chosen workers' ledgers (predictions as calibrated). Not
+        `final` (a look it may get again), it is admitted only with `SECOND_LOOK_MARGIN`."""
         raw = self.predict(c, prefill, decode, now)
         p = self._calibrated(raw)
         joins_in_ms = p.ttft_ms - p.first_step_ms
         if c.held_ms > 0:  # the window's hold is spent already: part of the TTFT, exactly
             raw, p = raw._replace(ttft_ms=raw.ttft_ms + c.held_ms), p._replace(ttft_ms=p.ttft_ms + c.held_ms)
-        return replace(self._decide(c, p, prefill, decode, now), joins_in_ms=joins_in_ms,
+        return replace(self._decide(c, p, prefill, decode, now, final), joins_in_ms=joins_in_ms,
                        raw_ttft_ms=raw.ttft_ms, raw_tbt_ms=raw.tbt_ms)
 
     def _calibrated(self, p: Predicted) -> Predicted:
@@ -318,7 +334,7 @@ class Admission:
                                  None if tbt_s is None else tbt_s * 1e3)
 
     def _decide(self, c: Candidate, p: Predicted, prefill: PrefillLedger, decode: DecodeLedger,
-                now: float) -> Decision:
+                now: float, final: bool = True) -> Decision:
         prediction = self._prediction(c.objective, p)
         if prefill.depth >= self.config.max_queue_per_worker:
             return self._queue_reject(Reason.QUEUE_FULL, prefill, now, prediction,
@@ -333,7 +349,7 @@ class Admission:
                                       f"{prefill.depth} requests are queued on the prefill worker "
                                       f"(threshold {self.config.queue_threshold})")
         if self.policy in (Policy.EARLY, Policy.PREDICTIVE):
-            return self._check_objectives(c, p, prediction, prefill, now)
+            return self._check_objectives(c, p, prediction, prefill, now, final)
         return Decision(None, prediction)
 
     def predict(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float) -> Predicted:
@@ -387,7 +403,7 @@ class Admission:
         return worst if worst[0] > 0 else (stretched, math.inf)
 
     def _check_objectives(self, c: Candidate, p: Predicted, prediction: SloPrediction,
-                          prefill: PrefillLedger, now: float) -> Decision:
+                          prefill: PrefillLedger, now: float, final: bool = True) -> Decision:
         """Every objective the request would miss (the first one names the reason)."""
         o = c.objective
         ttft_limit, tbt_limit, stretch_limit = o.ttft_ms, min(o.tbt_ms, p.tbt_limit_ms), p.stretched_limit_ms
@@ -412,8 +428,10 @@ class Admission:
         if not o.own_tbt:
             tbt_limit = max(tbt_limit, idle_tbt * gb)
         misses: list[tuple[Reason, float, str]] = []
-        if p.ttft_ms * gt > ttft_limit:
-            misses.append((Reason.TTFT, (p.ttft_ms * gt - ttft_limit) / 1e3,
+        # the time held already is measured, not predicted: the guard prices what is to come
+        ttft_guarded = c.held_ms + (p.ttft_ms - c.held_ms) * gt
+        if ttft_guarded > ttft_limit:
+            misses.append((Reason.TTFT, (ttft_guarded - ttft_limit) / 1e3,
                            f"predicted TTFT {p.ttft_ms:.0f} ms{_guarded(gt, self.calibration.quantile)} "
                            f"> {ttft_limit:.4g} ms"))
         if p.tbt_ms * gb > tbt_limit:
@@ -430,9 +448,33 @@ class Admission:
                 misses.append((Reason.DEADLINE, c.prefill_ms / 1e3,
                                f"it would push queued request {late.request_id} past its TTFT deadline"))
         if not misses:
-            return Decision(None, prediction)
+            return self._margin(c, p, prediction, idle_ttft, gt, final)
         reason = Reason.SHED if shed else misses[0][0]
-        return Decision(reason, prediction, _clamp(max(m[1] for m in misses)), "; ".join(m[2] for m in misses))
+        look = self._second_look_s(c, idle_ttft * gt, o.ttft_ms) if {m[0] for m in misses} == {Reason.TTFT} else 0.0
+        return Decision(reason, prediction, _clamp(max(m[1] for m in misses)), "; ".join(m[2] for m in misses),
+                        second_look_s=0.0 if shed else look)
+
+    def _margin(self, c: Candidate, p: Predicted, prediction: SloPrediction, alone_ms: float, gt: float,
+                final: bool) -> Decision:
+        """Admitted at the guard; while it may get a second look, the wait for the queue ahead
+        (what a later look knows better; its own prefill it never will) is priced at
+        `SECOND_LOOK_MARGIN`, else it is kept for a look with more of that queue measured. Never
+        refused for the margin alone; with nothing ahead, the margin is moot."""
+        look = 0.0 if final else self._second_look_s(c, alone_ms * gt, c.objective.ttft_ms)
+        ahead_ms = max(0.0, p.ttft_ms - c.held_ms - alone_ms)
+        margin = max(gt, SECOND_LOOK_MARGIN)
+        if look > 0 and c.held_ms + alone_ms * gt + ahead_ms * margin > c.objective.ttft_ms:
+            return Decision(Reason.TTFT, prediction, _clamp(look), f"predicted TTFT {p.ttft_ms:.0f} ms within "
+                            f"{margin:.2f}x of {c.objective.ttft_ms:.4g} ms: kept for a second look", second_look_s=look)
+        return Decision(None, prediction)
+
+    def _second_look_s(self, c: Candidate, alone_ms: float, ttft_ms: float) -> float:
+        """How long a TTFT refusal may wait for a second look (`AdmissionConfig.second_look`): the
+        time left to start its prefill and still meet the objective on idle workers (0: none)."""
+        if not (self.config.second_look and self.policy is Policy.PREDICTIVE and math.isfinite(ttft_ms)):
+            return 0.0
+        left_s = (ttft_ms - c.held_ms - alone_ms) / 1e3
+        return left_s if left_s >= SECOND_LOOK_MIN_S else 0.0
 
     def _idle(self, c: Candidate) -> tuple[float, float]:
         """TTFT and TBT of `c` on idle workers, calibrated (warned once per class over its SLOs)."""

@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conductor.admission import AdmissionConfig
-from conductor.admission_window import AdmissionWindow
+from conductor.admission_window import AdmissionWindow, SecondLook
 from conductor.admission_stats import AdmissionStats, TopGaps
 from conductor.backend import BackendStats, WorkerView, GenerationBackend, GenerationInput
 from conductor.cluster_config import ClusterConfig
@@ -50,6 +50,7 @@ from core.messages import (
     DecodeCapacityError,
     DecodeTask,
     EngineInfo,
+    KVHandoff,
     KVTransferFailedError,
     PrefillApi,
     PrefillResult,
@@ -321,28 +322,40 @@ class ClusterBackend(GenerationBackend):
                 self._spawn(d.api.cancel(wid))  # type: ignore[union-attr]
                 self._spawn(p.api.abort(wid))  # type: ignore[union-attr]
 
-    async def _start(self, inp: GenerationInput, wid: str, route: Route) -> asyncio.Future:
-        """Reserve the decode side's blocks (prompt + max_tokens), then start the prefill; its
-        future. A prefill that fails (worker died, push failed) stops the decode side's wait at
-        once; one that ends lets the decode ledger know the request joined."""
-        p, d = route.prefill, route.decode
-        n, timeout = len(inp.prompt_ids), self.config.request_timeout_s
+    async def _reserve(self, inp: GenerationInput, wid: str, route: Route) -> KVHandoff:
+        """The decode side's blocks for the prompt + max_tokens; a refusal there is load (429)."""
+        d = route.decode
         reserving = now_ns()
         try:
-            handoff = await self._on(d, d.api.reserve(wid, n, inp.params.max_tokens, timeout))  # type: ignore[union-attr]
+            handoff = await self._on(d, d.api.reserve(wid, len(inp.prompt_ids), inp.params.max_tokens,  # type: ignore[union-attr]
+                                                      self.config.request_timeout_s))
         except DecodeCapacityError as e:  # the ledger and the worker disagree for a moment: load, not failure
             self.admission_stats.rejected(route.booking.objective.slo_class.name, "kv_capacity")
             raise OverloadedError(f"decode worker {d.worker_id}: {e}", 1.0, "kv_capacity",
                                   route.booking.decision.prediction) from e
         spans.reserve(self.tracer, inp.span, reserving, d.worker_id, len(handoff.block_ids))
-        task = PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, handoff, timeout,
-                           self.manager.block_servers(), route.booking.objective.rank, route.booking.deadline,
-                           inp.span.traceparent, route.booking.fetch_from)
-        prefill_done = asyncio.ensure_future(self._on(p, p.api.prefill(task)))  # type: ignore[union-attr]
+        return handoff
+
+    async def _start(self, inp: GenerationInput, wid: str, route: Route) -> asyncio.Future:
+        """Reserve the decode side's blocks (prompt + max_tokens), then start the prefill; its
+        future. A prefill that fails (worker died, push failed) stops the decode side's wait at
+        once; one that ends lets the decode ledger know the request joined."""
+        p, d = route.prefill, route.decode
+        turn = p.sends.take()  # the prefill worker hears of it in decision order (core/turns.py)
+        try:
+            handoff = await self._reserve(inp, wid, route)
+            task = PrefillTask(wid, inp.prompt_ids, inp.params, inp.cache_salt, handoff, self.config.request_timeout_s,
+                               self.manager.block_servers(), route.booking.objective.rank, route.booking.deadline,
+                               inp.span.traceparent, route.booking.fetch_from)
+            await p.sends.wait(turn)
+            prefill_done = asyncio.ensure_future(self._on(p, p.api.prefill(task)))  # type: ignore[union-attr]
+        finally:
+            p.sends.done(turn)
 
         def on_prefill_end(f: asyncio.Future) -> None:
             p.pending.finish(wid, time.monotonic())
             route.booking.bound.joins_at = time.monotonic()
+            self.window.relook()  # the queue ahead of a kept request shrank (conductor/admission_window.py)
             if not f.cancelled() and f.exception() is not None:
                 self._spawn(d.api.cancel(wid))  # type: ignore[union-attr]
 
@@ -447,11 +460,13 @@ class ClusterBackend(GenerationBackend):
             return self._admit(inp, wid, prefix, resumed)
         future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
 
-        def decide() -> None:
+        def decide(final: bool) -> None:
             if future.done():  # cancelled while held: nothing to decide
                 return
             try:
-                future.set_result(self._admit(inp, wid, prefix, resumed, arrival))
+                future.set_result(self._admit(inp, wid, prefix, resumed, arrival, final))
+            except SecondLook:  # kept by the window for another look
+                raise
             except Exception as e:  # the rejection (or no worker): the request's own error
                 future.set_exception(e)
 
@@ -467,7 +482,7 @@ class ClusterBackend(GenerationBackend):
             raise
 
     def _admit(self, inp: GenerationInput, wid: str, prefix: PrefixMatch, resumed: bool = False,
-               arrival: float | None = None) -> Route:
+               arrival: float | None = None, final: bool = True) -> Route:
         """Route (Mooncake Algorithm 1 over the live workers, given the index's `prefix_match`),
         decide admission on the chosen workers' ledgers, and book the request in both
         (conductor/dispatch.py; all on the event loop, so no other request sees the ledgers in
@@ -476,7 +491,7 @@ class ClusterBackend(GenerationBackend):
         prefill = [PrefillSide(w.worker_id, w.pending, w.alive) for w in self.manager.role("prefill")]
         decode = [DecodeSide(w.worker_id, w.bound, w.alive) for w in self.manager.role("decode")]
         ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo, resumed)
-        booking = self.dispatcher.dispatch(ask, prefix, prefill, decode, time.monotonic(), arrival)
+        booking = self.dispatcher.dispatch(ask, prefix, prefill, decode, time.monotonic(), arrival, final)
         p, d = self.manager.workers[booking.prefill_id], self.manager.workers[booking.decode_id]
         return Route(p, d, booking)
 

@@ -25,6 +25,13 @@ with lone probe requests through the real path (conductor/startup_probe.py); 0 i
 file unless set. Admission adds it to every predicted TTFT and the simulator to every request's
 handoff (`halfmoon sim`'s `--overhead-ms` defaults to it).
 
+`prefill_scale`: how much slower the prefill worker computes while the cluster is loaded (the
+decode worker stepping a batch, the Conductor streaming) than the profile's engine did alone —
+on a machine whose workers share cores and memory bandwidth (this CPU's 1P1D: 1.1-1.2x, issue
+38), not across GPUs. Measured by `halfmoon serve` at start with a burst of probes (conductor/
+startup_probe.py); 1 in a profile file unless set. It multiplies every prefill prediction, so
+admission, the simulator and the offline optimum all price the loaded machine.
+
 Transfer bandwidth is not measured here: a memcpy of KV blocks on this machine runs at ~10-30
 GB/s, far above what the transport moves. The default, `DEFAULT_TRANSFER_BYTES_PER_S` = 2 GB/s,
 is the low end of `halfmoon bench transport` on loopback (tcp backend 2.8-3.9 GB/s, ucxx over
@@ -131,6 +138,7 @@ class CostModel:
     kv_bytes_per_token: KV bytes of one token over all layers (K and V).
     source: where the numbers come from (model, dtype, threads, grid), for the operator.
     overhead_ms: per-request time outside the engines (module docstring); 0 = not measured.
+    prefill_scale: the prefill worker's slowdown under load (module docstring); 1 = not measured.
     """
 
     prefill_coef: tuple[float, ...]
@@ -139,6 +147,7 @@ class CostModel:
     kv_bytes_per_token: int
     source: str = ""
     overhead_ms: float = 0.0
+    prefill_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name, coef, terms in (("prefill_ms.coef", self.prefill_coef, PREFILL_TERMS),
@@ -154,6 +163,8 @@ class CostModel:
                               f"got {self.kv_bytes_per_token}")
         if not (math.isfinite(self.overhead_ms) and self.overhead_ms >= 0):
             raise ConfigError(f"cost model field 'overhead_ms' must be >= 0, got {self.overhead_ms}")
+        if not (math.isfinite(self.prefill_scale) and self.prefill_scale > 0):
+            raise ConfigError(f"cost model field 'prefill_scale' must be > 0, got {self.prefill_scale}")
 
     @classmethod
     def from_samples(cls, prefill: Iterable[PrefillSample], decode: Iterable[DecodeSample], *,
@@ -169,15 +180,16 @@ class CostModel:
         if not n_new:
             return 0.0
         p0, p1, p2, p3 = self.prefill_coef  # PREFILL_TERMS, written out: the simulator calls this per step
-        return max(0.0, p0 + n_new * (p1 + p2 * n_cached + p3 * n_new))
+        return max(0.0, p0 + n_new * (p1 + p2 * n_cached + p3 * n_new)) * self.prefill_scale
 
     def est_prefill_step_ms(self, chunks: Iterable[tuple[int, int]]) -> float:
         """Predicted time of one prefill step computing several prompts' chunks, each `(n, c)`:
         n new tokens after c already computed (cached or earlier chunks). One chunk costs
-        `est_prefill_ms(n, c)`; more share the step's constant (the weights are read once)."""
+        `est_prefill_ms(n, c)`; more share the step's constant (the weights are read once).
+        Both carry `prefill_scale`."""
         p0, p1, p2, p3 = self.prefill_coef
         work = [n * (p1 + p2 * c + p3 * n) for n, c in chunks if n > 0]
-        return max(0.0, p0 + sum(work)) if work else 0.0
+        return max(0.0, p0 + sum(work)) * self.prefill_scale if work else 0.0
 
     def est_decode_step_ms(self, batch: int, context_tokens: int) -> float:
         """Predicted time of one decode step of `batch` requests holding `context_tokens` in all."""
@@ -213,6 +225,8 @@ class CostModel:
                "source": self.source}
         if self.overhead_ms:
             doc["overhead_ms"] = self.overhead_ms
+        if self.prefill_scale != 1.0:
+            doc["prefill_scale"] = self.prefill_scale
         return json.dumps(doc, indent=2) + "\n"
 
     @classmethod
@@ -232,7 +246,8 @@ class CostModel:
                    _poly_field(doc, "decode_step_ms", DECODE_TERMS),
                    float(_field(doc, "transfer_bytes_per_s", (int, float))),
                    _field(doc, "kv_bytes_per_token", int),
-                   str(doc.get("source", "")), _optional_number(doc, "overhead_ms"))
+                   str(doc.get("source", "")), _optional_number(doc, "overhead_ms"),
+                   _optional_number(doc, "prefill_scale", 1.0))
 
     def save(self, path: str | Path) -> None:
         """Write the JSON document to `path`."""
@@ -260,10 +275,10 @@ def _field(doc: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any
     return value
 
 
-def _optional_number(doc: dict[str, Any], name: str) -> float:
-    """An optional numeric field (0 when absent)."""
+def _optional_number(doc: dict[str, Any], name: str, absent: float = 0.0) -> float:
+    """An optional numeric field (`absent` when absent)."""
     if name not in doc:
-        return 0.0
+        return absent
     return float(_field(doc, name, (int, float)))
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from conductor.admission import Admission, AdmissionConfig, Candidate, Decision, Objective, Reason, resolve
 from conductor.admission_stats import MIN_SAMPLE_GAPS, AdmissionStats
+from conductor.admission_window import SecondLook
 from conductor.backend import Slo
 from conductor.cost_model import CostModel
 from conductor.errors import OverloadedError
@@ -129,10 +130,12 @@ class Dispatcher:
         return self.objective(ask).rank, self.cost.est_prefill_ms(ask.prompt_len - cached, cached)
 
     def dispatch(self, ask: Ask, prefix: PrefixMatch, prefill: Sequence[PrefillSide],
-                 decode: Sequence[DecodeSide], now: float, arrival: float | None = None) -> Booking:
+                 decode: Sequence[DecodeSide], now: float, arrival: float | None = None,
+                 final: bool = True) -> Booking:
         """Route over the live workers, decide on the chosen pair's ledgers, book both; raises
         `NoWorkerAvailableError` (none alive) or the rejection (`OverloadedError`). `arrival`:
-        when it arrived, if the admission window held it (default: now)."""
+        when it arrived, if the admission window held it (default: now). Not `final`: a refusal
+        that may get a second look raises `SecondLook` instead (counted nowhere yet)."""
         objective = self.objective(ask)
         for side in prefill:  # how the workers step: their ledgers lay their queues out so
             side.ledger.use(self.prefill_steps)
@@ -151,7 +154,7 @@ class Dispatcher:
                                              (now - arrived) * 1e3, chosen.transfer_ms)
         p = next(s for s in prefill if s.worker_id == plan.prefill_id)
         d = next(s for s in decode if s.worker_id == plan.decode_id)
-        return self._book(ask, objective, candidate, p, d, plan.prefix_len, now, plan.fetch_from)
+        return self._book(ask, objective, candidate, p, d, plan.prefix_len, now, plan.fetch_from, final)
 
     def route(self, ask: Ask, prefix: PrefixMatch, objective: Objective, prefill: Sequence[PrefillSide],
               decode: Sequence[DecodeSide], now: float) -> RoutePlan:
@@ -198,11 +201,13 @@ class Dispatcher:
     # ------------------------------------------------------------------ both
 
     def _book(self, ask: Ask, objective: Objective, candidate: Candidate, p: PrefillSide, d: DecodeSide,
-              prefix_tokens: int, now: float, fetch_from: str | None = None) -> Booking:
+              prefix_tokens: int, now: float, fetch_from: str | None = None, final: bool = True) -> Booking:
         name = objective.slo_class.name
-        decision = self.admission.decide(candidate, p.ledger, d.ledger, now)
+        decision = self.admission.decide(candidate, p.ledger, d.ledger, now, final or ask.resumed)
         if ask.resumed and decision.reason is not Reason.KV_CAPACITY:
             decision = replace(decision, reason=None)  # promised service once: only room can stop it
+        if not decision.admitted and not final and decision.second_look_s > 0:
+            raise SecondLook(decision.second_look_s)
         if not decision.admitted:
             self.stats.rejected(name, decision.reason or "")
             raise decision.error()

@@ -31,6 +31,7 @@ from typing import Literal
 
 from conductor.ledger import DecodeLedger, PrefillLedger
 from core.messages import DecodeApi, PrefillApi, WorkerLoad
+from core.turns import Turns
 from engine.config import WorkerSpec
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class Worker:
     node_id: str = ""  # the node it runs on (its index entries' node; "" until it answered)
     pending: PrefillLedger = field(default_factory=PrefillLedger)  # prefill: sent, not prefilled yet
     bound: DecodeLedger = field(default_factory=DecodeLedger)  # decode: requests and KV booked here
+    sends: Turns = field(default_factory=Turns)  # prefill: tasks sent in decision order
     index_health: tuple[float, int] = (0.0, 0)  # its index holder: longest beat gap (s), resyncs
     load: WorkerLoad | None = None  # its last health answer (the dashboard's figures)
     load_at: float = 0.0  # when it came (time.monotonic())

@@ -26,6 +26,7 @@ from core.messages import (KVTransferFailedError, PrefillFailedError, PrefillRes
                            Timings, TokenChunk, WorkerLoad)
 from core.params import FinishReason
 from core.tracing import Event, Span, Tracer, now_ns
+from core.turns import Turns
 from engine.config import WorkerSpec
 from engine.worker import EngineWorker
 from kvpool.remote import RemoteBlockReader
@@ -42,6 +43,7 @@ class PrefillWorker(EngineWorker):
         # a sender per (this rank, decode rank) pair, each over its rank's KV shard (transport/tp.py)
         self.peers = RankPeers(self.engine.kv_shards(), spec.transport, faults=self.faults)
         self.pending_tokens = 0  # prompt tokens accepted and not yet prefilled
+        self.arrivals = Turns()  # tasks reach the engine in the order they arrived
 
     async def prefill(self, task: PrefillTask) -> PrefillResult:
         """Prefill `task`, pushing its KV into the decode worker's blocks; raises
@@ -64,16 +66,25 @@ class PrefillWorker(EngineWorker):
             span.end()
 
     async def _prefill(self, task: PrefillTask, span: Span, arrived: int) -> PrefillResult:
-        stream = await asyncio.to_thread(self.peers.open, task.handoff.receivers, task.request_id,
-                                         task.handoff.block_ids, span.traceparent, span.recording)
+        turn = self.arrivals.take()  # to the engine in the order the Conductor sent them (core/turns.py)
+        try:
+            stream = await asyncio.to_thread(self.peers.open, task.handoff.receivers, task.request_id,
+                                             task.handoff.block_ids, span.traceparent, span.recording)
+            await self.arrivals.wait(turn)
+        except BaseException:
+            self.arrivals.done(turn)
+            raise
         queue = self.loop.watch_async(task.request_id)
         self.pending_tokens += len(task.prompt_ids)
         done = False
         try:
             added = now_ns()
-            self.engine.add_request(task.prompt_ids, task.params, request_id=task.request_id,
-                                    cache_salt=task.cache_salt, kv_push=stream, priority=task.priority,
-                                    deadline=task.deadline, fetch_from=task.fetch_from)
+            try:
+                self.engine.add_request(task.prompt_ids, task.params, request_id=task.request_id,
+                                        cache_salt=task.cache_salt, kv_push=stream, priority=task.priority,
+                                        deadline=task.deadline, fetch_from=task.fetch_from)
+            finally:
+                self.arrivals.done(turn)
             self.loop.wake()
             try:
                 final = await self._final(queue, task.timeout_s)

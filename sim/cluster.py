@@ -279,9 +279,10 @@ class Simulator:
             prefix = self._prefix(request)
         rank, prefill_ms = self.dispatcher.window_key(ask, prefix)
         arrival = self.clock.now
-        self.window.hold(rank, prefill_ms, lambda: self._decide(request, ask, arrival))
+        self.window.hold(rank, prefill_ms, lambda final: self._decide(request, ask, arrival, final))
 
-    def _decide(self, request: SimRequest, ask: Ask, arrival: float) -> None:
+    def _decide(self, request: SimRequest, ask: Ask, arrival: float, final: bool = True) -> None:
+        """As the Conductor decides; not `final`, a refusal may raise SecondLook (the window keeps it)."""
         record = self.records[request.index]
         now = self.clock.now
         self._sync_generated()
@@ -291,7 +292,7 @@ class Simulator:
                 booking = self.dispatcher.dispatch_colocated(ask, cached, self.pending, self.bound, now, arrival)
             else:
                 booking = self.dispatcher.dispatch(ask, self._prefix(request), self._prefill_sides(),
-                                                   self._decode_sides(), now, arrival)
+                                                   self._decode_sides(), now, arrival, final)
         except OverloadedError as e:
             record.status, record.reason = "rejected", e.reason or "overloaded"
             record.end_s = self._now()
@@ -340,6 +341,7 @@ class Simulator:
     def _pushed(self, flight: Flight) -> None:
         """Its prefill ended and its KV reached the decode worker."""
         self.prefill_ledgers[flight.booking.prefill_id].finish(flight.booking.request_id, self.clock.now)
+        self.window.relook()  # as the Conductor: a kept request's queue ahead shrank
         joins = self.clock.now + self._overhead_s
         flight.booking.bound.joins_at = joins
         self.clock.at(joins, lambda: self.decode[flight.booking.decode_id].join(flight))

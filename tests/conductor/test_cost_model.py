@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 
 import itertools
+import dataclasses
 import json
 import os
 import subprocess
@@ -102,6 +103,18 @@ def test_json_round_trip(tmp_path: Path) -> None:
     assert doc["decode_step_ms"]["terms"] == list(DECODE_TERMS)
 
 
+def test_the_measured_load_round_trips_and_scales_every_prefill() -> None:
+    """`overhead_ms` and `prefill_scale` (what serve measures at start) travel in the JSON the
+    dashboard serves; a profile file without them reads as 0 and 1."""
+    loaded = dataclasses.replace(MODEL, overhead_ms=40.0, prefill_scale=1.25)
+    assert CostModel.from_json(loaded.to_json()) == loaded
+    assert "prefill_scale" not in json.loads(MODEL.to_json())
+    assert loaded.est_prefill_ms(300, 100) == pytest.approx(1.25 * MODEL.est_prefill_ms(300, 100))
+    assert loaded.est_prefill_step_ms([(300, 100), (50, 0)]) == pytest.approx(
+        1.25 * MODEL.est_prefill_step_ms([(300, 100), (50, 0)]))
+    assert loaded.est_decode_step_ms(4, 1000) == MODEL.est_decode_step_ms(4, 1000)  # decode untouched
+
+
 def _mutate(path: str, value: object) -> str:
     doc = json.loads(MODEL.to_json())
     *parents, last = path.split(".")
@@ -132,6 +145,8 @@ _DELETE = object()
     ("transfer_bytes_per_s", _DELETE, "transfer_bytes_per_s"),
     ("kv_bytes_per_token", 0, "kv_bytes_per_token"),
     ("kv_bytes_per_token", 1.5, "kv_bytes_per_token"),
+    ("prefill_scale", 0, "prefill_scale"),
+    ("prefill_scale", "x", "prefill_scale"),
 ])
 def test_bad_json_names_the_field(path: str, value: object, field: str) -> None:
     with pytest.raises(ConfigError, match=f"'{field}'"):

@@ -797,6 +797,7 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--shed-headroom": HelmValue("admission.shedHeadroom", 0.5, "0.5"),
     "--admit-quantile": HelmValue("admission.admitQuantile", 0.95, "0.95"),
     "--admit-window-ms": HelmValue("admission.admitWindowMs", 40, "40"),
+    "--no-second-look": HelmValue("admission.secondLook", False, None),
     "--kv-transport": HelmValue("kvTransport.backend", "ucxx", "ucxx"),
     "--kv-port": HelmValue("kvTransport.port", 5601, "5601"),
     "--ucx-tls": HelmValue("kvTransport.ucxTls", "sm,self", "sm,self"),
@@ -855,6 +856,7 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--no-tracing": "off by default; tracing.enabled=true gives --tracing",
     "--remote-fetch": "on by default; kvTiers.remoteFetch=false gives --no-remote-fetch",
     "--cuda-graphs": "on by default; engine.cudaGraphs=false gives --no-cuda-graphs",
+    "--second-look": "on by default; admission.secondLook=false gives --no-second-look",
 }
 # What the samples need besides themselves: an external Redis instead of the bundled one.
 SAMPLE_EXTRAS = {"redis": {"bundled": {"enabled": False}}}

@@ -244,6 +244,9 @@ argparse parser, so a flag that does not exist fails the tests).
 - {{ include "halfmoon.num" $value | quote }}
 {{- end }}
 {{- end }}
+{{- if eq $a.secondLook false }}
+- --no-second-look
+{{- end }}
 {{- with $v.engine.attentionBackend }}
 - --attention-backend
 - {{ . | quote }}
