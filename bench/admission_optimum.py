@@ -4,9 +4,10 @@ Per replay: the requests as the client sent them (arrival, prompt, max_tokens: o
 exactly that long, `ignore_eos`), the server's own cost model (GET /dashboard/api/cost-model:
 what admission prices with), the cluster shape from the serve flags (`--prefill N --decode M`;
 co-located: the 1P1D reference without handoff, an upper bound only) and the bench's SLOs.
-Optimistic where the client cannot see: each prompt's prefill at the best prefix hit any prompt
-the server saw before could give (the token-wise common prefix, never the whole prompt), no
-handoff, no KV limit. The run's `optimum` entry holds the optimum, the policy's SLO-met count as a
+Optimistic where the client cannot see: a prompt's prefill at the best prefix an earlier replay
+on the server, or an earlier prompt of this replay *the optimum admitted*, could give (the
+token-wise common prefix, never the whole prompt; sim/optimum.py `Job.hits`), no handoff, no KV
+limit. The run's `optimum` entry holds the optimum, the policy's SLO-met count as a
 % of it, and the requests the optimum's schedule serves that the policy did not, by outcome.
 """
 
@@ -27,7 +28,7 @@ from conductor.cost_model import CostModel
 from conductor.serve_defaults import serve_engine
 from core.errors import ConfigError
 from sim.optimum import DEFAULT_NODE_BUDGET, Job, Reference, solve
-from sim.optimum_jobs import best_prefill_ms, optimum_summary
+from sim.optimum_jobs import job_prefills, optimum_summary
 
 FETCH_TIMEOUT_S = 10.0
 
@@ -69,15 +70,16 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(differ[0]) if differ.size else n
 
 
-def prefill_ms(cost: CostModel, prompts: Sequence[np.ndarray], seen: Sequence[np.ndarray],
-               chunk: int | None = None) -> list[float]:
-    """Each prompt's prefill at its best hit: any prompt before it, of this replay or of `seen`
-    (earlier replays on the same server), may have left its prefix cached; `chunk`: a prefill
-    worker's step budget (a long prompt's chunks are steps of their own)."""
+def prefills(cost: CostModel, prompts: Sequence[np.ndarray], seen: Sequence[np.ndarray],
+             chunk: int | None = None) -> list[tuple[float, float | None, tuple[tuple[int, float], ...]]]:
+    """Per prompt `job_prefills`: what earlier replays on the same server (`seen`) left is given;
+    what an earlier prompt of this replay leaves counts only if that prompt was admitted;
+    `chunk`: a prefill worker's step budget (a long prompt's chunks are steps of their own)."""
     out = []
     for i, prompt in enumerate(prompts):
-        hits = {min(common_prefix(prompt, other), len(prompt) - 1) for other in (*seen, *prompts[:i])}
-        out.append(best_prefill_ms(cost, len(prompt), hits, chunk))
+        given = {min(common_prefix(prompt, other), len(prompt) - 1) for other in seen}
+        hits = {j: h for j in range(i) if (h := min(common_prefix(prompt, prompts[j]), len(prompt) - 1)) > 0}
+        out.append(job_prefills(cost, len(prompt), given, hits, chunk))
     return out
 
 
@@ -99,9 +101,10 @@ def replay_optimum(records: Sequence[RequestRecord], prompts: Sequence[np.ndarra
     """The run's `optimum` entry (module docstring); `window_s`: the goodput basis of the run."""
     prefill, decode, colocated = shape(serve_args)
     ref = Reference(prefill, decode, slo.ttft_ms, slo.tbt_ms, cost, math.inf)
-    jobs = [Job(r.arrival_s * 1e3, r.prompt_tokens, max(1, r.max_tokens), ms)
-            for r, ms in zip(records, prefill_ms(cost, prompts, seen, None if colocated else step_budget(serve_args)),
-                             strict=True)]
+    jobs = [Job(r.arrival_s * 1e3, r.prompt_tokens, max(1, r.max_tokens), best, cold_ms=cold, hits=hits)
+            for r, (best, cold, hits) in zip(records, prefills(cost, prompts, seen,
+                                                               None if colocated else step_budget(serve_args)),
+                                             strict=True)]
     optimum = solve(ref, jobs, node_budget)
     if colocated:
         optimum = optimum._replace(exact=False)

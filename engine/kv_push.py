@@ -133,10 +133,13 @@ class KVPushes:
     def end(self, req: Request, reason: FinishReason) -> None:
         """The request ends: complete (or cancel) its stream, hold its blocks until sent."""
         push = self.active.pop(req.request_id)
+        if reason is not FinishReason.ABORT and push.error is None and req.num_output_tokens > 0:
+            try:
+                push.stream.finish(prefilled_kv(req).to_meta())
+            except TransportError as e:  # the peer went away since the last layer: this request only
+                push.error = e  # (its worker's stream.wait raises it: the Conductor re-runs the request)
         if reason is FinishReason.ABORT or push.error is not None or req.num_output_tokens == 0:
             push.stream.cancel()
-        else:
-            push.stream.finish(prefilled_kv(req).to_meta())
         if req.block_table:
             self.pool.incref(req.block_table)
             self._held.append((push.stream, list(req.block_table)))

@@ -21,10 +21,18 @@ and, per admitted request, its prefill and decode worker. Admitting a request on
 (later in every prefill queue, never shortening a step), so a set that misses an objective stays
 missing with more requests in it; more workers never lower the optimum (leave one idle).
 
+Prefix hits (`Job.hits`): a request's prefill is its cold one (`Job.cold_ms`) unless an earlier
+request whose prompt shares its prefix was admitted: an admission policy cannot cache what it
+refused. Segments (below) that a hit links are searched as one, so the choice is exact; outside
+a `window_bound` run every earlier request that could be served alone counts as admitted
+(optimistic); one that could not is never admitted (a request that misses even alone is not
+admitted to warm the cache for a later one). A job without `hits` has the one prefill
+`prefill_ms` (its best).
+
 The model is optimistic wherever the simulator or a live server has a choice of its own:
 stays as short as a lone request's, contexts at their prompt, KV held only while decoding
-(a live decode worker books it from admission on), prefill at the best prefix hit an earlier
-request could have left, admitted or not (sim/optimum_jobs.py), no prefix fetch. It is the yardstick,
+(a live decode worker books it from admission on), caches that never evict, no prefix fetch.
+A request that misses even alone is never admitted, so never warms the cache for a later one. It is the yardstick,
 not a proof: a step boundary can shift which requests share a step, so a policy could in
 principle beat it; the report would show > 100%.
 
@@ -45,7 +53,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import NamedTuple, Protocol
@@ -65,9 +73,11 @@ class StepCost(Protocol):
 class Job:
     """One request as the optimum sees it (times in ms from the replay's start).
 
-    prefill_ms: its prefill on an idle worker (the cost model at its best prefix hit).
+    prefill_ms: its prefill on an idle worker at its best prefix hit (what the bounds use).
     handoff_ms: end of prefill -> its KV on the decode worker (KV tail, RPC overhead).
     kv_blocks: the KV blocks it holds on the decode worker (prompt + output).
+    cold_ms: its prefill with no earlier request of the replay admitted (None: `prefill_ms`).
+    hits: (earlier job, its prefill if that job was admitted), cheapest first (module docstring).
     """
 
     arrival_ms: float
@@ -76,6 +86,13 @@ class Job:
     prefill_ms: float
     handoff_ms: float = 0.0
     kv_blocks: int = 0
+    cold_ms: float | None = None
+    hits: tuple[tuple[int, float], ...] = ()
+
+    def prefill_given(self, admitted: Callable[[int], bool]) -> float:
+        """Its prefill when `admitted(j)` says which earlier jobs were admitted."""
+        return next((ms for j, ms in self.hits if admitted(j)),
+                    self.prefill_ms if self.cold_ms is None else self.cold_ms)
 
     def __post_init__(self) -> None:
         for name in ("arrival_ms", "prompt_tokens", "prefill_ms", "handoff_ms", "kv_blocks"):
@@ -250,7 +267,7 @@ def evaluate(ref: Reference, jobs: Sequence[Job], plan: Sequence[tuple[int, int]
         if where is None:
             continue
         w, v = where
-        free[w] = max(free[w], job.arrival_ms) + job.prefill_ms
+        free[w] = max(free[w], job.arrival_ms) + job.prefill_given(lambda j: plan[j] is not None)
         decode[v].append(stay(ref, i, job, free[w]))
     return all(Load(ref, members).meets(ref, s) for members in decode for s in members)
 
@@ -269,8 +286,11 @@ class Node(NamedTuple):
 class Segment:
     """Branch and bound over one independent segment (module docstring)."""
 
-    def __init__(self, ref: Reference, jobs: Sequence[Job], indexes: Sequence[int], budget: int) -> None:
+    def __init__(self, ref: Reference, jobs: Sequence[Job], indexes: Sequence[int], budget: int,
+                 servable: frozenset[int] | None = None) -> None:
         self.ref, self.jobs, self.indexes, self.budget = ref, jobs, list(indexes), budget
+        # an earlier servable job outside the segment counts as admitted (optimistic)
+        self.outside = (frozenset(range(len(jobs))) if servable is None else servable) - frozenset(self.indexes)
         self.deadline = [jobs[i].arrival_ms + ref.ttft_ms - jobs[i].handoff_ms - ref.lone_ms(jobs[i])
                          for i in self.indexes]
         self.best: tuple[Placed, ...] = ()
@@ -302,9 +322,10 @@ class Segment:
         job = self.jobs[i]
         decode = tuple(tuple(m for m in members if m.end_ms > job.arrival_ms) for members in node.decode)
         twins = self._twins(decode)
+        prefill = self._prefill(job, node)
         kids = []
         for w in self._distinct(node.free, job.arrival_ms):
-            free = node.free[:w] + (max(node.free[w], job.arrival_ms) + job.prefill_ms,) + node.free[w + 1:]
+            free = node.free[:w] + (max(node.free[w], job.arrival_ms) + prefill,) + node.free[w + 1:]
             if free[w] > self.deadline[k]:
                 continue
             s = stay(self.ref, i, job, free[w])
@@ -316,6 +337,13 @@ class Segment:
                     kids.append(Node(k + 1, served, free, placed, len(served) + self._bound(k + 1, free)))
         refuse = Node(k + 1, node.served, node.free, decode, len(node.served) + self._bound(k + 1, node.free))
         return [*sorted(kids, key=lambda n: -n.bound), refuse]
+
+    def _prefill(self, job: Job, node: Node) -> float:
+        """Its prefill given what this node admitted (`Job.hits`)."""
+        if not job.hits:
+            return job.prefill_ms
+        admitted = {p.job for p in node.served}
+        return job.prefill_given(lambda j: j in admitted or j in self.outside)
 
     def _fits(self, s: Stay, members: tuple[Stay, ...]) -> bool:
         """`s` and everyone whose stay overlaps it still meet both objectives (`Load.meets`,
@@ -413,19 +441,36 @@ def segments(ref: Reference, jobs: Sequence[Job], indexes: Sequence[int]) -> lis
     return out
 
 
+def linked(jobs: Sequence[Job], parts: Sequence[list[int]], servable: frozenset[int]) -> list[list[int]]:
+    """`parts` with every segment a prefix hit reaches back into merged with the ones between:
+    whether the earlier request is admitted changes the later one's prefill."""
+    out: list[list[int]] = []
+    for part in parts:
+        part = list(part)
+        while out:
+            low = min((j for k in part for j, _ in jobs[k].hits if j in servable), default=math.inf)
+            if out[-1][-1] < low:
+                break
+            part = out.pop() + part
+        out.append(part)
+    return out
+
+
 def solve(ref: Reference, jobs: Sequence[Job], node_budget: int = DEFAULT_NODE_BUDGET,
           window: int = DEFAULT_WINDOW) -> Optimum:
     """The optimum of the reference model over `jobs` (module docstring)."""
     if any(a.arrival_ms > b.arrival_ms for a, b in pairwise(jobs)):
         raise ValueError("jobs must be in arrival order")
-    parts = segments(ref, jobs, servable_alone(ref, jobs))
+    alone = servable_alone(ref, jobs)
+    servable = frozenset(alone)
+    parts = linked(jobs, segments(ref, jobs, alone), servable)
     served, schedule, inexact, nodes = 0, [], 0, 0
     for part in parts:
-        search = Segment(ref, jobs, part, node_budget)
+        search = Segment(ref, jobs, part, node_budget, servable)
         count, exact = search.solve()
         nodes += search.nodes
         if not exact:
-            windows, spent = window_bound(ref, jobs, part, node_budget, window)
+            windows, spent = window_bound(ref, jobs, part, node_budget, window, servable)
             count, nodes = min(count, windows, search.prefill_bound()), nodes + spent
         served += count
         schedule.extend(search.best)
@@ -434,7 +479,7 @@ def solve(ref: Reference, jobs: Sequence[Job], node_budget: int = DEFAULT_NODE_B
 
 
 def window_bound(ref: Reference, jobs: Sequence[Job], part: Sequence[int], node_budget: int,
-                 window: int) -> tuple[int, int]:
+                 window: int, servable: frozenset[int] | None = None) -> tuple[int, int]:
     """An upper bound of a segment's optimum: cut into runs of `window` requests, each searched
     as if the cluster were idle when its first request arrives. The best schedule restricted to
     one run is a schedule of that run with less load on the cluster, so it is feasible there
@@ -442,7 +487,7 @@ def window_bound(ref: Reference, jobs: Sequence[Job], part: Sequence[int], node_
     it. (bound, nodes searched)"""
     total, nodes = 0, 0
     for start in range(0, len(part), window):
-        search = Segment(ref, jobs, part[start:start + window], node_budget)
+        search = Segment(ref, jobs, part[start:start + window], node_budget, servable)
         total += search.solve()[0]
         nodes += search.nodes
     return total, nodes

@@ -1,9 +1,10 @@
 """The optimum's inputs from a replay, and what a policy's outcome looks like beside it.
 
 `sim_optimum` builds sim/optimum.py's jobs and reference from a simulated replay: arrivals and
-lengths as replayed, prefill at the best prefix hit the request could have found (the longest
-run of leading blocks it shares with any earlier request of the replay, as an unbounded cache
-would hold them, as many tokens as the engine reuses of them; no fetch), the KV tail and
+lengths as replayed, prefill cold unless an earlier request sharing leading blocks with it was
+admitted (`Job.hits`: each such request and the prefill its prefix leaves, as an unbounded cache
+would hold it, as many tokens as the engine reuses; no fetch; a request more than `MAX_HITS`
+earlier ones share a prefix with takes its best hit as given, optimistic), the KV tail and
 `overhead_ms` as the handoff, the SLOs of the default class, the decode worker's KV pool and
 each request's booking (prompt + output tokens, in engine blocks). A co-located engine is bounded by
 the 1P1D reference without handoff (its prefill never stretches its decodes there), so its
@@ -25,6 +26,23 @@ from sim.optimum import DEFAULT_NODE_BUDGET, Job, Optimum, Reference, solve
 from sim.trace import HASH_BLOCK_TOKENS
 
 
+MAX_HITS = 64  # earlier requests sharing a prefix past which a job's best hit is taken as given
+
+
+def job_prefills(cost: CostModel, prompt: int, given: Iterable[int], hits: dict[int, int],
+                 chunk: int | None = None) -> tuple[float, float | None, tuple[tuple[int, float], ...]]:
+    """(best prefill, cold prefill, hits) of one job for `Job`: `given` the prefix tokens it finds
+    whatever was admitted (earlier replays), `hits` per earlier job of this replay the prefix
+    tokens it would leave; more than MAX_HITS: the best taken as given (cold None)."""
+    given = set(given)
+    cold = best_prefill_ms(cost, prompt, given, chunk)
+    if len(hits) > MAX_HITS:
+        return best_prefill_ms(cost, prompt, given | set(hits.values()), chunk), None, ()
+    by_hit = {h: best_prefill_ms(cost, prompt, given | {h}, chunk) for h in set(hits.values())}
+    options = tuple(sorted(((j, by_hit[h]) for j, h in hits.items() if by_hit[h] < cold), key=lambda o: (o[1], o[0])))
+    return min([cold, *(ms for _, ms in options)]), cold if options else None, options
+
+
 def best_prefill_ms(cost: CostModel, prompt: int, reusable: Iterable[int], chunk: int | None = None) -> float:
     """The cheapest prefill over the prefix hits it could have had (0 included); `chunk`: a
     prefill worker's step budget (its chunks are steps: conductor/prefill_steps.py)."""
@@ -36,14 +54,26 @@ def best_prefill_ms(cost: CostModel, prompt: int, reusable: Iterable[int], chunk
     return min(alone(hit) for hit in {0, *reusable} if 0 <= hit < prompt)
 
 
-def shared_blocks(chains: Sequence[Sequence[bytes]]) -> list[int]:
-    """Per request, how many of its leading blocks an earlier request also had (chained ids:
-    equal ids at a position mean an equal prefix up to it)."""
-    seen: set[bytes] = set()
-    out = []
-    for chain in chains:
-        out.append(next((n for n in range(len(chain), 0, -1) if chain[n - 1] in seen), 0))
-        seen.update(chain)
+def shared_blocks(chains: Sequence[Sequence[bytes]]) -> list[tuple[int, dict[int, int] | None]]:
+    """Per request: the most leading blocks it shares with any earlier request, and each earlier
+    request sharing some with it and how many (chained ids: equal ids at a position mean an
+    equal prefix up to it); None past MAX_HITS such requests (the best is then taken as given)."""
+    holders: dict[bytes, list[int]] = {}
+    out: list[tuple[int, dict[int, int] | None]] = []
+    for i, chain in enumerate(chains):
+        shared: dict[int, int] | None = {}
+        longest = 0
+        for n, block in enumerate(chain, start=1):
+            earlier = holders.get(block)
+            if not earlier:
+                break  # chained: no later block can be shared either
+            longest = n
+            if shared is not None:
+                shared.update(dict.fromkeys(earlier, n))
+                shared = shared if len(shared) <= MAX_HITS else None
+        out.append((longest, shared))
+        for block in chain:
+            holders.setdefault(block, []).append(i)
     return out
 
 
@@ -58,12 +88,16 @@ def sim_jobs(result: SimResult, cost: CostModel) -> list[Job]:
     config, requests = result.config, result.workload.requests
     hits = shared_blocks([r.blocks for r in requests])
     jobs = []
-    for r, shared in zip(requests, hits, strict=True):
-        reusable = reusable_tokens(shared, r.prompt_len, HASH_BLOCK_TOKENS, config.block_size)
+    for r, (longest, shared) in zip(requests, hits, strict=True):
+        tokens = reusable_tokens(longest, r.prompt_len, HASH_BLOCK_TOKENS, config.block_size)
         handoff = 0.0 if config.colocated else config.kv_tail * cost.est_transfer_ms(r.prompt_len) + (config.overhead_ms or 0.0)
         chunk = None if config.colocated else config.chunk
-        jobs.append(Job(r.arrival_s * 1e3, r.prompt_len, r.output_len, best_prefill_ms(cost, r.prompt_len, reusable, chunk),
-                        handoff, cdiv(r.prompt_len + r.output_len, config.block_size)))
+        if shared is None:  # too many to search: its best hit taken as given
+            best, cold, options = best_prefill_ms(cost, r.prompt_len, tokens, chunk), None, ()
+        else:
+            best, cold, options = job_prefills(cost, r.prompt_len, (), {j: tokens[n] for j, n in shared.items()}, chunk)
+        jobs.append(Job(r.arrival_s * 1e3, r.prompt_len, r.output_len, best, handoff,
+                        cdiv(r.prompt_len + r.output_len, config.block_size), cold, options))
     return jobs
 
 

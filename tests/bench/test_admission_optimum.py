@@ -9,7 +9,7 @@ import pytest
 
 from bench import admission_report as ar
 from bench import serve_metrics as sm
-from bench.admission_optimum import fetch_cost_model, prefill_ms, replay_optimum, shape
+from bench.admission_optimum import fetch_cost_model, prefills, replay_optimum, shape
 from conductor.cost_model import CostModel
 from core.errors import ConfigError
 
@@ -31,10 +31,11 @@ def test_shape_comes_from_the_serve_flags() -> None:
     assert shape(None) == (1, 1, False)
 
 
-def test_prefill_takes_the_best_hit_any_earlier_prompt_could_leave() -> None:
+def test_a_prompt_of_the_replay_gives_its_hit_only_if_admitted_an_earlier_replay_always() -> None:
     a, b = np.arange(100), np.concatenate([np.arange(60), np.full(40, -1)])
-    assert prefill_ms(FLAT, [a, b], []) == [100.0, 40.0]  # b shares a's first 60 tokens
-    assert prefill_ms(FLAT, [a], [a]) == [1.0]  # never the whole prompt: its last token is computed
+    # b shares a's first 60 tokens: 40 ms if a was admitted, 100 cold
+    assert prefills(FLAT, [a, b], []) == [(100.0, None, ()), (40.0, 100.0, ((0, 40.0),))]
+    assert prefills(FLAT, [a], [a]) == [(1.0, None, ())]  # never the whole prompt: its last token is computed
 
 
 def test_a_policy_that_admits_in_order_beside_the_optimum_that_skips_the_long_prompt() -> None:

@@ -64,6 +64,42 @@ def test_exact_optimum_equals_brute_force(seed: int) -> None:
     assert evaluate(ref, jobs, plan_of(optimum.schedule, n))  # the schedule it reports is one
 
 
+def with_hits(rng: random.Random, jobs: list[Job]) -> list[Job]:
+    """Some requests share a prefix with an earlier one: cheaper only if that one is admitted."""
+    out = []
+    for i, job in enumerate(jobs):
+        if i and rng.random() < 0.6:
+            hits = tuple(sorted(((j, job.prefill_ms * rng.uniform(0.1, 0.7)) for j in rng.sample(range(i), min(i, 2))),
+                                key=lambda h: h[1]))
+            job = replace(job, prefill_ms=hits[0][1], cold_ms=job.prefill_ms, hits=hits)
+        out.append(job)
+    return out
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_prefix_hits_only_from_admitted_requests_exact_against_brute_force(seed: int) -> None:
+    """A request's prefill is cheaper only when an earlier one sharing its prefix was admitted
+    (`Job.hits`): the search (linked segments searched as one) agrees with every plan checked."""
+    rng = random.Random(300 + seed)
+    shape = [(1, 1), (2, 1)][seed % 2]
+    n = {1: 8, 2: 6}[shape[0] * shape[1]]
+    ref, jobs = random_reference(rng, shape), with_hits(rng, random_jobs(rng, n, bursty=seed % 4 < 2))
+    optimum = solve(ref, jobs)
+    assert optimum.exact and optimum.served == brute_force(ref, jobs)
+    assert evaluate(ref, jobs, plan_of(optimum.schedule, n))
+
+
+def test_a_hit_counts_only_if_its_holder_is_admitted() -> None:
+    """B fits its 1 s TTFT only on A's prefix (cold 1500 ms, 300 with the hit); A fits alone.
+    Both served; when A cannot be served (its own prefill over the TTFT), B is not either."""
+    ref = Reference(1, 1, 1000.0, 100.0, FLAT)
+    a = Job(0.0, 100, 2, 500.0)
+    b = Job(2000.0, 100, 2, 300.0, cold_ms=1500.0, hits=((0, 300.0),))
+    assert solve(ref, [a, b]).served == 2
+    assert solve(ref, [replace(a, prefill_ms=5000.0), b]).served == 0
+    assert b.prefill_given(lambda j: False) == 1500.0 and b.prefill_given(lambda j: j == 0) == 300.0
+
+
 def test_instances_are_not_trivial() -> None:
     """The brute-force comparison means something: optima spread between none and all."""
     served = []

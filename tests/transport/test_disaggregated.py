@@ -13,7 +13,7 @@ from core.params import FinishReason
 from core.params import SamplingParams
 from tests.transport.helpers import peer_process
 from transport import KVReceiver, KVSender, get_backend
-from transport.errors import TransportError
+from transport.errors import PeerLostError, TransportError
 from transport.faults import FaultInjector
 
 PROMPTS = [list(range(1000, 1000 + n)) for n in (5, 16, 40, 150)] + [[7, 8, 9] * 70]
@@ -122,6 +122,44 @@ def test_a_failed_push_aborts_the_request_and_frees_everything(make_engine) -> N
     prefill.step()
     assert_idle(prefill)
     sender.close()
+
+
+class BreaksAtFinish:
+    """A fake around a real push stream: the decode side went away after the last layer left,
+    so `finish` raises as a reset connection does (the soak's kill-decode found this race)."""
+
+    def __init__(self, stream) -> None:  # noqa: ANN001
+        self.stream, self.cancelled = stream, False
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self.stream, name)
+
+    def finish(self, meta: dict | None = None) -> None:
+        raise PeerLostError("receive from 127.0.0.1:1 failed: [Errno 104] Connection reset by peer")
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self.stream.cancel()
+
+
+def test_a_peer_lost_at_finish_fails_that_request_not_the_engine(make_engine) -> None:  # noqa: ANN001
+    prefill = make_engine(num_blocks=32)
+    dst = torch.zeros_like(prefill.kv_cache)
+    backend = get_backend("tcp")
+    layout = prefill.kv_layout()
+    receiver = KVReceiver(dst, layout, backend, timeout=2.0).start()
+    sender = KVSender(prefill.kv_cache, layout, backend, receiver.address, timeout=2.0)
+    stream = BreaksAtFinish(sender.open("late", list(range(3))))
+    prefill.add_request(list(range(4000, 4040)), SamplingParams(max_tokens=1), request_id="late", kv_push=stream)
+    while prefill.has_unfinished():
+        prefill.step()  # raised out of the step (and killed the engine loop) before the fix
+    assert stream.cancelled
+    with pytest.raises(TransportError):
+        stream.wait(5)
+    prefill.step()
+    assert_idle(prefill)
+    sender.close()
+    receiver.close()
 
 
 @pytest.mark.parametrize("name", ["tcp", "ucxx"])
