@@ -15,7 +15,9 @@ learned under a bad minute expires even when it then rejects everything.
 
 `Fit.guard`: the `quantile` of measured / fitted over the same samples, over their median
 (in [1, `GUARD_MAX`]): how much worse than its calibrated prediction a request measures
-`1 - quantile` of the time. Admission tests the calibrated prediction times the guard; what it
+`1 - quantile` of the time; 1 under `MIN_FIT_SAMPLES` (the p90 of four samples is their worst:
+live, four first requests of a replay set a 1.54x guard that refused every later one, and no
+admitted request was left to correct it, issue 38). Admission tests the calibrated prediction times the guard; what it
 reports is the calibrated prediction.
 """
 
@@ -110,6 +112,8 @@ def fit_samples(samples: list[tuple[float, float]], quantile: float) -> Fit:
         if not 0.0 <= offset <= c.OFFSET_MAX_MS or not c.LOW <= scale <= c.HIGH:
             offset, scale = 0.0, ratio  # no sane line: a ratio
     scale = min(c.HIGH, max(c.LOW, scale))
+    if len(samples) < c.MIN_FIT_SAMPLES:  # the p90 of a handful is their worst: no guard yet
+        return Fit(offset, scale, 1.0)
     ratios = np.sort(measured / np.maximum(offset + scale * raw, 1e-9))
     upper = ratios[min(len(ratios) - 1, math.ceil(quantile * len(ratios)) - 1)]
     guard = min(c.GUARD_MAX, max(1.0, float(upper / np.median(ratios))))

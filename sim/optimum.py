@@ -23,11 +23,12 @@ missing with more requests in it; more workers never lower the optimum (leave on
 
 Prefix hits (`Job.hits`): a request's prefill is its cold one (`Job.cold_ms`) unless an earlier
 request whose prompt shares its prefix was admitted: an admission policy cannot cache what it
-refused. Segments (below) that a hit links are searched as one, so the choice is exact; outside
-a `window_bound` run every earlier request that could be served alone counts as admitted
-(optimistic); one that could not is never admitted (a request that misses even alone is not
-admitted to warm the cache for a later one). A job without `hits` has the one prefill
-`prefill_ms` (its best).
+refused. A request that cannot be served even alone may still be admitted to *warm* the cache
+for a later one (`Optimum.warmed`: its prefill runs, it is not counted; a live policy does
+this when it admits a request that misses alone on idle workers). Segments (below) that a hit
+links are searched as one, so the choice is exact; outside a `window_bound` run every earlier
+request counts as admitted (optimistic). A job without `hits` has the one prefill `prefill_ms`
+(its best).
 
 The model is optimistic wherever the simulator or a live server has a choice of its own:
 stays as short as a lone request's, contexts at their prompt, KV held only while decoding
@@ -148,7 +149,8 @@ class Placed(NamedTuple):
 
 class Optimum(NamedTuple):
     """served: the optimum (exact) or an upper bound of it; schedule: the best one found (a lower
-    bound: as many as `served` when exact), in arrival order."""
+    bound: as many as `served` when exact), in arrival order; warmed: the requests that schedule
+    prefills without serving them, for a later one's prefix (`Placed.decode` -1)."""
 
     served: int
     exact: bool
@@ -156,6 +158,7 @@ class Optimum(NamedTuple):
     segments: int
     inexact_segments: int
     nodes: int
+    warmed: tuple[Placed, ...] = ()
 
     @property
     def admitted(self) -> frozenset[int]:
@@ -260,7 +263,8 @@ def meets(ref: Reference, s: Stay, members: Sequence[Stay]) -> bool:
 
 def evaluate(ref: Reference, jobs: Sequence[Job], plan: Sequence[tuple[int, int] | None]) -> bool:
     """Whether every admitted request meets both objectives: plan[i] is (prefill worker, decode
-    worker) or None (refused). The model's definition, whole: the tests' brute force."""
+    worker), (prefill worker, -1) (prefilled to warm the cache, not served) or None (refused).
+    The model's definition, whole: the tests' brute force."""
     free = [0.0] * ref.prefill
     decode: list[list[Stay]] = [[] for _ in range(ref.decode)]
     for i, (job, where) in enumerate(zip(jobs, plan, strict=True)):
@@ -268,7 +272,8 @@ def evaluate(ref: Reference, jobs: Sequence[Job], plan: Sequence[tuple[int, int]
             continue
         w, v = where
         free[w] = max(free[w], job.arrival_ms) + job.prefill_given(lambda j: plan[j] is not None)
-        decode[v].append(stay(ref, i, job, free[w]))
+        if v >= 0:
+            decode[v].append(stay(ref, i, job, free[w]))
     return all(Load(ref, members).meets(ref, s) for members in decode for s in members)
 
 
@@ -281,19 +286,22 @@ class Node(NamedTuple):
     free: tuple[float, ...]  # per prefill worker
     decode: tuple[tuple[Stay, ...], ...]  # per decode worker
     bound: int
+    warm: tuple[Placed, ...] = ()  # prefilled only, for a later request's prefix
 
 
 class Segment:
     """Branch and bound over one independent segment (module docstring)."""
 
     def __init__(self, ref: Reference, jobs: Sequence[Job], indexes: Sequence[int], budget: int,
-                 servable: frozenset[int] | None = None) -> None:
+                 warmers: frozenset[int] = frozenset()) -> None:
         self.ref, self.jobs, self.indexes, self.budget = ref, jobs, list(indexes), budget
-        # an earlier servable job outside the segment counts as admitted (optimistic)
-        self.outside = (frozenset(range(len(jobs))) if servable is None else servable) - frozenset(self.indexes)
-        self.deadline = [jobs[i].arrival_ms + ref.ttft_ms - jobs[i].handoff_ms - ref.lone_ms(jobs[i])
+        self.warmers = warmers  # prefilled for a later prefix only: never served (module docstring)
+        self.outside = frozenset(range(len(jobs))) - frozenset(self.indexes)  # counts as admitted (optimistic)
+        self.deadline = [-math.inf if i in warmers else
+                         jobs[i].arrival_ms + ref.ttft_ms - jobs[i].handoff_ms - ref.lone_ms(jobs[i])
                          for i in self.indexes]
         self.best: tuple[Placed, ...] = ()
+        self.best_warm: tuple[Placed, ...] = ()
         self.nodes = 0
 
     def solve(self) -> tuple[int, bool]:
@@ -308,7 +316,7 @@ class Segment:
                 return max(len(self.best), node.bound, *(n.bound for n in stack)), False
             self.nodes += 1
             if node.next == len(self.indexes):
-                self.best = node.served
+                self.best, self.best_warm = node.served, node.warm
                 continue
             stack.extend(reversed(self._children(node)))  # admissions first: good schedules early
         return len(self.best), True
@@ -323,6 +331,9 @@ class Segment:
         decode = tuple(tuple(m for m in members if m.end_ms > job.arrival_ms) for members in node.decode)
         twins = self._twins(decode)
         prefill = self._prefill(job, node)
+        if i in self.warmers:  # refusing first: a warmer's long cold prefill rarely pays
+            return [node._replace(next=k + 1, decode=decode, bound=len(node.served) + self._bound(k + 1, node.free)),
+                    *self._warmed(node, i, job, prefill, decode)]
         kids = []
         for w in self._distinct(node.free, job.arrival_ms):
             free = node.free[:w] + (max(node.free[w], job.arrival_ms) + prefill,) + node.free[w + 1:]
@@ -334,15 +345,26 @@ class Segment:
                 if v not in twins and self._fits(s, members):
                     placed = decode[:v] + (members,) + decode[v + 1:]
                     served = (*node.served, Placed(i, w, v))
-                    kids.append(Node(k + 1, served, free, placed, len(served) + self._bound(k + 1, free)))
-        refuse = Node(k + 1, node.served, node.free, decode, len(node.served) + self._bound(k + 1, node.free))
+                    kids.append(Node(k + 1, served, free, placed, len(served) + self._bound(k + 1, free), node.warm))
+        refuse = Node(k + 1, node.served, node.free, decode, len(node.served) + self._bound(k + 1, node.free),
+                      node.warm)
         return [*sorted(kids, key=lambda n: -n.bound), refuse]
+
+    def _warmed(self, node: Node, i: int, job: Job, prefill: float,
+                decode: tuple[tuple[Stay, ...], ...]) -> list[Node]:
+        """A warmer prefilled on each distinct prefill worker (nothing decodes, nothing counted)."""
+        kids = []
+        for w in self._distinct(node.free, job.arrival_ms):
+            free = node.free[:w] + (max(node.free[w], job.arrival_ms) + prefill,) + node.free[w + 1:]
+            kids.append(Node(node.next + 1, node.served, free, decode,
+                             len(node.served) + self._bound(node.next + 1, free), (*node.warm, Placed(i, w, -1))))
+        return kids
 
     def _prefill(self, job: Job, node: Node) -> float:
         """Its prefill given what this node admitted (`Job.hits`)."""
         if not job.hits:
             return job.prefill_ms
-        admitted = {p.job for p in node.served}
+        admitted = {p.job for p in (*node.served, *node.warm)}
         return job.prefill_given(lambda j: j in admitted or j in self.outside)
 
     def _fits(self, s: Stay, members: tuple[Stay, ...]) -> bool:
@@ -427,9 +449,11 @@ def servable_alone(ref: Reference, jobs: Sequence[Job]) -> list[int]:
     return out
 
 
-def segments(ref: Reference, jobs: Sequence[Job], indexes: Sequence[int]) -> list[list[int]]:
+def segments(ref: Reference, jobs: Sequence[Job], indexes: Sequence[int],
+             warmers: frozenset[int] = frozenset()) -> list[list[int]]:
     """`indexes` (in arrival order) split where no admitted earlier request can still be in
-    the cluster: a served request ends by a_j + ttft + (out_j - 1) x lone_j."""
+    the cluster: a served request ends by a_j + ttft + (out_j - 1) x lone_j; a warmer's prefill,
+    queued behind all of them, by then + its cold prefill."""
     out: list[list[int]] = []
     horizon = -math.inf
     for i in indexes:
@@ -437,7 +461,10 @@ def segments(ref: Reference, jobs: Sequence[Job], indexes: Sequence[int]) -> lis
         if not out or job.arrival_ms >= horizon:
             out.append([])
         out[-1].append(i)
-        horizon = max(horizon, job.arrival_ms + ref.ttft_ms + (job.output_tokens - 1) * ref.lone_ms(job))
+        if i in warmers:
+            horizon = max(horizon, job.arrival_ms) + (job.prefill_ms if job.cold_ms is None else job.cold_ms)
+        else:
+            horizon = max(horizon, job.arrival_ms + ref.ttft_ms + (job.output_tokens - 1) * ref.lone_ms(job))
     return out
 
 
@@ -462,24 +489,31 @@ def solve(ref: Reference, jobs: Sequence[Job], node_budget: int = DEFAULT_NODE_B
     if any(a.arrival_ms > b.arrival_ms for a, b in pairwise(jobs)):
         raise ValueError("jobs must be in arrival order")
     alone = servable_alone(ref, jobs)
-    servable = frozenset(alone)
-    parts = linked(jobs, segments(ref, jobs, alone), servable)
-    served, schedule, inexact, nodes = 0, [], 0, 0
+    warmers = _warmers(jobs, alone)
+    parts = linked(jobs, segments(ref, jobs, sorted({*alone, *warmers}), warmers), frozenset(range(len(jobs))))
+    served, schedule, warmed, inexact, nodes = 0, [], [], 0, 0
     for part in parts:
-        search = Segment(ref, jobs, part, node_budget, servable)
+        search = Segment(ref, jobs, part, node_budget, warmers)
         count, exact = search.solve()
         nodes += search.nodes
         if not exact:
-            windows, spent = window_bound(ref, jobs, part, node_budget, window, servable)
+            windows, spent = window_bound(ref, jobs, part, node_budget, window, warmers)
             count, nodes = min(count, windows, search.prefill_bound()), nodes + spent
         served += count
         schedule.extend(search.best)
+        warmed.extend(search.best_warm)
         inexact += not exact
-    return Optimum(served, inexact == 0, tuple(schedule), len(parts), inexact, nodes)
+    return Optimum(served, inexact == 0, tuple(schedule), len(parts), inexact, nodes, tuple(warmed))
+
+
+def _warmers(jobs: Sequence[Job], servable: Sequence[int]) -> frozenset[int]:
+    """Requests that cannot be served even alone whose prefix a servable later one could use."""
+    alone = frozenset(servable)
+    return frozenset(j for k in alone for j, _ in jobs[k].hits if j not in alone)
 
 
 def window_bound(ref: Reference, jobs: Sequence[Job], part: Sequence[int], node_budget: int,
-                 window: int, servable: frozenset[int] | None = None) -> tuple[int, int]:
+                 window: int, warmers: frozenset[int] = frozenset()) -> tuple[int, int]:
     """An upper bound of a segment's optimum: cut into runs of `window` requests, each searched
     as if the cluster were idle when its first request arrives. The best schedule restricted to
     one run is a schedule of that run with less load on the cluster, so it is feasible there
@@ -487,7 +521,7 @@ def window_bound(ref: Reference, jobs: Sequence[Job], part: Sequence[int], node_
     it. (bound, nodes searched)"""
     total, nodes = 0, 0
     for start in range(0, len(part), window):
-        search = Segment(ref, jobs, part[start:start + window], node_budget, servable)
+        search = Segment(ref, jobs, part[start:start + window], node_budget, warmers)
         total += search.solve()[0]
         nodes += search.nodes
     return total, nodes

@@ -349,6 +349,16 @@ def test_the_admission_test_uses_a_high_quantile_of_past_errors_and_reports_the_
         AdmissionConfig(admit_quantile=1.0)
 
 
+def test_no_guard_from_a_handful_of_samples() -> None:
+    """The p90 of four samples is their worst: live, one slow first request of four set a 1.54x
+    guard that refused every later request, and none was admitted to correct it. Under
+    MIN_FIT_SAMPLES the guard is 1; from there on, the quantile's."""
+    few = [(1000.0, 1000.0 * r) for r in (0.87, 0.74, 0.91, 1.37)]
+    assert fit_samples(few, 0.9).guard == 1.0
+    many = [(1000.0, 1000.0 * r) for r in (1.0,) * (Calibration.MIN_FIT_SAMPLES - 1) + (1.5,)]
+    assert fit_samples(many, 0.9).guard == pytest.approx(1.5)
+
+
 def test_a_constant_overhead_is_fitted_as_an_offset_not_a_ratio() -> None:
     """Requests pay ~200 ms beyond the engine's time whatever their length (RPCs, handoff,
     streaming): a ratio would over-scale a cold 3 s prefill and under-scale a warm 400 ms one."""

@@ -36,18 +36,20 @@ def random_reference(rng: random.Random, shape: tuple[int, int]) -> Reference:
 
 
 def brute_force(ref: Reference, jobs: list[Job]) -> int:
-    """Every plan (refuse, or a prefill and a decode worker per request), checked whole."""
-    options = [None, *itertools.product(range(ref.prefill), range(ref.decode))]
+    """Every plan (refuse, or a prefill and a decode worker per request; with prefix hits also
+    a prefill only, warming the cache), checked whole."""
+    warm = any(job.hits for job in jobs)
+    options = [None, *itertools.product(range(ref.prefill), range(-1 if warm else 0, ref.decode))]
     best = 0
     for plan in itertools.product(options, repeat=len(jobs)):
-        admitted = sum(p is not None for p in plan)
-        if admitted > best and evaluate(ref, jobs, plan):
-            best = admitted
+        served = sum(p is not None and p[1] >= 0 for p in plan)
+        if served > best and evaluate(ref, jobs, plan):
+            best = served
     return best
 
 
-def plan_of(optimum_schedule: tuple, n: int) -> list[tuple[int, int] | None]:
-    placed = {p.job: (p.prefill, p.decode) for p in optimum_schedule}
+def plan_of(optimum_schedule: tuple, n: int, warmed: tuple = ()) -> list[tuple[int, int] | None]:
+    placed = {p.job: (p.prefill, p.decode) for p in (*optimum_schedule, *warmed)}
     return [placed.get(i) for i in range(n)]
 
 
@@ -86,18 +88,24 @@ def test_prefix_hits_only_from_admitted_requests_exact_against_brute_force(seed:
     ref, jobs = random_reference(rng, shape), with_hits(rng, random_jobs(rng, n, bursty=seed % 4 < 2))
     optimum = solve(ref, jobs)
     assert optimum.exact and optimum.served == brute_force(ref, jobs)
-    assert evaluate(ref, jobs, plan_of(optimum.schedule, n))
+    assert evaluate(ref, jobs, plan_of(optimum.schedule, n, optimum.warmed))
 
 
 def test_a_hit_counts_only_if_its_holder_is_admitted() -> None:
-    """B fits its 1 s TTFT only on A's prefix (cold 1500 ms, 300 with the hit); A fits alone.
-    Both served; when A cannot be served (its own prefill over the TTFT), B is not either."""
+    """B fits its 1 s TTFT only on A's prefix (cold 1500 ms, 300 with the hit); A fits alone:
+    both served. An A that cannot be served may still be prefilled for B (a warmer)."""
     ref = Reference(1, 1, 1000.0, 100.0, FLAT)
     a = Job(0.0, 100, 2, 500.0)
     b = Job(2000.0, 100, 2, 300.0, cold_ms=1500.0, hits=((0, 300.0),))
     assert solve(ref, [a, b]).served == 2
-    assert solve(ref, [replace(a, prefill_ms=5000.0), b]).served == 0
     assert b.prefill_given(lambda j: False) == 1500.0 and b.prefill_given(lambda j: j == 0) == 300.0
+    # A misses even alone (prefill 1500 ms), yet prefilling it warms B's prefix: B is served
+    slow_a = replace(a, prefill_ms=1500.0)
+    warm = solve(ref, [slow_a, b])
+    assert (warm.served, [p.job for p in warm.warmed]) == (1, [0])
+    assert evaluate(ref, [slow_a, b], plan_of(warm.schedule, 2, warm.warmed))
+    # ... unless its prefill ends too late for B: nothing
+    assert solve(ref, [replace(a, prefill_ms=3500.0), b]).served == 0
 
 
 def test_instances_are_not_trivial() -> None:
