@@ -23,9 +23,10 @@ missing with more requests in it; more workers never lower the optimum (leave on
 
 Prefix hits (`Job.hits`): a request's prefill is its cold one (`Job.cold_ms`) unless an earlier
 request whose prompt shares its prefix was admitted: an admission policy cannot cache what it
-refused. A request that cannot be served even alone may still be admitted to *warm* the cache
-for a later one (`Optimum.warmed`: its prefill runs, it is not counted; a live policy does
-this when it admits a request that misses alone on idle workers). Segments (below) that a hit
+refused. A request a later one's prefix hit could come from may also be admitted only to
+*warm* the cache (`Optimum.warmed`: its prefill runs, it is not served nor counted; a live
+policy does this when it admits a request that then misses, or one that misses alone on idle
+workers). Segments (below) that a hit
 links are searched as one, so the choice is exact; outside a `window_bound` run every earlier
 request counts as admitted (optimistic). A job without `hits` has the one prefill `prefill_ms`
 (its best).
@@ -293,11 +294,12 @@ class Segment:
     """Branch and bound over one independent segment (module docstring)."""
 
     def __init__(self, ref: Reference, jobs: Sequence[Job], indexes: Sequence[int], budget: int,
-                 warmers: frozenset[int] = frozenset()) -> None:
+                 warmers: frozenset[int] = frozenset(), unservable: frozenset[int] = frozenset()) -> None:
         self.ref, self.jobs, self.indexes, self.budget = ref, jobs, list(indexes), budget
-        self.warmers = warmers  # prefilled for a later prefix only: never served (module docstring)
+        self.warmers = warmers  # may be prefilled for a later prefix only (module docstring)
+        self.unservable = unservable  # of them, those that cannot be served even alone
         self.outside = frozenset(range(len(jobs))) - frozenset(self.indexes)  # counts as admitted (optimistic)
-        self.deadline = [-math.inf if i in warmers else
+        self.deadline = [-math.inf if i in unservable else
                          jobs[i].arrival_ms + ref.ttft_ms - jobs[i].handoff_ms - ref.lone_ms(jobs[i])
                          for i in self.indexes]
         self.best: tuple[Placed, ...] = ()
@@ -331,11 +333,8 @@ class Segment:
         decode = tuple(tuple(m for m in members if m.end_ms > job.arrival_ms) for members in node.decode)
         twins = self._twins(decode)
         prefill = self._prefill(job, node)
-        if i in self.warmers:  # refusing first: a warmer's long cold prefill rarely pays
-            return [node._replace(next=k + 1, decode=decode, bound=len(node.served) + self._bound(k + 1, node.free)),
-                    *self._warmed(node, i, job, prefill, decode)]
         kids = []
-        for w in self._distinct(node.free, job.arrival_ms):
+        for w in () if i in self.unservable else self._distinct(node.free, job.arrival_ms):
             free = node.free[:w] + (max(node.free[w], job.arrival_ms) + prefill,) + node.free[w + 1:]
             if free[w] > self.deadline[k]:
                 continue
@@ -348,7 +347,9 @@ class Segment:
                     kids.append(Node(k + 1, served, free, placed, len(served) + self._bound(k + 1, free), node.warm))
         refuse = Node(k + 1, node.served, node.free, decode, len(node.served) + self._bound(k + 1, node.free),
                       node.warm)
-        return [*sorted(kids, key=lambda n: -n.bound), refuse]
+        # warming last: a long prefill that serves nobody itself rarely pays
+        warm = self._warmed(node, i, job, prefill, decode) if i in self.warmers else []
+        return [*sorted(kids, key=lambda n: -n.bound), refuse, *warm]
 
     def _warmed(self, node: Node, i: int, job: Job, prefill: float,
                 decode: tuple[tuple[Stay, ...], ...]) -> list[Node]:
@@ -490,14 +491,15 @@ def solve(ref: Reference, jobs: Sequence[Job], node_budget: int = DEFAULT_NODE_B
         raise ValueError("jobs must be in arrival order")
     alone = servable_alone(ref, jobs)
     warmers = _warmers(jobs, alone)
-    parts = linked(jobs, segments(ref, jobs, sorted({*alone, *warmers}), warmers), frozenset(range(len(jobs))))
+    unservable = warmers - frozenset(alone)
+    parts = linked(jobs, segments(ref, jobs, sorted({*alone, *warmers}), unservable), frozenset(range(len(jobs))))
     served, schedule, warmed, inexact, nodes = 0, [], [], 0, 0
     for part in parts:
-        search = Segment(ref, jobs, part, node_budget, warmers)
+        search = Segment(ref, jobs, part, node_budget, warmers, unservable)
         count, exact = search.solve()
         nodes += search.nodes
         if not exact:
-            windows, spent = window_bound(ref, jobs, part, node_budget, window, warmers)
+            windows, spent = window_bound(ref, jobs, part, node_budget, window, warmers, unservable)
             count, nodes = min(count, windows, search.prefill_bound()), nodes + spent
         served += count
         schedule.extend(search.best)
@@ -507,13 +509,14 @@ def solve(ref: Reference, jobs: Sequence[Job], node_budget: int = DEFAULT_NODE_B
 
 
 def _warmers(jobs: Sequence[Job], servable: Sequence[int]) -> frozenset[int]:
-    """Requests that cannot be served even alone whose prefix a servable later one could use."""
-    alone = frozenset(servable)
-    return frozenset(j for k in alone for j, _ in jobs[k].hits if j not in alone)
+    """Requests whose prefix a later servable one could use: each may be prefilled without being
+    served (it cannot be served alone, or serving it would cost more than warming)."""
+    return frozenset(j for k in servable for j, _ in jobs[k].hits)
 
 
 def window_bound(ref: Reference, jobs: Sequence[Job], part: Sequence[int], node_budget: int,
-                 window: int, warmers: frozenset[int] = frozenset()) -> tuple[int, int]:
+                 window: int, warmers: frozenset[int] = frozenset(),
+                 unservable: frozenset[int] = frozenset()) -> tuple[int, int]:
     """An upper bound of a segment's optimum: cut into runs of `window` requests, each searched
     as if the cluster were idle when its first request arrives. The best schedule restricted to
     one run is a schedule of that run with less load on the cluster, so it is feasible there
@@ -521,7 +524,7 @@ def window_bound(ref: Reference, jobs: Sequence[Job], part: Sequence[int], node_
     it. (bound, nodes searched)"""
     total, nodes = 0, 0
     for start in range(0, len(part), window):
-        search = Segment(ref, jobs, part[start:start + window], node_budget, warmers)
+        search = Segment(ref, jobs, part[start:start + window], node_budget, warmers, unservable)
         total += search.solve()[0]
         nodes += search.nodes
     return total, nodes
