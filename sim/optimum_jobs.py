@@ -148,6 +148,7 @@ def optimum_summary(optimum: Optimum, good: int, window_s: float, outcomes: Sequ
             "pct_of_optimum": round(100 * good / optimum.served, 1) if optimum.served else None,
             "pct_of_best_schedule": round(100 * good / len(optimum.schedule), 1) if optimum.schedule else None,
             "segments": optimum.segments, "inexact_segments": optimum.inexact_segments, "nodes": optimum.nodes,
+            "warmed": len(optimum.warmed),  # requests its schedule prefills only to warm the cache
             "gap": gap(optimum, outcomes)}
 
 
