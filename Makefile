@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.halfmoon-installed
 # The venv is stale when any of these change.
-DEPS   := pyproject.toml setup.py kvpool/_copysum.c transport/_ucxspin.c kernels/_paged_attn.c kernels/_qgemv.c kernels/_fused.c kernels/_expf.h constraints.txt Makefile deploy/install.sh
+DEPS   := pyproject.toml setup.py halfmoon/kvpool/_copysum.c halfmoon/transport/_ucxspin.c halfmoon/kernels/_paged_attn.c halfmoon/kernels/_qgemv.c halfmoon/kernels/_fused.c halfmoon/kernels/_expf.h constraints.txt Makefile deploy/install.sh
 
 .PHONY: setup serve test bench lint proto clean browser fuzz
 

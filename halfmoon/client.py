@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 import grpc
 
-from core.errors import ConfigError
+from halfmoon.core.errors import ConfigError
 from halfmoon.errors import (ERRORS, APIError, CancelledError, DeadlineExceededError, InternalError,
                              InvalidArgumentError, NotFoundError, ResourceExhaustedError,
                              UnauthenticatedError, UnavailableError, api_error, error_from_rpc)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 # A generation's usage, server-side timings and admission's prediction have one shape on both
 # sides of the API: the server's own (core.messages), re-exported here.
-from core.messages import SloPrediction, Timings, Usage
+from halfmoon.core.messages import SloPrediction, Timings, Usage
 
 __all__ = ["GenerationResult", "ModelInfo", "SloPrediction", "StreamChunk", "Timings", "Usage"]
 

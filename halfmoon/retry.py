@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from core.errors import ConfigError
+from halfmoon.core.errors import ConfigError
 from halfmoon.errors import APIError, DeadlineExceededError, error_from_rpc
 
 log = logging.getLogger("halfmoon.client")

@@ -9,6 +9,9 @@ test, that the test left it idle with every block back in the pool.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,11 +20,12 @@ from unittest import mock
 import pytest
 import torch
 
-import engine.engine as engine_module
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import SMOLLM2_FILE, SMOLLM2_PACKAGE, LoadedWeights, load_weights
-from kvpool.errors import PoolIntegrityError
+import halfmoon.engine.engine as engine_module
+from halfmoon.core.cache_dir import CACHE_ENV
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import SMOLLM2_FILE, SMOLLM2_PACKAGE, LoadedWeights, load_weights
+from halfmoon.kvpool.errors import PoolIntegrityError
 
 # One torch thread (process-wide, set by the first engine): on the shared 2-core machine, two
 # OpenMP threads next to another busy process stall at every barrier, measured 25x slower per
@@ -34,6 +38,33 @@ NUM_THREADS = 1
 SHARED_NUM_BLOCKS = 256
 
 EngineFactory = Callable[..., Engine]
+
+# Nothing a machine kept may stand in for a fresh machine (issue 45: a warm ~/.cache hid a
+# `make serve` that failed on every new machine). The session gets its own empty cache folder
+# (profiles, assembled models, dequantized weights, HF references), shared by its tests and by
+# every process they start (set before any of them, so Ray workers and CLIs inherit it), and
+# removed at the end. HALFMOON_TEST_CACHE_DIR names the folder instead (kept: to inspect it).
+_SESSION_CACHE: Path | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _SESSION_CACHE
+    given = os.environ.get("HALFMOON_TEST_CACHE_DIR")
+    if given:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        os.environ[CACHE_ENV] = given
+        return
+    _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="halfmoon-test-cache-"))
+    os.environ[CACHE_ENV] = str(_SESSION_CACHE)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _SESSION_CACHE is not None:
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"halfmoon cache (this session's own, empty at start): {os.environ.get(CACHE_ENV)}"
 
 
 @pytest.fixture(scope="session")

@@ -118,7 +118,7 @@ def write_tokenizer(folder: Path) -> None:
     """A byte-level BPE over the 256 bytes, no merges, padded with `<t{i}>` tokens to VOCAB."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from engine.tokenizer import _BYTE_TO_CHAR
+    from halfmoon.engine.tokenizer import _BYTE_TO_CHAR
 
     specials = ["<pad>", "<s>", "</s>"]
     vocab = {s: i for i, s in enumerate(specials)}

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from cli.bench import BENCHMARKS
-from cli.main import COMMANDS
+from halfmoon.cli.bench import BENCHMARKS
+from halfmoon.cli.main import COMMANDS
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -78,7 +78,7 @@ def snippets() -> list[Snippet]:
 
 def test_the_docs_hold_commands_to_check() -> None:
     found = [p for s in snippets() for p in named_paths(s)]
-    assert "bench/data/sample_trace.jsonl" in found and len(found) > 100
+    assert "halfmoon/bench/data/sample_trace.jsonl" in found and len(found) > 100
 
 
 def test_every_repository_path_the_docs_name_exists() -> None:

@@ -1,8 +1,10 @@
 """The shape of the tree: the package graph against docs/ARCHITECTURE.md, file sizes, test hygiene.
 
 The allowed graph is the `## Rooms` table of docs/ARCHITECTURE.md (`| package | job | may import |`,
-"may import" lists packages in backticks, or `—` for none). Imports are read with `ast` from every
-.py file of every top-level package (inside functions too); `halfmoon.v1` counts as `halfmoon`.
+"may import" lists rooms in backticks, or `—` for none). Every room is a subpackage `halfmoon.<room>`
+(the folder halfmoon/<room>/), except `halfmoon` itself: the SDK, the package's own modules and the
+generated `halfmoon.v1`. Imports are read with `ast` from every .py file of every room (inside
+functions too). Nothing else is installed: the one namespace is checked too.
 """
 
 from __future__ import annotations
@@ -37,9 +39,46 @@ class Edge(NamedTuple):
 # ---------------------------------------------------------------- reading the tree and the table
 
 
+PACKAGE = ROOT / "halfmoon"
+SDK = "halfmoon"  # the room of halfmoon's own modules and of halfmoon.v1
+STUBS = "v1"
+
+
 def packages() -> list[str]:
-    """Top-level project packages: folders at the root with an __init__.py (tests excluded)."""
-    return sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name != "tests")
+    """The rooms: the subpackages of halfmoon/ (the generated stubs are the SDK's), and the SDK."""
+    return sorted({SDK, *(p.parent.name for p in PACKAGE.glob("*/__init__.py") if p.parent.name != STUBS)})
+
+
+def room_files(room: str) -> Iterator[Path]:
+    """The .py files of a room: its folder, or for the SDK halfmoon/*.py and halfmoon/v1/."""
+    if room != SDK:
+        yield from source_files(PACKAGE / room)
+        return
+    yield from sorted(PACKAGE.glob("*.py"))
+    yield from source_files(PACKAGE / STUBS)
+
+
+def room_of(module: str, rooms: set[str]) -> str | None:
+    """The room an absolute module name is in (`halfmoon.engine.model` -> `engine`), or None
+    when it is not Halfmoon's."""
+    parts = module.split(".")
+    if parts[0] != SDK:
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in rooms else SDK
+
+
+def test_room_of() -> None:
+    rooms = {"engine", "core", SDK}
+    assert room_of("halfmoon.engine.model", rooms) == "engine"
+    assert room_of("halfmoon.v1.generation_pb2", rooms) == SDK
+    assert room_of("halfmoon", rooms) == SDK
+    assert room_of("engine.model", rooms) is None  # not ours: another distribution's top level
+
+
+def test_nothing_but_halfmoon_is_installed_at_the_top() -> None:
+    """One namespace: no package of the repository's root besides halfmoon/ (and tests/)."""
+    tops = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name not in {"halfmoon", "tests"})
+    assert not tops, f"top-level packages outside halfmoon/ (users' environments would collide): {tops}"
 
 
 def source_files(under: Path) -> Iterator[Path]:
@@ -65,11 +104,11 @@ def observed_edges() -> list[Edge]:
     names = set(packages())
     first: dict[tuple[str, str], str] = {}
     for src in sorted(names):
-        for path in source_files(ROOT / src):
+        for path in room_files(src):
             tree = ast.parse(path.read_text(), filename=str(path))
             for module, line in imported_modules(tree):
-                dst = module.split(".")[0]  # halfmoon.v1 -> halfmoon
-                if dst in names and dst != src:
+                dst = room_of(module, names)
+                if dst is not None and dst != src:
                     first.setdefault((src, dst), f"{path.relative_to(ROOT)}:{line}")
     return [Edge(s, d, w) for (s, d), w in sorted(first.items())]
 

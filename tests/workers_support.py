@@ -22,21 +22,21 @@ from unittest import mock
 
 import pytest
 
-import engine.engine as engine_module
-from conductor.cluster_config import ClusterConfig
-from conductor.workers import Worker, WorkerGroup
-from core.messages import (DecodeTask, IntegrityError, PrefillResult, PrefillTask, TokenChunk,
+import halfmoon.engine.engine as engine_module
+from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.conductor.workers import Worker, WorkerGroup
+from halfmoon.core.messages import (DecodeTask, IntegrityError, PrefillResult, PrefillTask, TokenChunk,
                            WorkerLoad)
-from core.params import SamplingParams
-from decode_worker.worker import DecodeWorker
-from engine.config import EngineConfig
-from engine.loader import LoadedWeights
-from engine.config import WorkerSpec
-from engine.worker import EngineWorker
-from prefill_worker.worker import PrefillWorker
+from halfmoon.core.params import SamplingParams
+from halfmoon.decode_worker.worker import DecodeWorker
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.loader import LoadedWeights
+from halfmoon.engine.config import WorkerSpec
+from halfmoon.engine.worker import EngineWorker
+from halfmoon.prefill_worker.worker import PrefillWorker
 from tests.conftest import NUM_THREADS, idle_problems
 from tests.waiting import poll
-from transport.config import TransportConfig
+from halfmoon.transport.config import TransportConfig
 
 TRANSPORT = TransportConfig(backend="tcp", host="127.0.0.1", timeout_s=20.0)
 TIMEOUT_S = 60.0  # bound on one request through a pair (a few seconds on the 2-core machine)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench import serve_metrics as sm
+from halfmoon.bench import serve_metrics as sm
 
 
 def timeline(gaps: list[float], first: float = 0.5) -> list[float]:

@@ -19,21 +19,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import admission_bench as ab
-from bench import admission_metrics as am
-from bench import admission_report as ar
-from bench import serve_bench as sb
-from bench import serve_args as sa
-from bench import serve_metrics as sm
-from bench.workload import Request, Workload, trace_workload
-from conductor.admission import AdmissionConfig
+from halfmoon.bench import admission_bench as ab
+from halfmoon.bench import admission_metrics as am
+from halfmoon.bench import admission_report as ar
+from halfmoon.bench import serve_bench as sb
+from halfmoon.bench import serve_args as sa
+from halfmoon.bench import serve_metrics as sm
+from halfmoon.bench.workload import Request, Workload, trace_workload
+from halfmoon.conductor.admission import AdmissionConfig
 from tests.bench.records import record, write_trace
 from tests.conductor import conftest as server_fixtures
 
 api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, server_fixtures.start_api
 
 SLO = sm.Slo(ttft_ms=500.0, tbt_ms=125.0)  # binary fractions: "exactly at the SLO" is exact
-SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "bench" / "data" / "sample_trace.jsonl"
+SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "halfmoon" / "bench" / "data" / "sample_trace.jsonl"
 
 
 # ---------------------------------------------------------------------------- calibration
@@ -391,7 +391,7 @@ def test_the_command_runs_a_tiny_colocated_window(tmp_path: Path) -> None:
         pytest.skip(f"`halfmoon serve --help` lacks {', '.join(missing)} (issue 18's admission flags)")
     trace = SAMPLE_TRACE
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "bench", "serve", "--trace", str(trace), "--admission", "none",
+        [sys.executable, "-m", "halfmoon.cli.main", "bench", "serve", "--trace", str(trace), "--admission", "none",
          "--modes", "colocated", "--colocated-args", "--colocated --threads 1 --num-blocks 128",
          "--base-speed", "1", "--loads", "1", "--window-s", "1", "--drain-s", "20", "--max-input-tokens", "256",
          "--max-output-tokens", "4", "--warmup", "1", "--no-progress", "--json", "--out", str(tmp_path)],

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench import admission_report as ar
-from bench import serve_metrics as sm
-from bench.admission_optimum import fetch_cost_model, prefills, replay_optimum, shape
-from conductor.cost_model import CostModel
-from core.errors import ConfigError
+from halfmoon.bench import admission_report as ar
+from halfmoon.bench import serve_metrics as sm
+from halfmoon.bench.admission_optimum import fetch_cost_model, prefills, replay_optimum, shape
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.core.errors import ConfigError
 
 # prefill = n new tokens ms (+ nothing for cached ones); decode step 10 ms whatever the batch
 FLAT = CostModel((0.0, 1.0, 0.0, 0.0), (10.0, 0.0, 0.0), 1e9, 1000, "test: flat")

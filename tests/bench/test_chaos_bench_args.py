@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.chaos_bench import parse_args, render
+from halfmoon.bench.chaos_bench import parse_args, render
 
 
 def test_standby_counts_parse_and_bad_ones_are_refused() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.engine_bench import main, parse_args
+from halfmoon.bench.engine_bench import main, parse_args
 
 
 def test_device_and_backend_flags_parse() -> None:

@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def test_dashboard_bench_replays_without_and_with_pollers(tmp_path: Path) -> None:
     serve = f"--colocated --threads 1 --num-blocks 128 --no-redis --admission none --cost-model {cost_model_file(tmp_path / 'c.json')}"
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "bench", "dashboard", "--serve-args", serve, "--rate", "1",
+        [sys.executable, "-m", "halfmoon.cli.main", "bench", "dashboard", "--serve-args", serve, "--rate", "1",
          "--duration", "4", "--pairs", "1", "--pollers", "1", "--poll-s", "0.2", "--max-output-tokens", "4",
          "--ttft-slo-ms", "60000", "--tbt-slo-ms", "60000", "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=280)

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from bench.engine_bench import (
+from halfmoon.bench.engine_bench import (
     QUICK,
     TARGETS,
     Sizes,
@@ -25,7 +25,7 @@ from bench.engine_bench import (
     parse_args,
     synthetic_ids,
 )
-from bench.report import Figure, render_table
+from halfmoon.bench.report import Figure, render_table
 
 FIGURES = {"w1_ttft_ms", "w1_tpot_ms", "w1_tok_s", "w2_tok_s", "w3_prefill_tok_s"}
 FIGURE_KEYS = {"label", "unit", "halfmoon", "transformers", "ratio", "higher_is_better", "target",
@@ -136,7 +136,7 @@ def test_quick_json_report_is_complete_and_consistent(capsys: pytest.CaptureFixt
 def test_one_section_per_quantization_with_its_targets_and_quality() -> None:
     """`--quantization none int4`: both engines against the one transformers run; the first
     engine's figures stay at the top level; a missed quality bound is a missed target."""
-    from bench.engine_bench import (QUANTIZED_TARGETS, Measured, Results, Stream, build_report, engine_config,
+    from halfmoon.bench.engine_bench import (QUANTIZED_TARGETS, Measured, Results, Stream, build_report, engine_config,
                                     render_text)
 
     def measured(tok_s: float) -> Measured:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.gpu_summary import main, summarize
+from halfmoon.bench.gpu_summary import main, summarize
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest" errors="0"
 failures="1" skipped="2" tests="10" time="3.0"></testsuite></testsuites>"""
@@ -50,7 +50,7 @@ def test_main_writes_the_summary_file(tmp_path: Path) -> None:
 
 
 def test_serve_check_fails_loudly_when_serve_cannot_run(tmp_path: Path) -> None:
-    from bench import gpu_serve_check
+    from halfmoon.bench import gpu_serve_check
 
     assert gpu_serve_check.missing_modules(("json", "no_such_module_xyz")) == ["no_such_module_xyz"]
     text = "halfmoon_worker_kv_received_path_bytes_total{path=\"staged\",worker=\"decode-0\"} 4096.0\n"

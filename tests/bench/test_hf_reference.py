@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.hf_reference import _cached
+from halfmoon.bench.hf_reference import _cached
 
 
 class FakePretrained:

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.kvpool_bench import DEFAULT_TRACE, load_requests, main
-from bench.kvpool_replay import PrefixHasher, ReplayConfig, replay, upper_bound, usable_blocks
-from sim.tiers import HashLRU
-from bench.trace import (
+from halfmoon.bench.kvpool_bench import DEFAULT_TRACE, load_requests, main
+from halfmoon.bench.kvpool_replay import PrefixHasher, ReplayConfig, replay, upper_bound, usable_blocks
+from halfmoon.sim.tiers import HashLRU
+from halfmoon.bench.trace import (
     HASH_BLOCK_TOKENS,
     TraceError,
     TraceRequest,
@@ -24,7 +24,7 @@ from bench.trace import (
     read_trace,
     synthesize_tokens,
 )
-from kvpool.block_hash import block_hashes
+from halfmoon.kvpool.block_hash import block_hashes
 
 REPLAY_ONLY = ["--quick", "--json", "--skip-bandwidth", "--skip-index"]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,4 +1,4 @@
-"""`python -m bench.make_trace`: the bundled sample trace is its output at its defaults, byte for
+"""`python -m halfmoon.bench.make_trace`: the bundled sample trace is its output at its defaults, byte for
 byte, and what it writes reads back as a valid Mooncake trace."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from bench.make_trace import main
-from sim.trace import read_trace
+from halfmoon.bench.make_trace import main
+from halfmoon.sim.trace import read_trace
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = ROOT / "bench" / "data" / "sample_trace.jsonl"
+SAMPLE = ROOT / "halfmoon" / "bench" / "data" / "sample_trace.jsonl"
 
 
 def test_the_bundled_sample_is_the_commands_output_at_its_defaults(tmp_path: Path) -> None:
@@ -23,7 +23,7 @@ def test_the_bundled_sample_is_the_commands_output_at_its_defaults(tmp_path: Pat
 
 
 def test_the_module_writes_a_trace_to_stdout_that_reads_back(tmp_path: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "bench.make_trace", "--requests", "20", "--seed", "3",
+    done = subprocess.run([sys.executable, "-m", "halfmoon.bench.make_trace", "--requests", "20", "--seed", "3",
                            "--sessions-per-s", "2", "--turns", "2,3"], cwd=ROOT, capture_output=True,
                           text=True, check=True, timeout=60)
     path = tmp_path / "t.jsonl"

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from bench import precision_bench as pb
-from bench.serve_args import parse_args
-from conductor.serve_defaults import SERVE_QUANTIZATION
-from engine.config import auto_dtype
+from halfmoon.bench import precision_bench as pb
+from halfmoon.bench.serve_args import parse_args
+from halfmoon.conductor.serve_defaults import SERVE_QUANTIZATION
+from halfmoon.engine.config import auto_dtype
 
 
 def test_the_precisions_their_flags_and_serves_default() -> None:
@@ -78,7 +78,7 @@ def test_ratios_are_taken_against_the_default_and_the_headline_can_miss() -> Non
 @pytest.mark.timeout(420)
 def test_the_comparison_starts_a_cluster_per_precision_and_reports_against_the_default(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "bench", "serve", "--defaults-compare", "--precisions", "fp32",
+        [sys.executable, "-m", "halfmoon.cli.main", "bench", "serve", "--defaults-compare", "--precisions", "fp32",
          "--rates", "1", "--duration", "3", "--seed", "2", "--max-output-tokens", "8", "--warmup", "1",
          "--ttft-slo-ms", "60000", "--tbt-slo-ms", "60000", "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=400)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client import generate_latest
 
-from bench.prefix_bench import (Shape, infinite_cache_bound, render_spill, spill_summary, system_args,
+from halfmoon.bench.prefix_bench import (Shape, infinite_cache_bound, render_spill, spill_summary, system_args,
                                  worker_counters)
-from bench.serve_args import parse_args, workloads
-from bench.workload import Request, Workload
-from conductor.backend import BackendStats, WorkerView
-from conductor.metrics import Metrics
-from core.messages import WorkerLoad
+from halfmoon.bench.serve_args import parse_args, workloads
+from halfmoon.bench.workload import Request, Workload
+from halfmoon.conductor.backend import BackendStats, WorkerView
+from halfmoon.conductor.metrics import Metrics
+from halfmoon.core.messages import WorkerLoad
 
 
 def _workload(*prompts: list[int]) -> Workload:

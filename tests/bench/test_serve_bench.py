@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import serve_bench as sb
-from bench import serve_metrics as sm
-from bench.serve_args import BASELINE_ARGS
-from bench.trace import HASH_BLOCK_TOKENS
-from bench.workload import (MIN_TOKEN_ID, SYSTEM_PROMPT_TOKENS, Caps, chat_workload, trace_workload)
+from halfmoon.bench import serve_bench as sb
+from halfmoon.bench import serve_metrics as sm
+from halfmoon.bench.serve_args import BASELINE_ARGS
+from halfmoon.bench.trace import HASH_BLOCK_TOKENS
+from halfmoon.bench.workload import (MIN_TOKEN_ID, SYSTEM_PROMPT_TOKENS, Caps, chat_workload, trace_workload)
 from tests.bench.records import record, timeline, write_trace
 from tests.conductor import conftest as server_fixtures
 
@@ -183,7 +183,7 @@ def test_real_replay_against_the_in_process_server(api: server_fixtures.RunningA
 def colocated_serve_args() -> str:
     """`halfmoon serve` flags of a small co-located server, with `--colocated` once serve has it
     (then the cluster is its default)."""
-    from cli.main import build_parser
+    from halfmoon.cli.main import build_parser
 
     _, unknown = build_parser().parse_known_args(["serve", "--colocated"])
     return ("" if unknown else "--colocated ") + "--threads 1 --num-blocks 128"
@@ -193,7 +193,7 @@ def colocated_serve_args() -> str:
 def test_compare_runs_both_configurations_and_reports_ratios(tmp_path: Path) -> None:
     serve = colocated_serve_args()  # co-located on both sides: the mechanics, not the cluster
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "bench", "serve", "--compare", "--baseline-args", serve,
+        [sys.executable, "-m", "halfmoon.cli.main", "bench", "serve", "--compare", "--baseline-args", serve,
          "--cluster-args", serve, "--rates", "1,2", "--duration", "2", "--seed", "2", "--max-output-tokens", "4",
          "--ttft-slo-ms", "60000", "--tbt-slo-ms", "60000", "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300)

@@ -12,17 +12,17 @@ from typing import Any
 
 import pytest
 
-from bench import serve_bench as sb
-from bench import spec_serve_bench as ssb
-from bench.serve_args import parse_args
-from bench.workload import Caps
+from halfmoon.bench import serve_bench as sb
+from halfmoon.bench import spec_serve_bench as ssb
+from halfmoon.bench.serve_args import parse_args
+from halfmoon.bench.workload import Caps
 from tests.conductor import conftest as server_fixtures
 
 api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, server_fixtures.start_api
 
 
 def test_quoting_prompts_are_the_files_prompts_in_the_chat_template() -> None:
-    from engine.worker import tokenizer_for_model
+    from halfmoon.engine.worker import tokenizer_for_model
 
     prompts = ssb.quoting_prompts("smollm2")
     lines = [line for line in ssb.QUOTING_FILE.read_text().splitlines() if line.strip()]
@@ -107,7 +107,7 @@ def test_the_quoting_workload_replays_against_the_in_process_server(
 @pytest.mark.slow
 def test_the_comparison_starts_both_clusters_and_reports_the_gains(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "cli.main", "bench", "serve", "--synthetic", "quoting", "--speculative-compare",
+        [sys.executable, "-m", "halfmoon.cli.main", "bench", "serve", "--synthetic", "quoting", "--speculative-compare",
          "--rates", "0.5,1", "--duration", "4", "--seed", "4", "--max-output-tokens", "24", "--warmup", "1",
          "--ttft-slo-ms", "60000", "--tbt-slo-ms", "60000", "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=420)

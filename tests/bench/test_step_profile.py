@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import kernels.fused
-import kernels.torch_backend
-from bench.step_profile import KernelClock, decode_step_profile
-from core.params import SamplingParams
-from engine.engine import Engine
+from halfmoon.kernels import fused as kernels_fused
+from halfmoon.kernels import torch_backend as kernels_torch
+from halfmoon.bench.step_profile import KernelClock, decode_step_profile
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.engine import Engine
 
 
 def _kernels(engine: Engine) -> list[object]:
     model = engine.model
     layers = [getattr(lw, n) for lw in model.layers for n in ("qkv", "o", "gate_up", "down")]
-    return [*layers, model.lm_head, kernels.fused._fused, kernels.fused._paged_attn,
-            kernels.torch_backend._paged_attn]
+    return [*layers, model.lm_head, kernels_fused._fused, kernels_fused._paged_attn,
+            kernels_torch._paged_attn]
 
 
 def test_the_clock_times_a_steps_kernels_and_puts_them_back(engine: Engine) -> None:

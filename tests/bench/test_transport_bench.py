@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from bench.transport_bench import MB, parse_perftest
+from halfmoon.bench.transport_bench import MB, parse_perftest
 
 # The client's summary line as ucx_perftest 1.21 prints it (columns: iterations, p50 latency,
 # average latency, overall latency, average MB/s, overall MB/s, average msg/s, overall msg/s).
@@ -24,7 +24,7 @@ def test_parse_perftest_reads_the_average_bandwidth() -> None:
 
 
 def test_tiny_tcp_run_reports_ratio_and_target() -> None:
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transport", "--backends", "tcp",
+    proc = subprocess.run([sys.executable, "-m", "halfmoon.cli.main", "bench", "transport", "--backends", "tcp",
                            "--sizes-mb", "1,8", "--rounds", "1", "--budget-mb", "16", "--skip", "pipelining",
                            "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -36,7 +36,7 @@ def test_tiny_tcp_run_reports_ratio_and_target() -> None:
 
 
 def test_rounds_keep_the_best_per_size_and_an_error_sticks() -> None:
-    from bench.transport_bench import _best
+    from halfmoon.bench.transport_bench import _best
 
     acc = _best({}, {8: 1.0, 64: 3.0})
     acc = _best(acc, {8: 2.0, 64: 2.5})
@@ -48,7 +48,7 @@ def test_rounds_keep_the_best_per_size_and_an_error_sticks() -> None:
 def test_ucxx_run_prints_both_perftest_baselines() -> None:
     """One small real ucxx point: the like-for-like baseline (perftest -e), the plain one and
     the checksummed channel's ceiling."""
-    proc = subprocess.run([sys.executable, "-m", "cli.main", "bench", "transport", "--backends", "ucxx",
+    proc = subprocess.run([sys.executable, "-m", "halfmoon.cli.main", "bench", "transport", "--backends", "ucxx",
                            "--ucx-tls", "tcp", "--sizes-mb", "8", "--rounds", "1", "--budget-mb", "16",
                            "--skip", "pipelining", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -65,7 +65,7 @@ def test_the_channel_references_run_to_the_end() -> None:
     """The references' peers, with checksums on and off, for a size that is not a whole number
     of frames: the receiver acks only once every frame of every unit landed (a frame short and
     the sender would wait for the ack until its timeout), and both exit cleanly."""
-    from bench.transport_bench import Peer
+    from halfmoon.bench.transport_bench import Peer
 
     for flags in ([], ["--no-hash"]):
         receiver = Peer(["chan", "--nbytes", str(9 * MB + 123), "--count", "3", *flags], {"UCX_TLS": "tcp"})

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.engine import Engine
+from halfmoon.engine.engine import Engine
 from tests.e2e.conftest import redis  # noqa: F401 - the fixture, shared with the end-to-end tests
 from tests.e2e.support import reference
 

@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.engine import Engine
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.engine.engine import Engine
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 from tests.chaos.conftest import MAX_TOKENS, STREAMS, prompts
 from tests.chaos.support import Streams, all_alive, assert_no_leaks, kill9
 from tests.conductor.conftest import RunningApi

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 from tests.chaos.conftest import MAX_TOKENS
 from tests.chaos.support import Streams, all_alive, assert_no_leaks, kill9
 from tests.e2e.support import start_cluster

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 from tests.chaos.conftest import MAX_TOKENS
 from tests.chaos.support import Streams, assert_no_leaks, kill9
 from tests.conductor.conftest import RunningApi

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from conductor.serve_defaults import EXACT_FLAGS
-from core.params import SamplingParams
-from engine.config import auto_dtype
-from engine.engine import Engine
+from halfmoon.conductor.serve_defaults import EXACT_FLAGS
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import auto_dtype
+from halfmoon.engine.engine import Engine
 from tests.waiting import poll
 
 PROMPT = "The capital of France is"
-CLI = [sys.executable, "-m", "cli.main"]
+CLI = [sys.executable, "-m", "halfmoon.cli.main"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 
@@ -115,8 +115,8 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
 
 
 def test_serve_warns_when_bound_beyond_localhost(capsys: pytest.CaptureFixture[str]) -> None:
-    from conductor.server import Endpoints, ServerConfig
-    from cli.serve import announce
+    from halfmoon.conductor.server import Endpoints, ServerConfig
+    from halfmoon.cli.serve import announce
 
     announce(Endpoints("127.0.0.1", 50051, 8000, False, False), "smollm2", ServerConfig())
     assert "WARNING" not in capsys.readouterr().err
@@ -131,8 +131,8 @@ def test_serve_warns_when_bound_beyond_localhost(capsys: pytest.CaptureFixture[s
 def test_serve_takes_tiers_and_index_with_tensor_parallel_workers() -> None:
     """Tiers and the block index under tp are built (no refusal left): the cluster's config
     takes them, as the engine's does."""
-    from conductor.cluster_config import ClusterConfig
-    from engine.config import EngineConfig
+    from halfmoon.conductor.cluster_config import ClusterConfig
+    from halfmoon.engine.config import EngineConfig
 
     engine = EngineConfig(tp=2, host_cache_gb=1.0, redis_url="redis://localhost:6379/0")
     config = ClusterConfig(prefill_tp=2, decode_tp=2, engine=engine)

@@ -10,20 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from cli.components import (ADMISSION, CLUSTER, ENGINE, LIMITS, LOGGING, SERVE, SERVE_ENGINE,
+from halfmoon.cli.components import (ADMISSION, CLUSTER, ENGINE, LIMITS, LOGGING, SERVE, SERVE_ENGINE,
                             SERVER, TRACING, TRANSPORT)
-from cli.flags import Component, Flag, add_flags, build, env_var, field_docs
-from cli.main import build_parser, parse_args, subparser
-from conductor.admission import AdmissionConfig
-from conductor.cluster_config import ClusterConfig
-from conductor.requests import Limits
-from conductor.serve_defaults import SERVE_PREFILL_MAX_SEQS, serve_cluster, serve_engine
-from conductor.server import ServerConfig
-from core.errors import ConfigError
-from core.logs import LogConfig
-from core.tracing import TracingConfig
-from engine.config import EngineConfig
-from transport.config import TransportConfig
+from halfmoon.cli.flags import Component, Flag, add_flags, build, env_var, field_docs
+from halfmoon.cli.main import build_parser, parse_args, subparser
+from halfmoon.conductor.admission import AdmissionConfig
+from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.conductor.requests import Limits
+from halfmoon.conductor.serve_defaults import SERVE_PREFILL_MAX_SEQS, serve_cluster, serve_engine
+from halfmoon.conductor.server import ServerConfig
+from halfmoon.core.errors import ConfigError
+from halfmoon.core.logs import LogConfig
+from halfmoon.core.tracing import TracingConfig
+from halfmoon.engine.config import EngineConfig
+from halfmoon.transport.config import TransportConfig
 
 COMPONENTS = (ENGINE, TRANSPORT, CLUSTER, LIMITS, SERVER, ADMISSION, TRACING, LOGGING)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from cli.components import ENGINE, SERVE_ENGINE
-from cli.flags import build
-from cli.main import parse_args
-from core.errors import ConfigError
+from halfmoon.cli.components import ENGINE, SERVE_ENGINE
+from halfmoon.cli.flags import build
+from halfmoon.cli.main import parse_args
+from halfmoon.core.errors import ConfigError
 
 
 @pytest.mark.parametrize("command", [["serve"], ["generate", "--prompt", "hi"], ["profile"]], ids=lambda c: c[0])

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
-from conductor.admission import AdmissionConfig
-from conductor.backend import BackendStats, GenerationBackend, GenerationInput
-from conductor.colocated import ColocatedBackend
-from conductor.server import Endpoints, Extension, ServerConfig, serve
-from core.messages import RequestEnd, SloPrediction, Timings, TokenChunk, Usage
-from core.params import FinishReason
-from engine.engine import Engine
+from halfmoon.conductor.admission import AdmissionConfig
+from halfmoon.conductor.backend import BackendStats, GenerationBackend, GenerationInput
+from halfmoon.conductor.colocated import ColocatedBackend
+from halfmoon.conductor.server import Endpoints, Extension, ServerConfig, serve
+from halfmoon.core.messages import RequestEnd, SloPrediction, Timings, TokenChunk, Usage
+from halfmoon.core.params import FinishReason
+from halfmoon.engine.engine import Engine
 from halfmoon.results import ModelInfo
 from tests.conftest import EngineFactory, idle_problems
 from tests.waiting import poll

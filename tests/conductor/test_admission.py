@@ -8,15 +8,15 @@ import math
 
 import pytest
 
-from conductor.admission import Admission, AdmissionConfig, Objective, OutputEstimator, Policy, Reason, resolve
-from conductor.admission_stats import AdmissionStats, Histogram, TopGaps
-from conductor.backend import Slo
-from conductor.calibration import IDENTITY, Calibration, Fit, fit_samples
-from conductor.cost_model import CostModel
-from conductor.errors import OverloadedError, SloMissError, status_of
-from conductor.ledger import BoundRequest, DecodeLedger, PendingPrefill, PrefillLedger
-from conductor.prediction import DecodeJob, DecodeLoadPredictor
-from core.errors import ConfigError, InvalidRequestError
+from halfmoon.conductor.admission import Admission, AdmissionConfig, Objective, OutputEstimator, Policy, Reason, resolve
+from halfmoon.conductor.admission_stats import AdmissionStats, Histogram, TopGaps
+from halfmoon.conductor.backend import Slo
+from halfmoon.conductor.calibration import IDENTITY, Calibration, Fit, fit_samples
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.errors import OverloadedError, SloMissError, status_of
+from halfmoon.conductor.ledger import BoundRequest, DecodeLedger, PendingPrefill, PrefillLedger
+from halfmoon.conductor.prediction import DecodeJob, DecodeLoadPredictor
+from halfmoon.core.errors import ConfigError, InvalidRequestError
 
 BS = 16
 NOW = 1000.0  # monotonic seconds
@@ -399,7 +399,7 @@ def test_admission_uses_the_fitted_line_and_refits_only_on_new_samples() -> None
 def test_tokens_per_step_follows_the_workers_recent_steps() -> None:
     """Windows of >= 32 new request-steps move the estimate halfway to their TBT divisor: a
     worker that speculated at low load and stops at high load is soon predicted at ~1."""
-    from conductor.ledger import tbt_tokens_per_step
+    from halfmoon.conductor.ledger import tbt_tokens_per_step
 
     ledger = DecodeLedger(total_blocks=8)
     ledger.observe_decode(20, 60, 0)  # too few steps yet

@@ -15,10 +15,10 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from conductor.errors import (OverloadedError, RetryableRejection, SloMissError, TooManyStreamsError,
+from halfmoon.conductor.errors import (OverloadedError, RetryableRejection, SloMissError, TooManyStreamsError,
                               status_of)
-from conductor.router import NoDecodeCapacityError
-from core.messages import SloPrediction
+from halfmoon.conductor.router import NoDecodeCapacityError
+from halfmoon.core.messages import SloPrediction
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
 from tests.conductor.conftest import MODEL, SCRIPTED_KV_TOKENS, RunningApi

@@ -10,12 +10,12 @@ from collections.abc import Callable
 
 import pytest
 
-from conductor.admission import AdmissionConfig
-from conductor.admission_window import AdmissionWindow, SecondLook
-from conductor.cost_model import CostModel
-from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
-from conductor.errors import OverloadedError
-from conductor.ledger import DecodeLedger, PrefillLedger
+from halfmoon.conductor.admission import AdmissionConfig
+from halfmoon.conductor.admission_window import AdmissionWindow, SecondLook
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
+from halfmoon.conductor.errors import OverloadedError
+from halfmoon.conductor.ledger import DecodeLedger, PrefillLedger
 
 NOW = 1000.0
 # prefill: 1 ms per new token; decode step: 50 ms + 10 ms per request in the batch.

@@ -13,13 +13,13 @@ from typing import Any, NamedTuple, TypeVar
 
 import pytest
 
-from conductor.backend import GenerationInput, Slo
-from conductor.cluster import ClusterBackend
-from conductor.errors import SloMissError
-from core.messages import TokenChunk, WorkerLoad
-from core.params import FinishReason, SamplingParams
-from engine.engine import Engine
-from engine.loader import LoadedWeights
+from halfmoon.conductor.backend import GenerationInput, Slo
+from halfmoon.conductor.cluster import ClusterBackend
+from halfmoon.conductor.errors import SloMissError
+from halfmoon.core.messages import TokenChunk, WorkerLoad
+from halfmoon.core.params import FinishReason, SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import LoadedWeights
 from tests.e2e.support import cost_model_file
 from tests.workers_support import TIMEOUT_S, InProcessWorkers, cluster_config, settled, tokens
 

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from conductor.serve_defaults import serve_engine
-from conductor.cost_model import (DECODE_TERMS, PREFILL_TERMS, CostModel, FitError, fit_decode, fit_prefill,
+from halfmoon.conductor.serve_defaults import serve_engine
+from halfmoon.conductor.cost_model import (DECODE_TERMS, PREFILL_TERMS, CostModel, FitError, fit_decode, fit_prefill,
                                   fit_profile, profile_engine)
-from engine.engine import Engine
-from core.errors import ConfigError
-from core.messages import DecodeSample, PrefillSample
-from engine.profiling import ProfileError, ProfileGrid, measure_engine
-from core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.core.errors import ConfigError
+from halfmoon.core.messages import DecodeSample, PrefillSample
+from halfmoon.engine.profiling import ProfileError, ProfileGrid, measure_engine
+from halfmoon.core.params import SamplingParams
 from tests.conftest import EngineFactory, assert_engine_idle
 
 PREFILL_TRUE = (25.0, 1.8, 0.0004, 0.0015)
@@ -227,7 +227,7 @@ def test_profile_refuses_a_busy_engine(profiled: tuple[Engine, CostModel]) -> No
 
 # ---------------------------------------------------------------------- halfmoon profile
 
-CLI = [sys.executable, "-m", "cli.main", "profile"]
+CLI = [sys.executable, "-m", "halfmoon.cli.main", "profile"]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 
 

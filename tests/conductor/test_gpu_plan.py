@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.cluster_config import ClusterConfig
-from conductor.gpu_plan import SHARED_HEADROOM, GpuShare, plan_gpus
-from core.errors import ConfigError
-from engine.config import EngineConfig
+from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.conductor.gpu_plan import SHARED_HEADROOM, GpuShare, plan_gpus
+from halfmoon.core.errors import ConfigError
+from halfmoon.engine.config import EngineConfig
 
 
 def test_cpu_workers_ask_for_no_gpu() -> None:

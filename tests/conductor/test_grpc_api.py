@@ -18,8 +18,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import \
     ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
 
-from engine.engine import Engine
-from core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.core.params import SamplingParams
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
 from tests.conductor.conftest import MODEL, RunningApi

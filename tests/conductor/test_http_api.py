@@ -15,9 +15,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conductor.requests import Limits
-from engine.engine import Engine
-from core.params import SamplingParams
+from halfmoon.conductor.requests import Limits
+from halfmoon.engine.engine import Engine
+from halfmoon.core.params import SamplingParams
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
 from tests.conductor.conftest import MODEL, RunningApi
@@ -201,9 +201,9 @@ def test_many_concurrent_openai_streams(api: RunningApi, engine: Engine) -> None
 
 
 def test_tokens_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from conductor.auth import TOKENS_ENV, Authenticator, load_tokens
-    from conductor.errors import UnauthenticatedError
-    from core.errors import ConfigError
+    from halfmoon.conductor.auth import TOKENS_ENV, Authenticator, load_tokens
+    from halfmoon.conductor.errors import UnauthenticatedError
+    from halfmoon.core.errors import ConfigError
 
     monkeypatch.setenv(TOKENS_ENV, "alpha, beta")
     auth = Authenticator(load_tokens(None))

@@ -8,12 +8,12 @@ import math
 
 import pytest
 
-from conductor.admission import AdmissionConfig, resolve
-from conductor.backend import Slo
-from conductor.live import HASH_BLOCK_TOKENS, LiveWindow, TrafficRecorder
-from core.messages import RequestEnd, Timings, Usage
-from core.params import FinishReason
-from sim.trace import parse_line
+from halfmoon.conductor.admission import AdmissionConfig, resolve
+from halfmoon.conductor.backend import Slo
+from halfmoon.conductor.live import HASH_BLOCK_TOKENS, LiveWindow, TrafficRecorder
+from halfmoon.core.messages import RequestEnd, Timings, Usage
+from halfmoon.core.params import FinishReason
+from halfmoon.sim.trace import parse_line
 
 
 class Clock:

@@ -3,10 +3,10 @@ worker, trace ids as exemplars in the OpenMetrics scrape, the plain text format 
 
 from __future__ import annotations
 
-from conductor.backend import BackendStats
-from conductor.metrics import Metrics
-from core.messages import RequestEnd, Timings, Usage
-from core.params import FinishReason
+from halfmoon.conductor.backend import BackendStats
+from halfmoon.conductor.metrics import Metrics
+from halfmoon.core.messages import RequestEnd, Timings, Usage
+from halfmoon.core.params import FinishReason
 
 
 def test_latency_samples_carry_the_trace_id_as_an_exemplar_in_openmetrics() -> None:
@@ -26,9 +26,9 @@ def test_latency_samples_carry_the_trace_id_as_an_exemplar_in_openmetrics() -> N
 
 
 def test_goodput_counts_requests_meeting_both_objectives_by_class() -> None:
-    from conductor.admission import AdmissionConfig, resolve
-    from conductor.backend import Slo
-    from conductor.live import meets
+    from halfmoon.conductor.admission import AdmissionConfig, resolve
+    from halfmoon.conductor.backend import Slo
+    from halfmoon.conductor.live import meets
 
     standard = resolve(AdmissionConfig(), None, Slo())  # 2000 ms / 150 ms
     fast = RequestEnd(FinishReason.LENGTH, None, Usage(10, 0, 5), Timings(0.0, 0.0, 0.0, 300.0, 40.0, 500.0))

@@ -6,11 +6,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from conductor.auth import Authenticator
-from conductor.frontdoor import FrontDoor
-from conductor.openai_api import build_app
-from conductor.openapi import document
-from conductor.requests import Limits
+from halfmoon.conductor.auth import Authenticator
+from halfmoon.conductor.frontdoor import FrontDoor
+from halfmoon.conductor.openai_api import build_app
+from halfmoon.conductor.openapi import document
+from halfmoon.conductor.requests import Limits
 from tests.conductor.conftest import MODEL, RunningApi
 
 

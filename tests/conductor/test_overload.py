@@ -14,10 +14,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from conductor.admission import AdmissionConfig
-from conductor.cluster import ClusterBackend
-from conductor.server import ServerConfig
-from engine.loader import LoadedWeights
+from halfmoon.conductor.admission import AdmissionConfig
+from halfmoon.conductor.cluster import ClusterBackend
+from halfmoon.conductor.server import ServerConfig
+from halfmoon.engine.loader import LoadedWeights
 from tests.conductor.conftest import MODEL, RunningApi, run_api
 from tests.e2e.support import cost_model_file
 from tests.waiting import wait_until

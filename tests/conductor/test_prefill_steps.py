@@ -9,12 +9,12 @@ import math
 
 import pytest
 
-from conductor.admission import Admission, AdmissionConfig, resolve
-from conductor.backend import Slo
-from conductor.cost_model import CostModel
-from conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
-from conductor.ledger import DecodeLedger, PendingPrefill, PrefillLedger
-from conductor.prefill_steps import PrefillSteps, pack
+from halfmoon.conductor.admission import Admission, AdmissionConfig, resolve
+from halfmoon.conductor.backend import Slo
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.dispatch import Ask, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
+from halfmoon.conductor.ledger import DecodeLedger, PendingPrefill, PrefillLedger
+from halfmoon.conductor.prefill_steps import PrefillSteps, pack
 
 NOW = 1000.0
 # prefill: 10 ms a step + 1 ms per new token; decode step: 50 ms + 10 ms per request
@@ -139,7 +139,7 @@ def test_a_window_is_served_in_the_order_it_decided() -> None:
 
 
 def test_a_long_prompt_alone_is_its_chunks_steps() -> None:
-    from conductor.prefill_steps import chunked_prefill_ms
+    from halfmoon.conductor.prefill_steps import chunked_prefill_ms
 
     attention = CostModel((10.0, 1.0, 0.01, 0.0), (50.0, 0.0, 0.0), 1e9, 1)
     assert chunked_prefill_ms(attention, 300, 0, 512) == pytest.approx(attention.est_prefill_ms(300))

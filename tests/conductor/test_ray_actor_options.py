@@ -4,8 +4,8 @@ Ray's GCS flat over hours of requests (the soak, issue 37): each actor call woul
 
 from __future__ import annotations
 
-from conductor.cluster_config import ClusterConfig
-from conductor.ray_workers import NAMESPACE, actor_options
+from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.conductor.ray_workers import NAMESPACE, actor_options
 
 
 def test_worker_actors_record_no_task_events_and_restart_forever() -> None:

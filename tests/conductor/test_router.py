@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.cost_model import CostModel
-from conductor.errors import ServiceUnavailableError, status_of
-from conductor.prediction import DecodeJob, DecodeLoadPredictor
-from conductor.router import (DecodeView, NoDecodeCapacityError,
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.errors import ServiceUnavailableError, status_of
+from halfmoon.conductor.prediction import DecodeJob, DecodeLoadPredictor
+from halfmoon.conductor.router import (DecodeView, NoDecodeCapacityError,
                               NoWorkerAvailableError,
                               PrefillView, RouteRequest, Router)
 

@@ -8,9 +8,9 @@ import dataclasses
 
 import pytest
 
-from conductor.serve_defaults import (HOST_CACHE_GB, SERVE_DTYPE, SERVE_QUANTIZATION, TierTokens, gib_for_tokens,
+from halfmoon.conductor.serve_defaults import (HOST_CACHE_GB, SERVE_DTYPE, SERVE_QUANTIZATION, TierTokens, gib_for_tokens,
                                       serve_cluster, serve_engine, tier_tokens)
-from engine.config import EngineConfig, auto_dtype
+from halfmoon.engine.config import EngineConfig, auto_dtype
 
 SMOLLM2_FP32 = 30 * 2 * 3 * 64 * 4  # layers x (K, V) x KV heads x head dim x fp32 bytes
 

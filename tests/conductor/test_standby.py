@@ -10,10 +10,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from conductor.cluster_config import ClusterConfig
-from core.errors import ConfigError
-from engine.loader import LoadedWeights
-from engine.worker import WARM_UP_PROMPT_TOKENS, WARM_UP_TOKENS
+from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.core.errors import ConfigError
+from halfmoon.engine.loader import LoadedWeights
+from halfmoon.engine.worker import WARM_UP_PROMPT_TOKENS, WARM_UP_TOKENS
 from tests.workers_support import InProcessWorkers, cluster_config
 
 HEALTH_DEADLINE_S = 60.0

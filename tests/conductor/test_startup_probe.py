@@ -13,9 +13,9 @@ from dataclasses import replace
 
 import pytest
 
-from conductor.backend import GenerationInput
-from conductor.cost_model import CostModel
-from conductor.startup_probe import (
+from halfmoon.conductor.backend import GenerationInput
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.startup_probe import (
     BURST_MAX_TOKENS,
     MAX_SCALE,
     PROBE_SALT,
@@ -24,8 +24,8 @@ from conductor.startup_probe import (
     overhead_of,
     scale_of,
 )
-from core.messages import RequestEnd, Timings, TokenChunk, Usage
-from core.params import FinishReason
+from halfmoon.core.messages import RequestEnd, Timings, TokenChunk, Usage
+from halfmoon.core.params import FinishReason
 
 # prefill: 1 ms a token; decode step: 50 ms
 COST = CostModel((0.0, 1.0, 0.0, 0.0), (50.0, 0.0, 0.0), 1e9, 1, "test")

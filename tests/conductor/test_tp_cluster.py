@@ -14,16 +14,16 @@ import asyncio
 
 import pytest
 
-from conductor.backend import GenerationInput
-from conductor.cluster import ClusterBackend
-from conductor.cost_model import CostModel
-from core.blocks import cdiv
-from core.params import SamplingParams
-from engine.engine import Engine
-from engine.loader import LoadedWeights
+from halfmoon.conductor.backend import GenerationInput
+from halfmoon.conductor.cluster import ClusterBackend
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.core.blocks import cdiv
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import LoadedWeights
 from tests.e2e.support import cost_model_file
 from tests.workers_support import TIMEOUT_S, InProcessWorkers, cluster_config, settled, tokens
-from transport.heads import kv_head_range
+from halfmoon.transport.heads import kv_head_range
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

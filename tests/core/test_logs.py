@@ -10,11 +10,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from cli.components import LOGGING
-from cli.flags import build
-from cli.main import parse_args
-from core.errors import ConfigError
-from core.logs import JsonFormatter, LogConfig, bind_request, configure_logging, current_request
+from halfmoon.cli.components import LOGGING
+from halfmoon.cli.flags import build
+from halfmoon.cli.main import parse_args
+from halfmoon.core.errors import ConfigError
+from halfmoon.core.logs import JsonFormatter, LogConfig, bind_request, configure_logging, current_request
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

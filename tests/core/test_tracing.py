@@ -12,11 +12,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from cli.components import TRACING
-from cli.flags import build
-from cli.main import parse_args
-from core.errors import ConfigError
-from core.tracing import (NO_SPAN, NO_TRACER, Event, OtelTracer, TracingConfig, TracingError,
+from halfmoon.cli.components import TRACING
+from halfmoon.cli.flags import build
+from halfmoon.cli.main import parse_args
+from halfmoon.core.errors import ConfigError
+from halfmoon.core.tracing import (NO_SPAN, NO_TRACER, Event, OtelTracer, TracingConfig, TracingError,
                           _make_sampler, start_tracing)
 
 CLIENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
@@ -36,8 +36,8 @@ def test_off_imports_no_sdk_and_builds_no_exporter() -> None:
     leaves the tracing SDK and the exporters unimported (no provider, no exporter, no thread).
     (redis-py imports OpenTelemetry's metrics SDK on its own when it is installed.)"""
     code = ("import sys, threading\n"
-            "from core.tracing import TracingConfig, start_tracing, NO_SPAN\n"
-            "import conductor.frontdoor, decode_worker.worker, prefill_worker.worker\n"
+            "from halfmoon.core.tracing import TracingConfig, start_tracing, NO_SPAN\n"
+            "import halfmoon.conductor.frontdoor, halfmoon.decode_worker.worker, halfmoon.prefill_worker.worker\n"
             "t = start_tracing(TracingConfig(), 'conductor', 'conductor')\n"
             "assert t.start('x', None, root=True) is NO_SPAN\n"
             "loaded = [m for m in sys.modules if m.startswith(('opentelemetry.sdk.trace', 'opentelemetry.exporter'))]\n"

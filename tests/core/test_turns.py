@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from core.turns import Turns
+from halfmoon.core.turns import Turns
 
 
 async def ordered_run(turns: Turns, delays: list[float], stuck: int | None = None) -> list[int]:

@@ -12,10 +12,10 @@ import jsonschema
 import pytest
 import yaml
 
-from conductor.colocated import ColocatedBackend
-from conductor.cost_model import CostModel
-from conductor.server import ServerConfig
-from dashboard.routes import COOKIE, mount
+from halfmoon.conductor.colocated import ColocatedBackend
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.server import ServerConfig
+from halfmoon.dashboard.routes import COOKIE, mount
 from tests.conductor.conftest import MODEL, RunningApi, run_api
 from tests.conftest import EngineFactory
 from tests.deploy.values import drop_nulls, merge
@@ -167,7 +167,7 @@ def test_an_uploaded_trace_is_replayed(http: httpx.Client, board: RunningApi) ->
 
 def test_halfmoon_dashboard_prints_the_address_of_a_running_cluster(board: RunningApi,
                                                                     capsys: pytest.CaptureFixture[str]) -> None:
-    from cli.main import main
+    from halfmoon.cli.main import main
 
     assert main(["dashboard", "--url", board.http_url]) == 0
     out = capsys.readouterr().out
@@ -180,7 +180,7 @@ def test_the_recorded_traffic_downloads_as_a_mooncake_trace(http: httpx.Client) 
     complete(http, "Recorded " * 40)
     r = http.get("/dashboard/api/traffic.jsonl", params={"minutes": 5}, headers=AUTH)
     assert r.status_code == 200 and "attachment" in r.headers["content-disposition"]
-    from sim.trace import parse_line
+    from halfmoon.sim.trace import parse_line
 
     rows = [parse_line(line, n) for n, line in enumerate(r.text.splitlines(), start=1)]
     assert rows and rows[0].timestamp == 0 and rows[-1].input_length > 40

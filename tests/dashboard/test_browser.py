@@ -23,7 +23,7 @@ import openai
 import pytest
 import yaml
 
-from conductor.serve_defaults import EXACT_FLAGS
+from halfmoon.conductor.serve_defaults import EXACT_FLAGS
 from tests.deploy.values import drop_nulls, merge
 from tests.e2e.support import cost_model_file, wait_for_log
 
@@ -46,7 +46,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`halfmoon serve` (1 prefill + 1 decode worker, auth on); yields its HTTP URL."""
     tmp = tmp_path_factory.mktemp("dashboard-cluster")
     log = tmp / "serve.log"
-    args = [sys.executable, "-m", "cli.main", "serve", "--prefill", "1", "--decode", "1", "--worker-threads", "1",
+    args = [sys.executable, "-m", "halfmoon.cli.main", "serve", "--prefill", "1", "--decode", "1", "--worker-threads", "1",
             "--kv-transport", "tcp", "--grpc-port", "0", "--http-port", "0", "--num-blocks", "256",
             "--object-store-mb", "128", "--cost-model", cost_model_file(tmp / "cost.json"),
             *EXACT_FLAGS]  # the cost model's KV bytes are fp32's

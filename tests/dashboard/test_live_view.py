@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from conductor.admission import AdmissionConfig
-from conductor.backend import BackendStats, WorkerView
-from conductor.live import LiveWindow
-from core.messages import WorkerLoad
-from dashboard.live import LiveView
+from halfmoon.conductor.admission import AdmissionConfig
+from halfmoon.conductor.backend import BackendStats, WorkerView
+from halfmoon.conductor.live import LiveWindow
+from halfmoon.core.messages import WorkerLoad
+from halfmoon.dashboard.live import LiveView
 
 
 def load(steps: int, computed: int, cached: int, from_host: int = 0, remote: int = 0, received: int = 0,

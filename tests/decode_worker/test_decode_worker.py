@@ -18,15 +18,15 @@ from unittest import mock
 
 import pytest
 
-from core.blocks import cdiv
-from core.errors import InvalidRequestError
-from core.messages import (DecodeCapacityError, DecodeTask, EngineInfo, IntegrityError,
+from halfmoon.core.blocks import cdiv
+from halfmoon.core.errors import InvalidRequestError
+from halfmoon.core.messages import (DecodeCapacityError, DecodeTask, EngineInfo, IntegrityError,
                            IntegrityReport, KVHandoff, KVTransferFailedError, ReservationError,
                            TokenChunk, WorkerLoad)
-from core.params import FinishReason, SamplingParams
-from decode_worker.worker import Reservation
-from engine.engine import Engine
-from engine.loader import LoadedWeights
+from halfmoon.core.params import FinishReason, SamplingParams
+from halfmoon.decode_worker.worker import Reservation
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import LoadedWeights
 from tests.waiting import wait_until
 from tests.workers_support import (TIMEOUT_S, InProcessWorkers, cluster_config, drain, run_pair,
                                    start_worker, tokens)
@@ -141,7 +141,7 @@ def test_a_reservation_past_its_deadline_is_released_by_load(workers: InProcessW
                                        TIMEOUT_S, "load() to release the reservation")
         return error, load
 
-    with caplog.at_level(logging.WARNING, logger="decode_worker.worker"):
+    with caplog.at_level(logging.WARNING, logger="halfmoon.decode_worker.worker"):
         error, load = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
 
     assert "'orphan' is" in str(error) and "past its deadline" in str(error)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_summary import read_phases
+from halfmoon.bench.gpu_summary import read_phases
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "deploy" / "gpu_check.sh"

@@ -25,10 +25,10 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from conductor.admission_stats import AdmissionStats
-from conductor.backend import BackendStats, WorkerView
-from core.messages import WorkerLoad
-from conductor.server import ServerConfig
+from halfmoon.conductor.admission_stats import AdmissionStats
+from halfmoon.conductor.backend import BackendStats, WorkerView
+from halfmoon.core.messages import WorkerLoad
+from halfmoon.conductor.server import ServerConfig
 from halfmoon.results import ModelInfo
 from tests.conductor.conftest import RunningApi, ScriptedBackend, run_api
 from tests.deploy.chart import CHART, FULLNAME, KUBE_VERSION, NAMESPACE, ROOT, Renderer

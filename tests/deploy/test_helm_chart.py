@@ -28,7 +28,7 @@ import yaml
 from yamllint import config as yamllint_config
 from yamllint import linter as yamllint_linter
 
-from cli.main import build_parser
+from halfmoon.cli.main import build_parser
 from tests.deploy.chart import (CHART, FULLNAME, KUBE_VERSION, NAMESPACE, PROFILES, RELEASE, ROOT,
                                 VARIANTS, Release, Renderer, user_values)
 from tests.deploy.values import drop_nulls, merge

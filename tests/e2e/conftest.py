@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 
 
 @pytest.fixture(scope="module")

@@ -11,21 +11,21 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conductor.cluster import ClusterBackend
-from conductor.cluster_config import ClusterConfig
-from core.messages import WorkerLoad
-from core.tracing import TracingConfig
-from conductor.cost_model import DECODE_TERMS, PREFILL_TERMS, CostModel
-from conductor.server import ServerConfig
-from engine.config import EngineConfig
-from engine.engine import Engine
-from core.params import SamplingParams
+from halfmoon.conductor.cluster import ClusterBackend
+from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.core.messages import WorkerLoad
+from halfmoon.core.tracing import TracingConfig
+from halfmoon.conductor.cost_model import DECODE_TERMS, PREFILL_TERMS, CostModel
+from halfmoon.conductor.server import ServerConfig
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.core.params import SamplingParams
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 from tests.conductor.conftest import CLIENT_SLOS_ONLY, RunningApi, run_api
 from tests.waiting import poll
-from transport.config import TransportConfig
+from halfmoon.transport.config import TransportConfig
 
 # A cost model shaped like SmolLM2 fp32 on one core (~550 prompt tok/s, ~45 ms per decode step),
 # written by hand so the tests need no profiling run; routing only needs its proportions.

@@ -16,11 +16,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from conductor.ledger import PendingPrefill
-from engine.engine import Engine
+from halfmoon.conductor.ledger import PendingPrefill
+from halfmoon.engine.engine import Engine
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 from tests.conductor.conftest import RunningApi
 from tests.e2e.support import (
     generate_all,
@@ -123,7 +123,7 @@ def test_a_kv_transfer_that_fails_before_the_first_token_is_re_run(cluster: Runn
     reruns = cluster.backend.stats().requests_rerun.get("kv_transfer", 0)
     for worker in cluster.backend.manager.role("prefill"):  # whichever gets it: only this id's first try
         ray.get(worker.api.handle.corrupt_next_push.remote(rid))
-    with caplog.at_level(logging.WARNING, logger="conductor.cluster"), grpc.insecure_channel(cluster.grpc_target) as ch:
+    with caplog.at_level(logging.WARNING, logger="halfmoon.conductor.cluster"), grpc.insecure_channel(cluster.grpc_target) as ch:
         req = pb.GenerateRequest(prompt_token_ids=ids, max_tokens=4, ignore_eos=True, request_id=rid)
         tokens = [t for r in pb_grpc.GenerationStub(ch).Generate(req, timeout=120) for t in r.token_ids]
     assert tokens == reference(engine, [ids], [4])[0]

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.engine.engine import Engine
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 from tests.e2e.support import generate_all, prompts, reference, start_cluster, worker_load
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -13,16 +13,16 @@ import grpc
 import openai
 import pytest
 
-from conductor.cluster import ClusterBackend
-from conductor.colocated import ColocatedBackend
-from conductor.cost_model import CostModel
-from conductor.server import ServerConfig
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import load_weights
+from halfmoon.conductor.cluster import ClusterBackend
+from halfmoon.conductor.colocated import ColocatedBackend
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.server import ServerConfig
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import load_weights
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 from tests.conductor.conftest import CLIENT_SLOS_ONLY, run_api
 from tests.conftest import NUM_THREADS
 from tests.e2e.support import cost_model_file, generate_all
@@ -89,8 +89,8 @@ def test_ray_1p1d_cluster_is_token_identical(name: str, tmp_path: Path, redis: E
     """Through Ray actors, as `halfmoon serve` runs the cluster (KV between worker processes):
     Gemma 3 (local/global layers, windows cut in transit), Qwen2 (biases, yarn, sliding layers),
     Llama with dynamic NTK (RoPE lengths agreed by both sides)."""
-    from conductor.cluster_config import ClusterConfig  # noqa: PLC0415
-    from transport.config import TransportConfig  # noqa: PLC0415
+    from halfmoon.conductor.cluster_config import ClusterConfig  # noqa: PLC0415
+    from halfmoon.transport.config import TransportConfig  # noqa: PLC0415
 
     case = BY_NAME[name]
     model = build_checkpoint(case, tmp_path / "gemma3")

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from bench import api_load
+from halfmoon.bench import api_load
 
 ANON_GROWTH_LIMIT_MB = 100  # after warm-up (docs/BENCHMARKS.md)
 

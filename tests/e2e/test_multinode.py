@@ -17,21 +17,21 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.ray_nodes import LocalRayNodes, is_alive
-from conductor.cluster import ClusterBackend
-from conductor.cluster_config import ClusterConfig
-from conductor.ledger import PendingPrefill
-from conductor.router import RouteRequest, PrefillView
-from conductor.server import ServerConfig
-from engine.config import EngineConfig
-from engine.engine import Engine
-from kvpool.block_hash import block_hashes, root_hash
-from kvpool.redis_server import EmbeddedRedis
-from kvpool.tiers import Tier
+from halfmoon.bench.ray_nodes import LocalRayNodes, is_alive
+from halfmoon.conductor.cluster import ClusterBackend
+from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.conductor.ledger import PendingPrefill
+from halfmoon.conductor.router import RouteRequest, PrefillView
+from halfmoon.conductor.server import ServerConfig
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.kvpool.block_hash import block_hashes, root_hash
+from halfmoon.kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.tiers import Tier
 from tests.conductor.conftest import CLIENT_SLOS_ONLY, RunningApi, run_api
 from tests.e2e.support import cost_model_file, generate_all, reference, worker_load
 from tests.waiting import wait_until
-from transport.config import TransportConfig
+from halfmoon.transport.config import TransportConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -125,7 +125,7 @@ def _hashes(cluster: RunningApi, engine: Engine, ids: list[int]) -> list[bytes]:
 
 
 def _holder(cluster: RunningApi, worker_id: str):
-    from kvpool.cluster_index import HolderId
+    from halfmoon.kvpool.cluster_index import HolderId
 
     return HolderId(worker_id, cluster.backend.manager.workers[worker_id].node_id)
 

@@ -21,10 +21,10 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from conductor.serve_defaults import EXACT_FLAGS
+from halfmoon.conductor.serve_defaults import EXACT_FLAGS
 from tests.e2e.support import wait_for_log
 
-CLI = [sys.executable, "-m", "cli.main"]
+CLI = [sys.executable, "-m", "halfmoon.cli.main"]
 EXACT = list(EXACT_FLAGS)  # --dtype float32 --quantization none
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
 PROMPT = "The capital of France is"

@@ -15,8 +15,8 @@ import psutil
 import pytest
 import yaml
 
-from engine.engine import Engine
-from core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.core.params import SamplingParams
 from tests.e2e.support import cost_model_file, wait_for_log
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -31,7 +31,7 @@ def test_cluster_serves_from_a_yaml_config_and_ctrl_c_leaves_no_orphan(tmp_path:
         "object_store_mb": 128, "dtype": "float32", "quantization": "none"}))  # token-exact: vs the fp32 engine
     log = tmp_path / "serve.log"
     with open(log, "w") as out:  # its own session: Ctrl-C in a terminal signals the whole group
-        proc = subprocess.Popen([sys.executable, "-m", "cli.main", "serve", "--config", str(config)],
+        proc = subprocess.Popen([sys.executable, "-m", "halfmoon.cli.main", "serve", "--config", str(config)],
                                 stdout=out, stderr=out, text=True, start_new_session=True,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from conductor.cluster import ClusterBackend
-from conductor.colocated import ColocatedBackend
-from conductor.cost_model import CostModel
-from conductor.server import ServerConfig
-from core.params import SamplingParams
-from engine.engine import Engine
-from engine.loader import LoadedWeights
+from halfmoon.conductor.cluster import ClusterBackend
+from halfmoon.conductor.colocated import ColocatedBackend
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.server import ServerConfig
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import LoadedWeights
 from tests.conductor.conftest import CLIENT_SLOS_ONLY, run_api
 from tests.conftest import EngineFactory
 from tests.e2e.support import cost_model_file, generate_all

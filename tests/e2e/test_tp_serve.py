@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
+from halfmoon.engine.engine import Engine
 from tests.e2e.support import generate_all, prompts, reference, start_cluster, worker_load
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -30,11 +30,11 @@ import grpc
 import httpx
 import pytest
 
-from bench.otlp_sink import OtlpSink, ReceivedSpan
-from core.tracing import TracingConfig
+from halfmoon.bench.otlp_sink import OtlpSink, ReceivedSpan
+from halfmoon.core.tracing import TracingConfig
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 from tests.e2e.support import start_cluster
 from tests.waiting import wait_until
 

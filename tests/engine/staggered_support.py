@@ -3,9 +3,9 @@ stepped a while, so a request prefills in the very steps where others verify dra
 
 from __future__ import annotations
 
-from engine.engine import Engine
-from engine.scheduler import SchedulerOutput
-from core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.scheduler import SchedulerOutput
+from halfmoon.core.params import SamplingParams
 
 
 def staggered(engine: Engine, prompts: list[list[int]], params: SamplingParams,

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from core.errors import ConfigError, InvalidRequestError
-from engine.errors import ModelLoadError
-from core.params import FinishReason
-from core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.core.errors import ConfigError, InvalidRequestError
+from halfmoon.engine.errors import ModelLoadError
+from halfmoon.core.params import FinishReason
+from halfmoon.core.params import SamplingParams
 from tests.conftest import EngineFactory, assert_engine_idle
 
 pytestmark = pytest.mark.timeout(120)

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.worker import TransportBlockReader
+from halfmoon.engine.worker import TransportBlockReader
 from tests.transport.conftest import FINGERPRINT, kv_tensor
 from tests.transport.helpers import BLOCK_BYTES, Holder, key, random_blocks
-from transport import KVLayout
-from transport.blocks import BlockClient
-from transport.channel import get_backend
+from halfmoon.transport import KVLayout
+from halfmoon.transport.blocks import BlockClient
+from halfmoon.transport.channel import get_backend
 
 
 def test_the_holder_address_is_cached_until_a_fetch_fails() -> None:

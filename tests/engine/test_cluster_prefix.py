@@ -10,11 +10,11 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
-from engine.engine import Engine
-from core.params import SamplingParams
-from kvpool.redis_server import EmbeddedRedis
-from kvpool.cluster_index import HolderId
-from kvpool.remote import InProcessReader, RemoteBlockReader
+from halfmoon.engine.engine import Engine
+from halfmoon.core.params import SamplingParams
+from halfmoon.kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.cluster_index import HolderId
+from halfmoon.kvpool.remote import InProcessReader, RemoteBlockReader
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
 

@@ -39,15 +39,15 @@ from unittest import mock
 import pytest
 import torch
 
-import engine.engine as engine_module
-import engine.runner as runner_module
-from core.params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import LoadedWeights
-from engine.model_config import ModelConfig
-from engine.request import Request
-from engine.scheduler import ScheduledRequest
+import halfmoon.engine.engine as engine_module
+import halfmoon.engine.runner as runner_module
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import LoadedWeights
+from halfmoon.engine.model_config import ModelConfig
+from halfmoon.engine.request import Request
+from halfmoon.engine.scheduler import ScheduledRequest
 
 pytestmark = [
     pytest.mark.gpu,

@@ -13,11 +13,11 @@ from unittest import mock
 import pytest
 import torch
 
-import engine.engine as engine_module
-from core.params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import load_weights
+import halfmoon.engine.engine as engine_module
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import load_weights
 from tests.model_families import CASES, NEW, FamilyCase, build_checkpoint, hf_greedy, prompts
 
 pytestmark = [

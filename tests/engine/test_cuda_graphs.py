@@ -17,15 +17,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.errors import ConfigError
-from core.params import SamplingParams
-from engine.config import EngineConfig
-from engine.cuda_graphs import (Bucket, DecodeGraphs, VerifyBucket, VerifyGraphs, VerifyShape, batch_buckets,
+from halfmoon.core.errors import ConfigError
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.cuda_graphs import (Bucket, DecodeGraphs, VerifyBucket, VerifyGraphs, VerifyShape, batch_buckets,
                                 ctx_buckets, graph_ctx_limit, pick, query_buckets)
-from engine.device import build_graphs, build_step_graphs, graphs_wanted
-from engine.engine import Engine
-from kernels.attention import DecodeBatch
-from kernels.torch_backend import TorchAttentionBackend
+from halfmoon.engine.device import build_graphs, build_step_graphs, graphs_wanted
+from halfmoon.engine.engine import Engine
+from halfmoon.kernels.attention import DecodeBatch
+from halfmoon.kernels.torch_backend import TorchAttentionBackend
 from tests.conftest import NUM_THREADS
 from tests.model_families import BY_NAME, build_checkpoint, prompts
 

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from engine.parallel import TPGroup, new_store
+from halfmoon.engine.parallel import TPGroup, new_store
 
 pytestmark = [
     pytest.mark.gpu,
@@ -44,7 +44,7 @@ def test_one_nccl_rank_reduces_and_gathers_through_the_engines_group() -> None:
 
 CHILD = textwrap.dedent("""
     import sys, torch
-    from engine.parallel import TPGroup
+    from halfmoon.engine.parallel import TPGroup
     import torch.distributed as dist
     store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 2, False)
     group = TPGroup.join(store, 1, 2, torch.device("cuda"), timeout_s=60.0)

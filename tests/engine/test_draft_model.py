@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from core.params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import UnsupportedModelError
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.errors import UnsupportedModelError
 from tests.conftest import EngineFactory
 from tests.engine.staggered_support import staggered
 from tests.model_families import BY_NAME, build_checkpoint
@@ -61,7 +61,7 @@ def test_a_draft_with_another_vocabulary_is_refused(make_engine: EngineFactory) 
 
 
 def test_the_mode_is_validated() -> None:
-    from core.errors import ConfigError  # noqa: PLC0415
+    from halfmoon.core.errors import ConfigError  # noqa: PLC0415
 
     with pytest.raises(ConfigError, match="draft:MODEL"):
         EngineConfig(speculative="draft:")

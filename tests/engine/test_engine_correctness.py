@@ -22,14 +22,14 @@ from typing import Any
 import pytest
 import torch
 
-import engine.runner as runner_module
-from core.messages import TokenChunk
-from core.params import FinishReason, SamplingParams
-from engine.engine import Engine
-from engine.outputs import CompletionResult, completion_result
-from engine.quality import prefill_logits  # one prefill, logits at every position
-from engine.request import Request
-from engine.scheduler import ScheduledRequest
+import halfmoon.engine.runner as runner_module
+from halfmoon.core.messages import TokenChunk
+from halfmoon.core.params import FinishReason, SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.outputs import CompletionResult, completion_result
+from halfmoon.engine.quality import prefill_logits  # one prefill, logits at every position
+from halfmoon.engine.request import Request
+from halfmoon.engine.scheduler import ScheduledRequest
 from tests.conftest import EngineFactory, assert_engine_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -102,7 +102,7 @@ def hf_model(gguf_path: Path, shared_engine: Engine) -> Any:
     Requested after `shared_engine` so the oracle also runs with the tests' single torch thread.
     """
     pytest.importorskip("transformers")
-    from bench.hf_reference import hf_model
+    from halfmoon.bench.hf_reference import hf_model
 
     return hf_model(gguf_path, torch.float32)
 

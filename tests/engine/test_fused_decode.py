@@ -13,12 +13,12 @@ import sys
 import pytest
 import torch
 
-import kernels
-from engine.model import LayerHook, DecoderModel
-from engine.model_config import ModelConfig
-from kernels import fused
-from kernels.attention import AttentionMetadata
-from kernels.torch_backend import TorchAttentionBackend
+from halfmoon import kernels
+from halfmoon.engine.model import LayerHook, DecoderModel
+from halfmoon.engine.model_config import ModelConfig
+from halfmoon.kernels import fused
+from halfmoon.kernels.attention import AttentionMetadata
+from halfmoon.kernels.torch_backend import TorchAttentionBackend
 from tests.kernels.paged_scene import MIXED, make_scene
 
 CFG = ModelConfig(architecture="llama", num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2,
@@ -125,12 +125,12 @@ def test_mixed_steps_and_a_disabled_model_take_the_torch_path(
 def test_without_the_extensions_a_warning_and_the_torch_path(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.delattr(kernels, "_fused")
-    monkeypatch.setitem(sys.modules, "kernels._fused", None)  # import fails as if never built
+    monkeypatch.setitem(sys.modules, "halfmoon.kernels._fused", None)  # import fails as if never built
     try:
-        with caplog.at_level(logging.WARNING, logger="kernels.fused"):
+        with caplog.at_level(logging.WARNING, logger="halfmoon.kernels.fused"):
             importlib.reload(fused)
         assert not fused.AVAILABLE
-        assert "kernels._fused or kernels._paged_attn is not built" in caplog.text
+        assert "halfmoon.kernels._fused or kernels._paged_attn is not built" in caplog.text
         model = tiny_model(torch.float32)
         assert not model.fused_decode
         inputs = step_inputs([9, 1, 4, 13], [], torch.float32)

@@ -20,14 +20,14 @@ from unittest import mock
 import pytest
 import torch
 
-import engine.engine as engine_module
-from core.params import SamplingParams
-from engine import quality
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.gguf_header import read_header
-from engine.loader import GGML_Q4_K, LoadedWeights, load_weights, read_q4_blocks, resolve_model_path
-from kernels.quant_linear import Int4Linear, Int8Linear
+import halfmoon.engine.engine as engine_module
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine import quality
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.gguf_header import read_header
+from halfmoon.engine.loader import GGML_Q4_K, LoadedWeights, load_weights, read_q4_blocks, resolve_model_path
+from halfmoon.kernels.quant_linear import Int4Linear, Int8Linear
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

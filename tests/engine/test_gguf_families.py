@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from core.params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import ModelLoadError, UnsupportedModelError
-from engine.families import family
-from engine.loader import DEQUANTIZED_TYPES, load_weights, resolve_model_path
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.errors import ModelLoadError, UnsupportedModelError
+from halfmoon.engine.families import family
+from halfmoon.engine.loader import DEQUANTIZED_TYPES, load_weights, resolve_model_path
 from tests.conftest import NUM_THREADS
 from tests.gguf_families import GGUF_CASES, write_gguf
 from tests.model_families import NEW, build_checkpoint, prompts
@@ -146,6 +146,6 @@ def test_a_missing_model_package_names_the_pip_install(monkeypatch: pytest.Monke
     ("llama-bpe", ["I", "'m", "Ġ", "123", "45", "Ġok"]),  # up to three digits a piece
 ])
 def test_byte_level_pre_tokenizers_split_as_the_models_do(pre: str, pieces: list[str]) -> None:
-    from engine.tokenizer import _pre_tokenizer
+    from halfmoon.engine.tokenizer import _pre_tokenizer
 
     assert [p for p, _ in _pre_tokenizer(pre).pre_tokenize_str("I'm 12345 ok")] == pieces

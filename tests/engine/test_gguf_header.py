@@ -8,9 +8,9 @@ from pathlib import Path
 import gguf
 import pytest
 
-from engine.errors import ModelLoadError
-from engine.gguf_header import read_header
-from engine.loader import resolve_model_path
+from halfmoon.engine.errors import ModelLoadError
+from halfmoon.engine.gguf_header import read_header
+from halfmoon.engine.loader import resolve_model_path
 
 
 def test_the_header_matches_ggufs_reader_on_the_real_model() -> None:

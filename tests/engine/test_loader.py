@@ -9,11 +9,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import LoadedWeights, load_weights
-from kernels.linear import BF16_DENSE_MIN_ROWS, auto_kind
-from core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import LoadedWeights, load_weights
+from halfmoon.kernels.linear import BF16_DENSE_MIN_ROWS, auto_kind
+from halfmoon.core.params import SamplingParams
 from tests.conftest import NUM_THREADS
 
 
@@ -62,7 +62,7 @@ def _llama_cpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 @pytest.mark.parametrize("name,heads_attr", [("attn_q", "num_heads"), ("attn_k", "num_kv_heads")])
 def test_gguf_q_and_k_are_unpermuted_to_hf_layout(smollm2_weights: LoadedWeights, name: str,
                                                   heads_attr: str) -> None:
-    from engine.loader import _dequantize, open_gguf  # noqa: PLC0415
+    from halfmoon.engine.loader import _dequantize, open_gguf  # noqa: PLC0415
 
     reader = open_gguf(smollm2_weights.path)
     raw = next(t for t in reader.tensors if t.name == f"blk.3.{name}.weight")
@@ -91,7 +91,7 @@ def test_bf16_is_selectable_and_agrees_with_fp32_on_a_clear_prompt() -> None:
 
 
 def test_load_weights_rejects_a_folder_without_safetensors(tmp_path: Path) -> None:
-    from engine.errors import ModelLoadError  # noqa: PLC0415
+    from halfmoon.engine.errors import ModelLoadError  # noqa: PLC0415
 
     folder = tmp_path / "empty"
     folder.mkdir()

@@ -13,15 +13,15 @@ from typing import Any
 
 import pytest
 
-from core.blocks import first_visible_block
-from core.params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.errors import UnsupportedModelError
-from engine.families import config_from_hf
+from halfmoon.core.blocks import first_visible_block
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.errors import UnsupportedModelError
+from halfmoon.engine.families import config_from_hf
 from tests.conftest import NUM_THREADS
 from tests.model_families import BY_NAME, CASES, NEW, FamilyCase, build_checkpoint, hf_greedy, prompts
-from transport import KVReceiver, KVSender, get_backend
+from halfmoon.transport import KVReceiver, KVSender, get_backend
 
 pytestmark = [pytest.mark.timeout(300)]
 BUDGET = 32  # tokens per step: the 40-token prompts are prefilled in two chunks
@@ -116,7 +116,7 @@ MIN_AGREEMENT = {("bfloat16", "none"): 0.9, ("float32", "int8"): 0.9, ("bfloat16
 
 @pytest.mark.parametrize("dtype,quantization", list(MIN_AGREEMENT), ids=lambda v: str(v))
 def test_bf16_and_quantized_paths_serve_every_family(checkpoint: Checkpoint, dtype: str, quantization: str) -> None:
-    from engine.quality import prefill_logits  # noqa: PLC0415
+    from halfmoon.engine.quality import prefill_logits  # noqa: PLC0415
 
     ids = checkpoint.prompts[0] + checkpoint.expected[0]
     start = len(checkpoint.prompts[0]) - 1

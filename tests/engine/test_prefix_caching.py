@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from core.messages import TokenChunk
-from engine.engine import Engine
-from engine.outputs import completion_result
-from core.params import SamplingParams
+from halfmoon.core.messages import TokenChunk
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.outputs import completion_result
+from halfmoon.core.params import SamplingParams
 
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
 

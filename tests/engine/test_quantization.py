@@ -21,13 +21,13 @@ from unittest import mock
 import pytest
 import torch
 
-import engine.engine as engine_module
-from core.errors import ConfigError
-from engine import quality
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.loader import LoadedWeights, read_q4_blocks
-from kernels.quant_linear import Int4Linear, Int8Linear
+import halfmoon.engine.engine as engine_module
+from halfmoon.core.errors import ConfigError
+from halfmoon.engine import quality
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.loader import LoadedWeights, read_q4_blocks
+from halfmoon.kernels.quant_linear import Int4Linear, Int8Linear
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.params import SamplingParams
-from engine.engine import Engine
-from engine.request import Request
-from engine.runner import ModelRunner, StepInputs
-from engine.scheduler import ScheduledRequest
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.request import Request
+from halfmoon.engine.runner import ModelRunner, StepInputs
+from halfmoon.engine.scheduler import ScheduledRequest
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,10 +9,10 @@ from collections import Counter
 import pytest
 import torch
 
-from engine.engine import Engine
-from engine.request import Request
-from engine.sampler import sample
-from core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.request import Request
+from halfmoon.engine.sampler import sample
+from halfmoon.core.params import SamplingParams
 
 pytestmark = pytest.mark.timeout(120)
 

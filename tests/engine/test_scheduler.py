@@ -14,12 +14,12 @@ from unittest import mock
 import pytest
 import torch
 
-from core.params import FinishReason
+from halfmoon.core.params import FinishReason
 
-from engine.request import Request, RequestStatus
-from core.params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
-from kvpool.block_pool import BlockPool
+from halfmoon.engine.request import Request, RequestStatus
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.scheduler import Scheduler, SchedulerOutput
+from halfmoon.kvpool.block_pool import BlockPool
 
 BLOCK_SIZE = 4
 VOCAB = 1000

@@ -18,13 +18,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from cli.components import SERVE_ENGINE
-from cli.flags import build
-from cli.main import parse_args
-from conductor.serve_defaults import EXACT_FLAGS, SERVE_QUANTIZATION, precision_line, serve_engine
-from engine import quality
-from engine.config import EngineConfig, auto_dtype, choose_dtype
-from engine.engine import Engine
+from halfmoon.cli.components import SERVE_ENGINE
+from halfmoon.cli.flags import build
+from halfmoon.cli.main import parse_args
+from halfmoon.conductor.serve_defaults import EXACT_FLAGS, SERVE_QUANTIZATION, precision_line, serve_engine
+from halfmoon.engine import quality
+from halfmoon.engine.config import EngineConfig, auto_dtype, choose_dtype
+from halfmoon.engine.engine import Engine
 
 GREEDY_TOKENS = 4  # only the first token is held (free continuations part where logits near-tie)
 

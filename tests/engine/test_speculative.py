@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.request import Request
-from engine.speculative import NgramProposer, SpeculativeConfig, Speculator, StepCostTable, verify
-from kvpool.block_hash import block_hashes
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.request import Request
+from halfmoon.engine.speculative import NgramProposer, SpeculativeConfig, Speculator, StepCostTable, verify
+from halfmoon.kvpool.block_hash import block_hashes
 from tests.conftest import EngineFactory
 from tests.engine.staggered_support import staggered
 
@@ -237,8 +237,8 @@ def test_measured_step_costs_set_the_crossover() -> None:
 def test_profile_prints_the_crossover_from_its_decode_steps() -> None:
     """`halfmoon profile`'s decode steps give the crossover at the prior and a quoting acceptance;
     the steps of the shortest context per request are the ones used."""
-    from cli.profile import speculation_line
-    from core.messages import DecodeSample, Profile
+    from halfmoon.cli.profile import speculation_line
+    from halfmoon.core.messages import DecodeSample, Profile
 
     steps = [(1, 10.0), (2, 10.5), (4, 11.0), (8, 13.0), (16, 26.0)]
     decode = (tuple(DecodeSample(b, 16 * b, ms) for b, ms in steps)  # context_tokens: the whole batch's

@@ -33,18 +33,18 @@ from typing import Any
 import pytest
 import torch
 
-import engine.parallel as parallel
-from core.errors import ConfigError
-from core.params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from engine.quality import perplexity, prefill_logits
-from engine.errors import RankLostError, ShardingError
-from engine.model_config import ModelConfig
-from engine.parallel import plan_shard, span
-from engine.request import Request
-from engine.scheduler import ScheduledRequest
-from engine.tp_ranks import decode_step, encode_step
+import halfmoon.engine.parallel as parallel
+from halfmoon.core.errors import ConfigError
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.quality import perplexity, prefill_logits
+from halfmoon.engine.errors import RankLostError, ShardingError
+from halfmoon.engine.model_config import ModelConfig
+from halfmoon.engine.parallel import plan_shard, span
+from halfmoon.engine.request import Request
+from halfmoon.engine.scheduler import ScheduledRequest
+from halfmoon.engine.tp_ranks import decode_step, encode_step
 from tests.conftest import NUM_THREADS, assert_engine_idle
 from tests.model_families import BY_NAME, NEW, build_checkpoint, prompts
 
@@ -269,7 +269,7 @@ def test_tp_config_is_checked() -> None:
 def test_the_bench_counts_each_steps_collectives(engine: Engine, smol_tp2: Engine) -> None:
     """`halfmoon bench engine --tp`'s measurement: per step, 2 all_reduces a layer + the
     embedding's + the logits' gather, and time in them only where there is a group."""
-    from bench.tp_bench import Sizes, measure
+    from halfmoon.bench.tp_bench import Sizes, measure
 
     results = measure({1: engine, 2: smol_tp2}, Sizes(prompt=16, batches=(2,), steps=2), repeats=1)
     layers = smol_tp2.model_config.num_layers
@@ -285,8 +285,8 @@ def test_the_kv_handshake_moves_kv_between_layouts_and_block_pulls_refuse_them(f
     """Qwen3's one KV head is replicated: rank 0 of TP=2 holds the same bytes per block as
     TP=1. A KV push between the layouts is accepted (the pair moves head 0, transport/heads.py);
     a block pull (exact) names the field that differs instead of reading another layout's block."""
-    from transport.errors import HandshakeError
-    from transport.protocol import check_hello, hello
+    from halfmoon.transport.errors import HandshakeError
+    from halfmoon.transport.protocol import check_hello, hello
 
     one, two = tp_engine(str(folders["qwen3"])), tp_engine(str(folders["qwen3"]), tp=2)
     try:
@@ -303,7 +303,7 @@ def test_the_kv_handshake_moves_kv_between_layouts_and_block_pulls_refuse_them(f
 
 
 def test_the_transport_shards_kv_heads_as_the_engine_does() -> None:
-    from transport.heads import kv_head_range
+    from halfmoon.transport.heads import kv_head_range
 
     for kv, group, tp in itertools.product((1, 2, 3, 4, 8), (1, 2, 4, 8), (1, 2, 3, 4, 8)):
         if kv < tp and (tp % kv or group % (tp // kv)):
@@ -317,3 +317,38 @@ def test_tp_engines_hash_blocks_under_their_own_root() -> None:
     """A prefix cached under one layout is never a hit for another (docs/ARCHITECTURE.md)."""
     assert EngineConfig().kv_tag == "float32" and EngineConfig(tp=2, host_cache_gb=0).kv_tag == "float32+tp2"
     assert EngineConfig(tp=2, quantization="int4").kv_tag == "float32+int4+tp2"
+
+
+def test_verification_step_packets_carry_the_rows_per_request(engine: Engine) -> None:
+    """A speculative verification beside a prefill chunk: each decode's rows (q_lens) cross to
+    the other ranks (they once did not: a rank read every decode as one row, failing a mixed
+    step and mis-attending a verification-only one)."""
+    def request(n: int, computed: int, blocks: list[int]) -> Request:
+        req = Request(f"r{n}", list(range(3, 3 + n)), SamplingParams(), n, torch.Generator())
+        req.block_table, req.num_computed_tokens = blocks, computed
+        return req
+
+    scheduled = [ScheduledRequest(request(20, 19, [4, 7]), 4, True, (5, 6, 7)),
+                 ScheduledRequest(request(5, 4, [9]), 1, True), ScheduledRequest(request(40, 16, [1, 2, 3]), 24, True)]
+    sent = engine.runner.prepare(scheduled)
+    got = decode_step(encode_step(sent))
+    assert got is not None and sent.meta.decode is not None and got.meta.decode is not None
+    assert sent.meta.decode.q_lens is not None and torch.equal(got.meta.decode.q_lens, sent.meta.decode.q_lens)
+    assert got.meta.decode.num_rows == sent.meta.decode.num_rows == 5
+    (p,), (q,) = got.meta.prefills, sent.meta.prefills
+    assert (p.q_start, p.q_len, p.ctx_len) == (q.q_start, q.q_len, q.ctx_len) == (5, 24, 40)
+
+
+def test_speculation_on_a_tp_engine_is_token_identical(folders: dict[str, Path]) -> None:
+    """n-gram drafts verified across two ranks (a windowed family), prompts that repeat so the
+    drafts are accepted, beside chunked prefills: the same greedy tokens as TP=1 without drafts."""
+    repetitive = [[5 + (i % 7) for i in range(40)], [9 + (i % 5) for i in range(33)], list(range(3, 60))]
+    one = tp_engine(str(folders["gemma3"]))
+    two = tp_engine(str(folders["gemma3"]), tp=2, speculative="ngram", speculative_max_batch=8)
+    try:
+        want = greedy(one, repetitive, NEW)
+        assert greedy(two, repetitive, NEW) == want
+        assert two.speculator is not None and two.speculator.stats.accepted > 0  # drafts were verified
+    finally:
+        one.close()
+        two.close()

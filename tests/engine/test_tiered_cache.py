@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.engine import Engine
-from core.params import SamplingParams
-from kvpool.redis_server import EmbeddedRedis
-from kvpool.remote import InProcessReader
-from kvpool.tiers import Tier
+from halfmoon.engine.engine import Engine
+from halfmoon.core.params import SamplingParams
+from halfmoon.kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.remote import InProcessReader
+from halfmoon.kvpool.tiers import Tier
 
 BLOCK_BYTES = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2 fp32, block_size 16
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -145,7 +145,7 @@ def test_spilled_blocks_are_found_by_the_index_served_to_another_node_and_promot
 
 
 def _hashes(engine: Engine, ids: list[int]) -> list[bytes]:
-    from kvpool.block_hash import block_hashes, root_hash  # noqa: PLC0415
+    from halfmoon.kvpool.block_hash import block_hashes, root_hash  # noqa: PLC0415
 
     dtype = str(engine.config.torch_dtype).removeprefix("torch.")
     root = root_hash(engine.model_config.fingerprint, dtype, engine.config.block_size, "tiers")

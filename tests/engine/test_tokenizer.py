@@ -1,4 +1,4 @@
-"""engine.tokenizer against the oracle: transformers' tokenizer loaded from the same GGUF."""
+"""halfmoon.engine.tokenizer against the oracle: transformers' tokenizer loaded from the same GGUF."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import Any
 import gguf
 import pytest
 
-from engine.errors import ChatTemplateError, TokenizerError, UnsupportedTokenizerError
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from halfmoon.engine.errors import ChatTemplateError, TokenizerError, UnsupportedTokenizerError
+from halfmoon.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 def _gguf_path() -> Path:
@@ -29,7 +29,7 @@ def tok() -> Tokenizer:
 @pytest.fixture(scope="module")
 def oracle() -> Any:
     pytest.importorskip("transformers")
-    from bench.hf_reference import hf_tokenizer
+    from halfmoon.bench.hf_reference import hf_tokenizer
 
     return hf_tokenizer(_gguf_path())
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from engine.gguf_header import read_header
-from engine.loader import resolve_model_path
-from engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from halfmoon.engine.gguf_header import read_header
+from halfmoon.engine.loader import resolve_model_path
+from halfmoon.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 pytestmark = [pytest.mark.timeout(300)]
 

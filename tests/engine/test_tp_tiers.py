@@ -21,16 +21,16 @@ from typing import Any
 import pytest
 import torch
 
-from core.params import SamplingParams
-from engine.config import EngineConfig
-from engine.engine import Engine
-from kvpool.block_hash import block_hashes
-from kvpool.redis_server import EmbeddedRedis
-from kvpool.remote import InProcessReader
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.engine import Engine
+from halfmoon.kvpool.block_hash import block_hashes
+from halfmoon.kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.remote import InProcessReader
 from tests.conftest import NUM_THREADS, assert_engine_idle
 from tests.model_families import BY_NAME, VOCAB, build_checkpoint, prompts
-from transport.blocks import BlockClient, BlockServer
-from transport.channel import get_backend
+from halfmoon.transport.blocks import BlockClient, BlockServer
+from halfmoon.transport.channel import get_backend
 
 pytestmark = [pytest.mark.timeout(300)]
 
@@ -138,7 +138,7 @@ def test_an_evicted_prefix_reloads_every_ranks_shard(folders: dict[str, Path], r
 
 
 def test_the_arena_of_a_replicated_layout_is_its_own() -> None:
-    from engine.engine import arena_name
+    from halfmoon.engine.engine import arena_name
 
     assert arena_name("node-a", 2, 1000, 1000) == "node-a"  # KV heads split: the node's arena
     assert arena_name("node-a", 2, 2000, 1000) == "node-a-tp2"

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.cache_dir import CACHE_ENV
-from engine import weights_cache
-from engine.loader import LoadedWeights, load_weights
-from engine.weights_cache import cached_weights, entry_path
+from halfmoon.core.cache_dir import CACHE_ENV
+from halfmoon.engine import weights_cache
+from halfmoon.engine.loader import LoadedWeights, load_weights
+from halfmoon.engine.weights_cache import cached_weights, entry_path
 
 
 @pytest.fixture(autouse=True)

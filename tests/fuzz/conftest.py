@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conductor.colocated import ColocatedBackend
-from conductor.requests import Limits
-from conductor.server import ServerConfig
-from dashboard.routes import mount
+from halfmoon.conductor.colocated import ColocatedBackend
+from halfmoon.conductor.requests import Limits
+from halfmoon.conductor.server import ServerConfig
+from halfmoon.dashboard.routes import mount
 from tests.conductor.conftest import CLIENT_SLOS_ONLY, MODEL, RunningApi, run_api
 from tests.conftest import EngineFactory
 

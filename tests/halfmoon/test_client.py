@@ -21,10 +21,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conductor.requests import Limits
-from engine.engine import Engine
-from engine.outputs import CompletionResult
-from core.params import SamplingParams
+from halfmoon.conductor.requests import Limits
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.outputs import CompletionResult
+from halfmoon.core.params import SamplingParams
 from halfmoon.client import (TOKEN_ENV, APIError, AsyncClient, Client, DeadlineExceededError,
                              GenerationResult, InvalidArgumentError, ModelInfo, NotFoundError,
                              ResourceExhaustedError, RetryEvent, RetryPolicy, StreamChunk,
@@ -40,7 +40,7 @@ api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, se
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
-CLI = [sys.executable, "-m", "cli.main", "client"]
+CLI = [sys.executable, "-m", "halfmoon.cli.main", "client"]
 ENV = {k: v for k, v in os.environ.items() if k != TOKEN_ENV} | {"PYTHONUNBUFFERED": "1"}
 
 

@@ -17,8 +17,8 @@ import sys
 import grpc
 import pytest
 
-from conductor.errors import OverloadedError, SloMissError
-from core.messages import SloPrediction
+from halfmoon.conductor.errors import OverloadedError, SloMissError
+from halfmoon.core.messages import SloPrediction
 from halfmoon.client import (TOKEN_ENV, AsyncClient, Client, ResourceExhaustedError, RetryEvent,
                              RetryPolicy, api_error)
 from tests.conductor import conftest as server_fixtures
@@ -28,7 +28,7 @@ from tests.conductor.conftest import RunningApi
 scripted, scripted_api = server_fixtures.scripted, server_fixtures.scripted_api
 
 PROMPT = "The capital of France is"
-CLI = [sys.executable, "-m", "cli.main", "client"]
+CLI = [sys.executable, "-m", "halfmoon.cli.main", "client"]
 ENV = {k: v for k, v in os.environ.items() if k != TOKEN_ENV} | {"PYTHONUNBUFFERED": "1"}
 MISS = SloPrediction(predicted_ttft_ms=3100.0, predicted_tbt_ms=40.0, ttft_slo_ms=2000.0, tbt_slo_ms=150.0)
 

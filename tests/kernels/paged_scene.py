@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from kernels.attention import AttentionMetadata, DecodeBatch, PrefillSegment
+from halfmoon.kernels.attention import AttentionMetadata, DecodeBatch, PrefillSegment
 
 
 @dataclass(slots=True)

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from kernels.attention import get_backend
-from kernels.flashinfer_backend import (
+from halfmoon.kernels.attention import get_backend
+from halfmoon.kernels.flashinfer_backend import (
     FlashInferAttentionBackend,
     FlashInferUnavailableError,
     decode_page_table,
@@ -27,7 +27,7 @@ from kernels.flashinfer_backend import (
     prefill_page_table,
     prefill_qo_indptr,
 )
-from kernels.torch_backend import TorchAttentionBackend
+from halfmoon.kernels.torch_backend import TorchAttentionBackend
 from tests.kernels.fake_flashinfer import fake_flashinfer
 from tests.kernels.paged_scene import MIXED, Scene, _decode_batch, _prefill, make_scene, run_backend
 
@@ -64,7 +64,7 @@ def test_missing_package_names_the_install_command(monkeypatch: pytest.MonkeyPat
 
 def test_importing_the_backend_does_not_import_flashinfer() -> None:
     # A fresh interpreter: this one may have imported flashinfer for another test already.
-    probe = "import sys, kernels.flashinfer_backend; print('flashinfer' in sys.modules)"
+    probe = "import sys, halfmoon.kernels.flashinfer_backend; print('flashinfer' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           check=True, cwd=Path(__file__).resolve().parents[2], timeout=120)
     assert done.stdout.strip() == "False"

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import apply_rope, rope_tables
-from kernels import _fused, fused
-from kernels.torch_backend import TorchAttentionBackend
+from halfmoon.engine.model import apply_rope, rope_tables
+from halfmoon.kernels import _fused, fused
+from halfmoon.kernels.torch_backend import TorchAttentionBackend
 from tests.kernels.paged_scene import make_scene
 
 # (atol, rtol): fp32 a few ulp of values ~1-10; bf16 one ulp (2^-8 relative) of the output
@@ -29,7 +29,7 @@ def tables(head_dim: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tenso
 
 
 def test_fused_kernels_are_built() -> None:
-    assert fused.AVAILABLE, "kernels._fused / _paged_attn were not built by `pip install -e .`"
+    assert fused.AVAILABLE, "halfmoon.kernels._fused / _paged_attn were not built by `pip install -e .`"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

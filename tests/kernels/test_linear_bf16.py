@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.linear import (
+from halfmoon.kernels.linear import (
     BF16_DENSE_MIN_ROWS,
     NATIVE_KERNEL,
     Linear,
@@ -23,7 +23,7 @@ from kernels.linear import (
     qgemv,
 )
 
-native_only = pytest.mark.skipif(not NATIVE_KERNEL, reason="kernels._qgemv is not built")
+native_only = pytest.mark.skipif(not NATIVE_KERNEL, reason="halfmoon.kernels._qgemv is not built")
 fp32_onednn = pytest.mark.skipif(not onednn_available(), reason="no oneDNN linear ops in this torch")
 
 
@@ -98,7 +98,7 @@ def test_auto_picks_onednn_then_bf16_native_then_plain(monkeypatch: pytest.Monke
         want = "bf16-native" if NATIVE_KERNEL and onednn_available() else "plain"
     assert auto_kind(w) == want and Linear(w).kind == want
     assert auto_kind(w.float()) == ("onednn" if onednn_available() else "plain")
-    monkeypatch.setattr("kernels.linear.NATIVE_KERNEL", False)
+    monkeypatch.setattr("halfmoon.kernels.linear.NATIVE_KERNEL", False)
     if not onednn_available(torch.bfloat16):  # without the extension: the old plain path
         assert auto_kind(w) == "plain"
         torch.testing.assert_close(Linear(w)(w[:3].float().bfloat16()), w[:3] @ w.T)

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.model import apply_rope, rope_tables
-from kernels import _paged_attn, fused
-from kernels.attention import AttentionMetadata, DecodeBatch
-from kernels.flashinfer_backend import FlashInferAttentionBackend, step_tables
-from kernels.torch_backend import TorchAttentionBackend, decode_rows_keys, query_rows
+from halfmoon.engine.model import apply_rope, rope_tables
+from halfmoon.kernels import _paged_attn, fused
+from halfmoon.kernels.attention import AttentionMetadata, DecodeBatch
+from halfmoon.kernels.flashinfer_backend import FlashInferAttentionBackend, step_tables
+from halfmoon.kernels.torch_backend import TorchAttentionBackend, decode_rows_keys, query_rows
 from tests.kernels.paged_scene import Scene, make_scene, run_backend
 from tests.kernels.fake_flashinfer import fake_flashinfer
 

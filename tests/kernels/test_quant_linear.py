@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.loader import Q4_1_BLOCK_BYTES, _q4_1_arrays
-from kernels.quant_linear import (DENSE_MIN_ROWS, GROUP, NATIVE_KERNEL, Int4Linear, Int8Linear, Q4Groups,
+from halfmoon.engine.loader import Q4_1_BLOCK_BYTES, _q4_1_arrays
+from halfmoon.kernels.quant_linear import (DENSE_MIN_ROWS, GROUP, NATIVE_KERNEL, Int4Linear, Int8Linear, Q4Groups,
                                   dequantize_blocks, quantize_q4)
 
 FP32_ATOL = 1e-4
@@ -142,7 +142,7 @@ def test_a_cuda_weight_is_refused_loudly() -> None:
 
 # ---------------------------------------------------------------- the native kernel
 
-native_only = pytest.mark.skipif(not NATIVE_KERNEL, reason="kernels._qgemv is not built")
+native_only = pytest.mark.skipif(not NATIVE_KERNEL, reason="halfmoon.kernels._qgemv is not built")
 
 
 def int8_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,7 +257,7 @@ def test_quantize_q4_stores_fp16_scales_as_q4_1_does() -> None:
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 def test_the_plain_c_kernel_gives_what_the_avx2_one_gives(n: int, k: int) -> None:
     """The portable path (CPUs without AVX2) runs the same arithmetic in another order."""
-    from kernels import _qgemv
+    from halfmoon.kernels import _qgemv
 
     groups = random_groups(n, k, seed=19)
     int4 = Int4Linear(groups, native=True)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import torch_backend
-from kernels.torch_backend import TorchAttentionBackend
+from halfmoon.kernels import torch_backend
+from halfmoon.kernels.torch_backend import TorchAttentionBackend
 from tests.kernels.paged_scene import MIXED, Scene, make_scene, run_backend
 
 # The in-place C decode kernel and the gather + SDPA path: both must match the reference.
@@ -41,7 +41,7 @@ def _dense_reference(scene: Scene, cache: torch.Tensor, block_size: int) -> torc
 
 
 def test_native_decode_kernel_is_built() -> None:
-    assert torch_backend.NATIVE_DECODE, "kernels._paged_attn was not built by `pip install -e .`"
+    assert torch_backend.NATIVE_DECODE, "halfmoon.kernels._paged_attn was not built by `pip install -e .`"
     assert TorchAttentionBackend().native_decode
 
 

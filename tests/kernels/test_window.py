@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.torch_backend import TorchAttentionBackend, decode_keys, prefill_keys
+from halfmoon.kernels.torch_backend import TorchAttentionBackend, decode_keys, prefill_keys
 from tests.kernels.paged_scene import MIXED, Scene, make_scene, run_backend
 
 BACKENDS = {"native": lambda: TorchAttentionBackend(),

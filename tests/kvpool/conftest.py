@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from kvpool.cluster_index import ClusterIndex, HolderId
-from kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.cluster_index import ClusterIndex, HolderId
+from halfmoon.kvpool.redis_server import EmbeddedRedis
 
 IndexFactory = Callable[..., ClusterIndex]
 

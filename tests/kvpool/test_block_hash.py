@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.block_hash import HASH_BYTES, block_hashes, chain_hash, root_hash
+from halfmoon.kvpool.block_hash import HASH_BYTES, block_hashes, chain_hash, root_hash
 
 ROOT = root_hash("fingerprint-abc", "float32", 16)
 TOKENS = list(range(40))  # two full blocks of 16 and 8 leftover tokens
@@ -51,7 +51,7 @@ def test_empty_salt_is_no_salt() -> None:
 
 
 def test_same_hash_in_another_process() -> None:
-    code = ("from kvpool.block_hash import root_hash, block_hashes;"
+    code = ("from halfmoon.kvpool.block_hash import root_hash, block_hashes;"
             "r = root_hash('fingerprint-abc', 'float32', 16);"
             "print(','.join(h.hex() for h in block_hashes(list(range(40)), 16, r)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,

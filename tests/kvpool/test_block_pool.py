@@ -18,7 +18,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from kvpool import (
+from halfmoon.kvpool import (
     BlockPool,
     BlockStateError,
     FreeBlockQueue,

@@ -16,7 +16,7 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvpool.cluster_index import (
+from halfmoon.kvpool.cluster_index import (
     BadBlockHashError,
     BadHolderIdError,
     ClusterIndex,
@@ -24,13 +24,13 @@ from kvpool.cluster_index import (
     IndexClosedError,
     IndexUnavailableError,
 )
-from kvpool.redis_server import EmbeddedRedis, EmbeddedRedisError, free_port
-from kvpool.tiers import Tier
+from halfmoon.kvpool.redis_server import EmbeddedRedis, EmbeddedRedisError, free_port
+from halfmoon.kvpool.tiers import Tier
 from tests.kvpool.conftest import IndexFactory
 from tests.waiting import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
-LOGGER = "kvpool.cluster_index"
+LOGGER = "halfmoon.kvpool.cluster_index"
 
 
 def chain(n: int, tag: int = 0) -> list[bytes]:
@@ -310,8 +310,8 @@ def test_another_process_sees_published_blocks_with_their_tier(redis_server: Emb
                                                                namespace: str) -> None:
     child = textwrap.dedent(f"""
         import sys
-        from kvpool.cluster_index import ClusterIndex, HolderId
-        from kvpool.tiers import Tier
+        from halfmoon.kvpool.cluster_index import ClusterIndex, HolderId
+        from halfmoon.kvpool.tiers import Tier
         blocks = [(0).to_bytes(8, "big") + i.to_bytes(8, "big") for i in range(8)]
         with ClusterIndex({redis_server.url!r}, HolderId("A", "node-a"),
                           namespace={namespace!r}) as index:

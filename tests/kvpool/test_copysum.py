@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool import checksum as checksum_mod
-from kvpool.checksum import NATIVE_KERNEL, BatchChecksum, block_checksums
+from halfmoon.kvpool import checksum as checksum_mod
+from halfmoon.kvpool.checksum import NATIVE_KERNEL, BatchChecksum, block_checksums
 
 
 
@@ -22,7 +22,7 @@ from kvpool.checksum import NATIVE_KERNEL, BatchChecksum, block_checksums
 def native() -> Any:
     """The kernel. gcc and the Python headers are on every machine of this project (dev, CI):
     a missing kernel means the install broke and the tiers run at half speed, so it fails."""
-    assert NATIVE_KERNEL, "kvpool._copysum was not built by `pip install -e .`"
+    assert NATIVE_KERNEL, "halfmoon.kvpool._copysum was not built by `pip install -e .`"
     return checksum_mod._copysum
 
 

@@ -10,12 +10,12 @@ import os
 import pytest
 import torch
 
-from core.errors import ConfigError
-from kvpool.block_pool import BlockPool
-from kvpool.device_tier import GIB, MIN_RESERVE_BYTES, DeviceBudget, DeviceTier
-from kvpool.errors import PoolIntegrityError
-from kvpool.host_tier import HostArena
-from kvpool.tiered import KVTiers
+from halfmoon.core.errors import ConfigError
+from halfmoon.kvpool.block_pool import BlockPool
+from halfmoon.kvpool.device_tier import GIB, MIN_RESERVE_BYTES, DeviceBudget, DeviceTier
+from halfmoon.kvpool.errors import PoolIntegrityError
+from halfmoon.kvpool.host_tier import HostArena
+from halfmoon.kvpool.tiered import KVTiers
 from tests.kvpool.tier_support import key
 
 SHAPE = (2, 2, 8, 4, 1, 4)  # layers, K/V, blocks, block_size, kv_heads, head_dim (fp32: 256 B a block)
@@ -89,8 +89,8 @@ def test_tiers_keep_host_rows_on_the_host_whatever_the_default_device() -> None:
 def test_a_spill_batch_larger_than_the_arena_sends_the_rest_to_disk(tmp_path) -> None:
     """The write-behind hands the host arena whole runs of evicted blocks; the ones a small
     arena cannot take go to disk (they were dropped before: a timing-dependent miss)."""
-    from kvpool.disk_tier import DiskTier
-    from kvpool.tiered import _Spill
+    from halfmoon.kvpool.disk_tier import DiskTier
+    from halfmoon.kvpool.tiered import _Spill
 
     kv = torch.randn(*SHAPE)
     block_bytes = kv[:, :, 0].numel() * kv.element_size()

@@ -19,11 +19,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.checksum import block_checksums
-from kvpool.disk_tier import MANIFEST_FILE, SLAB_FILE, DiskTier
-from kvpool.errors import HashStateError, TierClosedError
-from kvpool.host_tier import HostArena
-from kvpool.tier_base import EvictedBlocks, PutResult
+from halfmoon.kvpool.checksum import block_checksums
+from halfmoon.kvpool.disk_tier import MANIFEST_FILE, SLAB_FILE, DiskTier
+from halfmoon.kvpool.errors import HashStateError, TierClosedError
+from halfmoon.kvpool.host_tier import HostArena
+from halfmoon.kvpool.tier_base import EvictedBlocks, PutResult
 from tests.kvpool.tier_support import (
     SLOT_BYTES,
     Checked,
@@ -149,7 +149,7 @@ def test_a_flipped_byte_in_the_slab_is_a_miss_dropped_with_a_warning(
     a, b = key("a"), key("b")
     tier.put([a, b], blocks([a, b]))
     flip_byte(tier.directory, tier.tier._index[a] * SLOT_BYTES + 40)
-    with caplog.at_level(logging.WARNING, logger="kvpool.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="halfmoon.kvpool.disk_tier"):
         hits, dst = read(tier, [a, b])
     assert hits == [False, True] and np.array_equal(dst[1], content(b))
     assert "failed their checksum" in caplog.text
@@ -208,7 +208,7 @@ def test_a_corrupt_manifest_starts_cold_with_a_warning(
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF
     path.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="kvpool.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="halfmoon.kvpool.disk_tier"):
         second = make_tier(capacity=4)
     assert "ignoring its manifest" in caplog.text
     assert second.contains([key(0)]) == [False]
@@ -247,7 +247,7 @@ def test_a_write_fault_makes_the_tier_read_only_with_one_warning(
     held = [key(0), key(1)]
     tier.put(held, blocks(held))
     fail_writes(monkeypatch, code)
-    with caplog.at_level(logging.WARNING, logger="kvpool.disk_tier"):
+    with caplog.at_level(logging.WARNING, logger="halfmoon.kvpool.disk_tier"):
         assert tier.put([key(2), key(0)], blocks([key(2), key(0)])).stored == [False, True]
         assert tier.put([key(3)], blocks([key(3)])) == PutResult([False], [])
     assert tier.read_only

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvpool.disk_tier import DiskTier
+from halfmoon.kvpool.disk_tier import DiskTier
 from tests.kvpool.tier_support import Checked, key
 from tests.waiting import wait_until
 
@@ -59,7 +59,7 @@ def test_a_full_disk_makes_the_tier_read_only_and_it_writes_again_once_space_is_
         assert tier.put(held, blocks(held)).stored == [True]
         ballast = small_disk / "ballast"
         fill(ballast)
-        with caplog.at_level(logging.WARNING, logger="kvpool.disk_tier"):
+        with caplog.at_level(logging.WARNING, logger="halfmoon.kvpool.disk_tier"):
             assert tier.put([key(1)], blocks([key(1)])).stored == [False]
         assert tier.read_only and tier.num_used() == 1
         assert any("READ-ONLY for" in r.getMessage() for r in caplog.records)

@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.checksum import BatchChecksum, block_checksums, checksum
-from kvpool.errors import HashStateError, TierClosedError, TierLayoutError
-from kvpool.host_tier import HostArena
-from kvpool.tier_base import EvictedBlocks, PutResult
+from halfmoon.kvpool.checksum import BatchChecksum, block_checksums, checksum
+from halfmoon.kvpool.errors import HashStateError, TierClosedError, TierLayoutError
+from halfmoon.kvpool.host_tier import HostArena
+from halfmoon.kvpool.tier_base import EvictedBlocks, PutResult
 from tests.kvpool.tier_support import (
     SLOT_BYTES,
     Checked,
@@ -260,7 +260,7 @@ def test_a_flipped_byte_in_shared_memory_is_a_miss_and_is_dropped(
     arena.put([a, b], blocks([a, b]))
     arena.tier._data[arena.tier._lookup(a), 17] ^= 0x01  # one bit, as DRAM rot would flip it
     dst = np.zeros((2, SLOT_BYTES), np.uint8)
-    with caplog.at_level(logging.WARNING, logger="kvpool.host_tier"):
+    with caplog.at_level(logging.WARNING, logger="halfmoon.kvpool.host_tier"):
         assert arena.get([a, b], dst) == [False, True]
     assert "failed their checksum" in caplog.text
     assert np.array_equal(dst[1], content(b))
@@ -436,7 +436,7 @@ def test_a_killed_attacher_does_not_keep_the_arena_alive() -> None:
     arena = HostArena.create(name, 4, SLOT_BYTES)
     hold = textwrap.dedent("""
         import sys
-        from kvpool.host_tier import HostArena
+        from halfmoon.kvpool.host_tier import HostArena
         HostArena.attach(sys.argv[1])
         print("attached", flush=True)
         sys.stdin.read()
@@ -462,7 +462,7 @@ def test_a_killed_attacher_does_not_keep_the_arena_alive() -> None:
 CHILD = textwrap.dedent("""
     import hashlib, random, sys
     import numpy as np
-    from kvpool.host_tier import HostArena
+    from halfmoon.kvpool.host_tier import HostArena
 
     def key(i):
         return hashlib.sha256(f"block-{i}".encode()).digest()[:16]

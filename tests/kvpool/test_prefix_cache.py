@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from kvpool.block_pool import BlockPool
-from kvpool.errors import BlockStateError
+from halfmoon.kvpool.block_pool import BlockPool
+from halfmoon.kvpool.errors import BlockStateError
 
 
 def H(i: int) -> bytes:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import signal
 
-from kvpool.redis_server import EmbeddedRedis, ping
+from halfmoon.kvpool.redis_server import EmbeddedRedis, ping
 from tests.waiting import wait_until
 
 

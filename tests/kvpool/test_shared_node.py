@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from kvpool.cluster_index import ClusterIndex, HolderId
-from kvpool.host_tier import HostArena
-from kvpool.redis_server import EmbeddedRedis
-from kvpool.tiers import Tier
+from halfmoon.kvpool.cluster_index import ClusterIndex, HolderId
+from halfmoon.kvpool.host_tier import HostArena
+from halfmoon.kvpool.redis_server import EmbeddedRedis
+from halfmoon.kvpool.tiers import Tier
 
 REPO = Path(__file__).resolve().parents[2]
 SLOT = 256
@@ -32,9 +32,9 @@ def test_lookup_from_b_finds_what_a_published_and_b_reads_its_bytes(redis_server
     child = textwrap.dedent(f"""
         import sys
         import numpy as np
-        from kvpool.cluster_index import ClusterIndex, HolderId
-        from kvpool.host_tier import HostArena
-        from kvpool.tiers import Tier
+        from halfmoon.kvpool.cluster_index import ClusterIndex, HolderId
+        from halfmoon.kvpool.host_tier import HostArena
+        from halfmoon.kvpool.tiers import Tier
         hashes = {hashes!r}
         arena = HostArena.attach({arena_name!r})
         data = np.stack([np.full({SLOT}, 10 + i, dtype=np.uint8) for i in range(4)])

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from kvpool.block_pool import BlockPool
-from kvpool.host_tier import HostArena
-from kvpool.tiered import KVTiers, check_shards, kv_block_bytes
+from halfmoon.kvpool.block_pool import BlockPool
+from halfmoon.kvpool.host_tier import HostArena
+from halfmoon.kvpool.tiered import KVTiers, check_shards, kv_block_bytes
 from tests.kvpool.tier_support import key
 
 # layers, K/V, blocks, block_size, kv_heads, head_dim: rank 0 holds 2 KV heads, rank 1 one (3 over 2)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from kvpool.write_behind import WriteBehind
+from halfmoon.kvpool.write_behind import WriteBehind
 
 
 class Recorder:

@@ -11,8 +11,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvpool.errors import HashStateError
-from kvpool.tier_base import BlockTier, PutResult
+from halfmoon.kvpool.errors import HashStateError
+from halfmoon.kvpool.tier_base import BlockTier, PutResult
 
 SLOT_BYTES = 64
 

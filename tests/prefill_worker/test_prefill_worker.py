@@ -12,10 +12,10 @@ import asyncio
 
 import pytest
 
-from core.messages import (DecodeTask, KVTransferFailedError, EngineInfo, PrefillFailedError,
+from halfmoon.core.messages import (DecodeTask, KVTransferFailedError, EngineInfo, PrefillFailedError,
                            PrefillTask, WorkerLoad)
-from core.params import FinishReason, SamplingParams
-from engine.engine import Engine
+from halfmoon.core.params import FinishReason, SamplingParams
+from halfmoon.engine.engine import Engine
 from tests.waiting import wait_until
 from tests.workers_support import (TIMEOUT_S, InProcessWorkers, drain, run_pair,
                                    tokens)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SAMPLE = ROOT / "bench" / "data" / "sample_trace.jsonl"  # bench/data/README.md: what it is, how it was made
+SAMPLE = ROOT / "halfmoon" / "bench" / "data" / "sample_trace.jsonl"  # bench/data/README.md: what it is, how it was made
 
 
 def sample_trace() -> Path:

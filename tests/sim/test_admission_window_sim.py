@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 
-from conductor.admission import AdmissionConfig
-from conductor.cost_model import CostModel
-from sim.bursts import bursty_trace
-from sim.cluster import SimConfig, simulate
-from sim.optimum_jobs import sim_optimum
-from sim.report import summarize
-from sim.trace import parse_line
-from sim.workload import build
+from halfmoon.conductor.admission import AdmissionConfig
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.sim.bursts import bursty_trace
+from halfmoon.sim.cluster import SimConfig, simulate
+from halfmoon.sim.optimum_jobs import sim_optimum
+from halfmoon.sim.report import summarize
+from halfmoon.sim.trace import parse_line
+from halfmoon.sim.workload import build
 
 # this machine's quick profile of SmolLM2 fp32, one thread (docs/BENCHMARKS.md, issue 38)
 CPU = CostModel((34.97, 1.98, 0.00378, 0.000949), (45.23, 0.405, 0.00912), 2e9, 46080, "test: CPU fp32")

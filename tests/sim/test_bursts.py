@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from sim.bursts import BurstShape, bursty_trace
-from sim.conversations import write_trace
-from sim.trace import read_trace
+from halfmoon.sim.bursts import BurstShape, bursty_trace
+from halfmoon.sim.conversations import write_trace
+from halfmoon.sim.trace import read_trace
 
 
 def test_bursts_arrive_together_in_the_asked_sizes_and_gaps(tmp_path: Path) -> None:

@@ -5,35 +5,13 @@ the model's definition token by token; a hand-checked instance."""
 from __future__ import annotations
 
 import itertools
-import math
 import random
 from dataclasses import replace
 
 import pytest
 
-from conductor.cost_model import CostModel
-from sim.optimum import Job, Load, Reference, evaluate, segments, servable_alone, solve, stay, step_at, tbts_ms
-
-# prefill(n) = 35 + 2n + 0.001 n^2 ms; decode step = 45 + 0.4 b + 0.009 k ms (a CPU's shape)
-CPU = CostModel((35.0, 2.0, 0.0, 0.001), (45.0, 0.4, 0.009), 2e9, 1000, "test: CPU-like")
-FLAT = CostModel((0.0, 1.0, 0.0, 0.0), (10.0, 0.0, 0.0), 1e9, 1000, "test: flat")
-
-
-def random_jobs(rng: random.Random, n: int, bursty: bool) -> list[Job]:
-    """Requests arriving apart, or in bursts (a few arriving within 20 ms of each other)."""
-    t, jobs = 0.0, []
-    for _ in range(n):
-        t += rng.uniform(0, 20) if bursty and rng.random() < 0.75 else rng.uniform(0, 800)
-        prompt, output = rng.randint(50, 700), rng.randint(1, 60)
-        jobs.append(Job(t, prompt, output, CPU.est_prefill_ms(prompt), rng.uniform(0, 30),
-                        kv_blocks=-(-(prompt + output) // 16)))
-    return jobs
-
-
-def random_reference(rng: random.Random, shape: tuple[int, int]) -> Reference:
-    return Reference(*shape, rng.choice([1000.0, 2000.0]), rng.choice([55.0, 60.0, 80.0]), CPU,
-                     rng.choice([math.inf, 90.0]))
-
+from halfmoon.sim.optimum import Job, Load, Reference, evaluate, segments, servable_alone, solve, stay, step_at, tbts_ms
+from tests.sim.optimum_support import CPU, FLAT, plan_of, random_jobs, random_reference
 
 def brute_force(ref: Reference, jobs: list[Job]) -> int:
     """Every plan (refuse, or a prefill and a decode worker per request; with prefix hits also
@@ -46,11 +24,6 @@ def brute_force(ref: Reference, jobs: list[Job]) -> int:
         if served > best and evaluate(ref, jobs, plan):
             best = served
     return best
-
-
-def plan_of(optimum_schedule: tuple, n: int, warmed: tuple = ()) -> list[tuple[int, int] | None]:
-    placed = {p.job: (p.prefill, p.decode) for p in (*optimum_schedule, *warmed)}
-    return [placed.get(i) for i in range(n)]
 
 
 @pytest.mark.parametrize("seed", range(24))

@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from conductor.admission import AdmissionConfig
-from conductor.cost_model import CostModel
-from sim.cluster import SimConfig, SimResult, simulate
-from sim.trace import parse_line
-from sim.workload import Workload, build
+from halfmoon.conductor.admission import AdmissionConfig
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.sim.cluster import SimConfig, SimResult, simulate
+from halfmoon.sim.trace import parse_line
+from halfmoon.sim.workload import Workload, build
 
 # prefill: 20 ms a step + 1 ms a token; decode step: 10 ms + 1 ms a request (SLOs out of reach)
 COST = CostModel((20.0, 1.0, 0.0, 0.0), (10.0, 1.0, 0.0), 2e9, 1000, "test")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conductor.cost_model import CostModel
+from halfmoon.conductor.cost_model import CostModel
 
-PROFILES = Path(__file__).resolve().parents[2] / "sim" / "profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "halfmoon" / "sim" / "profiles"
 FILES = sorted(PROFILES.glob("*.json"))
 EXPECTED = {"llama3-8b-a100.json", "llama3-8b-h100.json", "llama3-70b-a100x4.json", "llama3-70b-h100x4.json"}
 # model config: layers x 8 KV heads x 128 head dim x 2 (K, V) x 2 bytes

@@ -4,20 +4,22 @@ profile's model and this machine's (conductor/serve_defaults.py owns the values)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from cli.components import ADMISSION, CLUSTER, PROFILE_ENGINE, SERVE_ENGINE
-from cli.flags import build
-from cli.main import parse_args
-from cli.sim import sim_config
-from conductor.serve_defaults import TierTokens, serve_engine, tier_tokens
-from engine.config import EngineConfig
-from sim.builtin import load as load_profile
-from sim.builtin import names
-from sim.cluster import SimConfig, serve_config
+from halfmoon.cli.components import ADMISSION, CLUSTER, PROFILE_ENGINE, SERVE_ENGINE
+from halfmoon.cli.flags import build
+from halfmoon.cli.main import parse_args
+from halfmoon.cli.sim import sim_config
+from halfmoon.conductor.serve_defaults import TierTokens, serve_cluster, serve_engine, tier_tokens
+from halfmoon.engine.config import EngineConfig
+from halfmoon.sim.builtin import load as load_profile
+from halfmoon.sim.builtin import names
+from halfmoon.sim.cluster import SimConfig, serve_config, serve_shape
 from tests.sim.support import sample_trace
-from transport.config import TransportConfig
+from halfmoon.transport.config import TransportConfig
 
 # layers x (K, V) x KV heads x head dim x bytes of serve's KV dtype (`auto`, as resolved on this
 # machine): this machine's model as served
@@ -90,3 +92,11 @@ def test_a_cost_model_profiled_without_flags_is_of_the_engine_serve_runs() -> No
     assert parse_args(["profile"]).dtype == parse_args(["serve"]).dtype == "auto"
     assert build(PROFILE_ENGINE, parse_args(["profile", "--dtype", "float32"])).kv_tag == "float32"
     assert parse_args(["generate", "--prompt", "x"]).dtype == "float32"
+
+
+def test_sims_serve_shape_is_serves_cluster_but_for_the_dtype_it_does_not_resolve() -> None:
+    """`sim.cluster.serve_shape` skips resolving serve's `auto` dtype (it imports torch, seconds
+    before every `halfmoon sim`): every other field is `serve_cluster()`'s."""
+    served, shape = serve_cluster(), serve_shape()
+    assert shape.engine.dtype == EngineConfig().dtype
+    assert dataclasses.replace(shape, engine=dataclasses.replace(shape.engine, dtype=served.engine.dtype)) == served

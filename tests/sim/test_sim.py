@@ -10,17 +10,17 @@ from pathlib import Path
 
 import pytest
 
-import conductor.admission
-import conductor.router
-import kvpool.block_pool
-from bench.trace import synthesize_tokens
-from conductor.admission import AdmissionConfig
-from conductor.cost_model import CostModel
-from conductor.dispatch import Dispatcher
-from sim.cluster import SimConfig, Simulator, simulate, simulate_series
-from sim.report import summarize
-from sim.trace import HASH_BLOCK_TOKENS, read_trace
-from sim.workload import SimRequest, Workload, build, load
+from halfmoon.conductor import admission as conductor_admission
+from halfmoon.conductor import router as conductor_router
+from halfmoon.kvpool import block_pool as kvpool_block_pool
+from halfmoon.bench.trace import synthesize_tokens
+from halfmoon.conductor.admission import AdmissionConfig
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.dispatch import Dispatcher
+from halfmoon.sim.cluster import SimConfig, Simulator, simulate, simulate_series
+from halfmoon.sim.report import summarize
+from halfmoon.sim.trace import HASH_BLOCK_TOKENS, read_trace
+from halfmoon.sim.workload import SimRequest, Workload, build, load
 from tests.sim.support import sample_trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,9 +216,9 @@ def test_the_production_router_admission_and_block_pool_decide(monkeypatch: pyte
 
         monkeypatch.setattr(cls, name, wrapper)
 
-    counting(conductor.router.Router, "route")
-    counting(conductor.admission.Admission, "decide")
-    counting(kvpool.block_pool.BlockPool, "allocate")
+    counting(conductor_router.Router, "route")
+    counting(conductor_admission.Admission, "decide")
+    counting(kvpool_block_pool.BlockPool, "allocate")
     w = load(sample_trace(), speed=1.0, max_input_tokens=2048, max_output_tokens=16)
     sim = Simulator(SimConfig(prefill=2, decode=1, admission=LOOSE), FLAT)
     assert type(sim.dispatcher) is Dispatcher
@@ -231,7 +231,7 @@ def test_only_the_dispatcher_calls_the_router_and_admission() -> None:
     """The cluster backend, the co-located backend and the simulator reach Router.route and
     Admission.decide only through conductor/dispatch.py: no copy of the decision kept in step."""
     callers = set()
-    for path in [*ROOT.glob("conductor/*.py"), *ROOT.glob("sim/*.py")]:
+    for path in [*ROOT.glob("halfmoon/conductor/*.py"), *ROOT.glob("halfmoon/sim/*.py")]:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr in ("route", "decide", "candidate"):

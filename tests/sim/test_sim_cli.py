@@ -12,12 +12,12 @@ import yaml
 
 from dataclasses import replace
 
-from cli.main import main
-from conductor.cost_model import CostModel
-from conductor.serve_defaults import tier_tokens
-from engine.config import EngineConfig
-from sim import builtin
-from sim.builtin import load as load_profile
+from halfmoon.cli.main import main
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.serve_defaults import tier_tokens
+from halfmoon.engine.config import EngineConfig
+from halfmoon.sim import builtin
+from halfmoon.sim.builtin import load as load_profile
 from tests.deploy.values import drop_nulls, merge
 from tests.sim.support import sample_trace
 

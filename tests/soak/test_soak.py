@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import soak_bench, soak_faults
+from halfmoon.bench import soak_bench, soak_faults
 
 SHORT = ["--minutes", "0.8", "--requests", "12", "--rps", "1.5", "--max-tokens", "12",
          "--kinds", "kill-decode,kv-drop,enospc"]

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from transport import KVLayout, KVReceiver, KVSender, get_backend
-from transport.channel import Backend, Channel, Listener
+from halfmoon.transport import KVLayout, KVReceiver, KVSender, get_backend
+from halfmoon.transport.channel import Backend, Channel, Listener
 
 BACKENDS = ["local", "tcp", "ucxx"]
 FINGERPRINT = "test-layout"

@@ -8,11 +8,11 @@ import os
 
 import torch
 
-from bench.transport_bench import Peer
+from halfmoon.bench.transport_bench import Peer
 from tests.transport.conftest import FINGERPRINT, kv_tensor
-from transport.blocks import BlockServer
-from transport.channel import Backend
-from transport.layout import KVLayout
+from halfmoon.transport.blocks import BlockServer
+from halfmoon.transport.channel import Backend
+from halfmoon.transport.layout import KVLayout
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

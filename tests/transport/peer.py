@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from transport import KVLayout, KVReceiver, KVSender, get_backend
+from halfmoon.transport import KVLayout, KVReceiver, KVSender, get_backend
 
 # A small synthetic layout (no model) for raw transport peers: 4 KB per block per layer.
 RAW_SHAPE = (2, 2, 4096, 16, 1, 32)
@@ -44,8 +44,8 @@ def raw_kv(seed: int | None) -> torch.Tensor:
 def run_receiver(args: argparse.Namespace) -> None:
     engine = None
     if args.engine:
-        from engine.config import EngineConfig
-        from engine.engine import Engine
+        from halfmoon.engine.config import EngineConfig
+        from halfmoon.engine.engine import Engine
 
         engine = Engine(EngineConfig(model="smollm2", dtype="float32", num_threads=1, num_blocks=256))
         kv, layout = engine.kv_cache, engine.kv_layout()
@@ -90,7 +90,7 @@ def handle(op: str, msg: dict, receiver: KVReceiver, engine, kv: torch.Tensor,  
 
 
 def decode(msg: dict, receiver: KVReceiver, engine, reserved: dict[str, list[int]]) -> dict:  # noqa: ANN001
-    from core.params import SamplingParams
+    from halfmoon.core.params import SamplingParams
 
     rid = msg["rid"]
     blocks = reserved.pop(rid)

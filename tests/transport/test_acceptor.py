@@ -1,4 +1,4 @@
-"""transport.acceptor: one thread per accepted channel, channels closed when served or on close(),
+"""halfmoon.transport.acceptor: one thread per accepted channel, channels closed when served or on close(),
 a failing handler costs only its own channel. On every backend (the KV receiver and the block
 server are built on it; their suites run through it too)."""
 
@@ -9,9 +9,9 @@ import threading
 import pytest
 
 from tests.waiting import poll
-from transport.acceptor import Acceptor
-from transport.channel import Backend, Channel
-from transport.errors import PeerLostError
+from halfmoon.transport.acceptor import Acceptor
+from halfmoon.transport.channel import Backend, Channel
+from halfmoon.transport.errors import PeerLostError
 
 
 def _echo(channel: Channel) -> None:

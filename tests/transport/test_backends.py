@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.transport.conftest import kv_tensor
-from transport.errors import ProtocolError, TransferCancelledError, TransferTimeoutError
+from halfmoon.transport.errors import ProtocolError, TransferCancelledError, TransferTimeoutError
 
 
 def push(pair, rid: str, src: list[int], dst: list[int], layers=None, meta=None) -> None:  # noqa: ANN001
@@ -96,7 +96,7 @@ def test_messages_with_large_bodies_keep_their_order(backend) -> None:  # noqa: 
     """Bodies of 0 B .. 3 control frames and a bit, back to back, each read whole and in order:
     the largest inline body, one byte more (the first body in frames of its own), and more."""
     from tests.transport.conftest import accept_pair
-    from transport.protocol import CONTROL_BYTES, INLINE_BODY_BYTES, Header, Kind, recv_msg, send_msg
+    from halfmoon.transport.protocol import CONTROL_BYTES, INLINE_BODY_BYTES, Header, Kind, recv_msg, send_msg
 
     listener = backend.listen("127.0.0.1", 0)
     try:

@@ -10,10 +10,10 @@ import torch
 
 from tests.transport.conftest import FINGERPRINT, kv_tensor
 from tests.transport.helpers import BLOCK_BYTES, Holder, key, random_blocks
-from transport.blocks import FETCH_BATCH, BlockClient
-from transport.channel import Backend
-from transport.faults import FaultInjector
-from transport.layout import KVLayout
+from halfmoon.transport.blocks import FETCH_BATCH, BlockClient
+from halfmoon.transport.channel import Backend
+from halfmoon.transport.faults import FaultInjector
+from halfmoon.transport.layout import KVLayout
 
 @pytest.fixture
 def holder(backend: Backend) -> Iterator[Holder]:

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from tests.transport.helpers import REPO
-from transport import get_backend
-from transport.config import TransportConfig, TransportConfigError
-from transport.errors import BackendUnavailableError
-from transport.tcp import TcpBackend
+from halfmoon.transport import get_backend
+from halfmoon.transport.config import TransportConfig, TransportConfigError
+from halfmoon.transport.errors import BackendUnavailableError
+from halfmoon.transport.tcp import TcpBackend
 
-WITHOUT_UCXX = "import sys; sys.modules['ucxx'] = None\nfrom transport import get_backend\n"
+WITHOUT_UCXX = "import sys; sys.modules['ucxx'] = None\nfrom halfmoon.transport import get_backend\n"
 
 
 def run_python(code: str) -> subprocess.CompletedProcess[str]:
@@ -81,8 +81,8 @@ def test_make_backend() -> None:
 def test_peer_cache_reuses_and_reconnects(backend_name: str) -> None:
     from tests.transport.conftest import FINGERPRINT, kv_tensor
     from tests.waiting import poll
-    from transport import KVLayout, KVReceiver
-    from transport.peers import KVPeers
+    from halfmoon.transport import KVLayout, KVReceiver
+    from halfmoon.transport.peers import KVPeers
 
     src, dst = kv_tensor(8, seed=1), kv_tensor(8)
     layout = KVLayout.of(src, FINGERPRINT)
@@ -113,7 +113,7 @@ def test_peer_cache_reuses_and_reconnects(backend_name: str) -> None:
 
 
 def test_advertised_address_replaces_only_a_wildcard_bind() -> None:
-    from transport.config import advertised_address
+    from halfmoon.transport.config import advertised_address
 
     assert advertised_address("tcp://127.0.0.1:7001", "127.0.0.1") == "tcp://127.0.0.1:7001"
     host, port = advertised_address("tcp://0.0.0.0:7001", "0.0.0.0").rsplit(":", 1)

@@ -7,14 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.engine import Engine
-from engine.kv_push import LayerPusher
-from core.params import FinishReason
-from core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from halfmoon.engine.kv_push import LayerPusher
+from halfmoon.core.params import FinishReason
+from halfmoon.core.params import SamplingParams
 from tests.transport.helpers import peer_process
-from transport import KVReceiver, KVSender, get_backend
-from transport.errors import PeerLostError, TransportError
-from transport.faults import FaultInjector
+from halfmoon.transport import KVReceiver, KVSender, get_backend
+from halfmoon.transport.errors import PeerLostError, TransportError
+from halfmoon.transport.faults import FaultInjector
 
 PROMPTS = [list(range(1000, 1000 + n)) for n in (5, 16, 40, 150)] + [[7, 8, 9] * 70]
 

@@ -12,20 +12,20 @@ from unittest import mock
 import pytest
 import torch
 
-from kvpool.block_pool import BlockPool
+from halfmoon.kvpool.block_pool import BlockPool
 from tests.transport.conftest import FINGERPRINT, kv_tensor
 from tests.transport.helpers import peer_process
 from tests.transport.peer import RAW_FINGERPRINT, raw_kv
 from tests.waiting import poll
-from transport import KVLayout, KVReceiver, KVSender, get_backend, protocol
-from transport.channel import Backend
-from transport.errors import (
+from halfmoon.transport import KVLayout, KVReceiver, KVSender, get_backend, protocol
+from halfmoon.transport.channel import Backend
+from halfmoon.transport.errors import (
     ChecksumError,
     HandshakeError,
     PeerLostError,
     TransferTimeoutError,
 )
-from transport.faults import FaultInjector
+from halfmoon.transport.faults import FaultInjector
 
 
 def receiver_for(backend: Backend, kv: torch.Tensor, secret: bytes | None = None, **kw) -> KVReceiver:  # noqa: ANN003
@@ -59,7 +59,7 @@ def test_version_mismatch_is_refused(backend: Backend) -> None:
     receiver = receiver_for(backend, kv)
     try:
         old_hello = protocol.hello
-        newer = mock.patch("transport.protocol.hello", side_effect=lambda *a: {**old_hello(*a), "version": 99})
+        newer = mock.patch("halfmoon.transport.protocol.hello", side_effect=lambda *a: {**old_hello(*a), "version": 99})
         with newer, pytest.raises(HandshakeError) as err:
             KVSender(kv, KVLayout.of(kv, FINGERPRINT), backend, receiver.address, timeout=5.0)
         assert err.value.field == "version" and "99" in str(err.value)
@@ -218,7 +218,7 @@ def _assert_a_new_sender_gets_through(name: str, receiver: KVReceiver, dst: torc
     writing into the receiving worker's shared-memory queue wedges it for good (about one kill
     in four here): transport.ucxx_recovery must notice and replace the worker first."""
     if name == "ucxx":
-        from transport import ucxx_recovery
+        from halfmoon.transport import ucxx_recovery
 
         assert ucxx_recovery.settled(20.0), "the UCX worker check after the kill did not finish"
     src = raw_kv(3)

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from transport.errors import ProtocolError
-from transport.frames import frame_lengths, split_at
-from transport.layout import KVBytes
-from transport.protocol import FRAME_BYTES, MIN_DIRECT_BYTES, Header, Kind, parse_unit_body, unit_body, unit_frame_lengths
+from halfmoon.transport.errors import ProtocolError
+from halfmoon.transport.frames import frame_lengths, split_at
+from halfmoon.transport.layout import KVBytes
+from halfmoon.transport.protocol import FRAME_BYTES, MIN_DIRECT_BYTES, Header, Kind, parse_unit_body, unit_body, unit_frame_lengths
 
 SLAB = 12 << 10  # SmolLM2: 16 tokens x 3 KV heads x 64 dims fp32
 

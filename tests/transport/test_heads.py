@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from tests.waiting import poll
-from transport import KVLayout, KVReceiver, KVSender
-from transport.channel import Backend
-from transport.errors import ChecksumError, HandshakeError
-from transport.faults import FaultInjector
-from transport.heads import check_layouts, head_plan, kv_head_range, num_sources
+from halfmoon.transport import KVLayout, KVReceiver, KVSender
+from halfmoon.transport.channel import Backend
+from halfmoon.transport.errors import ChecksumError, HandshakeError
+from halfmoon.transport.faults import FaultInjector
+from halfmoon.transport.heads import check_layouts, head_plan, kv_head_range, num_sources
 
 LAYERS, BLOCKS, BLOCK, HEAD_DIM = 3, 8, 16, 8
 FP = "heads-test"

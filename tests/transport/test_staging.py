@@ -15,12 +15,12 @@ import torch
 
 from tests.transport.conftest import FINGERPRINT, kv_tensor
 from tests.waiting import wait_until
-from transport import KVLayout, KVReceiver, KVSender
-from transport.channel import Backend
-from transport.errors import ProtocolError, TransferTimeoutError
-from transport.faults import FaultInjector
-from transport.layout import KVBytes
-from transport.staging import HOST, STAGED, HostCopier, Slot, Stager, StagingRing, send_path
+from halfmoon.transport import KVLayout, KVReceiver, KVSender
+from halfmoon.transport.channel import Backend
+from halfmoon.transport.errors import ProtocolError, TransferTimeoutError
+from halfmoon.transport.faults import FaultInjector
+from halfmoon.transport.layout import KVBytes
+from halfmoon.transport.staging import HOST, STAGED, HostCopier, Slot, Stager, StagingRing, send_path
 
 SLAB = 16 * 1 * 32 * 4  # kv_tensor's bytes of one block's K (or V) in one layer
 
@@ -159,7 +159,7 @@ def test_a_unit_larger_than_the_receivers_slots_is_a_clear_error() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="stages from device memory; this machine has no CUDA device")
 def test_cuda_staged_transfer() -> None:
-    from transport import get_backend
+    from halfmoon.transport import get_backend
 
     src, dst = kv_tensor(12, seed=5).cuda(), kv_tensor(12).cuda()
     receiver = transfer(get_backend("tcp"), src, dst, None, None, range(3), [0, 1, 2, 3, 7], [11, 4, 5, 6, 9])

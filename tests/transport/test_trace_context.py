@@ -5,7 +5,7 @@ events); without either, the result carries none (the wire stays what it was).""
 from __future__ import annotations
 
 from tests.transport.conftest import kv_tensor
-from transport.frames import new_hash
+from halfmoon.transport.frames import new_hash
 
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

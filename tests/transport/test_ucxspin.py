@@ -1,4 +1,4 @@
-"""transport._ucxspin: the ucxx backend's native polling slice (transport/_ucxspin.c), and the
+"""halfmoon.transport._ucxspin: the ucxx backend's native polling slice (transport/_ucxspin.c), and the
 owner thread's use of it: polling while transfers are in flight, asleep when idle.
 
 The shared suites (test_backends, test_faults, test_blocks) run every ucxx transfer through the
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from tests.transport.conftest import accept_pair, thread_cpu_s
-from transport import get_backend
-from transport import ucxx_runtime as ur
+from halfmoon.transport import get_backend
+from halfmoon.transport import ucxx_runtime as ur
 
 u = pytest.importorskip("ucxx._lib.libucxx", reason="ucxx is not installed")
 
@@ -30,9 +30,9 @@ def spin() -> Any:
     """The extension. gcc and the Python headers are on every machine of this project (dev,
     CI): a missing one means the install broke and ucxx runs slower, so it fails."""
     try:
-        from transport import _ucxspin
+        from halfmoon.transport import _ucxspin
     except ImportError as e:
-        pytest.fail(f"transport._ucxspin was not built by `pip install -e .`: {e}")
+        pytest.fail(f"halfmoon.transport._ucxspin was not built by `pip install -e .`: {e}")
     return _ucxspin.spin
 
 

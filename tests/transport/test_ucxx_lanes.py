@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from tests.transport.conftest import accept_pair
-from transport import get_backend
-from transport.channel import Channel
-from transport.errors import TransferTimeoutError
+from halfmoon.transport import get_backend
+from halfmoon.transport.channel import Channel
+from halfmoon.transport.errors import TransferTimeoutError
 
 
 @pytest.fixture
@@ -61,7 +61,7 @@ def test_control_receives_stay_posted_and_the_lane_has_one_reader(pair: tuple[Ch
     """recv_control keeps receives posted on the control lane, so messages already sent are
     read at once, in order; a timed-out read leaves them in step; a raw receive on that lane
     afterwards is refused (it would take a message meant for a posted control receive)."""
-    from transport.protocol import CONTROL_BYTES, Header, Kind, recv_msg, send_msg
+    from halfmoon.transport.protocol import CONTROL_BYTES, Header, Kind, recv_msg, send_msg
 
     sender, receiver = pair
     with pytest.raises(TransferTimeoutError):
@@ -76,7 +76,7 @@ def test_control_receives_stay_posted_and_the_lane_has_one_reader(pair: tuple[Ch
 
 def test_closing_fails_posted_receives_and_returns_once_nothing_writes(
         pair: tuple[Channel, Channel]) -> None:
-    from transport.errors import PeerLostError
+    from halfmoon.transport.errors import PeerLostError
 
     _, receiver = pair
     buf = np.zeros(1 << 16, np.uint8)
@@ -92,9 +92,9 @@ def test_a_peer_that_never_introduces_itself_is_dropped_and_accepting_goes_on(
         caplog: pytest.LogCaptureFixture) -> None:
     """A connection that dies before sending its channel id (seen in CI: a stale attempt at a
     port a new listener reused) must not end the accept loop of a KV receiver."""
-    from transport.tcp import parse_address
-    from transport.ucxx_channel import close_held
-    from transport.ucxx_runtime import current_runtime
+    from halfmoon.transport.tcp import parse_address
+    from halfmoon.transport.ucxx_channel import close_held
+    from halfmoon.transport.ucxx_runtime import current_runtime
 
     backend = get_backend("ucxx")
     listener = backend.listen("127.0.0.1", 0)
@@ -126,10 +126,10 @@ def test_a_peer_that_never_introduces_itself_is_dropped_and_accepting_goes_on(
 def test_a_mute_peer_does_not_hold_up_the_next_connection() -> None:
     """A peer that connects and stays silent (half-open, or a port scanner) is greeted on its own
     thread: a good peer right behind it is accepted at once, not after GREET_TIMEOUT_S."""
-    from transport.tcp import parse_address
-    from transport.ucxx_channel import close_held
-    from transport.ucxx_listener import GREET_TIMEOUT_S
-    from transport.ucxx_runtime import current_runtime
+    from halfmoon.transport.tcp import parse_address
+    from halfmoon.transport.ucxx_channel import close_held
+    from halfmoon.transport.ucxx_listener import GREET_TIMEOUT_S
+    from halfmoon.transport.ucxx_runtime import current_runtime
 
     backend = get_backend("ucxx")
     listener = backend.listen("127.0.0.1", 0)

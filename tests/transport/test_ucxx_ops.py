@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from transport.ucxx_runtime import Op
+from halfmoon.transport.ucxx_runtime import Op
 
 
 def test_an_operation_waits_until_finished_then_stays_finished() -> None:

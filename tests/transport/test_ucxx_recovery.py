@@ -19,10 +19,10 @@ import pytest
 
 from tests.transport.conftest import accept_pair, thread_cpu_s
 from tests.waiting import poll
-from transport import get_backend, ucxx_recovery
-from transport import ucxx_runtime as ur
-from transport.channel import Channel, Listener
-from transport.errors import PeerLostError
+from halfmoon.transport import get_backend, ucxx_recovery
+from halfmoon.transport import ucxx_runtime as ur
+from halfmoon.transport.channel import Channel, Listener
+from halfmoon.transport.errors import PeerLostError
 
 FIFO_BYTES = 36864  # UCX 1.21's default sysv receive FIFO: control + 256 x 128-byte slots, page-rounded
 ARMED = 1 << 63  # a flag bit in the FIFO head (UCT_MM_IFACE_FIFO_HEAD_EVENT_ARMED)

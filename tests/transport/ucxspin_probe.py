@@ -18,9 +18,9 @@ from typing import Any
 def main() -> None:
     import ucxx._lib.libucxx as u
 
-    from transport import _ucxspin
+    from halfmoon.transport import _ucxspin
 
-    from transport.ucxx_runtime import ucp_progress_address
+    from halfmoon.transport.ucxx_runtime import ucp_progress_address
 
     fn = ucp_progress_address()
     worker = u.UCXWorker(u.UCXContext(feature_flags=(u.Feature.TAG, u.Feature.STREAM)))

@@ -1,0 +1,264 @@
+"""The gRPC front door: service `halfmoon.v1.Generation`, plus standard health and reflection.
+
+Requests are decoded by our own deserializer so a malformed message (e.g. a string field that
+is not UTF-8) is INVALID_ARGUMENT with a message, not grpc's generic INTERNAL. Every error
+leaves as one status (see `conductor/errors.py`) with a `google.rpc.Status` in the trailer:
+BadRequest for a bad field; for a rejection, RetryInfo, ErrorInfo (reason: admission's, e.g.
+`ttft`; metadata `error`: the error's class) and SloPrediction when admission predicted anything.
+A `traceparent` in the call's metadata (W3C) makes the request's trace a part of the client's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import DecodeError, Message
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
+from halfmoon.conductor.frontdoor import Call, FrontDoor
+from halfmoon.conductor.rejection import reason_of
+from halfmoon.conductor.requests import RequestSpec, check_messages, check_model
+from halfmoon.core.errors import InvalidRequestError
+from halfmoon.core.messages import RequestEnd, SloPrediction
+from halfmoon.core.tracing import TRACEPARENT
+from halfmoon.v1 import generation_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+# gRPC field spellings, for error messages that name the client's field.
+NAMES = {"temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
+         "seed": "sampling.seed", "ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms"}
+
+
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """A request body that did not parse as its message type."""
+
+    error: str
+
+
+def _decoder(cls: type[Message]) -> Callable[[bytes], Message | Undecodable]:
+    def decode(data: bytes) -> Message | Undecodable:
+        try:
+            return cls.FromString(data)
+        except DecodeError as e:
+            return Undecodable(f"not a valid {cls.DESCRIPTOR.full_name} ({e}; string fields must be UTF-8)")
+
+    return decode
+
+
+def peer_host(peer: str) -> str:
+    """grpc's "ipv4:127.0.0.1:5555" / "ipv6:[::1]:5555" -> the address, as HTTP reports it."""
+    _, _, address = peer.partition(":")
+    host = address.rsplit(":", 1)[0] if address.count(":") >= 1 else address
+    return host.strip("[]")
+
+
+def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestSpec:
+    s, slo = req.sampling, req.slo
+    return RequestSpec(
+        model=req.model, prompt=req.prompt if req.HasField("prompt") else None,
+        messages=[{"role": m.role, "content": m.content} for m in req.messages] or None,
+        prompt_token_ids=list(req.prompt_token_ids) or None,
+        max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
+        temperature=s.temperature if s.HasField("temperature") else None,
+        top_p=s.top_p if s.HasField("top_p") else None, top_k=s.top_k if s.HasField("top_k") else None,
+        seed=s.seed if s.HasField("seed") else None, stop=list(req.stop),
+        stop_token_ids=list(req.stop_token_ids), ignore_eos=req.ignore_eos,
+        speculative=req.speculative if req.HasField("speculative") else True,
+        ttft_ms=slo.ttft_ms if slo.HasField("ttft_ms") else None,
+        tbt_ms=slo.tbt_ms if slo.HasField("tbt_ms") else None, priority=req.priority,
+        priority_class=req.priority_class or None, cache_salt=req.cache_salt or None, request_id=req.request_id or None, deadline=deadline,
+        names=NAMES)
+
+
+def final_proto(end: RequestEnd) -> pb.Final:
+    u, t = end.usage, end.timings
+    final = pb.Final(finish_reason=FINISH[end.finish_reason.value], stop=end.stop or "",
+                     usage=pb.Usage(prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
+                                    completion_tokens=u.completion_tokens),
+                     timings=pb.Timings(queue_ms=t.queue_ms, prefill_ms=t.prefill_ms, transfer_ms=t.transfer_ms,
+                                        ttft_ms=t.ttft_ms, mean_tpot_ms=t.mean_tpot_ms, e2e_ms=t.e2e_ms))
+    if end.prediction is not None:
+        final.prediction.CopyFrom(prediction_proto(end.prediction))
+    return final
+
+
+def prediction_proto(p: SloPrediction) -> pb.SloPrediction:
+    return pb.SloPrediction(predicted_ttft_ms=p.predicted_ttft_ms, predicted_tbt_ms=p.predicted_tbt_ms,
+                            ttft_slo_ms=p.ttft_slo_ms, tbt_slo_ms=p.tbt_slo_ms)
+
+
+def rich_status(error: BaseException) -> grpc.Status:
+    """The error as a gRPC status with google.rpc details a client can act on."""
+    st = status_of(error)
+    details: list[Message] = []
+    field = field_of(error)
+    if field is not None:
+        violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=str(error))
+        details.append(error_details_pb2.BadRequest(field_violations=[violation]))
+    if isinstance(error, RetryableRejection):
+        details += _rejection_details(error)
+    packed = []
+    for d in details:
+        a = any_pb2.Any()
+        a.Pack(d)
+        packed.append(a)
+    return rpc_status.to_status(status_pb2.Status(code=st.grpc.value[0], message=client_message(error),
+                                                  details=packed))
+
+
+def _rejection_details(error: RetryableRejection) -> list[Message]:
+    delay = duration_pb2.Duration()
+    delay.FromMilliseconds(math.ceil(error.retry_after_s * 1e3))
+    out: list[Message] = [
+        error_details_pb2.ErrorInfo(reason=reason_of(error), domain="halfmoon",
+                                    metadata={"error": type(error).__name__}),
+        error_details_pb2.RetryInfo(retry_delay=delay)]
+    if error.prediction is not None:
+        out.append(prediction_proto(error.prediction))
+    return out
+
+
+class GenerationService:
+    """The handlers; each checks auth, maps every error to its one status."""
+
+    def __init__(self, door: FrontDoor) -> None:
+        self.door = door
+
+    def _client(self, context: grpc.aio.ServicerContext) -> str:
+        metadata = dict(context.invocation_metadata() or ())
+        return self.door.client(metadata.get("authorization"), peer_host(context.peer()))
+
+    async def _fail(self, context: grpc.aio.ServicerContext, error: BaseException) -> None:
+        if status_of(error).grpc is grpc.StatusCode.INTERNAL:
+            log.error("internal error in a gRPC call", exc_info=error)
+        self.door.count_error("grpc", error)
+        status = rich_status(error)
+        await context.abort(status.code, status.details, trailing_metadata=status.trailing_metadata)
+
+    async def generate(self, request: pb.GenerateRequest | Undecodable,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            client = self._client(context)
+            if isinstance(request, Undecodable):
+                raise InvalidRequestError("request", request.error)
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            call = Call(f"{SERVICE}/Generate", {"rpc.system": "grpc", "rpc.service": SERVICE,
+                                                "rpc.method": "Generate", "halfmoon.api": "grpc"},
+                        dict(context.invocation_metadata() or ()).get(TRACEPARENT))
+            async for item in self.door.generate(spec_from_proto(request, deadline), client, "grpc", call):
+                if item.token_ids or item.text:
+                    yield pb.GenerateResponse(request_id=item.request_id, token_ids=item.token_ids, text=item.text)
+                if item.end is not None:
+                    yield pb.GenerateResponse(request_id=item.request_id, final=final_proto(item.end))
+        except Exception as e:  # ours map to their status; anything else is INTERNAL, logged
+            await self._fail(context, e)
+
+    async def tokenize(self, request: pb.TokenizeRequest | Undecodable,
+                       context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            self.door.client(dict(context.invocation_metadata() or ()).get("authorization"), "")
+            if isinstance(request, Undecodable):
+                raise InvalidRequestError("request", request.error)
+            backend = self.door.backend
+            check_model(request.model, backend.model)
+            ids = _tokenize(request, backend, self.door.limits)
+            return pb.TokenizeResponse(token_ids=ids, max_model_len=backend.model.max_model_len)
+        except Exception as e:
+            await self._fail(context, e)
+            raise AssertionError("unreachable: abort raises") from e
+
+    async def list_models(self, request: pb.ListModelsRequest | Undecodable,
+                          context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        try:
+            self.door.client(dict(context.invocation_metadata() or ()).get("authorization"), "")
+            if isinstance(request, Undecodable):  # an empty message, but garbage is still no request
+                raise InvalidRequestError("request", request.error)
+            m = self.door.backend.model
+            return pb.ListModelsResponse(models=[pb.ModelInfo(
+                id=m.id, max_model_len=m.max_model_len, vocab_size=m.vocab_size, owned_by=m.owned_by,
+                architecture=m.architecture, dtype=m.dtype)])
+        except Exception as e:
+            await self._fail(context, e)
+            raise AssertionError("unreachable: abort raises") from e
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        ser = _serialize
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            "Generate": grpc.unary_stream_rpc_method_handler(
+                self.generate, request_deserializer=_decoder(pb.GenerateRequest), response_serializer=ser),
+            "Tokenize": grpc.unary_unary_rpc_method_handler(
+                self.tokenize, request_deserializer=_decoder(pb.TokenizeRequest), response_serializer=ser),
+            "ListModels": grpc.unary_unary_rpc_method_handler(
+                self.list_models, request_deserializer=_decoder(pb.ListModelsRequest), response_serializer=ser),
+        })
+
+
+def _serialize(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+def _tokenize(request: pb.TokenizeRequest, backend: Any, limits: Any) -> list[int]:
+    has_text, has_messages = request.HasField("text"), bool(request.messages)
+    if has_text == has_messages:
+        raise InvalidRequestError("text", "give exactly one of text, messages")
+    tok = backend.tokenizer
+    if has_text:
+        return tok.encode(request.text)
+    spec = RequestSpec(messages=[{"role": m.role, "content": m.content} for m in request.messages])
+    return tok.encode(tok.apply_chat_template(check_messages(spec, limits)))
+
+
+@dataclass(frozen=True, slots=True)
+class GrpcTls:
+    cert_chain: bytes
+    private_key: bytes
+
+
+def build_server(door: FrontDoor, health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
+    """A grpc.aio server with Generation, health and reflection (no port bound yet)."""
+    size = door.limits.max_request_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
+                                      ("grpc.max_send_message_length", 64 * 2**20),
+                                      ("grpc.so_reuseport", 0)])
+    server.add_generic_rpc_handlers((GenerationService(door).handler(),))
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = (SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME)
+    reflection.enable_server_reflection(names, server)
+    return server
+
+
+def bind(server: grpc.aio.Server, address: str, tls: GrpcTls | None) -> int:
+    """Bind `address` ("host:port", port 0 = any); returns the port. Raises OSError when busy."""
+    try:
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            creds = grpc.ssl_server_credentials([(tls.private_key, tls.cert_chain)])
+            port = server.add_secure_port(address, creds)
+    except RuntimeError as e:  # grpc raises this when the port is taken
+        raise OSError(f"cannot bind gRPC to {address}: {e}") from e
+    if port == 0:
+        raise OSError(f"cannot bind gRPC to {address} (in use?)")
+    return port
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE):
+        await health_servicer.set(name, status)

@@ -1,0 +1,255 @@
+"""The OpenAI-compatible HTTP front door (FastAPI).
+
+    POST /v1/completions, /v1/chat/completions   (SSE with "stream": true)
+    GET  /v1/models, /health, /metrics
+
+`/v1/*` needs the bearer token when auth is on; `/health` and `/metrics` never do (probes and
+scrapers). A streamed request is validated and admitted before the response starts, so every
+rejection is a plain HTTP error; once streaming, an error arrives as an SSE `error` event.
+A client that disconnects stops its request (its KV is freed at the next engine step).
+A rejection (admission, a client's stream limit) is a 429 with `Retry-After` (whole seconds) and
+an error object that carries `reason`, `retry_after_s` and the predictions (conductor/rejection.py).
+A request names its priority class in the body (`priority_class`) or the `X-Priority-Class` header.
+A W3C `traceparent` header makes the request's trace a part of the client's (core/tracing.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from halfmoon.conductor import openai_schema as oa
+from halfmoon.conductor.openapi import answer, json_body, operation, publish
+from halfmoon.conductor.openapi_bodies import ref
+from halfmoon.conductor.errors import RequestTooLargeError, RetryableRejection, status_of
+from halfmoon.conductor.frontdoor import Call, FrontDoor
+from halfmoon.conductor.rejection import retry_after_header
+from halfmoon.core.errors import HalfmoonError, InvalidRequestError
+from halfmoon.core.messages import TokenChunk
+from halfmoon.core.tracing import TRACEPARENT
+
+log = logging.getLogger(__name__)
+
+Items = AsyncIterator[TokenChunk]
+PRIORITY_CLASS_HEADER = "X-Priority-Class"
+
+
+_PROMETHEUS, _OPENMETRICS = "text/plain", "application/openmetrics-text"
+_GENERATION_ERRORS = (400, 404, 429, 503)
+# One Server-Sent Event of a stream (OpenAPI 3.1: the schema of an event stream is each event's).
+_SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "event": {"const": "message"},
+    "data": {"type": "string", "description": "a chunk (JSON), an error object (JSON) once streaming, or the "
+                                              "last event, `[DONE]`"}}}
+
+
+def _generated(schema: str) -> dict[str, Any]:
+    """A generation's 200: the whole answer, or with stream: true an SSE stream of chunks."""
+    return answer("the answer; with stream: true, Server-Sent Events (`data: {chunk}` ... `data: [DONE]`)",
+                  {"content": {"application/json": {"schema": ref(schema)},
+                               "text/event-stream": {"schema": _SSE_EVENT}}})
+
+
+def error_response(error: BaseException) -> JSONResponse:
+    st = status_of(error)
+    if st.http == 500:
+        log.error("internal error in an HTTP request", exc_info=error)
+    headers = {}
+    if isinstance(error, RetryableRejection):
+        headers["Retry-After"] = retry_after_header(error)
+    return JSONResponse(oa.error_json(error), status_code=st.http, headers=headers)
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is a 413 before anything parses it."""
+
+    def __init__(self, app: Any, door: FrontDoor) -> None:
+        self.app, self.door = app, door
+        self.limit = door.limits.max_request_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            error = RequestTooLargeError(int(length), self.limit)
+            self.door.count_error("http", error)
+            return await error_response(error)(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise RequestTooLargeError(seen, self.limit)
+            return message
+
+        return await self.app(scope, counted, send)
+
+
+def build_app(door: FrontDoor) -> FastAPI:
+    app = FastAPI(title="Halfmoon", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    publish(app, door)
+
+    async def on_error(_request: Request, error: Exception) -> Response:
+        door.count_error("http", error)
+        return error_response(error)
+
+    app.add_exception_handler(HalfmoonError, on_error)
+    app.add_exception_handler(Exception, on_error)  # a bug: 500 in OpenAI's shape, logged
+
+    async def client_of(request: Request) -> str:
+        host = request.client.host if request.client else "unknown"
+        return door.client(request.headers.get("authorization"), host)
+
+    @app.get("/health", openapi_extra=operation("Is the server serving?", {
+        200: answer("ok, or degraded (serving at less than full strength)", json_body(ref("Health"))),
+        503: answer("unavailable", json_body(ref("Health")))}))
+    async def health() -> Response:
+        """ok (200); degraded (200: serving, at less than full strength, `reasons` say why);
+        unavailable (503). With warm standbys (`--standby`): `standby` lists them and their state."""
+        spares = door.backend.standbys()
+        extra = {"standby": spares} if spares else {}
+        if not door.backend.ready():
+            return JSONResponse({"status": "unavailable", **extra}, status_code=503)
+        reasons = door.backend.degraded()
+        body = {"status": "degraded", "reasons": reasons} if reasons else {"status": "ok"}
+        return JSONResponse({**body, **extra})
+
+    @app.get("/metrics", openapi_extra=operation("Prometheus metrics", {200: answer(
+        "Prometheus text, or OpenMetrics when the Accept header asks for it",
+        {"content": {t: {"schema": {"type": "string"}} for t in (_PROMETHEUS, _OPENMETRICS)}})}))
+    async def metrics(request: Request) -> Response:
+        body, content_type = door.metrics.render(request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models", openapi_extra=operation("The served model", {
+        200: answer("the one model this server serves", json_body(ref("ModelList")))}, auth=True))
+    async def models(request: Request) -> Response:
+        await client_of(request)
+        model = door.backend.model
+        return JSONResponse({"object": "list", "data": [{
+            "id": model.id, "object": "model", "created": 0, "owned_by": model.owned_by,
+            "max_model_len": model.max_model_len, "architecture": model.architecture, "dtype": model.dtype}]})
+
+    @app.post("/v1/chat/completions", openapi_extra=operation(
+        "A chat completion (SSE with stream: true)", {200: _generated("ChatCompletion")}, _GENERATION_ERRORS,
+        body=json_body(ref("ChatCompletionRequest")), auth=True))
+    async def chat(request: Request) -> Response:
+        return await _serve(door, request, await client_of(request), oa.parse_chat, chat=True)
+
+    @app.post("/v1/completions", openapi_extra=operation(
+        "A text completion (SSE with stream: true)", {200: _generated("Completion")}, _GENERATION_ERRORS,
+        body=json_body(ref("CompletionRequest")), auth=True))
+    async def completions(request: Request) -> Response:
+        return await _serve(door, request, await client_of(request), oa.parse_completion, chat=False)
+
+    return app
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8
+        raise InvalidRequestError("body", f"not valid JSON: {e}") from e
+
+
+async def _serve(door: FrontDoor, request: Request, client: str,
+                 parse: Callable[[Any], tuple[Any, bool, bool]], chat: bool) -> Response:
+    spec, stream, include_usage = parse(await _json_body(request))
+    header = request.headers.get(PRIORITY_CLASS_HEADER)
+    if spec.priority_class is None and header is not None:  # the body's field wins
+        spec.priority_class = header.strip()
+        spec.names = {**spec.names, "priority_class": PRIORITY_CLASS_HEADER}
+    path = request.url.path
+    call = Call(f"POST {path}", {"http.request.method": "POST", "url.path": path, "halfmoon.api": "http"},
+                request.headers.get(TRACEPARENT))
+    items = door.generate(spec, client, "http", call)
+    model = door.backend.model.id
+    if not stream:
+        return await _until_disconnect(request, lambda: _collect(items, model, chat))
+    try:
+        first = await items.__anext__()  # validation and admission happen here
+    except BaseException:
+        await items.aclose()
+        raise
+    events = _sse(door, first, items, model, chat, include_usage)
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _collect(items: Items, model: str, chat: bool) -> Response:
+    texts: list[str] = []
+    async with aclosing(items):
+        async for item in items:
+            texts.append(item.text)
+            if item.end is not None:
+                return JSONResponse(oa.response_json(model, item.request_id, item.end, "".join(texts),
+                                                     oa.now_s(), chat))
+    raise AssertionError("a generation ended without its last chunk")
+
+
+async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
+    """Run `work`; if the client disconnects first, cancel it (which aborts the request)."""
+    task = asyncio.ensure_future(work())
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        return Response(status_code=499)
+    return task.result()
+
+
+async def _sse(door: FrontDoor, first: TokenChunk, items: Items, model: str, chat: bool,
+               include_usage: bool) -> AsyncIterator[bytes]:
+    created = oa.now_s()
+    rid = first.request_id
+    try:
+        if chat:
+            yield _event(oa.stream_chunk(model, rid, created, True, {"role": "assistant", "content": ""}))
+        item: TokenChunk | None = first
+        while item is not None:
+            for chunk in _chunks(item, model, rid, created, chat, include_usage):
+                yield _event(chunk)
+            item = None if item.end is not None else await items.__anext__()
+    except HalfmoonError as e:  # headers are sent: the error travels as an event
+        door.count_error("http", e)
+        yield _event(oa.error_json(e))
+    finally:
+        await items.aclose()
+    yield b"data: [DONE]\n\n"
+
+
+def _chunks(item: TokenChunk, model: str, rid: str, created: int, chat: bool,
+            include_usage: bool) -> list[dict[str, Any]]:
+    """A chunk's text (if any), then, on the last one, the finish reason and usage."""
+    out = []
+    if item.text:
+        out.append(oa.stream_chunk(model, rid, created, chat, {"content": item.text} if chat else item.text))
+    if item.end is not None:
+        out.append(oa.stream_chunk(model, rid, created, chat, {} if chat else "", item.end.finish_reason.value,
+                                   prediction=item.end.prediction))
+        if include_usage:
+            out.append(oa.stream_chunk(model, rid, created, chat, None, usage=oa.usage_json(item.end.usage)))
+    return out
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"

@@ -1,0 +1,542 @@
+"""The co-located engine: one model, one paged KV cache, continuous batching.
+
+    outputs = engine.step()   # schedule -> run the model -> postprocess
+
+`add_request` and `abort` may be called from other threads: they validate on the caller's
+thread (so errors reach the caller at once) and hand over through a lock-guarded inbox that
+`step()` drains.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import operator
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from halfmoon.engine.config import EngineConfig
+from halfmoon.core.blocks import cdiv, first_visible_block
+from halfmoon.core.errors import InvalidRequestError
+from halfmoon.core.messages import EngineInfo, TokenChunk
+from halfmoon.engine.kv_push import KVPushes, PushStream
+from halfmoon.engine.loader import LoadedWeights, load_weights
+from halfmoon.engine.model import DecoderModel
+from halfmoon.engine.parallel import plan_shard
+from halfmoon.engine.outputs import CompletionResult, TextState, completion_result, request_end
+from halfmoon.core.params import FinishReason
+from halfmoon.engine.request import Request
+from halfmoon.engine.runner import ModelRunner
+from halfmoon.core.params import SamplingParams, check_token_ids
+from halfmoon.engine.scheduler import Scheduler
+from halfmoon.engine.device import build_step_graphs, check_kv_fits, kv_blocks_with_pad, open_device, place_weights, scope
+from halfmoon.engine.draft_model import DraftModelProposer
+from halfmoon.engine.speculative import SpeculativeConfig, Speculator
+from halfmoon.engine.tp_ranks import Ranks
+from halfmoon.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from halfmoon.kernels.attention import get_backend
+from halfmoon.kvpool.block_hash import block_hashes, root_hash
+from halfmoon.kvpool.block_pool import BlockPool
+from halfmoon.kvpool.cluster_index import ClusterIndex, HolderId
+from halfmoon.kvpool.device_tier import DeviceTier
+from halfmoon.kvpool.disk_tier import DiskTier
+from halfmoon.kvpool.host_tier import HostArena
+from halfmoon.kvpool.remote import InProcessReader, RemoteBlockReader
+from halfmoon.kvpool.tiered import KVTiers
+from halfmoon.kvpool.tiered import kv_block_bytes as kv_tier_block_bytes
+from halfmoon.transport.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+def kv_block_bytes(lw: LoadedWeights, config: EngineConfig, kv_heads: int | None = None) -> int:
+    """One block's KV bytes on this rank (`kv_heads`: its KV heads; default the model's)."""
+    cfg = lw.config
+    itemsize = torch.empty(0, dtype=config.torch_dtype).element_size()
+    return cfg.num_layers * 2 * config.block_size * (kv_heads or cfg.num_kv_heads) * cfg.head_dim * itemsize
+
+
+def load_tokenizer(lw: LoadedWeights) -> Tokenizer:
+    if lw.fmt == "hf":
+        return Tokenizer.from_hf_folder(lw.path)
+    return Tokenizer.from_gguf_reader(lw.gguf_reader)
+
+
+def as_token_ids(ids: Sequence[int]) -> list[int]:
+    """A list of Python ints (numpy/torch integers accepted); anything else is a clear error."""
+    try:
+        return [operator.index(t) for t in ids]
+    except TypeError as e:
+        raise InvalidRequestError("prompt_ids", f"token ids must be integers ({e})") from e
+
+
+def build_tiers(config: EngineConfig, kv_caches: Sequence[torch.Tensor], pool: BlockPool,
+                remote: RemoteBlockReader | None = None, full_block_bytes: int | None = None) -> KVTiers | None:
+    """Host arena, disk tier and cluster index below the device prefix cache, as configured.
+    `kv_caches`: every rank's KV cache, rank 0's first (one record holds each rank's shard of a
+    block: kvpool/tiered.py); `full_block_bytes`: a TP=1 engine's record of this model (default
+    this one's), the size of the node's shared arena."""
+    if config.host_cache_gb <= 0 and config.disk_cache_dir is None and config.redis_url is None:
+        return None
+    kv_cache = kv_caches[0]
+    block_bytes = kv_tier_block_bytes(kv_caches)
+    host = None
+    if config.host_cache_gb > 0:
+        slots = max(1, int(config.host_cache_gb * 2**30) // block_bytes)
+        name = config.host_cache_name or f"halfmoon-{os.getpid()}-{id(kv_cache):x}"
+        host = _create_or_attach(arena_name(name, config.tp, block_bytes, full_block_bytes or block_bytes),
+                                 slots, block_bytes)
+    disk = None
+    if config.disk_cache_dir is not None:
+        slots = max(1, int(config.disk_cache_gb * 2**30) // block_bytes)
+        disk = DiskTier(config.disk_cache_dir, block_bytes, slots)
+    index = None
+    if config.redis_url is not None:
+        holder = HolderId(config.worker_id or f"engine-{os.getpid()}-{id(kv_cache):x}",
+                          config.node_id or socket.gethostname())
+        index = ClusterIndex(config.redis_url, holder)
+        index.start()  # heartbeat thread: our entries vanish from lookups if we die
+    tiers = KVTiers(kv_caches, pool, host, disk, index, remote if config.remote_fetch else None)
+    if index is not None and isinstance(remote, InProcessReader):
+        remote.register(index.holder, tiers)
+    return tiers
+
+
+def arena_name(name: str, tp: int, block_bytes: int, full_block_bytes: int) -> str:
+    """The node's arena for records of `block_bytes`: the shared one when they are a TP=1
+    engine's size (every layout whose ranks split the KV heads), else one of its own for this
+    layout (replicated KV heads: fewer than the ranks), loudly."""
+    if block_bytes == full_block_bytes:
+        return name
+    log.warning("tp %d replicates KV heads (records of %d bytes, not %d): this worker's host tier is an "
+                "arena of its own, %s-tp%d, of the same --host-cache-gb", tp, block_bytes, full_block_bytes, name, tp)
+    return f"{name}-tp{tp}"
+
+
+def _create_or_attach(name: str, slots: int, block_bytes: int, tries: int = 3) -> HostArena:
+    """The node's arena `name`: made by the first engine, attached by the others. An arena
+    its last engine is removing as we arrive is gone by our next try."""
+    for _ in range(tries - 1):
+        try:
+            return HostArena.create(name, slots, block_bytes)
+        except FileExistsError:
+            pass
+        try:
+            return HostArena.attach(name)  # another worker of this node made it
+        except FileNotFoundError:
+            continue
+    return HostArena.create(name, slots, block_bytes)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, remote: RemoteBlockReader | None = None) -> None:
+        """`remote` reads blocks other workers hold (found through `config.redis_url`)."""
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.device = open_device(config)
+        weights = place_weights(load_weights(config.model, config.torch_dtype, q4_blocks=config.quantization == "int4"),
+                                self.device)
+        with scope(self.device):
+            self._build(weights, remote)
+
+    def _build(self, weights: LoadedWeights, remote: RemoteBlockReader | None) -> None:
+        """Everything past the weights, on the engine's device (factory calls included)."""
+        config = self.config
+        self.model_config = weights.config
+        self.tokenizer = load_tokenizer(weights)
+        # EOS, the chat template's turn end, generation_config's other stop ids (Llama 3: <|eot_id|>)
+        self.stop_ids = frozenset({*self.tokenizer.stop_ids, *weights.config.stop_ids})
+        self.max_model_len = min(config.max_model_len or weights.config.max_position,
+                                 weights.config.max_position)
+        shard = plan_shard(weights.config, 0, config.tp, config.quantization)
+        num_blocks = config.num_blocks or max(1, int(config.kv_cache_gb * 2**30)
+                                              // kv_block_bytes(weights, config, shard.num_kv_heads))
+        check_kv_fits(self.device, config.gpu_memory_fraction, weights,
+                      kv_blocks_with_pad(num_blocks, config) * kv_block_bytes(weights, config, shard.num_kv_heads))
+        # tensor parallel: ranks 1..tp-1 load their shards while this one builds its own
+        self.ranks = Ranks.launch(config, num_blocks, weights.config) if config.tp > 1 else None
+        try:
+            self.model = DecoderModel(weights.config, weights.weights, get_backend(config.attention_backend),
+                                      config.torch_dtype, config.quantization, weights.q4, self.max_model_len,
+                                      weights.wide, shard, self.ranks.group if self.ranks is not None else None)
+            if self.ranks is not None:
+                self.ranks.wait_ready()
+        except BaseException:
+            if self.ranks is not None:
+                self.ranks.close()
+            raise
+        cfg = weights.config
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, kv_blocks_with_pad(num_blocks, config), config.block_size,
+                                    shard.num_kv_heads, cfg.head_dim, dtype=config.torch_dtype)
+        self.pool = BlockPool(num_blocks)
+        self.device_tier = DeviceTier(self.kv_cache, self.pool, self.kv_cache.shape[2] - num_blocks)
+        self.tiers = build_tiers(config, [self.kv_cache, *(self.ranks.kv_caches if self.ranks is not None else [])],
+                                 self.pool, remote, kv_block_bytes(weights, config))
+        spec = SpeculativeConfig.of(config)
+        proposer = (DraftModelProposer(spec.draft_model, config, cfg.vocab_size, self.max_model_len)
+                    if spec.mode == "draft" else None)
+        self.speculator = Speculator(spec, self.max_model_len, proposer=proposer) if spec.enabled else None
+        self._drafted = 0.0  # the draft model's seconds counted into the step costs so far
+        self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
+                                   config.max_num_seqs, self.tiers, self.speculator, config.max_prefill_seqs)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        if self.ranks is not None:
+            self.runner.step_sync = self.ranks.send_step
+        self._text: dict[str, TextState] = {}
+        self._inbox: list[Request] = []
+        self._aborts: list[str] = []
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._live_ids: set[str] = set()  # guarded by _lock; an id is live until its final output
+        self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # per layer, 0 = full attention
+        self.pushes = KVPushes(self.pool, config.block_size, self.windows)  # disaggregation, prefill side
+        # decode (and verification) CUDA graphs, captured now; padding rows write the pad block
+        # past the pool's
+        self.runner.graphs, self.runner.verify_graphs = build_step_graphs(
+            config, self.model.forward, self.kv_cache, num_blocks, self.max_model_len, self.windows)
+
+    # ------------------------------------------------------------------ requests in
+
+    def add_request(self, prompt_ids: Sequence[int], params: SamplingParams,
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    kv_push: PushStream | None = None, priority: int = 0,
+                    deadline: float = math.inf, fetch_from: str | None = None) -> str:
+        """Validate and queue a request; returns its id. Thread-safe.
+
+        `cache_salt` isolates tenants: requests with different salts never share KV blocks.
+        `priority`: higher is admitted first when requests wait; then the earlier `deadline` (an
+        ordering key on the caller's clock); FCFS among equals.
+        `fetch_from`: the worker the router priced a remote prefix from; of the holders with the
+        longest match at admission, that one is read.
+        `kv_push` makes it a prefill-only request (disaggregation): its KV goes layer by layer
+        into the stream's destination blocks, it ends after the first token, and the stream's
+        DONE carries that token (see `kv_push.py`; the decode side calls `add_prefilled`).
+        """
+        prompt_ids = as_token_ids(prompt_ids)
+        self.validate(prompt_ids, params)
+        if kv_push is not None:
+            self._check_push(prompt_ids, kv_push)
+        req = self._new_request(prompt_ids, params, cache_salt)
+        req.priority, req.deadline, req.fetch_from = priority, deadline, fetch_from
+        with self._lock:
+            req.request_id = request_id = self._claim_id(request_id)
+            if kv_push is not None:
+                self.pushes.add(request_id, kv_push)
+            self._inbox.append(req)
+        return request_id
+
+    def add_prefilled(self, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
+                      block_ids: Sequence[int], request_id: str | None = None,
+                      cache_salt: str | None = None, generator_state: bytes | None = None) -> str:
+        """Queue a request whose prompt KV is already in `block_ids` (received from a prefill
+        worker, reserved with `reserve_blocks`) and whose first token was sampled there; it
+        joins the running batch at the next step. The blocks become the request's block table:
+
+            | prompt's blocks (KV received) | room for output tokens (optional) |
+
+        With room for every output token (prompt + max_tokens) it never allocates while it
+        decodes; the unused tail goes back to the pool when it ends."""
+        prompt_ids = as_token_ids(prompt_ids)
+        self.validate(prompt_ids, params)
+        self._check_prefilled_blocks(len(prompt_ids), params.max_tokens, len(block_ids))
+        req = self._new_request(prompt_ids, params, cache_salt)
+        if generator_state is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
+        req.token_ids.append(int(first_token))
+        req.block_table = list(block_ids)
+        req.num_computed_tokens = req.num_prompt_tokens
+        # sliding layers' dead blocks were not sent (engine/kv_push.py): not a cacheable prefix
+        req.cache_kv = not self.window_truncated(len(prompt_ids))
+        with self._lock:
+            req.request_id = request_id = self._claim_id(request_id)
+            self._inbox.append(req)
+        return request_id
+
+    def info(self) -> EngineInfo:
+        """What the Conductor needs to tokenize, hash blocks and size requests like this engine."""
+        return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.model_config.fingerprint,
+                          self.config.block_size, self.config.kv_tag, self.kv_bytes_per_token,
+                          self.model_config.architecture)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes of one token, all layers, K and V, of every tensor-parallel rank's shard (the
+        ranks' shards are the same size): what a tier record, a transfer and the sizing pages
+        count per token (rank 0's shard alone would undercount a tp > 1 worker tp-fold)."""
+        return self.kv_cache[:, :, 0, 0].numel() * self.kv_cache.element_size() * self.config.tp
+
+    def kv_layout(self) -> KVLayout:
+        """What a KV transfer's two ends must agree on: shapes, dtype, model, layer windows, and
+        this rank's place in a tensor-parallel engine (its size, its first KV head)."""
+        shard = self.model.shard
+        return KVLayout.of(self.kv_cache, self.model_config.fingerprint, self.windows, shard.world,
+                           shard.kv_heads.start, shard.rank, self.model_config.num_kv_heads)
+
+    def kv_shards(self) -> list[tuple[torch.Tensor, KVLayout]]:
+        """Every rank's KV cache and layout, rank 0's first (the ranks' are shared memory:
+        engine/tp_ranks.py): the KV transport moves each rank's heads to and from its own."""
+        shards = [(self.kv_cache, self.kv_layout())]
+        if self.ranks is None:
+            return shards
+        cfg, mine = self.model_config, self.kv_layout()
+        for rank, kv in enumerate(self.ranks.kv_caches, start=1):
+            heads = plan_shard(cfg, rank, self.config.tp, self.config.quantization).kv_heads
+            shards.append((kv, KVLayout.of(kv, mine.fingerprint, self.windows, self.config.tp, heads.start, rank,
+                                           cfg.num_kv_heads)))
+        return shards
+
+    def window_truncated(self, prompt_len: int) -> bool:
+        """Whether a prefilled prompt of this length arrives without some sliding layer's oldest
+        blocks (core.blocks.first_visible_block)."""
+        bs = self.config.block_size
+        return any(first_visible_block(prompt_len, w, bs) > 0 for w in self.windows)
+
+    def reserve_blocks(self, num_tokens: int) -> list[int]:
+        """Blocks for `num_tokens` tokens of KV (decode side: the prompt's, arriving from a
+        prefill worker, and room for the output tokens). Call from the thread that runs
+        `step()`; hand them to `add_prefilled` or back to `release_blocks`. Raises
+        OutOfBlocksError (nothing allocated) when too few are free."""
+        return self.pool.allocate(cdiv(num_tokens, self.config.block_size))
+
+    def release_blocks(self, block_ids: Sequence[int]) -> None:
+        """Return reserved blocks whose transfer failed or was cancelled (never used)."""
+        self.pool.free(block_ids)
+
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens this device's prefix cache holds now (an estimate for admission: the
+        blocks may be evicted before the request runs; host/disk tiers are not counted)."""
+        bs = self.config.block_size
+        root = self._root_hash(len(prompt_ids), cache_salt)
+        usable = list(prompt_ids[: (len(prompt_ids) - 1) // bs * bs])
+        return len(self.pool.get_computed_blocks(block_hashes(usable, bs, root))) * bs
+
+    def _new_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> Request:
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+        root = self._root_hash(len(prompt_ids), cache_salt)
+        return Request("", prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed), root_hash=root)
+
+    def _root_hash(self, prompt_len: int, cache_salt: str | None) -> bytes:
+        """The request's block-hash root. Under dynamic NTK RoPE a prompt longer than the trained
+        context is rotated with frequencies of its own length (engine/rope.py): its blocks only
+        match prompts of that length, so the length joins the salt."""
+        start = self.model.dynamic_from
+        if start is not None and prompt_len > start:
+            cache_salt = f"{cache_salt or ''}|ntk-len:{prompt_len}"
+        return root_hash(self.model_config.fingerprint, self.config.kv_tag, self.config.block_size, cache_salt)
+
+    def _check_prefilled_blocks(self, num_prompt_tokens: int, max_tokens: int, num_blocks: int) -> None:
+        least = cdiv(num_prompt_tokens, self.config.block_size)
+        most = cdiv(num_prompt_tokens + max_tokens, self.config.block_size)
+        if not least <= num_blocks <= most:
+            raise InvalidRequestError("block_ids", f"{num_blocks} blocks for a prompt of {num_prompt_tokens} "
+                                      f"tokens and {max_tokens} new ones: {least} to {most}")
+
+    def _check_push(self, prompt_ids: list[int], stream: PushStream) -> None:
+        need = cdiv(len(prompt_ids), self.config.block_size)
+        if len(stream.dst_block_ids) != need:
+            raise InvalidRequestError("kv_push", f"the stream reserved {len(stream.dst_block_ids)} blocks; "
+                                      f"a prompt of {len(prompt_ids)} tokens needs {need}")
+
+    def _claim_id(self, request_id: str | None) -> str:
+        """Reserve a request id that no live request uses (caller holds the lock)."""
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self._live_ids:
+                request_id = f"req-{next(self._ids)}"
+        elif request_id in self._live_ids:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use by a running request")
+        self._live_ids.add(request_id)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request; its blocks are freed at the start of the next step. Thread-safe."""
+        with self._lock:
+            self._aborts.append(request_id)
+
+    def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise `InvalidRequestError` naming the field when the request cannot run."""
+        vocab = self.model_config.vocab_size
+        prompt_ids = as_token_ids(prompt_ids)
+        if len(prompt_ids) == 0:
+            raise InvalidRequestError("prompt", "is empty")
+        check_token_ids("prompt_ids", prompt_ids, vocab)
+        params.validate(vocab)
+        if len(prompt_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"{len(prompt_ids)} tokens; the context holds {self.max_model_len} "
+                f"(prompt + output), so at most {self.max_model_len - 1} prompt tokens")
+        if len(prompt_ids) + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"{params.max_tokens} + {len(prompt_ids)} prompt tokens exceeds the "
+                f"context of {self.max_model_len}; at most {self.max_model_len - len(prompt_ids)}")
+        capacity = self.pool.num_blocks * self.config.block_size
+        if len(prompt_ids) + params.max_tokens > capacity:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt + max_tokens = {len(prompt_ids) + params.max_tokens} tokens "
+                f"exceeds the whole KV cache ({capacity} tokens); raise --kv-cache-gb")
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks; release the host arena (removed when this engine
+        was the last attached) and the disk tier."""
+        if self.ranks is not None:
+            self.ranks.close()
+            self.ranks = None
+        if self.tiers is None:
+            return
+        self.tiers.close()
+        if self.tiers.host is not None:
+            self.tiers.host.release()  # the last engine attached to a node's arena removes it
+        if self.tiers.disk is not None:
+            self.tiers.disk.close()
+        if self.tiers.index is not None:
+            if isinstance(self.tiers.remote, InProcessReader):
+                self.tiers.remote.unregister(self.tiers.index.holder)
+            self.tiers.index.close()
+        self.tiers = None
+        self.scheduler.tiers = None
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            pending = bool(self._inbox or self._aborts)
+        return pending or self.scheduler.has_unfinished()
+
+    def only_fetching(self) -> bool:
+        """Nothing to step until a remote pull ends: no new input, every request fetching (the
+        loop sleeps until the scheduler's `on_fetched` instead of spinning)."""
+        with self._lock:
+            pending = bool(self._inbox or self._aborts)
+        return not pending and self.scheduler.only_fetching()
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self) -> list[TokenChunk]:
+        """Schedule, run one forward pass, postprocess. Returns the per-request progress."""
+        with scope(self.device):
+            return self._step()
+
+    def _step(self) -> list[TokenChunk]:
+        outputs = self._drain_inbox()
+        self.pushes.release_sent()
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return outputs
+        self.pushes.flush(plan.preempted)
+        self.runner.layer_hook = self.pushes.hook(plan.scheduled)
+        sampled = self.runner.run(plan.scheduled)
+        if self.speculator is not None:  # what the step cost: the target's forward and the drafting
+            drafted = getattr(self.speculator.proposer, "seconds", 0.0)
+            self.speculator.cost.observe(self.runner.last_rows, self.runner.last_forward_s + drafted - self._drafted)
+            self._drafted = drafted
+        now = time.perf_counter()
+        for req, new in self.scheduler.update(plan, sampled):
+            outputs.append(self._postprocess(req, now, new))
+        outputs.extend(self._abort_failed_pushes(now))
+        return outputs
+
+    def _drain_inbox(self) -> list[TokenChunk]:
+        with self._lock:
+            new, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        outputs = []
+        for req in new:
+            self._text[req.request_id] = TextState(IncrementalDetokenizer(self.tokenizer), req.params.stop)
+            if req.num_computed_tokens:  # prefilled elsewhere: it brings its first token
+                self.scheduler.add_prefilled(req)
+                outputs.append(self._postprocess(req, time.perf_counter()))
+            else:
+                self.scheduler.add(req)
+        for request_id in aborts:
+            req = self.scheduler.requests.get(request_id)
+            if req is not None:
+                self._finish(req, FinishReason.ABORT, time.perf_counter())
+                outputs.append(self._output(req, [], final=True))
+        return outputs
+
+    # ------------------------------------------------------------------ KV push (prefill side)
+
+    def _abort_failed_pushes(self, now: float) -> list[TokenChunk]:
+        outputs = []
+        for request_id in self.pushes.failed_ids():
+            req = self.scheduler.requests[request_id]
+            self._finish(req, FinishReason.ABORT, now)
+            outputs.append(self._output(req, [], final=True))
+        return outputs
+
+    # ------------------------------------------------------------------ outputs
+
+    def _postprocess(self, req: Request, now: float, new: int = 1) -> TokenChunk:
+        """The request's `new` last tokens, one by one: the first that ends it drops the ones
+        after it (a verification may emit several tokens past a stop)."""
+        tokens = req.token_ids[-new:]
+        del req.token_ids[-new:]
+        if req.first_token_time is None:
+            req.first_token_time = now
+        for i, token in enumerate(tokens):
+            req.token_ids.append(token)
+            stop_text = self._text[req.request_id].push(token)
+            reason = self._stop_reason(req, token, stop_text)
+            if reason is not None:
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                req.stop_text = stop_text
+                self._finish(req, reason, now)
+                return self._output(req, tokens[: i + 1], final=True)
+        return self._output(req, tokens, final=False)
+
+    def _stop_reason(self, req: Request, token: int, stop_text: str | None) -> FinishReason | None:
+        if self.pushes.failed(req.request_id):  # its KV never reached the decode side
+            return FinishReason.ABORT
+        p = req.params
+        if stop_text is not None or token in p.stop_token_ids:
+            return FinishReason.STOP
+        if not p.ignore_eos and token in self.stop_ids:
+            return FinishReason.STOP
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        if req.request_id in self.pushes:  # prefill-only: decoding continues on the decode side
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
+        req.finish_time = now
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
+        if req.request_id in self.pushes:
+            self.pushes.end(req, reason)
+        self.scheduler.finish(req, reason)
+
+    def _output(self, req: Request, tokens: list[int], final: bool) -> TokenChunk:
+        delta = self._text[req.request_id].take(final)
+        if not final:
+            return TokenChunk(req.request_id, tokens, delta)
+        del self._text[req.request_id]
+        with self._lock:
+            self._live_ids.discard(req.request_id)
+        return TokenChunk(req.request_id, tokens, delta, request_end(req))
+
+    # ------------------------------------------------------------------ offline
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams],
+                 cache_salt: str | None = None) -> list[CompletionResult]:
+        """Run prompts to completion with continuous batching; results in prompt order."""
+        plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(plist) != len(prompts):
+            raise InvalidRequestError("params", f"{len(plist)} params for {len(prompts)} prompts")
+        prompts = [as_token_ids(ids) for ids in prompts]
+        for ids, p in zip(prompts, plist):
+            self.validate(ids, p)  # all or nothing: no request starts if one is bad
+        order = [self.add_request(ids, p, cache_salt=cache_salt) for ids, p in zip(prompts, plist)]
+        chunks: dict[str, list[TokenChunk]] = {rid: [] for rid in order}
+        done = 0
+        while done < len(order):
+            for chunk in self.step():
+                chunks[chunk.request_id].append(chunk)
+                done += chunk.finished
+        return [completion_result(rid, ids, chunks[rid]) for rid, ids in zip(order, prompts)]

@@ -1,0 +1,105 @@
+"""What the engine reports: per step a `TokenChunk` per request (core.messages), the last one
+carrying its `RequestEnd`; `Engine.generate` sums a request's chunks into a `CompletionResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from halfmoon.core.messages import RequestEnd, Timings, TokenChunk, Usage
+from halfmoon.core.params import FinishReason
+
+from halfmoon.engine.request import Request
+from halfmoon.engine.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class CompletionResult:
+    """A finished request, as `Engine.generate` returns it."""
+
+    request_id: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    ttft_ms: float
+    tpot_ms: float
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    queue_ms: float = 0.0  # arrival -> first admitted to the batch
+    prefill_ms: float = 0.0  # first admitted -> first token
+    stop_text: str | None = None  # the stop string that ended it, if any
+    e2e_ms: float = 0.0  # arrival -> finished
+
+
+@dataclass(slots=True)
+class TextState:
+    """Streaming text of one request, holding back what could still become a stop string.
+
+    ```
+    | emitted | held back (< longest stop string) |
+    ```
+    """
+
+    detok: IncrementalDetokenizer
+    stops: tuple[str, ...]
+    text: str = ""
+    emitted: int = 0
+    stopped: bool = False
+    holdback: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+
+    def push(self, token_id: int) -> str | None:
+        """Add a token; returns the stop string it completed, if any."""
+        delta = self.detok.push(token_id)
+        if not delta:
+            return None
+        self.text += delta
+        if not self.stops:
+            return None
+        window_start = max(0, len(self.text) - len(delta) - self.holdback)
+        hits = [(self.text.find(s, window_start), s) for s in self.stops]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return None
+        index, stop = min(hits)
+        self.text = self.text[:index]
+        self.stopped = True
+        return stop
+
+    def take(self, final: bool) -> str:
+        """Text not yet emitted (all of it when final, else all but the held-back tail)."""
+        if final and not self.stopped:
+            self.text += self.detok.flush()
+        end = len(self.text) if final else max(self.emitted, len(self.text) - self.holdback)
+        chunk = self.text[self.emitted : end]
+        self.emitted = end
+        return chunk
+
+
+def request_end(req: Request) -> RequestEnd:
+    """How a finished request ended, with its timing figures (what its last chunk carries)."""
+    assert req.finish_reason is not None and req.finish_time is not None
+    first = req.first_token_time if req.first_token_time is not None else req.finish_time
+    n_out = req.num_output_tokens
+    tpot = (req.finish_time - first) / (n_out - 1) * 1e3 if n_out > 1 else 0.0
+    scheduled = req.scheduled_time if req.scheduled_time is not None else first
+    timings = Timings(queue_ms=(scheduled - req.arrival_time) * 1e3,
+                      prefill_ms=max(0.0, first - scheduled) * 1e3, transfer_ms=0.0,
+                      ttft_ms=(first - req.arrival_time) * 1e3, mean_tpot_ms=tpot,
+                      e2e_ms=(req.finish_time - req.arrival_time) * 1e3)
+    usage = Usage(req.num_prompt_tokens, req.num_cached_tokens, n_out)
+    return RequestEnd(req.finish_reason, req.stop_text, usage, timings, req.num_preemptions,
+                      speculative_proposed=req.spec_proposed, speculative_accepted=req.spec_accepted)
+
+
+def completion_result(request_id: str, prompt_ids: list[int], chunks: list[TokenChunk]) -> CompletionResult:
+    """A finished request's chunks summed up (the last one carries its end)."""
+    end = chunks[-1].end
+    assert end is not None
+    t = end.timings
+    return CompletionResult(request_id, prompt_ids, [t for c in chunks for t in c.token_ids],
+                            "".join(c.text for c in chunks), end.finish_reason, t.ttft_ms,
+                            t.mean_tpot_ms, end.num_preemptions, end.usage.cached_prompt_tokens,
+                            t.queue_ms, t.prefill_ms, end.stop, t.e2e_ms)
