@@ -23,6 +23,7 @@ from halfmoon.core.blocks import cdiv
 from halfmoon.engine.cuda_graphs import DecodeGraphs, VerifyGraphs, VerifyShape
 from halfmoon.engine.model import LayerHook, DecoderModel
 from halfmoon.engine.request import Request
+from halfmoon.engine.logits import process, record_logprobs
 from halfmoon.engine.sampler import sample
 from halfmoon.engine.speculative import verify
 from halfmoon.engine.scheduler import ScheduledRequest
@@ -126,6 +127,8 @@ class ModelRunner:
         # engine when captured
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        # what min_tokens holds back (EOS and the model's other stop ids; set by the engine)
+        self.stop_ids: frozenset[int] = frozenset()
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> list[list[int]]:
         """One forward pass over the batch; returns the new tokens of each request whose
@@ -139,6 +142,14 @@ class ModelRunner:
         self.last_rows = inputs.meta.num_tokens
         if not inputs.sampled:
             return []
+        if all(r.params.plain for r in inputs.sampled):
+            return self._sample(logits, inputs)
+        # biases / penalties / min_tokens, and logprobs of the raw logits (engine/logits.py)
+        emitted = self._sample(process(logits, inputs.sampled, inputs.drafts, self.stop_ids), inputs)
+        record_logprobs(logits, inputs.sampled, inputs.drafts, emitted)
+        return emitted
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[list[int]]:
         if inputs.drafts is None:
             return [[t] for t in sample(logits, inputs.sampled)]
         return self._verify(logits, inputs.sampled, inputs.drafts)

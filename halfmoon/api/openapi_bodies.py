@@ -1,6 +1,6 @@
 """JSON Schemas (OpenAPI 3.1) of the HTTP API's bodies, written from the parsers they describe.
 
-Each request schema states exactly what `conductor/openai_schema.py` and `conductor/requests.py`
+Each request schema states exactly what `api/openai_schema.py` and `api/requests.py`
 accept, with this server's limits and model filled in (a schema is built per running server), so
 a fuzzer can hold the server to it both ways: data the schema allows is served, data it forbids
 is a 4xx. Two rules are not expressible in a schema and are said in the descriptions instead:
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from halfmoon.conductor.requests import ROLES, Limits
+from halfmoon.api.requests import ROLES, Limits
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.results import ModelInfo
 

@@ -16,8 +16,8 @@ import time
 from typing import Any
 
 from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
-from halfmoon.conductor.rejection import prediction_json, rejection_json
-from halfmoon.conductor.requests import RequestSpec
+from halfmoon.api.rejection import prediction_json, rejection_json
+from halfmoon.api.requests import RequestSpec
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import RequestEnd, SloPrediction, Usage
 

@@ -8,7 +8,7 @@ scrapers). A streamed request is validated and admitted before the response star
 rejection is a plain HTTP error; once streaming, an error arrives as an SSE `error` event.
 A client that disconnects stops its request (its KV is freed at the next engine step).
 A rejection (admission, a client's stream limit) is a 429 with `Retry-After` (whole seconds) and
-an error object that carries `reason`, `retry_after_s` and the predictions (conductor/rejection.py).
+an error object that carries `reason`, `retry_after_s` and the predictions (api/rejection.py).
 A request names its priority class in the body (`priority_class`) or the `X-Priority-Class` header.
 A W3C `traceparent` header makes the request's trace a part of the client's (core/tracing.py).
 """
@@ -25,12 +25,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from halfmoon.conductor import openai_schema as oa
-from halfmoon.conductor.openapi import answer, json_body, operation, publish
-from halfmoon.conductor.openapi_bodies import ref
+from halfmoon.api import openai_schema as oa
+from halfmoon.api.openapi import answer, json_body, operation, publish
+from halfmoon.api.openapi_bodies import ref
 from halfmoon.conductor.errors import RequestTooLargeError, RetryableRejection, status_of
-from halfmoon.conductor.frontdoor import Call, FrontDoor
-from halfmoon.conductor.rejection import retry_after_header
+from halfmoon.api.frontdoor import Call, FrontDoor
+from halfmoon.api.rejection import retry_after_header
 from halfmoon.core.errors import HalfmoonError, InvalidRequestError
 from halfmoon.core.messages import TokenChunk
 from halfmoon.core.tracing import TRACEPARENT

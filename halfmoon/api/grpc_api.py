@@ -26,9 +26,9 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
-from halfmoon.conductor.frontdoor import Call, FrontDoor
-from halfmoon.conductor.rejection import reason_of
-from halfmoon.conductor.requests import RequestSpec, check_messages, check_model
+from halfmoon.api.frontdoor import Call, FrontDoor
+from halfmoon.api.rejection import reason_of
+from halfmoon.api.requests import RequestSpec, check_messages, check_model
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import RequestEnd, SloPrediction
 from halfmoon.core.tracing import TRACEPARENT

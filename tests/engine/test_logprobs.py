@@ -1,0 +1,142 @@
+"""Logprobs and logit processing on the engine (issue 46), against transformers (fp32, greedy):
+each generated token's logprob and its top-5 equal transformers' log_softmax at that position
+within 2e-3; biases, min_tokens and the penalties give the tokens of a reference implementation
+of the documented formula on transformers' logits; both with speculative decoding on and off
+(n-gram drafts on repetitive prompts: verification rows count the drafts before them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from halfmoon.core.errors import InvalidRequestError
+from halfmoon.core.messages import PrefilledKV, TokenLogprobs
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from tests.conftest import EngineFactory
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+TOL = 2e-3
+NEW = 12
+TEXTS = ["The capital of France is", "one two three one two three one two three one two",
+         "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
+
+
+@pytest.fixture(scope="module")
+def hf(gguf_path: Path, shared_engine: Engine) -> Any:
+    pytest.importorskip("transformers")
+    from halfmoon.bench.hf_reference import hf_model
+
+    return hf_model(gguf_path, torch.float32)
+
+
+@pytest.fixture(scope="module", params=["off", "ngram"])
+def engines(request: pytest.FixtureRequest, make_engine: EngineFactory, shared_engine: Engine) -> Engine:
+    if request.param == "off":
+        return shared_engine
+    return make_engine(num_blocks=256, speculative="ngram", speculative_max_batch=8)
+
+
+@torch.inference_mode()
+def hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
+    return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
+
+
+def test_logprobs_equal_transformers_log_softmax(engines: Engine, hf: Any) -> None:
+    prompts = [engines.tokenizer.encode(t) for t in TEXTS]
+    results = engines.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=5))
+    for prompt, result in zip(prompts, results):
+        assert result.logprobs is not None and len(result.logprobs) == len(result.output_ids) == NEW
+        ref = hf_logprobs(hf, prompt + result.output_ids)
+        for j, (token, got) in enumerate(zip(result.output_ids, result.logprobs)):
+            row = ref[len(prompt) - 1 + j]
+            assert abs(got.logprob - float(row[token])) < TOL, (j, got.logprob, float(row[token]))
+            want_lp, want_ids = row.topk(5)
+            assert [i for i, _ in got.top] == want_ids.tolist() or _tied(row, got), (j, got.top, want_ids)
+            assert max(abs(lp - float(row[i])) for i, lp in got.top) < TOL
+            assert got.top[0][0] == token  # greedy: the chosen token is the most likely
+
+
+def _tied(row: torch.Tensor, got: TokenLogprobs) -> bool:
+    """The top-5 differs from the oracle's only where two candidates are within rounding."""
+    values = sorted((float(row[i]) for i, _ in got.top), reverse=True)
+    fifth = float(row.topk(6).values[4])
+    return abs(values[-1] - fifth) < TOL
+
+
+def test_logprobs_zero_gives_the_chosen_token_only_and_none_gives_nothing(engine: Engine) -> None:
+    ids = engine.tokenizer.encode(TEXTS[0])
+    zero, none = engine.generate([ids, ids], [SamplingParams(max_tokens=4, logprobs=0), SamplingParams(max_tokens=4)])
+    assert zero.logprobs is not None and all(lp.top == () and lp.logprob <= 0 for lp in zero.logprobs)
+    assert none.logprobs is None and zero.output_ids == none.output_ids
+
+
+def reference(model: Any, prompt: list[int], params: SamplingParams, stop_ids: set[int], new: int) -> list[int]:
+    """Greedy on transformers with the documented processing, written out token by token."""
+    tokens: list[int] = []
+    offset_outputs = prompt[len(prompt) - params.output_offset:] if params.output_offset else []
+    for _ in range(new):
+        with torch.inference_mode():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].double()
+        logits = torch.tensor(logits.tolist(), dtype=torch.float64)  # a normal tensor, to edit
+        for token, bias in params.logit_bias:
+            logits[token] += bias
+        if len(offset_outputs) + len(tokens) < params.min_tokens:
+            for token in stop_ids | set(params.stop_token_ids):
+                logits[token] = float("-inf")
+        for token in set(prompt + tokens):
+            if params.repetition_penalty != 1.0:
+                r = params.repetition_penalty
+                logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
+        for token in set(offset_outputs + tokens):
+            count = (offset_outputs + tokens).count(token)
+            logits[token] -= count * params.frequency_penalty + params.presence_penalty
+        tokens.append(int(logits.argmax()))
+    return tokens
+
+
+CASES = {
+    "frequency": SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=1.5),
+    "presence": SamplingParams(max_tokens=NEW, ignore_eos=True, presence_penalty=2.0),
+    "repetition": SamplingParams(max_tokens=NEW, ignore_eos=True, repetition_penalty=1.3),
+    "all-and-bias": SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=0.7, presence_penalty=0.4,
+                                   repetition_penalty=1.1, logit_bias={15: 5.0, 28: -100.0, 314: 3.0}),
+    "migrated": SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=1.0, output_offset=4),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_penalties_and_bias_equal_the_reference(engines: Engine, hf: Any, case: str) -> None:
+    params = CASES[case]
+    for text in TEXTS[1:]:
+        prompt = engines.tokenizer.encode(text)
+        got = engines.generate([prompt], params)[0].output_ids
+        assert got == reference(hf, prompt, params, set(engines.stop_ids), NEW), (case, text)
+
+
+def test_min_tokens_holds_back_eos_until_then(engine: Engine) -> None:
+    eos = sorted(engine.stop_ids)[0]
+    prompt = engine.tokenizer.encode(TEXTS[0])
+    plain = engine.generate([prompt], SamplingParams(max_tokens=8, logit_bias={eos: 100.0}))[0]
+    assert plain.output_ids == [eos] and plain.finish_reason.value == "stop"  # the bias makes EOS certain
+    held = engine.generate([prompt], SamplingParams(max_tokens=8, min_tokens=5, logit_bias={eos: 100.0}))[0]
+    assert len(held.output_ids) == 6 and held.output_ids[-1] == eos and eos not in held.output_ids[:5]
+
+
+def test_bad_values_name_their_field(engine: Engine) -> None:
+    for field, kwargs in [("frequency_penalty", {"frequency_penalty": 2.5}), ("presence_penalty", {"presence_penalty": float("nan")}),
+                          ("repetition_penalty", {"repetition_penalty": 0.0}), ("logit_bias", {"logit_bias": {10**9: 1.0}}),
+                          ("logit_bias", {"logit_bias": {5: 101.0}}), ("min_tokens", {"min_tokens": 99, "max_tokens": 4}),
+                          ("logprobs", {"logprobs": 21}), ("logprobs", {"logprobs": -1})]:
+        with pytest.raises(InvalidRequestError) as e:
+            engine.generate([[1, 2, 3]], SamplingParams(**kwargs))
+        assert e.value.field == field
+
+
+def test_the_first_tokens_logprobs_cross_with_the_kv() -> None:
+    meta = PrefilledKV(7, 0, None, TokenLogprobs(-0.25, ((7, -0.25), (9, -1.5)))).to_meta()
+    assert PrefilledKV.from_meta(meta).first_logprobs == TokenLogprobs(-0.25, ((7, -0.25), (9, -1.5)))
+    assert PrefilledKV.from_meta(PrefilledKV(7, 0).to_meta()).first_logprobs is None
