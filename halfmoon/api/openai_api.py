@@ -20,6 +20,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -30,10 +31,12 @@ from halfmoon.api.openapi import answer, json_body, operation, publish
 from halfmoon.api.openapi_bodies import ref
 from halfmoon.conductor.errors import RequestTooLargeError, RetryableRejection, status_of
 from halfmoon.api.frontdoor import Call, FrontDoor
+from halfmoon.api.logprobs_json import logprobs_json
 from halfmoon.api.rejection import retry_after_header
 from halfmoon.core.errors import HalfmoonError, InvalidRequestError
-from halfmoon.core.messages import TokenChunk
+from halfmoon.core.messages import TokenChunk, TokenLogprobs
 from halfmoon.core.tracing import TRACEPARENT
+from halfmoon.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -176,25 +179,31 @@ async def _serve(door: FrontDoor, request: Request, client: str,
     items = door.generate(spec, client, "http", call)
     model = door.backend.model.id
     if not stream:
-        return await _until_disconnect(request, lambda: _collect(items, model, chat))
+        return await _until_disconnect(request, lambda: _collect(items, model, chat, door.backend.tokenizer))
     try:
         first = await items.__anext__()  # validation and admission happen here
     except BaseException:
         await items.aclose()
         raise
-    events = _sse(door, first, items, model, chat, include_usage)
+    events = _sse(door, first, items, Stream(model, chat, include_usage, door.backend.tokenizer))
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _collect(items: Items, model: str, chat: bool) -> Response:
+async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer) -> Response:
     texts: list[str] = []
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
     async with aclosing(items):
         async for item in items:
             texts.append(item.text)
+            tokens.extend(item.token_ids)
+            if item.logprobs is not None:
+                logprobs = [*(logprobs or []), *item.logprobs]
             if item.end is not None:
+                lp = logprobs_json(tokenizer, tokens, logprobs, chat)
                 return JSONResponse(oa.response_json(model, item.request_id, item.end, "".join(texts),
-                                                     oa.now_s(), chat))
+                                                     oa.now_s(), chat, lp))
     raise AssertionError("a generation ended without its last chunk")
 
 
@@ -217,16 +226,27 @@ async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Respo
     return task.result()
 
 
-async def _sse(door: FrontDoor, first: TokenChunk, items: Items, model: str, chat: bool,
-               include_usage: bool) -> AsyncIterator[bytes]:
+@dataclass(slots=True)
+class Stream:
+    """What a stream's chunks are made with; `offset`: the text sent so far (completions'
+    text_offset)."""
+
+    model: str
+    chat: bool
+    include_usage: bool
+    tokenizer: Tokenizer
+    offset: int = 0
+
+
+async def _sse(door: FrontDoor, first: TokenChunk, items: Items, s: Stream) -> AsyncIterator[bytes]:
     created = oa.now_s()
     rid = first.request_id
     try:
-        if chat:
-            yield _event(oa.stream_chunk(model, rid, created, True, {"role": "assistant", "content": ""}))
+        if s.chat:
+            yield _event(oa.stream_chunk(s.model, rid, created, True, {"role": "assistant", "content": ""}))
         item: TokenChunk | None = first
         while item is not None:
-            for chunk in _chunks(item, model, rid, created, chat, include_usage):
+            for chunk in _chunks(item, s, rid, created):
                 yield _event(chunk)
             item = None if item.end is not None else await items.__anext__()
     except HalfmoonError as e:  # headers are sent: the error travels as an event
@@ -237,17 +257,20 @@ async def _sse(door: FrontDoor, first: TokenChunk, items: Items, model: str, cha
     yield b"data: [DONE]\n\n"
 
 
-def _chunks(item: TokenChunk, model: str, rid: str, created: int, chat: bool,
-            include_usage: bool) -> list[dict[str, Any]]:
-    """A chunk's text (if any), then, on the last one, the finish reason and usage."""
+def _chunks(item: TokenChunk, s: Stream, rid: str, created: int) -> list[dict[str, Any]]:
+    """A chunk's text and its tokens' logprobs (if any), then, on the last one, the finish
+    reason and usage."""
     out = []
-    if item.text:
-        out.append(oa.stream_chunk(model, rid, created, chat, {"content": item.text} if chat else item.text))
+    if item.text or item.logprobs:
+        lp = logprobs_json(s.tokenizer, item.token_ids, item.logprobs, s.chat, s.offset)
+        s.offset += len(item.text)
+        out.append(oa.stream_chunk(s.model, rid, created, s.chat, {"content": item.text} if s.chat else item.text,
+                                   logprobs=lp))
     if item.end is not None:
-        out.append(oa.stream_chunk(model, rid, created, chat, {} if chat else "", item.end.finish_reason.value,
+        out.append(oa.stream_chunk(s.model, rid, created, s.chat, {} if s.chat else "", item.end.finish_reason.value,
                                    prediction=item.end.prediction))
-        if include_usage:
-            out.append(oa.stream_chunk(model, rid, created, chat, None, usage=oa.usage_json(item.end.usage)))
+        if s.include_usage:
+            out.append(oa.stream_chunk(s.model, rid, created, s.chat, None, usage=oa.usage_json(item.end.usage)))
     return out
 
 

@@ -47,7 +47,9 @@ class Progress:
         if not self.sent:
             return self.inp
         p, n = self.inp.params, len(self.sent)
-        params = replace(p, max_tokens=self.left, seed=None if p.seed is None else p.seed + n)
+        # the tokens sent ride in the prompt: as outputs still for the penalties and min_tokens
+        params = replace(p, max_tokens=self.left, seed=None if p.seed is None else p.seed + n,
+                         output_offset=p.output_offset + n)
         return replace(self.inp, prompt_ids=[*self.inp.prompt_ids, *self.sent], params=params)
 
     def forward(self, chunk: TokenChunk) -> TokenChunk:

@@ -111,8 +111,8 @@ class SamplingParams:
         bad = [v for _, v in self.logit_bias if not -BIAS_LIMIT <= v <= BIAS_LIMIT]
         if bad:
             raise InvalidRequestError("logit_bias", f"values must be in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}], got {bad[:3]}")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens + self.output_offset:
-            raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:  # past max_tokens: the length ends it
+            raise InvalidRequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.output_offset, int) or self.output_offset < 0:

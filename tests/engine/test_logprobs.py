@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from halfmoon.conductor.backend import GenerationInput
+from halfmoon.conductor.migration import Progress
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import PrefilledKV, TokenLogprobs
 from halfmoon.core.params import SamplingParams
@@ -129,7 +131,7 @@ def test_min_tokens_holds_back_eos_until_then(engine: Engine) -> None:
 def test_bad_values_name_their_field(engine: Engine) -> None:
     for field, kwargs in [("frequency_penalty", {"frequency_penalty": 2.5}), ("presence_penalty", {"presence_penalty": float("nan")}),
                           ("repetition_penalty", {"repetition_penalty": 0.0}), ("logit_bias", {"logit_bias": {10**9: 1.0}}),
-                          ("logit_bias", {"logit_bias": {5: 101.0}}), ("min_tokens", {"min_tokens": 99, "max_tokens": 4}),
+                          ("logit_bias", {"logit_bias": {5: 101.0}}), ("min_tokens", {"min_tokens": -1}),
                           ("logprobs", {"logprobs": 21}), ("logprobs", {"logprobs": -1})]:
         with pytest.raises(InvalidRequestError) as e:
             engine.generate([[1, 2, 3]], SamplingParams(**kwargs))
@@ -140,3 +142,17 @@ def test_the_first_tokens_logprobs_cross_with_the_kv() -> None:
     meta = PrefilledKV(7, 0, None, TokenLogprobs(-0.25, ((7, -0.25), (9, -1.5)))).to_meta()
     assert PrefilledKV.from_meta(meta).first_logprobs == TokenLogprobs(-0.25, ((7, -0.25), (9, -1.5)))
     assert PrefilledKV.from_meta(PrefilledKV(7, 0).to_meta()).first_logprobs is None
+
+
+def test_a_migrated_request_continues_exactly(engine: Engine) -> None:
+    """What the Conductor does on a move (conductor/migration.py): prompt + the tokens sent,
+    `output_offset` = how many; with penalties and min_tokens the rest is the undisturbed run's."""
+    prompt = engine.tokenizer.encode("one two three one two three one two")
+    params = SamplingParams(max_tokens=10, frequency_penalty=1.1, presence_penalty=0.2, min_tokens=6,
+                            logit_bias={2: 3.0})
+    whole = engine.generate([prompt], params)[0].output_ids
+    progress = Progress(GenerationInput(prompt, params), 0.0)
+    progress.sent = whole[:4]
+    moved = progress.next_input()
+    assert moved.params.output_offset == 4 and moved.prompt_ids == prompt + whole[:4]
+    assert engine.generate([moved.prompt_ids], moved.params)[0].output_ids == whole[4:]

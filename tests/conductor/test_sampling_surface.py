@@ -1,0 +1,97 @@
+"""The sampling surface through the APIs (issue 46), with the official openai client and the SDK
+over gRPC, against the engine's own results (a second engine on the same weights): logprobs in
+chat and completions shape, streaming and not; penalties, logit_bias and min_tokens; clear 400s
+naming the field for bad values and what is still not served."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import openai
+import pytest
+
+from halfmoon.client import Client
+from halfmoon.core.params import SamplingParams
+from halfmoon.engine.engine import Engine
+from tests.conductor.conftest import MODEL, RunningApi
+
+pytestmark = [pytest.mark.slow]
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+PROMPT = "The capital of France is"
+
+
+def oai(api: RunningApi) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api.http_url + "/v1", api_key="unused", max_retries=0)
+
+
+def chat_ids(api: RunningApi) -> list[int]:
+    tok = api.engine.tokenizer
+    return tok.encode(tok.apply_chat_template(MESSAGES))
+
+
+def test_chat_logprobs_equal_the_engine_streaming_and_not(api: RunningApi, engine: Engine) -> None:
+    want = engine.generate([chat_ids(api)], SamplingParams(max_tokens=8, ignore_eos=True, logprobs=3))[0]
+    client = oai(api)
+    full = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True,
+                                          top_logprobs=3, extra_body={"ignore_eos": True})
+    content = full.choices[0].logprobs.content
+    assert len(content) == 8
+    tok = api.engine.tokenizer
+    for entry, token, lp in zip(content, want.output_ids, want.logprobs):
+        assert entry.bytes == list(tok.token_bytes(token))
+        assert math.isclose(entry.logprob, lp.logprob, abs_tol=1e-4)
+        assert [t.bytes for t in entry.top_logprobs] == [list(tok.token_bytes(i)) for i, _ in lp.top]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, logprobs=True,
+                                                 top_logprobs=3, stream=True, extra_body={"ignore_eos": True}))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.logprob for e in streamed] == [e.logprob for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_shape(api: RunningApi, engine: Engine) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    want = engine.generate([ids], SamplingParams(max_tokens=6, ignore_eos=True, logprobs=2))[0]
+    out = oai(api).completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, logprobs=2,
+                                      extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    assert [round(x, 4) for x in lp.token_logprobs] == [round(x.logprob, 4) for x in want.logprobs]
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == out.choices[0].text  # plain ASCII here: the tokens spell the text
+
+
+def test_penalties_bias_and_min_tokens_equal_the_engine(api: RunningApi, engine: Engine) -> None:
+    ids = engine.tokenizer.encode("one two three one two three one two")
+    params = SamplingParams(max_tokens=10, ignore_eos=True, frequency_penalty=1.2, presence_penalty=0.3,
+                            repetition_penalty=1.1, logit_bias={28: -100.0}, min_tokens=3)
+    want = engine.generate([ids], params)[0].text
+    got = oai(api).completions.create(model=MODEL, prompt=ids, max_tokens=10, frequency_penalty=1.2,
+                                      presence_penalty=0.3, logit_bias={"28": -100},
+                                      extra_body={"ignore_eos": True, "repetition_penalty": 1.1, "min_tokens": 3})
+    assert got.choices[0].text == want
+    with Client(api.grpc_target) as sdk:
+        result = sdk.generate(prompt_token_ids=ids, max_tokens=10, ignore_eos=True, frequency_penalty=1.2,
+                              presence_penalty=0.3, repetition_penalty=1.1, logit_bias={28: -100.0},
+                              min_tokens=3, logprobs=1)
+    assert result.text == want and result.logprobs is not None and len(result.logprobs) == 10
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"frequency_penalty": 3}, "frequency_penalty"), ({"presence_penalty": "x"}, "presence_penalty"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": -1}, "min_tokens"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
+    ({"n": 2}, "n"), ({"echo": True}, "echo")])
+def test_bad_values_are_a_400_naming_the_field(api: RunningApi, body: dict, param: str) -> None:
+    answer = httpx.post(api.http_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **body},
+                        timeout=30)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == param
+
+
+def test_top_logprobs_needs_logprobs(api: RunningApi) -> None:
+    answer = httpx.post(api.http_url + "/v1/chat/completions", timeout=30,
+                        json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "top_logprobs": 2})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "top_logprobs"
