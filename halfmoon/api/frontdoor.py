@@ -102,6 +102,7 @@ class FrontDoor:
                     if item.end is not None:
                         self.metrics.finished(api, item.end, objective.slo_class.name, _trace_id(inp.span),
                                               meets(item.end, objective))
+                        self.metrics.used(inp.params)
                         self.live.finished(item.end, objective)
                         self.traffic.record(arrival, inp.prompt_ids, item.end.usage.completion_tokens,
                                             inp.cache_salt)

@@ -23,6 +23,7 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+FEATURES = ("logprobs", "logit_bias", "penalties", "min_tokens")  # SamplingParams.features
 PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
 BIAS_LIMIT = 100.0  # |logit_bias| values (OpenAI's range)
 
@@ -72,6 +73,13 @@ class SamplingParams:
         """Whether any bias, penalty or min_tokens changes the logits before sampling."""
         return bool(self.logit_bias or self.frequency_penalty or self.presence_penalty
                     or self.repetition_penalty != 1.0 or self.min_tokens > self.output_offset)
+
+    def features(self) -> tuple[str, ...]:
+        """The sampling features this request uses beyond plain sampling (metrics count them)."""
+        used = {"logprobs": self.logprobs is not None, "logit_bias": bool(self.logit_bias),
+                "penalties": bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0),
+                "min_tokens": self.min_tokens > 0}
+        return tuple(name for name, on in used.items() if on)
 
     @property
     def plain(self) -> bool:

@@ -95,3 +95,15 @@ def test_top_logprobs_needs_logprobs(api: RunningApi) -> None:
     answer = httpx.post(api.http_url + "/v1/chat/completions", timeout=30,
                         json={"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "top_logprobs": 2})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "top_logprobs"
+
+
+def test_metrics_count_the_features_requests_use(api: RunningApi) -> None:
+    def count(feature: str) -> float:
+        text = httpx.get(api.http_url + "/metrics", timeout=10).text
+        line = next(ln for ln in text.splitlines() if ln.startswith(f'halfmoon_request_features_total{{feature="{feature}"}}'))
+        return float(line.split()[-1])
+
+    before = {f: count(f) for f in ("logprobs", "penalties", "logit_bias", "min_tokens")}
+    oai(api).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logprobs=1, presence_penalty=0.5)
+    assert count("logprobs") == before["logprobs"] + 1 and count("penalties") == before["penalties"] + 1
+    assert count("logit_bias") == before["logit_bias"] and count("min_tokens") == before["min_tokens"]
