@@ -18,6 +18,7 @@ BENCHMARKS = {
     "dashboard": "halfmoon.bench.dashboard_bench",
     "chaos": "halfmoon.bench.chaos_bench",
     "soak": "halfmoon.bench.soak_bench",
+    "sampling": "halfmoon.bench.sampling_bench",
     "make-trace": "halfmoon.bench.make_trace",  # not a benchmark: writes a synthetic Mooncake trace to replay
 }
 
