@@ -26,6 +26,7 @@ class GenerationResult:
     timings: Timings
     prediction: SloPrediction | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when the request asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,6 +55,16 @@ def completion_logprobs(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs
             "text_offset": offsets}
 
 
+def echo_logprobs(tokenizer: Tokenizer, prompt_ids: Sequence[int], prompt: Sequence[TokenLogprobs],
+                  token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]) -> dict[str, Any]:
+    """Completions' logprobs with `echo`: the prompt's tokens first (the first has none: null),
+    then the generated ones."""
+    out = completion_logprobs(tokenizer, [*prompt_ids, *token_ids], [*prompt, *logprobs])
+    out["token_logprobs"].insert(0, None)
+    out["top_logprobs"].insert(0, None)
+    return out
+
+
 def logprobs_json(tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs] | None,
                   chat: bool, offset: int = 0) -> dict[str, Any] | None:
     """The choice's `logprobs` field: None when the request did not ask for them."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +31,8 @@ from halfmoon.api.openapi import answer, json_body, operation, publish
 from halfmoon.api.openapi_bodies import ref
 from halfmoon.conductor.errors import RequestTooLargeError, RetryableRejection, status_of
 from halfmoon.api.frontdoor import Call, FrontDoor
-from halfmoon.api.logprobs_json import logprobs_json
+from halfmoon.api.logprobs_json import echo_logprobs, logprobs_json
+from halfmoon.api.requests import RequestSpec
 from halfmoon.api.rejection import retry_after_header
 from halfmoon.core.errors import HalfmoonError, InvalidRequestError
 from halfmoon.core.messages import TokenChunk, TokenLogprobs
@@ -177,31 +178,54 @@ async def _serve(door: FrontDoor, request: Request, client: str,
     call = Call(f"POST {path}", {"http.request.method": "POST", "url.path": path, "halfmoon.api": "http"},
                 request.headers.get(TRACEPARENT))
     items = door.generate(spec, client, "http", call)
-    model = door.backend.model.id
+    model, tokenizer = door.backend.model.id, door.backend.tokenizer
+    echo = Echo.of(spec, tokenizer) if spec.echo else None
     if not stream:
-        return await _until_disconnect(request, lambda: _collect(items, model, chat, door.backend.tokenizer))
+        return await _until_disconnect(request, lambda: _collect(items, model, chat, tokenizer, echo))
     try:
         first = await items.__anext__()  # validation and admission happen here
     except BaseException:
         await items.aclose()
         raise
-    events = _sse(door, first, items, Stream(model, chat, include_usage, door.backend.tokenizer))
+    events = _sse(door, first, items, Stream(model, chat, include_usage, tokenizer, echo=echo))
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer) -> Response:
-    texts: list[str] = []
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """Completions' `echo`: the prompt's text and ids, which the answer starts with."""
+
+    text: str
+    ids: list[int]
+
+    @classmethod
+    def of(cls, spec: RequestSpec, tokenizer: Tokenizer) -> Echo:
+        ids = spec.prompt_token_ids if spec.prompt_token_ids is not None else tokenizer.encode(spec.prompt or "")
+        return cls(spec.prompt if spec.prompt is not None else tokenizer.decode(ids), list(ids))
+
+    def logprobs(self, tokenizer: Tokenizer, prompt: Sequence[TokenLogprobs] | None, token_ids: Sequence[int],
+                 logprobs: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if prompt is None or logprobs is None:
+            return None
+        return echo_logprobs(tokenizer, self.ids, prompt, token_ids, logprobs)
+
+
+async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, echo: Echo | None) -> Response:
+    texts: list[str] = [echo.text] if echo is not None else []
+    prompt: tuple[TokenLogprobs, ...] | None = None
     tokens: list[int] = []
     logprobs: list[TokenLogprobs] | None = None
     async with aclosing(items):
         async for item in items:
             texts.append(item.text)
             tokens.extend(item.token_ids)
+            prompt = item.prompt_logprobs if item.prompt_logprobs is not None else prompt
             if item.logprobs is not None:
                 logprobs = [*(logprobs or []), *item.logprobs]
             if item.end is not None:
-                lp = logprobs_json(tokenizer, tokens, logprobs, chat)
+                lp = (echo.logprobs(tokenizer, prompt, tokens, logprobs) if echo is not None
+                      else logprobs_json(tokenizer, tokens, logprobs, chat))
                 return JSONResponse(oa.response_json(model, item.request_id, item.end, "".join(texts),
                                                      oa.now_s(), chat, lp))
     raise AssertionError("a generation ended without its last chunk")
@@ -236,6 +260,7 @@ class Stream:
     include_usage: bool
     tokenizer: Tokenizer
     offset: int = 0
+    echo: Echo | None = None  # sent with the first chunk, then None
 
 
 async def _sse(door: FrontDoor, first: TokenChunk, items: Items, s: Stream) -> AsyncIterator[bytes]:
@@ -261,6 +286,8 @@ def _chunks(item: TokenChunk, s: Stream, rid: str, created: int) -> list[dict[st
     """A chunk's text and its tokens' logprobs (if any), then, on the last one, the finish
     reason and usage."""
     out = []
+    if s.echo is not None:
+        out.append(_echo_chunk(item, s, rid, created))
     if item.text or item.logprobs:
         lp = logprobs_json(s.tokenizer, item.token_ids, item.logprobs, s.chat, s.offset)
         s.offset += len(item.text)
@@ -272,6 +299,15 @@ def _chunks(item: TokenChunk, s: Stream, rid: str, created: int) -> list[dict[st
         if s.include_usage:
             out.append(oa.stream_chunk(s.model, rid, created, s.chat, None, usage=oa.usage_json(item.end.usage)))
     return out
+
+
+def _echo_chunk(item: TokenChunk, s: Stream, rid: str, created: int) -> dict[str, Any]:
+    """A stream with `echo` starts with the prompt's text and (asked for) its tokens' logprobs."""
+    assert s.echo is not None
+    echo, s.echo = s.echo, None
+    lp = echo.logprobs(s.tokenizer, item.prompt_logprobs, [], [] if item.prompt_logprobs is not None else None)
+    s.offset += len(echo.text)
+    return oa.stream_chunk(s.model, rid, created, False, echo.text, logprobs=lp)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

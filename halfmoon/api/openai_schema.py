@@ -1,8 +1,9 @@
 """OpenAI request bodies -> `RequestSpec`, and results -> OpenAI response/chunk/error JSON.
 
 Strict: a field of the wrong type, an unknown field, or an OpenAI feature Halfmoon does not
-implement (n > 1, tools, echo, ...) is a 400 naming the field — never silently ignored.
-Logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`), `frequency_penalty`,
+implement (n > 1, tools, suffix, ...) is a 400 naming the field — never silently ignored.
+Logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`, with `echo` the prompt's
+too, the first `null`), `frequency_penalty`,
 `presence_penalty` and `logit_bias` as OpenAI defines them. Extensions, as vLLM spells them:
 top_k, ignore_eos, stop_token_ids, seed, repetition_penalty, min_tokens,
 speculative (false: opt out of speculative decoding),
@@ -33,7 +34,7 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 SLO_NAMES = {"ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms"}
 # OpenAI fields accepted only at their neutral value (what "off" means for each).
 _NEUTRAL: dict[str, Any] = {"n": 1, "tools": (None, []), "tool_choice": (None, "none"),
-                            "response_format": (None, {"type": "text"}), "echo": False, "suffix": (None, ""),
+                            "response_format": (None, {"type": "text"}), "suffix": (None, ""),
                             "best_of": (None, 1)}
 
 
@@ -256,7 +257,7 @@ def parse_completion(data: Any) -> tuple[RequestSpec, bool, bool]:
     else:
         raise InvalidRequestError("prompt", "must be a string or a list of token ids")
     spec.max_tokens = body.integer("max_tokens")
-    spec.logprobs = body.integer("logprobs")
+    spec.logprobs, spec.echo = body.integer("logprobs"), body.boolean("echo")
     return _common(body, spec)
 
 

@@ -155,7 +155,9 @@ def completion_request(limits: Limits, model: ModelInfo, classes: frozenset[str]
     batch_of_one = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, ids]}}
     properties = _common(limits, model, classes, kv) | {
         "prompt": {"anyOf": [text, ids, batch_of_one], "description": "text, token ids, or a batch of one"},
-        "echo": _neutral(False), "suffix": _neutral(None, ""), "best_of": _neutral(None, 1),
+        "echo": nullable({"type": "boolean", "description": "the answer starts with the prompt (with logprobs: its "
+                                                            "tokens' too, the first null)"}),
+        "suffix": _neutral(None, ""), "best_of": _neutral(None, 1),
         "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description":
                               "each token's logprob and the N most likely (raw log_softmax)"})}
     return {"type": "object", "required": ["model", "prompt"], "additionalProperties": False,
@@ -219,9 +221,9 @@ CHAT_LOGPROBS: Schema = {"type": "object", "required": ["content"], "properties"
                                              "top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}}}}}}
 COMPLETION_LOGPROBS: Schema = {"type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
                                "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
-                                              "token_logprobs": {"type": "array", "items": {"type": "number"}},
-                                              "top_logprobs": {"type": "array", "items": {
-                                                  "type": "object", "additionalProperties": {"type": "number"}}},
+                                              "token_logprobs": {"type": "array", "items": nullable({"type": "number"})},
+                                              "top_logprobs": {"type": "array", "items": nullable({
+                                                  "type": "object", "additionalProperties": {"type": "number"}})},
                                               "text_offset": {"type": "array", "items": {"type": "integer"}}}}
 COMPLETION = _answer("text_completion", {"text": {"type": "string"}}, COMPLETION_LOGPROBS)
 CHAT_COMPLETION = _answer("chat.completion", {"message": {

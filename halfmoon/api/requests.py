@@ -80,6 +80,8 @@ class RequestSpec:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int | None = None
     logprobs: int | None = None  # None = none; k = the sampled token's and the top k
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (gRPC; HTTP: echo + logprobs)
+    echo: bool = False  # completions: the answer starts with the prompt (and its logprobs)
     names: Mapping[str, str] = field(default_factory=dict)
 
     def name(self, canonical: str) -> str:
@@ -199,7 +201,7 @@ def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_l
                             presence_penalty=spec.presence_penalty or 0.0,
                             repetition_penalty=1.0 if spec.repetition_penalty is None else spec.repetition_penalty,
                             logit_bias=tuple(spec.logit_bias.items()), min_tokens=spec.min_tokens or 0,
-                            logprobs=spec.logprobs)
+                            logprobs=spec.logprobs, prompt_logprobs=_prompt_logprobs(spec))
     try:  # the parameters' own rules, the same the engine checks: written once, in core.params
         params.validate(card.vocab_size)
     except InvalidRequestError as e:
@@ -208,6 +210,13 @@ def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_l
     if len(spec.logit_bias) > MAX_LOGIT_BIAS:
         raise InvalidRequestError(spec.name("logit_bias"), f"{len(spec.logit_bias)} entries is over the limit of {MAX_LOGIT_BIAS}")
     return params
+
+
+def _prompt_logprobs(spec: RequestSpec) -> int | None:
+    """gRPC asks for prompt logprobs directly; OpenAI completions by `echo` with `logprobs`."""
+    if spec.prompt_logprobs is not None:
+        return spec.prompt_logprobs
+    return spec.logprobs if spec.echo else None
 
 
 # What the APIs accept beyond SamplingParams' own rules, said where those rules reject a value.

@@ -108,6 +108,8 @@ class TokenChunk:
     text: str
     end: RequestEnd | None = None
     logprobs: tuple[TokenLogprobs, ...] | None = None
+    # a request's first chunk, when it asked: prompt token k+1's logprobs at k (the first has none)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -188,6 +190,7 @@ class PrefilledKV:
     num_cached_tokens: int
     generator_state: bytes | None = None
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # computed by the prefill, when asked
 
     def to_meta(self) -> dict:
         """JSON-able form for the transport's DONE message."""
@@ -196,14 +199,17 @@ class PrefilledKV:
             meta["generator_state"] = self.generator_state.hex()
         if self.first_logprobs is not None:
             meta["first_logprobs"] = self.first_logprobs.to_json()
+        if self.prompt_logprobs is not None:
+            meta["prompt_logprobs"] = [lp.to_json() for lp in self.prompt_logprobs]
         return meta
 
     @classmethod
     def from_meta(cls, meta: Mapping) -> PrefilledKV:
-        state, logprobs = meta.get("generator_state"), meta.get("first_logprobs")
+        state, logprobs, prompt = meta.get("generator_state"), meta.get("first_logprobs"), meta.get("prompt_logprobs")
         return cls(int(meta["first_token"]), int(meta.get("num_cached_tokens", 0)),
                    bytes.fromhex(state) if state else None,
-                   TokenLogprobs.from_json(logprobs) if logprobs is not None else None)
+                   TokenLogprobs.from_json(logprobs) if logprobs is not None else None,
+                   None if prompt is None else tuple(TokenLogprobs.from_json(v) for v in prompt))
 
 
 # ---------------------------------------------------------------------- workers -> Conductor

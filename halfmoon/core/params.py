@@ -39,7 +39,9 @@ class SamplingParams:
     `presence_penalty` (OpenAI's: `logit - count * frequency - (count > 0) * presence`, counts of
     the output tokens). `logprobs`: None = none; k = the sampled token's logprob and the k most
     likely (0..20), from the model's own distribution (log_softmax of the raw logits, before
-    any processing or temperature). `output_offset`: how many trailing prompt tokens are in fact
+    any processing or temperature). `prompt_logprobs`: the same for every prompt token after the
+    first, computed during the prefill (such a request computes its whole prompt: no prefix
+    cache hit, since a cached block keeps no logits). `output_offset`: how many trailing prompt tokens are in fact
     outputs (a migrated request resumes with its outputs in its prompt: they count as outputs
     for the penalties and min_tokens).
     """
@@ -60,6 +62,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None
     output_offset: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists (and a dict of biases) from callers but keep the frozen object hashable.
@@ -76,7 +79,8 @@ class SamplingParams:
 
     def features(self) -> tuple[str, ...]:
         """The sampling features this request uses beyond plain sampling (metrics count them)."""
-        used = {"logprobs": self.logprobs is not None, "logit_bias": bool(self.logit_bias),
+        used = {"logprobs": self.logprobs is not None or self.prompt_logprobs is not None,
+                "logit_bias": bool(self.logit_bias),
                 "penalties": bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0),
                 "min_tokens": self.min_tokens > 0}
         return tuple(name for name, on in used.items() if on)
@@ -84,7 +88,7 @@ class SamplingParams:
     @property
     def plain(self) -> bool:
         """Nothing beyond sampling: no logit processing, no logprobs (the step's fast path)."""
-        return self.logprobs is None and not self.processes_logits
+        return self.logprobs is None and self.prompt_logprobs is None and not self.processes_logits
 
     @property
     def greedy(self) -> bool:
@@ -123,6 +127,9 @@ class SamplingParams:
             raise InvalidRequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
         if not isinstance(self.output_offset, int) or self.output_offset < 0:
             raise InvalidRequestError("output_offset", f"must be an integer >= 0, got {self.output_offset!r}")
 

@@ -147,6 +147,33 @@ def record_logprobs(raw: torch.Tensor, requests: Sequence[Request], drafts: Sequ
         req.pending_logprobs = pending
 
 
+def record_prompt_logprobs(logits: torch.Tensor, chunks: Sequence[tuple[Request, int, int]]) -> None:
+    """Prompt logprobs of each chunk (request, first position, rows), its rows in `logits` in
+    order: row i predicts prompt token first + i + 1. A recomputed chunk (preemption) adds
+    nothing it already has."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    at = 0
+    for req, first, n in chunks:
+        rows, k = logp[at : at + n], req.params.prompt_logprobs or 0
+        at += n
+        targets = torch.tensor(req.token_ids[first + 1 : first + 1 + n], device=rows.device)
+        chosen = rows.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        top_lp, top_ids = rows.topk(k, dim=-1) if k else (rows[:, :0], rows[:, :0].long())
+        have = req.prompt_logprobs if req.prompt_logprobs is not None else []
+        for i, (lp, ids, lps) in enumerate(zip(chosen, top_ids.tolist(), top_lp.tolist())):
+            if first + i == len(have):  # entry k is token k + 1's
+                have.append(TokenLogprobs(lp, tuple(zip(ids, lps))))
+        req.prompt_logprobs = have
+
+
+def take_prompt_logprobs(req: Request) -> tuple[TokenLogprobs, ...] | None:
+    """A request's prompt logprobs, once (its first chunk carries them)."""
+    if req.params.prompt_logprobs is None or req.prompt_logprobs_sent:
+        return None
+    req.prompt_logprobs_sent = True
+    return tuple(req.prompt_logprobs or ())
+
+
 def take_logprobs(req: Request, n: int, final: bool) -> tuple[TokenLogprobs, ...] | None:
     """The logprobs of the `n` tokens a chunk carries (None when the request did not ask);
     the rest (tokens a stop cut off) is dropped with the request's last chunk."""

@@ -30,6 +30,7 @@ class CompletionResult:
     stop_text: str | None = None  # the stop string that ended it, if any
     e2e_ms: float = 0.0  # arrival -> finished
     logprobs: list[TokenLogprobs] | None = None  # one per output token, when it asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt token k+1's at k, when it asked
 
 
 @dataclass(slots=True)
@@ -104,4 +105,5 @@ def completion_result(request_id: str, prompt_ids: list[int], chunks: list[Token
                             "".join(c.text for c in chunks), end.finish_reason, t.ttft_ms,
                             t.mean_tpot_ms, end.num_preemptions, end.usage.cached_prompt_tokens,
                             t.queue_ms, t.prefill_ms, end.stop, t.e2e_ms,
-                            None if chunks[-1].logprobs is None else [lp for c in chunks for lp in c.logprobs or ()])
+                            None if chunks[-1].logprobs is None else [lp for c in chunks for lp in c.logprobs or ()],
+                            next((list(c.prompt_logprobs) for c in chunks if c.prompt_logprobs is not None), None))

@@ -65,6 +65,9 @@ class Request:
     # built at the first step that needs it) and the logprobs of tokens not yet in a chunk
     penalties: object | None = None
     pending_logprobs: list[TokenLogprobs] | None = None
+    # prompt_logprobs: entry k is prompt token k+1's (the first has none); handed to the first chunk
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:

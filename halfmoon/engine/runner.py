@@ -23,7 +23,7 @@ from halfmoon.core.blocks import cdiv
 from halfmoon.engine.cuda_graphs import DecodeGraphs, VerifyGraphs, VerifyShape
 from halfmoon.engine.model import LayerHook, DecoderModel
 from halfmoon.engine.request import Request
-from halfmoon.engine.logits import process, record_logprobs
+from halfmoon.engine.logits import process, record_logprobs, record_prompt_logprobs
 from halfmoon.engine.sampler import sample
 from halfmoon.engine.speculative import verify
 from halfmoon.engine.scheduler import ScheduledRequest
@@ -31,7 +31,8 @@ from halfmoon.kernels.attention import AttentionMetadata, DecodeBatch, PrefillSe
 
 
 class StepInputs:
-    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens", "drafts", "verify")
+    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens", "drafts", "verify",
+                 "prompt_rows")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits_rows: torch.Tensor, sampled: list[Request],
@@ -48,6 +49,9 @@ class StepInputs:
         self.verify = verify
         # dynamic NTK RoPE only: the sequence length each token's frequencies are for
         self.rope_lens = rope_lens
+        # prompt logprobs: (request, first position, rows) of the chunks that asked, their logits
+        # rows appended after the sampled ones (engine/logits.py record_prompt_logprobs)
+        self.prompt_rows: list[tuple[Request, int, int]] = []
 
 
 class StepBuffers:
@@ -140,6 +144,10 @@ class ModelRunner:
         logits = self._forward(inputs)
         self.last_forward_s = time.perf_counter() - start
         self.last_rows = inputs.meta.num_tokens
+        if inputs.prompt_rows:
+            sampled_rows = len(inputs.logits_rows) - sum(n for _, _, n in inputs.prompt_rows)
+            record_prompt_logprobs(logits[sampled_rows:], inputs.prompt_rows)
+            logits = logits[:sampled_rows]
         if not inputs.sampled:
             return []
         if all(r.params.plain for r in inputs.sampled):
@@ -267,9 +275,12 @@ class ModelRunner:
             prefills=self._prefill_segments(prefills, sum(s.num_tokens for s in decodes), tables),
             num_tokens=len(ids),
         )
-        return StepInputs(torch.tensor(ids), torch.cat(positions), meta,
-                          torch.tensor(rows, dtype=torch.long), sampled,
-                          drafts=drafts if any(drafts) else None, verify=verify)
+        prompt_rows, extra = _prompt_rows(prefills, last_row)
+        rows += extra
+        inputs = StepInputs(torch.tensor(ids), torch.cat(positions), meta, torch.tensor(rows, dtype=torch.long),
+                            sampled, drafts=drafts if any(drafts) else None, verify=verify)
+        inputs.prompt_rows = prompt_rows
+        return inputs
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) for a request's block table."""
@@ -304,3 +315,24 @@ class ModelRunner:
             segments.append(PrefillSegment(q_start, n, table, ctx, mask))
             q_start += n
         return segments
+
+
+def _prompt_rows(prefills: Sequence[ScheduledRequest],
+                 last_row: dict[str, int]) -> tuple[list[tuple[Request, int, int]], list[int]]:
+    """The chunks whose request asked for prompt logprobs: (request, first position, rows) and
+    their flat rows. The row at position p predicts prompt token p + 1, so a chunk of positions
+    [start, start + n) gives the rows before the prompt's last token."""
+    out: list[tuple[Request, int, int]] = []
+    rows: list[int] = []
+    for s in prefills:
+        req = s.request
+        if req.params.prompt_logprobs is None:
+            continue
+        start = req.num_computed_tokens
+        count = min(start + s.num_tokens, req.num_prompt_tokens - 1) - start
+        if count <= 0:
+            continue
+        first = last_row[req.request_id] - s.num_tokens + 1
+        out.append((req, start, count))
+        rows.extend(range(first, first + count))
+    return out, rows

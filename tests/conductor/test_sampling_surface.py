@@ -83,7 +83,7 @@ def test_penalties_bias_and_min_tokens_equal_the_engine(api: RunningApi, engine:
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"n": 2}, "n"), ({"echo": True}, "echo")])
+    ({"n": 2}, "n"), ({"echo": 1}, "echo"), ({"suffix": "x"}, "suffix")])
 def test_bad_values_are_a_400_naming_the_field(api: RunningApi, body: dict, param: str) -> None:
     answer = httpx.post(api.http_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **body},
                         timeout=30)
@@ -107,3 +107,36 @@ def test_metrics_count_the_features_requests_use(api: RunningApi) -> None:
     oai(api).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, logprobs=1, presence_penalty=0.5)
     assert count("logprobs") == before["logprobs"] + 1 and count("penalties") == before["penalties"] + 1
     assert count("logit_bias") == before["logit_bias"] and count("min_tokens") == before["min_tokens"]
+
+
+def test_echo_with_logprobs_is_what_lm_eval_sends(api: RunningApi, engine: Engine) -> None:
+    """lm-evaluation-harness's loglikelihood request: the prompt + continuation, max_tokens 1,
+    echo, logprobs: every prompt token's logprob (the first null) as transformers-equal as the
+    engine's own (tests/engine/test_logprobs.py), then the generated token."""
+    ids = engine.tokenizer.encode(PROMPT + " Paris")
+    want = engine.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1, logprobs=1))[0]
+    out = oai(api).completions.create(model=MODEL, prompt=PROMPT + " Paris", max_tokens=1, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text.startswith(PROMPT + " Paris") and choice.text == PROMPT + " Paris" + want.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert want.prompt_logprobs is not None
+    got = lp.token_logprobs[1 : len(ids)]
+    assert all(math.isclose(a, b.logprob, abs_tol=1e-4) for a, b in zip(got, want.prompt_logprobs))
+    streamed = list(oai(api).completions.create(model=MODEL, prompt=PROMPT + " Paris", max_tokens=1, echo=True,
+                                                logprobs=1, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice.text
+    first = next(c for c in streamed if c.choices and c.choices[0].logprobs)
+    assert first.choices[0].logprobs.token_logprobs[0] is None
+    plain_echo = oai(api).completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, echo=True)
+    assert plain_echo.choices[0].text.startswith(PROMPT) and plain_echo.choices[0].logprobs is None
+
+
+def test_grpc_prompt_logprobs(api: RunningApi, engine: Engine) -> None:
+    ids = engine.tokenizer.encode(PROMPT)
+    want = engine.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=2))[0]
+    with Client(api.grpc_target) as sdk:
+        result = sdk.generate(PROMPT, max_tokens=2, prompt_logprobs=2)
+    assert result.prompt_logprobs is not None and want.prompt_logprobs is not None
+    assert [round(x.logprob, 4) for x in result.prompt_logprobs] == [round(x.logprob, 4) for x in want.prompt_logprobs]
+    assert all(len(x.top) == 2 for x in result.prompt_logprobs) and result.logprobs is None

@@ -156,3 +156,25 @@ def test_a_migrated_request_continues_exactly(engine: Engine) -> None:
     moved = progress.next_input()
     assert moved.params.output_offset == 4 and moved.prompt_ids == prompt + whole[:4]
     assert engine.generate([moved.prompt_ids], moved.params)[0].output_ids == whole[4:]
+
+
+def test_prompt_logprobs_equal_transformers_even_for_a_cached_prefix(engines: Engine, hf: Any) -> None:
+    """Every prompt token after the first, computed in the prefill (chunked: a 40-token budget
+    splits the long prompt), its prefix cached by an earlier request: recomputed, not skipped."""
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    prompt = engines.tokenizer.encode(text)
+    engines.generate([prompt], SamplingParams(max_tokens=1))  # caches its prefix blocks
+    budget = engines.scheduler.max_num_batched_tokens
+    engines.scheduler.max_num_batched_tokens = 40
+    try:
+        result = engines.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=4, logprobs=2))[0]
+    finally:
+        engines.scheduler.max_num_batched_tokens = budget
+    ref = hf_logprobs(hf, prompt + result.output_ids)
+    assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(prompt) - 1
+    assert result.num_cached_tokens == 0  # the cached prefix was computed again, for its logits
+    for k, got in enumerate(result.prompt_logprobs):
+        row = ref[k]  # predicts prompt token k + 1
+        assert abs(got.logprob - float(row[prompt[k + 1]])) < TOL, k
+        assert max(abs(lp - float(row[i])) for i, lp in got.top) < TOL and len(got.top) == 4
+    assert result.logprobs is not None and len(result.logprobs) == 3
