@@ -179,14 +179,15 @@ async def _serve(door: FrontDoor, request: Request, client: str,
                 request.headers.get(TRACEPARENT))
     items = door.generate(spec, client, "http", call)
     model, tokenizer = door.backend.model.id, door.backend.tokenizer
-    echo = Echo.of(spec, tokenizer) if spec.echo else None
     if not stream:
-        return await _until_disconnect(request, lambda: _collect(items, model, chat, tokenizer, echo))
+        return await _until_disconnect(request, lambda: _collect(items, model, chat, tokenizer, spec))
     try:
         first = await items.__anext__()  # validation and admission happen here
     except BaseException:
         await items.aclose()
         raise
+    # the prompt is valid once the first item came (validation happens before it)
+    echo = Echo.of(spec, tokenizer) if spec.echo else None
     events = _sse(door, first, items, Stream(model, chat, include_usage, tokenizer, echo=echo))
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -211,8 +212,8 @@ class Echo:
         return echo_logprobs(tokenizer, self.ids, prompt, token_ids, logprobs)
 
 
-async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, echo: Echo | None) -> Response:
-    texts: list[str] = [echo.text] if echo is not None else []
+async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, spec: RequestSpec) -> Response:
+    texts: list[str] = []
     prompt: tuple[TokenLogprobs, ...] | None = None
     tokens: list[int] = []
     logprobs: list[TokenLogprobs] | None = None
@@ -220,14 +221,15 @@ async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, e
         async for item in items:
             texts.append(item.text)
             tokens.extend(item.token_ids)
-            prompt = item.prompt_logprobs if item.prompt_logprobs is not None else prompt
+            prompt = prompt if prompt is not None else item.prompt_logprobs  # the first (a move sends none)
             if item.logprobs is not None:
                 logprobs = [*(logprobs or []), *item.logprobs]
             if item.end is not None:
+                echo = Echo.of(spec, tokenizer) if spec.echo else None  # validated: items came
                 lp = (echo.logprobs(tokenizer, prompt, tokens, logprobs) if echo is not None
                       else logprobs_json(tokenizer, tokens, logprobs, chat))
-                return JSONResponse(oa.response_json(model, item.request_id, item.end, "".join(texts),
-                                                     oa.now_s(), chat, lp))
+                text = (echo.text if echo is not None else "") + "".join(texts)
+                return JSONResponse(oa.response_json(model, item.request_id, item.end, text, oa.now_s(), chat, lp))
     raise AssertionError("a generation ended without its last chunk")
 
 

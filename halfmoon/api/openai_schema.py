@@ -15,6 +15,7 @@ error object adds `reason`, `retry_after_s` and, when there is one, `prediction`
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -32,6 +33,7 @@ CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "t
                          "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 SLO_NAMES = {"ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms"}
+_TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in ASCII decimal, no leading zero
 # OpenAI fields accepted only at their neutral value (what "off" means for each).
 _NEUTRAL: dict[str, Any] = {"n": 1, "tools": (None, []), "tool_choice": (None, "none"),
                             "response_format": (None, {"type": "text"}), "suffix": (None, ""),
@@ -180,7 +182,7 @@ def _processing(body: Body, spec: RequestSpec) -> None:
     bias = body.get("logit_bias", (dict,), "an object {token id: bias}") or {}
     spec.logit_bias = {}
     for key, value in bias.items():
-        token = integral(int(key)) if isinstance(key, str) and key.lstrip("-").isdigit() else None
+        token = int(key) if isinstance(key, str) and _TOKEN_KEY.fullmatch(key) else None
         if token is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidRequestError("logit_bias", f"must map token ids to numbers, got {key!r}: {value!r}")
         spec.logit_bias[token] = float(value)

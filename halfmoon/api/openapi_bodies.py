@@ -97,8 +97,7 @@ def _common(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int |
                                 "additionalProperties": {"type": "number", "minimum": -BIAS_LIMIT,
                                                          "maximum": BIAS_LIMIT},
                                 "description": "token id -> bias added to its logit"}),
-        "min_tokens": nullable({"type": "integer", "minimum": 0, "maximum": max_tokens_bound(limits, model, kv),
-                                "description": "EOS and stop_token_ids cannot end the first min(min_tokens, "
+        "min_tokens": nullable({"type": "integer", "minimum": 0, "description": "EOS and stop_token_ids cannot end the first min(min_tokens, "
                                                "max_tokens) outputs"}),
     }
 

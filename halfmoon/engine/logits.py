@@ -167,11 +167,12 @@ def record_prompt_logprobs(logits: torch.Tensor, chunks: Sequence[tuple[Request,
 
 
 def take_prompt_logprobs(req: Request) -> tuple[TokenLogprobs, ...] | None:
-    """A request's prompt logprobs, once (its first chunk carries them)."""
-    if req.params.prompt_logprobs is None or req.prompt_logprobs_sent:
-        return None
+    """A request's prompt logprobs, once and only whole (its first chunk carries them)."""
+    have = req.prompt_logprobs or []
+    if req.params.prompt_logprobs is None or req.prompt_logprobs_sent or len(have) < req.num_prompt_tokens - 1:
+        return None  # not asked, sent already, or not complete (an abort mid-prefill): none
     req.prompt_logprobs_sent = True
-    return tuple(req.prompt_logprobs or ())
+    return tuple(have)
 
 
 def take_logprobs(req: Request, n: int, final: bool) -> tuple[TokenLogprobs, ...] | None:

@@ -275,7 +275,7 @@ class ModelRunner:
             prefills=self._prefill_segments(prefills, sum(s.num_tokens for s in decodes), tables),
             num_tokens=len(ids),
         )
-        prompt_rows, extra = _prompt_rows(prefills, last_row)
+        prompt_rows, extra = _prompt_rows([s for s in decodes if not s.draft] + prefills, last_row)
         rows += extra
         inputs = StepInputs(torch.tensor(ids), torch.cat(positions), meta, torch.tensor(rows, dtype=torch.long),
                             sampled, drafts=drafts if any(drafts) else None, verify=verify)
@@ -317,14 +317,15 @@ class ModelRunner:
         return segments
 
 
-def _prompt_rows(prefills: Sequence[ScheduledRequest],
+def _prompt_rows(entries: Sequence[ScheduledRequest],
                  last_row: dict[str, int]) -> tuple[list[tuple[Request, int, int]], list[int]]:
-    """The chunks whose request asked for prompt logprobs: (request, first position, rows) and
-    their flat rows. The row at position p predicts prompt token p + 1, so a chunk of positions
-    [start, start + n) gives the rows before the prompt's last token."""
+    """The prompt chunks (one token ones included: the budget's last) whose request asked for
+    prompt logprobs: (request, first position, rows) and their flat rows. The row at position p
+    predicts prompt token p + 1, so a chunk of positions [start, start + n) gives the rows
+    before the prompt's last token; a decoding entry gives none."""
     out: list[tuple[Request, int, int]] = []
     rows: list[int] = []
-    for s in prefills:
+    for s in entries:
         req = s.request
         if req.params.prompt_logprobs is None:
             continue

@@ -178,3 +178,29 @@ def test_prompt_logprobs_equal_transformers_even_for_a_cached_prefix(engines: En
         assert abs(got.logprob - float(row[prompt[k + 1]])) < TOL, k
         assert max(abs(lp - float(row[i])) for i, lp in got.top) < TOL and len(got.top) == 4
     assert result.logprobs is not None and len(result.logprobs) == 3
+
+
+def test_prompt_logprobs_survive_a_one_token_chunk(engine: Engine) -> None:
+    """A 39-token prompt ahead in a 40-token step leaves the next prompt one token: that chunk
+    is laid out as a decode row, and its prompt logprob must still be taken (a missed row once
+    dropped every later one)."""
+    ahead = list(range(100, 139))
+    asking = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog again and again")
+    alone = engine.generate([asking], SamplingParams(max_tokens=2, prompt_logprobs=2))[0].prompt_logprobs
+    budget = engine.scheduler.max_num_batched_tokens
+    engine.scheduler.max_num_batched_tokens = 40
+    try:
+        _, packed = engine.generate([ahead, asking], [SamplingParams(max_tokens=2),
+                                                      SamplingParams(max_tokens=2, prompt_logprobs=2)])
+    finally:
+        engine.scheduler.max_num_batched_tokens = budget
+    assert alone is not None and packed.prompt_logprobs is not None and len(alone) == len(asking) - 1
+    assert [round(a.logprob, 4) for a in packed.prompt_logprobs] == [round(a.logprob, 4) for a in alone]
+
+
+def test_a_moved_request_does_not_ask_prompt_logprobs_again() -> None:
+    params = SamplingParams(max_tokens=6, prompt_logprobs=2, logprobs=1)
+    progress = Progress(GenerationInput([5, 6, 7], params), 0.0)
+    progress.sent = [8, 9]
+    moved = progress.next_input().params
+    assert moved.prompt_logprobs is None and moved.logprobs == 1 and moved.output_offset == 2
