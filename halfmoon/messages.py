@@ -10,7 +10,7 @@ from typing import Any, TypedDict
 import grpc
 
 from halfmoon.errors import InternalError, slo_prediction
-from halfmoon.results import GenerationResult, ModelInfo, StreamChunk, Timings, Usage
+from halfmoon.results import GenerationResult, ModelInfo, StreamChunk, Timings, TokenLogprobs, Usage
 from halfmoon.v1 import generation_pb2 as pb
 
 _FINISH = MappingProxyType({pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
@@ -38,6 +38,13 @@ class GenerateOptions(TypedDict, total=False):
     request_id: str | None
     model: str
     speculative: bool | None
+    frequency_penalty: float | None
+    presence_penalty: float | None
+    repetition_penalty: float | None
+    logit_bias: Mapping[int, float] | None
+    min_tokens: int | None
+    logprobs: int | None
+    prompt_logprobs: int | None
 
 
 def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
@@ -48,20 +55,30 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
                      ttft_slo_ms: float | None = None, tbt_slo_ms: float | None = None,
                      priority: int = 0, priority_class: str | None = None, cache_salt: str | None = None,
                      request_id: str | None = None, model: str = "",
-                     speculative: bool | None = None) -> pb.GenerateRequest:
+                     speculative: bool | None = None, frequency_penalty: float | None = None,
+                     presence_penalty: float | None = None, repetition_penalty: float | None = None,
+                     logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
+                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> pb.GenerateRequest:
     """The `GenerateRequest` for these arguments; None = the server's default. Give exactly one
     of `prompt`, `messages` (`{"role", "content"}` dicts) and `prompt_token_ids` (the server
     checks, naming the field). `priority_class`: interactive, standard or batch (the server's
     classes; None = its default class), whose SLOs `ttft_slo_ms` / `tbt_slo_ms` override.
-    `speculative=False` opts the request out of the server's speculative decoding."""
-    sampling = pb.SamplingParams(**_present(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed))
+    `speculative=False` opts the request out of the server's speculative decoding. Penalties,
+    `logit_bias` and `min_tokens` as the proto documents them; `logprobs=N` (0..20): each token's
+    logprob and the N most likely (`StreamChunk.logprobs`, `GenerationResult.logprobs`);
+    `prompt_logprobs=N` the same for the prompt's tokens after the first
+    (`GenerationResult.prompt_logprobs`)."""
+    sampling = pb.SamplingParams(logit_bias=dict(logit_bias or {}), **_present(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, frequency_penalty=frequency_penalty,
+        presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, min_tokens=min_tokens))
     return pb.GenerateRequest(
         model=model, messages=_chat(messages), prompt_token_ids=list(prompt_token_ids or ()),
         sampling=sampling, slo=pb.Slo(**_present(ttft_ms=ttft_slo_ms, tbt_ms=tbt_slo_ms)),
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
         priority=priority, priority_class=priority_class or "", cache_salt=cache_salt or "",
         request_id=request_id or "",
-        **_present(prompt=prompt, max_tokens=max_tokens, speculative=speculative))
+        **_present(prompt=prompt, max_tokens=max_tokens, speculative=speculative, logprobs=logprobs,
+                   prompt_logprobs=prompt_logprobs))
 
 
 def tokenize_request(text: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
@@ -81,11 +98,13 @@ def _chat(messages: Sequence[Mapping[str, str]] | None) -> list[pb.ChatMessage]:
 class Collector:
     """Turns the responses of one Generate call into chunks and, at the end, the result."""
 
-    __slots__ = ("received", "request_id", "result", "texts", "token_ids")
+    __slots__ = ("logprobs", "prompt_logprobs", "received", "request_id", "result", "texts", "token_ids")
 
     def __init__(self) -> None:
         self.request_id = ""
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprobs] | None = None
+        self.prompt_logprobs: list[TokenLogprobs] | None = None
         self.texts: list[str] = []
         self.received = 0  # messages delivered to the caller (a stream is retried only at 0)
         self.result: GenerationResult | None = None
@@ -96,9 +115,16 @@ class Collector:
         ids = list(response.token_ids)
         self.token_ids.extend(ids)
         self.texts.append(response.text)
+        logprobs = [TokenLogprobs(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                    for lp in response.logprobs] or None
+        if logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *logprobs]
+        if response.prompt_logprobs:
+            self.prompt_logprobs = [TokenLogprobs(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
+                                    for lp in response.prompt_logprobs]
         if response.HasField("final"):
             self.result = self._result(response.final)
-        return StreamChunk(self.request_id, ids, response.text, self.result)
+        return StreamChunk(self.request_id, ids, response.text, self.result, logprobs)
 
     def finish(self) -> GenerationResult:
         """The result; raises InternalError when the stream ended without its final message."""
@@ -114,7 +140,8 @@ class Collector:
             self.request_id, "".join(self.texts), list(self.token_ids), _FINISH[final.finish_reason],
             final.stop or None, Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens),
             Timings(t.queue_ms, t.prefill_ms, t.transfer_ms, t.ttft_ms, t.mean_tpot_ms, t.e2e_ms),
-            slo_prediction(final.prediction) if final.HasField("prediction") else None)
+            slo_prediction(final.prediction) if final.HasField("prediction") else None, self.logprobs,
+            self.prompt_logprobs)
 
 
 def model_info(m: pb.ModelInfo) -> ModelInfo:

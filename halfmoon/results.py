@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 # A generation's usage, server-side timings and admission's prediction have one shape on both
 # sides of the API: the server's own (core.messages), re-exported here.
-from halfmoon.core.messages import SloPrediction, Timings, Usage
+from halfmoon.core.messages import SloPrediction, Timings, TokenLogprobs, Usage
 
-__all__ = ["GenerationResult", "ModelInfo", "SloPrediction", "StreamChunk", "Timings", "Usage"]
+__all__ = ["GenerationResult", "ModelInfo", "SloPrediction", "StreamChunk", "Timings", "TokenLogprobs", "Usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +25,8 @@ class GenerationResult:
     usage: Usage
     timings: Timings
     prediction: SloPrediction | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when the request asked
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,7 @@ class StreamChunk:
     token_ids: list[int]
     text: str
     result: GenerationResult | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ BENCHMARKS = {
     "chaos": "halfmoon.bench.chaos_bench",
     "soak": "halfmoon.bench.soak_bench",
     "first-run": "halfmoon.bench.first_run_bench",
+    "sampling": "halfmoon.bench.sampling_bench",
     "make-trace": "halfmoon.bench.make_trace",  # not a benchmark: writes a synthetic Mooncake trace to replay
 }
 

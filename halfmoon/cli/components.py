@@ -11,9 +11,9 @@ import dataclasses
 
 from halfmoon.conductor.admission import AdmissionConfig, Policy
 from halfmoon.conductor.cluster_config import ClusterConfig
-from halfmoon.conductor.requests import Limits
+from halfmoon.api.requests import Limits
 from halfmoon.conductor.serve_defaults import HOST_CACHE_GB, SERVE_DTYPE, SERVE_PREFILL_MAX_SEQS, SERVE_QUANTIZATION
-from halfmoon.conductor.server import ServerConfig
+from halfmoon.api.server import ServerConfig
 from halfmoon.core.logs import FORMATS, LEVELS, LogConfig
 from halfmoon.core.tracing import PROTOCOLS, SAMPLERS, TracingConfig
 from halfmoon.engine.config import AUTO, QUANTIZATIONS, EngineConfig

@@ -176,7 +176,7 @@ def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission, obse
 
 
 async def _main(backend, config) -> None:
-    from halfmoon.conductor.server import serve
+    from halfmoon.api.server import serve
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

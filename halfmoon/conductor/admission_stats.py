@@ -1,5 +1,5 @@
 """What admission decided and how good its predictions were, kept as plain counters for
-`/metrics` (conductor/metrics.py reads a snapshot at scrape time; nothing here imports Prometheus).
+`/metrics` (api/metrics.py reads a snapshot at scrape time; nothing here imports Prometheus).
 
     decisions[(class, outcome, reason)]   outcome "admitted" (reason "") or "rejected"
     ttft_error / tbt_error                predicted - measured, seconds, per admitted request

@@ -47,7 +47,10 @@ class Progress:
         if not self.sent:
             return self.inp
         p, n = self.inp.params, len(self.sent)
-        params = replace(p, max_tokens=self.left, seed=None if p.seed is None else p.seed + n)
+        # the tokens sent ride in the prompt: as outputs still for the penalties and min_tokens
+        # ... and its prompt logprobs went with its first chunk: not asked (nor recomputed) again
+        params = replace(p, max_tokens=self.left, seed=None if p.seed is None else p.seed + n,
+                         output_offset=p.output_offset + n, prompt_logprobs=None)
         return replace(self.inp, prompt_ids=[*self.inp.prompt_ids, *self.sent], params=params)
 
     def forward(self, chunk: TokenChunk) -> TokenChunk:

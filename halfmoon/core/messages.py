@@ -21,7 +21,7 @@ in tests. The protocols are what the Conductor calls: a Ray actor handle is adap
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -82,14 +82,34 @@ class RequestEnd:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One generated token's logprob and the `top` most likely tokens (id, logprob), best
+    first: log_softmax of the model's raw logits at that position (SamplingParams.logprobs)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_json(self) -> list:
+        return [self.logprob, [list(pair) for pair in self.top]]
+
+    @classmethod
+    def from_json(cls, value: Sequence) -> TokenLogprobs:
+        logprob, top = value
+        return cls(float(logprob), tuple((int(i), float(lp)) for i, lp in top))
+
+
+@dataclass(frozen=True, slots=True)
 class TokenChunk:
     """New tokens of one request since its last chunk, and their text; the last chunk of a
-    request carries `end`."""
+    request carries `end`. `logprobs`: one per token, when the request asked for them."""
 
     request_id: str
     token_ids: list[int]
     text: str
     end: RequestEnd | None = None
+    logprobs: tuple[TokenLogprobs, ...] | None = None
+    # a request's first chunk, when it asked: prompt token k+1's logprobs at k (the first has none)
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -169,19 +189,27 @@ class PrefilledKV:
     first_token: int
     num_cached_tokens: int
     generator_state: bytes | None = None
+    first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # computed by the prefill, when asked
 
     def to_meta(self) -> dict:
         """JSON-able form for the transport's DONE message."""
         meta: dict = {"first_token": self.first_token, "num_cached_tokens": self.num_cached_tokens}
         if self.generator_state is not None:
             meta["generator_state"] = self.generator_state.hex()
+        if self.first_logprobs is not None:
+            meta["first_logprobs"] = self.first_logprobs.to_json()
+        if self.prompt_logprobs is not None:
+            meta["prompt_logprobs"] = [lp.to_json() for lp in self.prompt_logprobs]
         return meta
 
     @classmethod
     def from_meta(cls, meta: Mapping) -> PrefilledKV:
-        state = meta.get("generator_state")
+        state, logprobs, prompt = meta.get("generator_state"), meta.get("first_logprobs"), meta.get("prompt_logprobs")
         return cls(int(meta["first_token"]), int(meta.get("num_cached_tokens", 0)),
-                   bytes.fromhex(state) if state else None)
+                   bytes.fromhex(state) if state else None,
+                   TokenLogprobs.from_json(logprobs) if logprobs is not None else None,
+                   None if prompt is None else tuple(TokenLogprobs.from_json(v) for v in prompt))
 
 
 # ---------------------------------------------------------------------- workers -> Conductor

@@ -22,9 +22,29 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int
     return list(ids)
 
 
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+FEATURES = ("logprobs", "logit_bias", "penalties", "min_tokens")  # SamplingParams.features
+PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
+BIAS_LIMIT = 100.0  # |logit_bias| values (OpenAI's range)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; seed None = random."""
+    """temperature 0 = greedy; top_k 0 = off; top_p 1.0 = off; seed None = random.
+
+    Logit processing (engine/logits.py), in this order, before temperature / top-k / top-p:
+    `logit_bias` (token id, bias) added; while fewer than `min_tokens` outputs, EOS and
+    `stop_token_ids` are impossible; `repetition_penalty` (HF's: a seen token's positive logit
+    divided by it, a negative one multiplied; over prompt + outputs); `frequency_penalty` and
+    `presence_penalty` (OpenAI's: `logit - count * frequency - (count > 0) * presence`, counts of
+    the output tokens). `logprobs`: None = none; k = the sampled token's logprob and the k most
+    likely (0..20), from the model's own distribution (log_softmax of the raw logits, before
+    any processing or temperature). `prompt_logprobs`: the same for every prompt token after the
+    first, computed during the prefill (such a request computes its whole prompt: no prefix
+    cache hit, since a cached block keeps no logits). `output_offset`: how many trailing prompt tokens are in fact
+    outputs (a migrated request resumes with its outputs in its prompt: they count as outputs
+    for the penalties and min_tokens).
+    """
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -35,11 +55,40 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = field(default=())
     speculative: bool = True  # False: this request opts out of speculative decoding
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    logprobs: int | None = None
+    output_offset: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        # Accept lists from callers but keep the frozen object hashable and immutable.
+        # Accept lists (and a dict of biases) from callers but keep the frozen object hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in bias)))
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any bias, penalty or min_tokens changes the logits before sampling."""
+        return bool(self.logit_bias or self.frequency_penalty or self.presence_penalty
+                    or self.repetition_penalty != 1.0 or self.min_tokens > self.output_offset)
+
+    def features(self) -> tuple[str, ...]:
+        """The sampling features this request uses beyond plain sampling (metrics count them)."""
+        used = {"logprobs": self.logprobs is not None or self.prompt_logprobs is not None,
+                "logit_bias": bool(self.logit_bias),
+                "penalties": bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0),
+                "min_tokens": self.min_tokens > 0}
+        return tuple(name for name, on in used.items() if on)
+
+    @property
+    def plain(self) -> bool:
+        """Nothing beyond sampling: no logit processing, no logprobs (the step's fast path)."""
+        return self.logprobs is None and self.prompt_logprobs is None and not self.processes_logits
 
     @property
     def greedy(self) -> bool:
@@ -61,6 +110,28 @@ class SamplingParams:
         check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
+        self._validate_processing(vocab_size)
+
+    def _validate_processing(self, vocab_size: int) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:  # also rejects NaN
+                raise InvalidRequestError(name, f"must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}")
+        check_token_ids("logit_bias", [k for k, _ in self.logit_bias], vocab_size)
+        bad = [v for _, v in self.logit_bias if not -BIAS_LIMIT <= v <= BIAS_LIMIT]
+        if bad:
+            raise InvalidRequestError("logit_bias", f"values must be in [-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}], got {bad[:3]}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:  # past max_tokens: the length ends it
+            raise InvalidRequestError("min_tokens", f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidRequestError("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if not isinstance(self.output_offset, int) or self.output_offset < 0:
+            raise InvalidRequestError("output_offset", f"must be an integer >= 0, got {self.output_offset!r}")
 
 
 class FinishReason(str, enum.Enum):

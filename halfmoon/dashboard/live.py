@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from halfmoon.conductor.backend import BackendStats, WorkerView
-from halfmoon.conductor.frontdoor import FrontDoor
+from halfmoon.api.frontdoor import FrontDoor
 from halfmoon.core.messages import WorkerLoad
 from halfmoon.dashboard.jsonable import finite
 

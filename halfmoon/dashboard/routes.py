@@ -28,8 +28,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, PlainTextResponse, RedirectResponse
 
 from halfmoon.conductor.errors import ServiceUnavailableError, UnauthenticatedError
-from halfmoon.conductor.frontdoor import FrontDoor
-from halfmoon.conductor.openapi import answer, json_body, operation
+from halfmoon.api.frontdoor import FrontDoor
+from halfmoon.api.openapi import answer, json_body, operation
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.dashboard.live import LiveView
 from halfmoon.dashboard.sizing import (THIS_CLUSTER, SizingJobs, cost_model, parse_trace, sweep_request,

@@ -206,7 +206,9 @@ class DecodeWorker(EngineWorker):
         def add() -> None:
             self.engine.add_prefilled(task.prompt_ids, prefilled.first_token, task.params, blocks,
                                       request_id=task.request_id, cache_salt=task.cache_salt,
-                                      generator_state=prefilled.generator_state)
+                                      generator_state=prefilled.generator_state,
+                                      first_logprobs=prefilled.first_logprobs,
+                                      prompt_logprobs=prefilled.prompt_logprobs)
 
         try:
             await self.on_engine(add)

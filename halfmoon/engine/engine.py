@@ -24,11 +24,12 @@ import torch
 from halfmoon.engine.config import EngineConfig
 from halfmoon.core.blocks import cdiv, first_visible_block
 from halfmoon.core.errors import InvalidRequestError
-from halfmoon.core.messages import EngineInfo, TokenChunk
+from halfmoon.core.messages import EngineInfo, TokenChunk, TokenLogprobs
 from halfmoon.engine.kv_push import KVPushes, PushStream
 from halfmoon.engine.loader import LoadedWeights, load_weights
 from halfmoon.engine.model import DecoderModel
 from halfmoon.engine.parallel import plan_shard
+from halfmoon.engine.logits import take_logprobs, take_prompt_logprobs
 from halfmoon.engine.outputs import CompletionResult, TextState, completion_result, request_end
 from halfmoon.core.params import FinishReason
 from halfmoon.engine.request import Request
@@ -187,6 +188,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.tiers, self.speculator, config.max_prefill_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self.runner.stop_ids = self.stop_ids
         if self.ranks is not None:
             self.runner.step_sync = self.ranks.send_step
         self._text: dict[str, TextState] = {}
@@ -234,7 +236,9 @@ class Engine:
 
     def add_prefilled(self, prompt_ids: Sequence[int], first_token: int, params: SamplingParams,
                       block_ids: Sequence[int], request_id: str | None = None,
-                      cache_salt: str | None = None, generator_state: bytes | None = None) -> str:
+                      cache_salt: str | None = None, generator_state: bytes | None = None,
+                      first_logprobs: TokenLogprobs | None = None,
+                      prompt_logprobs: Sequence[TokenLogprobs] | None = None) -> str:
         """Queue a request whose prompt KV is already in `block_ids` (received from a prefill
         worker, reserved with `reserve_blocks`) and whose first token was sampled there; it
         joins the running batch at the next step. The blocks become the request's block table:
@@ -250,6 +254,9 @@ class Engine:
         if generator_state is not None:
             req.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
         req.token_ids.append(int(first_token))
+        if params.logprobs is not None:  # the first token's, computed where it was sampled
+            req.pending_logprobs = [first_logprobs] if first_logprobs is not None else None
+        req.prompt_logprobs = list(prompt_logprobs) if prompt_logprobs is not None else None
         req.block_table = list(block_ids)
         req.num_computed_tokens = req.num_prompt_tokens
         # sliding layers' dead blocks were not sent (engine/kv_push.py): not a cacheable prefix
@@ -513,12 +520,13 @@ class Engine:
 
     def _output(self, req: Request, tokens: list[int], final: bool) -> TokenChunk:
         delta = self._text[req.request_id].take(final)
+        logprobs, prompt = take_logprobs(req, len(tokens), final), take_prompt_logprobs(req)
         if not final:
-            return TokenChunk(req.request_id, tokens, delta)
+            return TokenChunk(req.request_id, tokens, delta, logprobs=logprobs, prompt_logprobs=prompt)
         del self._text[req.request_id]
         with self._lock:
             self._live_ids.discard(req.request_id)
-        return TokenChunk(req.request_id, tokens, delta, request_end(req))
+        return TokenChunk(req.request_id, tokens, delta, request_end(req), logprobs, prompt)
 
     # ------------------------------------------------------------------ offline
 

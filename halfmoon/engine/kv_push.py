@@ -165,4 +165,6 @@ class KVPushes:
 def prefilled_kv(req: Request) -> PrefilledKV:
     """What the decode side needs besides the KV (the generator state only when sampling)."""
     state = None if req.params.greedy else bytes(req.generator.get_state().numpy())
-    return PrefilledKV(req.token_ids[req.num_prompt_tokens], req.num_cached_tokens, state)
+    first_logprobs = req.pending_logprobs[0] if req.pending_logprobs else None  # not yet in a chunk
+    prompt = tuple(req.prompt_logprobs or ()) if req.params.prompt_logprobs is not None else None
+    return PrefilledKV(req.token_ids[req.num_prompt_tokens], req.num_cached_tokens, state, first_logprobs, prompt)

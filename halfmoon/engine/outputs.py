@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from halfmoon.core.messages import RequestEnd, Timings, TokenChunk, Usage
+from halfmoon.core.messages import RequestEnd, Timings, TokenChunk, TokenLogprobs, Usage
 from halfmoon.core.params import FinishReason
 
 from halfmoon.engine.request import Request
@@ -29,6 +29,8 @@ class CompletionResult:
     prefill_ms: float = 0.0  # first admitted -> first token
     stop_text: str | None = None  # the stop string that ended it, if any
     e2e_ms: float = 0.0  # arrival -> finished
+    logprobs: list[TokenLogprobs] | None = None  # one per output token, when it asked for them
+    prompt_logprobs: list[TokenLogprobs] | None = None  # prompt token k+1's at k, when it asked
 
 
 @dataclass(slots=True)
@@ -102,4 +104,6 @@ def completion_result(request_id: str, prompt_ids: list[int], chunks: list[Token
     return CompletionResult(request_id, prompt_ids, [t for c in chunks for t in c.token_ids],
                             "".join(c.text for c in chunks), end.finish_reason, t.ttft_ms,
                             t.mean_tpot_ms, end.num_preemptions, end.usage.cached_prompt_tokens,
-                            t.queue_ms, t.prefill_ms, end.stop, t.e2e_ms)
+                            t.queue_ms, t.prefill_ms, end.stop, t.e2e_ms,
+                            None if chunks[-1].logprobs is None else [lp for c in chunks for lp in c.logprobs or ()],
+                            next((list(c.prompt_logprobs) for c in chunks if c.prompt_logprobs is not None), None))

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from halfmoon.core.messages import TokenLogprobs
 from halfmoon.core.params import FinishReason, SamplingParams
 from halfmoon.kvpool.tiered import Prefetched
 
@@ -60,6 +61,13 @@ class Request:
     spec_accepted: int = 0
     cache_kv: bool = True  # False: its KV is not complete in every layer; never registered or published
     num_cached_tokens: int = 0
+    # logit processing and logprobs (engine/logits.py): the penalties' counts (a PenaltyState,
+    # built at the first step that needs it) and the logprobs of tokens not yet in a chunk
+    penalties: object | None = None
+    pending_logprobs: list[TokenLogprobs] | None = None
+    # prompt_logprobs: entry k is prompt token k+1's (the first has none); handed to the first chunk
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ from halfmoon.core.blocks import cdiv
 from halfmoon.engine.cuda_graphs import DecodeGraphs, VerifyGraphs, VerifyShape
 from halfmoon.engine.model import LayerHook, DecoderModel
 from halfmoon.engine.request import Request
+from halfmoon.engine.logits import process, record_logprobs, record_prompt_logprobs
 from halfmoon.engine.sampler import sample
 from halfmoon.engine.speculative import verify
 from halfmoon.engine.scheduler import ScheduledRequest
@@ -30,7 +31,8 @@ from halfmoon.kernels.attention import AttentionMetadata, DecodeBatch, PrefillSe
 
 
 class StepInputs:
-    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens", "drafts", "verify")
+    __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens", "drafts", "verify",
+                 "prompt_rows")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits_rows: torch.Tensor, sampled: list[Request],
@@ -47,6 +49,9 @@ class StepInputs:
         self.verify = verify
         # dynamic NTK RoPE only: the sequence length each token's frequencies are for
         self.rope_lens = rope_lens
+        # prompt logprobs: (request, first position, rows) of the chunks that asked, their logits
+        # rows appended after the sampled ones (engine/logits.py record_prompt_logprobs)
+        self.prompt_rows: list[tuple[Request, int, int]] = []
 
 
 class StepBuffers:
@@ -126,6 +131,8 @@ class ModelRunner:
         # engine when captured
         self.graphs: DecodeGraphs | None = None
         self.verify_graphs: VerifyGraphs | None = None
+        # what min_tokens holds back (EOS and the model's other stop ids; set by the engine)
+        self.stop_ids: frozenset[int] = frozenset()
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> list[list[int]]:
         """One forward pass over the batch; returns the new tokens of each request whose
@@ -137,8 +144,20 @@ class ModelRunner:
         logits = self._forward(inputs)
         self.last_forward_s = time.perf_counter() - start
         self.last_rows = inputs.meta.num_tokens
+        if inputs.prompt_rows:
+            sampled_rows = len(inputs.logits_rows) - sum(n for _, _, n in inputs.prompt_rows)
+            record_prompt_logprobs(logits[sampled_rows:], inputs.prompt_rows)
+            logits = logits[:sampled_rows]
         if not inputs.sampled:
             return []
+        if all(r.params.plain for r in inputs.sampled):
+            return self._sample(logits, inputs)
+        # biases / penalties / min_tokens, and logprobs of the raw logits (engine/logits.py)
+        emitted = self._sample(process(logits, inputs.sampled, inputs.drafts, self.stop_ids), inputs)
+        record_logprobs(logits, inputs.sampled, inputs.drafts, emitted)
+        return emitted
+
+    def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[list[int]]:
         if inputs.drafts is None:
             return [[t] for t in sample(logits, inputs.sampled)]
         return self._verify(logits, inputs.sampled, inputs.drafts)
@@ -256,9 +275,12 @@ class ModelRunner:
             prefills=self._prefill_segments(prefills, sum(s.num_tokens for s in decodes), tables),
             num_tokens=len(ids),
         )
-        return StepInputs(torch.tensor(ids), torch.cat(positions), meta,
-                          torch.tensor(rows, dtype=torch.long), sampled,
-                          drafts=drafts if any(drafts) else None, verify=verify)
+        prompt_rows, extra = _prompt_rows([s for s in decodes if not s.draft] + prefills, last_row)
+        rows += extra
+        inputs = StepInputs(torch.tensor(ids), torch.cat(positions), meta, torch.tensor(rows, dtype=torch.long),
+                            sampled, drafts=drafts if any(drafts) else None, verify=verify)
+        inputs.prompt_rows = prompt_rows
+        return inputs
 
     def _slots(self, table: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end) for a request's block table."""
@@ -293,3 +315,25 @@ class ModelRunner:
             segments.append(PrefillSegment(q_start, n, table, ctx, mask))
             q_start += n
         return segments
+
+
+def _prompt_rows(entries: Sequence[ScheduledRequest],
+                 last_row: dict[str, int]) -> tuple[list[tuple[Request, int, int]], list[int]]:
+    """The prompt chunks (one token ones included: the budget's last) whose request asked for
+    prompt logprobs: (request, first position, rows) and their flat rows. The row at position p
+    predicts prompt token p + 1, so a chunk of positions [start, start + n) gives the rows
+    before the prompt's last token; a decoding entry gives none."""
+    out: list[tuple[Request, int, int]] = []
+    rows: list[int] = []
+    for s in entries:
+        req = s.request
+        if req.params.prompt_logprobs is None:
+            continue
+        start = req.num_computed_tokens
+        count = min(start + s.num_tokens, req.num_prompt_tokens - 1) - start
+        if count <= 0:
+            continue
+        first = last_row[req.request_id] - s.num_tokens + 1
+        out.append((req, start, count))
+        rows.extend(range(first, first + count))
+    return out, rows

@@ -207,6 +207,8 @@ class Scheduler:
         (num_tokens - 1) // block_size blocks can hit.
         """
         req.block_hashes = block_hashes(req.token_ids, self.block_size, req.root_hash, req.block_hashes)
+        if req.params.prompt_logprobs is not None:  # every prompt row's logits: nothing reused
+            return [], []
         usable = req.block_hashes[: (req.num_tokens - 1) // self.block_size]
         return usable, self.pool.get_computed_blocks(usable)
 

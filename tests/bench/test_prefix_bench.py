@@ -13,7 +13,7 @@ from halfmoon.bench.prefix_bench import (Shape, infinite_cache_bound, render_spi
 from halfmoon.bench.serve_args import parse_args, workloads
 from halfmoon.bench.workload import Request, Workload
 from halfmoon.conductor.backend import BackendStats, WorkerView
-from halfmoon.conductor.metrics import Metrics
+from halfmoon.api.metrics import Metrics
 from halfmoon.core.messages import WorkerLoad
 
 

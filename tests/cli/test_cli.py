@@ -115,7 +115,7 @@ def test_serve_answers_and_stops_cleanly_on_ctrl_c(tmp_path: Path) -> None:
 
 
 def test_serve_warns_when_bound_beyond_localhost(capsys: pytest.CaptureFixture[str]) -> None:
-    from halfmoon.conductor.server import Endpoints, ServerConfig
+    from halfmoon.api.server import Endpoints, ServerConfig
     from halfmoon.cli.serve import announce
 
     announce(Endpoints("127.0.0.1", 50051, 8000, False, False), "smollm2", ServerConfig())

@@ -16,9 +16,9 @@ from halfmoon.cli.flags import Component, Flag, add_flags, build, env_var, field
 from halfmoon.cli.main import build_parser, parse_args, subparser
 from halfmoon.conductor.admission import AdmissionConfig
 from halfmoon.conductor.cluster_config import ClusterConfig
-from halfmoon.conductor.requests import Limits
+from halfmoon.api.requests import Limits
 from halfmoon.conductor.serve_defaults import SERVE_PREFILL_MAX_SEQS, serve_cluster, serve_engine
-from halfmoon.conductor.server import ServerConfig
+from halfmoon.api.server import ServerConfig
 from halfmoon.core.errors import ConfigError
 from halfmoon.core.logs import LogConfig
 from halfmoon.core.tracing import TracingConfig

@@ -22,7 +22,7 @@ import pytest
 from halfmoon.conductor.admission import AdmissionConfig
 from halfmoon.conductor.backend import BackendStats, GenerationBackend, GenerationInput
 from halfmoon.conductor.colocated import ColocatedBackend
-from halfmoon.conductor.server import Endpoints, Extension, ServerConfig, serve
+from halfmoon.api.server import Endpoints, Extension, ServerConfig, serve
 from halfmoon.core.messages import RequestEnd, SloPrediction, Timings, TokenChunk, Usage
 from halfmoon.core.params import FinishReason
 from halfmoon.engine.engine import Engine

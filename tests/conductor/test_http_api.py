@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from halfmoon.conductor.requests import Limits
+from halfmoon.api.requests import Limits
 from halfmoon.engine.engine import Engine
 from halfmoon.core.params import SamplingParams
 from halfmoon.v1 import generation_pb2 as pb
@@ -201,7 +201,7 @@ def test_many_concurrent_openai_streams(api: RunningApi, engine: Engine) -> None
 
 
 def test_tokens_from_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from halfmoon.conductor.auth import TOKENS_ENV, Authenticator, load_tokens
+    from halfmoon.api.auth import TOKENS_ENV, Authenticator, load_tokens
     from halfmoon.conductor.errors import UnauthenticatedError
     from halfmoon.core.errors import ConfigError
 

@@ -1,10 +1,10 @@
-"""The front door's Prometheus metrics (conductor/metrics.py): latency histograms by class and
+"""The front door's Prometheus metrics (api/metrics.py): latency histograms by class and
 worker, trace ids as exemplars in the OpenMetrics scrape, the plain text format otherwise."""
 
 from __future__ import annotations
 
 from halfmoon.conductor.backend import BackendStats
-from halfmoon.conductor.metrics import Metrics
+from halfmoon.api.metrics import Metrics
 from halfmoon.core.messages import RequestEnd, Timings, Usage
 from halfmoon.core.params import FinishReason
 

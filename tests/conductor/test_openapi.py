@@ -1,4 +1,4 @@
-"""The OpenAPI document (conductor/openapi.py): built from the app's routes, for this server."""
+"""The OpenAPI document (api/openapi.py): built from the app's routes, for this server."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from halfmoon.conductor.auth import Authenticator
-from halfmoon.conductor.frontdoor import FrontDoor
-from halfmoon.conductor.openai_api import build_app
-from halfmoon.conductor.openapi import document
-from halfmoon.conductor.requests import Limits
+from halfmoon.api.auth import Authenticator
+from halfmoon.api.frontdoor import FrontDoor
+from halfmoon.api.openai_api import build_app
+from halfmoon.api.openapi import document
+from halfmoon.api.requests import Limits
 from tests.conductor.conftest import MODEL, RunningApi
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from halfmoon.conductor.admission import AdmissionConfig
 from halfmoon.conductor.cluster import ClusterBackend
-from halfmoon.conductor.server import ServerConfig
+from halfmoon.api.server import ServerConfig
 from halfmoon.engine.loader import LoadedWeights
 from tests.conductor.conftest import MODEL, RunningApi, run_api
 from tests.e2e.support import cost_model_file

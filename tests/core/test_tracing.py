@@ -37,7 +37,7 @@ def test_off_imports_no_sdk_and_builds_no_exporter() -> None:
     (redis-py imports OpenTelemetry's metrics SDK on its own when it is installed.)"""
     code = ("import sys, threading\n"
             "from halfmoon.core.tracing import TracingConfig, start_tracing, NO_SPAN\n"
-            "import halfmoon.conductor.frontdoor, halfmoon.decode_worker.worker, halfmoon.prefill_worker.worker\n"
+            "import halfmoon.api.frontdoor, halfmoon.decode_worker.worker, halfmoon.prefill_worker.worker\n"
             "t = start_tracing(TracingConfig(), 'conductor', 'conductor')\n"
             "assert t.start('x', None, root=True) is NO_SPAN\n"
             "loaded = [m for m in sys.modules if m.startswith(('opentelemetry.sdk.trace', 'opentelemetry.exporter'))]\n"

@@ -14,7 +14,7 @@ import yaml
 
 from halfmoon.conductor.colocated import ColocatedBackend
 from halfmoon.conductor.cost_model import CostModel
-from halfmoon.conductor.server import ServerConfig
+from halfmoon.api.server import ServerConfig
 from halfmoon.dashboard.routes import COOKIE, mount
 from tests.conductor.conftest import MODEL, RunningApi, run_api
 from tests.conftest import EngineFactory

@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from halfmoon.conductor.admission_stats import AdmissionStats
 from halfmoon.conductor.backend import BackendStats, WorkerView
 from halfmoon.core.messages import WorkerLoad
-from halfmoon.conductor.server import ServerConfig
+from halfmoon.api.server import ServerConfig
 from halfmoon.results import ModelInfo
 from tests.conductor.conftest import RunningApi, ScriptedBackend, run_api
 from tests.deploy.chart import CHART, FULLNAME, KUBE_VERSION, NAMESPACE, ROOT, Renderer
@@ -163,7 +163,7 @@ def test_the_admission_and_worker_panels_are_there(dashboard: dict) -> None:
 
 class FullStatsBackend(ScriptedBackend):
     """The scripted backend (tests/conductor/conftest.py), its stats as a 1P1D cluster's with
-    admission, re-runs and index holders: every family of conductor/metrics.py has series."""
+    admission, re-runs and index holders: every family of api/metrics.py has series."""
 
     def stats(self) -> BackendStats:
         admission = AdmissionStats()
@@ -222,7 +222,7 @@ def metrics_in(expr: str) -> list[str]:
 
 
 def test_the_scrape_covers_every_family_of_the_conductor(exported: Exported) -> None:
-    """The fixture means something: every family conductor/metrics.py defines has series."""
+    """The fixture means something: every family api/metrics.py defines has series."""
     assert {"halfmoon_requests", "halfmoon_admission_decisions", "halfmoon_queue_depth",
             "halfmoon_index_resyncs", "halfmoon_prediction_error_tbt_seconds"} <= set(exported.families)
     for name in exported.families:

@@ -16,7 +16,7 @@ from halfmoon.conductor.cluster_config import ClusterConfig
 from halfmoon.core.messages import WorkerLoad
 from halfmoon.core.tracing import TracingConfig
 from halfmoon.conductor.cost_model import DECODE_TERMS, PREFILL_TERMS, CostModel
-from halfmoon.conductor.server import ServerConfig
+from halfmoon.api.server import ServerConfig
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import Engine
 from halfmoon.core.params import SamplingParams

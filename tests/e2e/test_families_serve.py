@@ -16,7 +16,7 @@ import pytest
 from halfmoon.conductor.cluster import ClusterBackend
 from halfmoon.conductor.colocated import ColocatedBackend
 from halfmoon.conductor.cost_model import CostModel
-from halfmoon.conductor.server import ServerConfig
+from halfmoon.api.server import ServerConfig
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import Engine
 from halfmoon.engine.loader import load_weights

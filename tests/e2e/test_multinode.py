@@ -22,7 +22,7 @@ from halfmoon.conductor.cluster import ClusterBackend
 from halfmoon.conductor.cluster_config import ClusterConfig
 from halfmoon.conductor.ledger import PendingPrefill
 from halfmoon.conductor.router import RouteRequest, PrefillView
-from halfmoon.conductor.server import ServerConfig
+from halfmoon.api.server import ServerConfig
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.engine import Engine
 from halfmoon.kvpool.block_hash import block_hashes, root_hash

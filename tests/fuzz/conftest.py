@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from halfmoon.conductor.colocated import ColocatedBackend
-from halfmoon.conductor.requests import Limits
-from halfmoon.conductor.server import ServerConfig
+from halfmoon.api.requests import Limits
+from halfmoon.api.server import ServerConfig
 from halfmoon.dashboard.routes import mount
 from tests.conductor.conftest import CLIENT_SLOS_ONLY, MODEL, RunningApi, run_api
 from tests.conftest import EngineFactory

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from halfmoon.conductor.requests import Limits
+from halfmoon.api.requests import Limits
 from halfmoon.engine.engine import Engine
 from halfmoon.engine.outputs import CompletionResult
 from halfmoon.core.params import SamplingParams

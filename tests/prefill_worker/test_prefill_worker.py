@@ -118,3 +118,25 @@ def test_model_info_and_load_describe_the_engine(workers: InProcessWorkers) -> N
     assert (load.free_blocks, load.total_blocks) == (e.pool.num_blocks, e.pool.num_blocks)
     assert (load.requests, load.pending_tokens, load.reserved, load.kv_address) == (0, 0, 0, None)
     assert block_address is None  # no host/disk tier or index: nothing to serve
+
+
+def test_logprobs_and_penalties_across_the_pair_equal_one_engine(workers: InProcessWorkers, engine: Engine) -> None:
+    """The prefill worker samples the first token with the penalties and biases and computes its
+    logprobs; they travel with the KV (PrefilledKV.first_logprobs) and the decode worker goes on
+    with the same processing: tokens and every logprob as one engine gives them (issue 46)."""
+    prompt = engine.tokenizer.encode("one two three one two three one two three")
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=4, frequency_penalty=0.9, presence_penalty=0.4,
+                            repetition_penalty=1.2, logit_bias={28: 2.5}, min_tokens=2, prompt_logprobs=3)
+    expected = engine.generate([prompt], params)[0]
+
+    _, chunks = asyncio.run(run_pair(workers.prefill, workers.decode, "processed", prompt, params))
+
+    assert tokens(chunks) == expected.output_ids
+    got = [lp for c in chunks for lp in c.logprobs or ()]
+    assert len(got) == 8 and expected.logprobs is not None
+    for a, b in zip(got, expected.logprobs):
+        assert abs(a.logprob - b.logprob) < 1e-4 and [i for i, _ in a.top] == [i for i, _ in b.top]
+    prompt = [lp for c in chunks for lp in c.prompt_logprobs or ()]  # computed on the prefill worker
+    assert expected.prompt_logprobs is not None and len(prompt) == len(expected.prompt_logprobs) > 0
+    assert all(abs(a.logprob - b.logprob) < 1e-4 and a.top[0][0] == b.top[0][0]
+               for a, b in zip(prompt, expected.prompt_logprobs))

@@ -26,11 +26,11 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
-from halfmoon.conductor.frontdoor import Call, FrontDoor
-from halfmoon.conductor.rejection import reason_of
-from halfmoon.conductor.requests import RequestSpec, check_messages, check_model
+from halfmoon.api.frontdoor import Call, FrontDoor
+from halfmoon.api.rejection import reason_of
+from halfmoon.api.requests import RequestSpec, check_messages, check_model, prompt_ids
 from halfmoon.core.errors import InvalidRequestError
-from halfmoon.core.messages import RequestEnd, SloPrediction
+from halfmoon.core.messages import RequestEnd, SloPrediction, TokenLogprobs
 from halfmoon.core.tracing import TRACEPARENT
 from halfmoon.v1 import generation_pb2 as pb
 
@@ -40,7 +40,9 @@ SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 # gRPC field spellings, for error messages that name the client's field.
 NAMES = {"temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
-         "seed": "sampling.seed", "ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms"}
+         "seed": "sampling.seed", "ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms",
+         **{k: f"sampling.{k}" for k in ("frequency_penalty", "presence_penalty", "repetition_penalty",
+                                         "logit_bias", "min_tokens")}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +84,19 @@ def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestS
         ttft_ms=slo.ttft_ms if slo.HasField("ttft_ms") else None,
         tbt_ms=slo.tbt_ms if slo.HasField("tbt_ms") else None, priority=req.priority,
         priority_class=req.priority_class or None, cache_salt=req.cache_salt or None, request_id=req.request_id or None, deadline=deadline,
-        names=NAMES)
+        frequency_penalty=s.frequency_penalty if s.HasField("frequency_penalty") else None,
+        presence_penalty=s.presence_penalty if s.HasField("presence_penalty") else None,
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens if s.HasField("min_tokens") else None,
+        logprobs=req.logprobs if req.HasField("logprobs") else None,
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None, names=NAMES)
+
+
+def logprobs_proto(token_ids: list[int], logprobs: tuple[TokenLogprobs, ...] | None) -> list[pb.TokenLogprob]:
+    if not logprobs:
+        return []
+    return [pb.TokenLogprob(token_id=t, logprob=lp.logprob, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in lp.top])
+            for t, lp in zip(token_ids, logprobs)]
 
 
 def final_proto(end: RequestEnd) -> pb.Final:
@@ -161,13 +175,23 @@ class GenerationService:
             call = Call(f"{SERVICE}/Generate", {"rpc.system": "grpc", "rpc.service": SERVICE,
                                                 "rpc.method": "Generate", "halfmoon.api": "grpc"},
                         dict(context.invocation_metadata() or ()).get(TRACEPARENT))
-            async for item in self.door.generate(spec_from_proto(request, deadline), client, "grpc", call):
-                if item.token_ids or item.text:
-                    yield pb.GenerateResponse(request_id=item.request_id, token_ids=item.token_ids, text=item.text)
+            spec = spec_from_proto(request, deadline)
+            prompt_ids = None if spec.prompt_logprobs is None else self._prompt_ids(spec)
+            async for item in self.door.generate(spec, client, "grpc", call):
+                prompt = [] if prompt_ids is None else logprobs_proto(prompt_ids[1:], item.prompt_logprobs)
+                if item.token_ids or item.text or prompt:
+                    yield pb.GenerateResponse(request_id=item.request_id, token_ids=item.token_ids, text=item.text,
+                                              logprobs=logprobs_proto(item.token_ids, item.logprobs),
+                                              prompt_logprobs=prompt)
                 if item.end is not None:
                     yield pb.GenerateResponse(request_id=item.request_id, final=final_proto(item.end))
         except Exception as e:  # ours map to their status; anything else is INTERNAL, logged
             await self._fail(context, e)
+
+    def _prompt_ids(self, spec: RequestSpec) -> list[int]:
+        """The request's prompt as the front door tokenizes it (what its prompt logprobs are of)."""
+        b = self.door.backend
+        return prompt_ids(spec, b.tokenizer, b.model, self.door.limits)
 
     async def tokenize(self, request: pb.TokenizeRequest | Undecodable,
                        context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:

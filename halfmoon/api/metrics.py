@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 
 from halfmoon.conductor.admission_stats import AdmissionStats
 from halfmoon.conductor.backend import BackendStats, WorkerView
+from halfmoon.core.params import FEATURES, SamplingParams
 from halfmoon.core.messages import RequestEnd
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -204,8 +205,18 @@ class Metrics:
                              "decode worker.", cls, buckets=_LATENCY_BUCKETS, registry=r)
         self.queue = Histogram("halfmoon_request_queue_seconds", "Arrival to admission into a batch, by priority "
                                "class and prefill worker.", cls, buckets=_LATENCY_BUCKETS, registry=r)
+        self.features = Counter("halfmoon_request_features", "Finished requests by the sampling feature they used "
+                                "(logprobs, logit_bias, penalties, min_tokens; a request may count under several).",
+                                ["feature"], registry=r)
+        for feature in FEATURES:  # every series exists from the start, at zero
+            self.features.labels(feature)
         self._seen: set[tuple[str, str]] = set()
         r.register(_BackendCollector(stats))
+
+    def used(self, params: SamplingParams) -> None:
+        """A finished request's sampling features."""
+        for feature in params.features():
+            self.features.labels(feature).inc()
 
     def finished(self, api: str, end: RequestEnd, priority_class: str = "standard",
                  trace_id: str | None = None, met: bool = True) -> None:

@@ -19,6 +19,7 @@ from halfmoon.results import ModelInfo
 
 ROLES = frozenset({"system", "user", "assistant"})
 DEFAULT_MAX_TOKENS = 16
+MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias (OpenAI's limit)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,14 @@ class RequestSpec:
     cache_salt: str | None = None
     request_id: str | None = None
     deadline: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int | None = None
+    logprobs: int | None = None  # None = none; k = the sampled token's and the top k
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (gRPC; HTTP: echo + logprobs)
+    echo: bool = False  # completions: the answer starts with the prompt (and its logprobs)
     names: Mapping[str, str] = field(default_factory=dict)
 
     def name(self, canonical: str) -> str:
@@ -187,13 +196,27 @@ def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_l
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if spec.temperature is None else spec.temperature,
                             top_p=1.0 if spec.top_p is None else spec.top_p, top_k=top_k,
                             seed=spec.seed, ignore_eos=spec.ignore_eos, speculative=spec.speculative,
-                            stop_token_ids=tuple(spec.stop_token_ids), stop=tuple(spec.stop))
+                            stop_token_ids=tuple(spec.stop_token_ids), stop=tuple(spec.stop),
+                            frequency_penalty=spec.frequency_penalty or 0.0,
+                            presence_penalty=spec.presence_penalty or 0.0,
+                            repetition_penalty=1.0 if spec.repetition_penalty is None else spec.repetition_penalty,
+                            logit_bias=tuple(spec.logit_bias.items()), min_tokens=spec.min_tokens or 0,
+                            logprobs=spec.logprobs, prompt_logprobs=_prompt_logprobs(spec))
     try:  # the parameters' own rules, the same the engine checks: written once, in core.params
         params.validate(card.vocab_size)
     except InvalidRequestError as e:
         raise InvalidRequestError(spec.name(e.field), e.message + _API_NOTES.get(e.field, "")) from None
     _check_stops(spec, limits)
+    if len(spec.logit_bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequestError(spec.name("logit_bias"), f"{len(spec.logit_bias)} entries is over the limit of {MAX_LOGIT_BIAS}")
     return params
+
+
+def _prompt_logprobs(spec: RequestSpec) -> int | None:
+    """gRPC asks for prompt logprobs directly; OpenAI completions by `echo` with `logprobs`."""
+    if spec.prompt_logprobs is not None:
+        return spec.prompt_logprobs
+    return spec.logprobs if spec.echo else None
 
 
 # What the APIs accept beyond SamplingParams' own rules, said where those rules reject a value.

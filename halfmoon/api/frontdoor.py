@@ -20,14 +20,14 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 
-from halfmoon.conductor.auth import Authenticator, StreamLimiter
+from halfmoon.api.auth import Authenticator, StreamLimiter
 from halfmoon.conductor.backend import GenerationBackend
 from halfmoon.conductor.admission import resolve
 from halfmoon.conductor.backend import GenerationInput
 from halfmoon.conductor.errors import RetryableRejection, TooManyStreamsError, status_of
 from halfmoon.conductor.live import LiveWindow, TrafficRecorder, meets
-from halfmoon.conductor.metrics import Metrics
-from halfmoon.conductor.requests import Limits, RequestSpec, build_input
+from halfmoon.api.metrics import Metrics
+from halfmoon.api.requests import Limits, RequestSpec, build_input
 from halfmoon.core.logs import bind_request
 from halfmoon.core.messages import RequestEnd, TokenChunk
 from halfmoon.core.tracing import Attributes, Span
@@ -102,6 +102,7 @@ class FrontDoor:
                     if item.end is not None:
                         self.metrics.finished(api, item.end, objective.slo_class.name, _trace_id(inp.span),
                                               meets(item.end, objective))
+                        self.metrics.used(inp.params)
                         self.live.finished(item.end, objective)
                         self.traffic.record(arrival, inp.prompt_ids, item.end.usage.completion_tokens,
                                             inp.cache_salt)

@@ -21,12 +21,12 @@ import uvicorn
 from fastapi import FastAPI
 from grpc_health.v1 import health
 
-from halfmoon.conductor.auth import Authenticator, load_tokens
+from halfmoon.api.auth import Authenticator, load_tokens
 from halfmoon.conductor.backend import GenerationBackend
-from halfmoon.conductor.frontdoor import FrontDoor
-from halfmoon.conductor.grpc_api import GrpcTls, bind, build_server, set_serving
-from halfmoon.conductor.openai_api import BodyLimit, build_app
-from halfmoon.conductor.requests import Limits
+from halfmoon.api.frontdoor import FrontDoor
+from halfmoon.api.grpc_api import GrpcTls, bind, build_server, set_serving
+from halfmoon.api.openai_api import BodyLimit, build_app
+from halfmoon.api.requests import Limits
 from halfmoon.core.errors import ConfigError
 
 

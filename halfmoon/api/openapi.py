@@ -19,8 +19,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from halfmoon.conductor import openapi_bodies as bodies
-from halfmoon.conductor.frontdoor import FrontDoor
+from halfmoon.api import openapi_bodies as bodies
+from halfmoon.api.frontdoor import FrontDoor
 
 Schema = dict[str, Any]
 AUTH_KEY = "x-halfmoon-auth"  # marks an operation that needs a token when auth is on

@@ -1,8 +1,11 @@
 """OpenAI request bodies -> `RequestSpec`, and results -> OpenAI response/chunk/error JSON.
 
 Strict: a field of the wrong type, an unknown field, or an OpenAI feature Halfmoon does not
-implement (n > 1, logprobs, tools, penalties, echo, ...) is a 400 naming the field — never
-silently ignored. Extensions, as vLLM spells them: top_k, ignore_eos, stop_token_ids, seed,
+implement (n > 1, tools, suffix, ...) is a 400 naming the field — never silently ignored.
+Logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`, with `echo` the prompt's
+too, the first `null`), `frequency_penalty`,
+`presence_penalty` and `logit_bias` as OpenAI defines them. Extensions, as vLLM spells them:
+top_k, ignore_eos, stop_token_ids, seed, repetition_penalty, min_tokens,
 speculative (false: opt out of speculative decoding),
 cache_salt, priority, request_id, and `slo: {ttft_ms, tbt_ms}`; Halfmoon's own: `priority_class`
 (also the `X-Priority-Class` header; the body wins). Answers add `prediction` (what admission
@@ -12,26 +15,28 @@ error object adds `reason`, `retry_after_s` and, when there is one, `prediction`
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
 from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
-from halfmoon.conductor.rejection import prediction_json, rejection_json
-from halfmoon.conductor.requests import RequestSpec
+from halfmoon.api.rejection import prediction_json, rejection_json
+from halfmoon.api.requests import RequestSpec
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import RequestEnd, SloPrediction, Usage
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
            "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
-           "ignore_eos", "speculative", "stop_token_ids", "cache_salt", "priority", "priority_class", "request_id", "slo"}
+           "ignore_eos", "speculative", "stop_token_ids", "cache_salt", "priority", "priority_class", "request_id", "slo",
+           "logit_bias", "repetition_penalty", "min_tokens"}
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
                          "response_format"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 SLO_NAMES = {"ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms"}
+_TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in ASCII decimal, no leading zero
 # OpenAI fields accepted only at their neutral value (what "off" means for each).
-_NEUTRAL: dict[str, Any] = {"n": 1, "presence_penalty": 0, "frequency_penalty": 0, "logprobs": (None, False),
-                            "top_logprobs": (None, 0), "tools": (None, []), "tool_choice": (None, "none"),
-                            "response_format": (None, {"type": "text"}), "echo": False, "suffix": (None, ""),
+_NEUTRAL: dict[str, Any] = {"n": 1, "tools": (None, []), "tool_choice": (None, "none"),
+                            "response_format": (None, {"type": "text"}), "suffix": (None, ""),
                             "best_of": (None, 1)}
 
 
@@ -158,6 +163,7 @@ def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
     spec.priority = body.integer("priority") or 0
     spec.priority_class = body.string("priority_class")
     spec.ttft_ms, spec.tbt_ms = _slo(body)
+    _processing(body, spec)
     body.string("user")  # accepted (a string), not used
     stream = body.boolean("stream")
     options = body.get("stream_options", (dict,), "an object") or {}
@@ -169,10 +175,35 @@ def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
     return spec, stream, bool(options.get("include_usage"))
 
 
+def _processing(body: Body, spec: RequestSpec) -> None:
+    """Penalties, biases and min_tokens (their ranges are SamplingParams.validate's)."""
+    spec.frequency_penalty, spec.presence_penalty = body.number("frequency_penalty"), body.number("presence_penalty")
+    spec.repetition_penalty, spec.min_tokens = body.number("repetition_penalty"), body.integer("min_tokens")
+    bias = body.get("logit_bias", (dict,), "an object {token id: bias}") or {}
+    spec.logit_bias = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and _TOKEN_KEY.fullmatch(key) else None
+        if token is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError("logit_bias", f"must map token ids to numbers, got {key!r}: {value!r}")
+        spec.logit_bias[token] = float(value)
+
+
+def _chat_logprobs(body: Body) -> int | None:
+    """Chat's `logprobs: true` with `top_logprobs: 0..20` -> the top count; None when off."""
+    top = body.integer("top_logprobs")
+    if not body.boolean("logprobs"):
+        if top:
+            raise InvalidRequestError("top_logprobs", "needs logprobs: true")
+        return None
+    return top or 0
+
+
 def parse_chat(data: Any) -> tuple[RequestSpec, bool, bool]:
     body = Body(data, CHAT_FIELDS)
-    spec = RequestSpec(names={"prompt_token_ids": "messages", "prompt": "messages", **SLO_NAMES})
+    spec = RequestSpec(names={"prompt_token_ids": "messages", "prompt": "messages", "logprobs": "top_logprobs",
+                              **SLO_NAMES})
     spec.messages = _messages(body)
+    spec.logprobs = _chat_logprobs(body)
     mt, mct = body.integer("max_tokens"), body.integer("max_completion_tokens")
     if mt is not None and mct is not None:
         raise InvalidRequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
@@ -228,6 +259,7 @@ def parse_completion(data: Any) -> tuple[RequestSpec, bool, bool]:
     else:
         raise InvalidRequestError("prompt", "must be a string or a list of token ids")
     spec.max_tokens = body.integer("max_tokens")
+    spec.logprobs, spec.echo = body.integer("logprobs"), body.boolean("echo")
     return _common(body, spec)
 
 
@@ -240,10 +272,12 @@ def usage_json(u: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-def response_json(model: str, rid: str, end: RequestEnd, text: str, created: int, chat: bool) -> dict[str, Any]:
-    """The whole answer of a non-streaming chat (`chat`) or text completion."""
+def response_json(model: str, rid: str, end: RequestEnd, text: str, created: int, chat: bool,
+                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The whole answer of a non-streaming chat (`chat`) or text completion; `logprobs` in its
+    API's shape (api/logprobs_json.py), None when the request did not ask."""
     content: dict[str, Any] = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    choice = {"index": 0, **content, "finish_reason": end.finish_reason.value, "logprobs": None}
+    choice = {"index": 0, **content, "finish_reason": end.finish_reason.value, "logprobs": logprobs}
     out = {"id": _id(rid, chat), "object": "chat.completion" if chat else "text_completion",
            "created": created, "model": model, "choices": [choice], "usage": usage_json(end.usage)}
     return _with_prediction(out, end.prediction)
@@ -251,11 +285,11 @@ def response_json(model: str, rid: str, end: RequestEnd, text: str, created: int
 
 def stream_chunk(model: str, rid: str, created: int, chat: bool, content: dict[str, str] | str | None,
                  finish: str | None = None, usage: dict[str, Any] | None = None,
-                 prediction: SloPrediction | None = None) -> dict[str, Any]:
+                 prediction: SloPrediction | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One SSE chunk: `content` is the chat delta or the completion text (None: no choice, as
-    in the usage chunk); the finish chunk carries the `prediction`."""
+    in the usage chunk), with its tokens' `logprobs`; the finish chunk carries the `prediction`."""
     key = "delta" if chat else "text"
-    choices = [] if content is None else [{"index": 0, key: content, "finish_reason": finish, "logprobs": None}]
+    choices = [] if content is None else [{"index": 0, key: content, "finish_reason": finish, "logprobs": logprobs}]
     chunk = {"id": _id(rid, chat), "object": "chat.completion.chunk" if chat else "text_completion",
              "created": created, "model": model, "choices": choices}
     if usage is not None:

@@ -8,7 +8,7 @@ scrapers). A streamed request is validated and admitted before the response star
 rejection is a plain HTTP error; once streaming, an error arrives as an SSE `error` event.
 A client that disconnects stops its request (its KV is freed at the next engine step).
 A rejection (admission, a client's stream limit) is a 429 with `Retry-After` (whole seconds) and
-an error object that carries `reason`, `retry_after_s` and the predictions (conductor/rejection.py).
+an error object that carries `reason`, `retry_after_s` and the predictions (api/rejection.py).
 A request names its priority class in the body (`priority_class`) or the `X-Priority-Class` header.
 A W3C `traceparent` header makes the request's trace a part of the client's (core/tracing.py).
 """
@@ -18,22 +18,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from halfmoon.conductor import openai_schema as oa
-from halfmoon.conductor.openapi import answer, json_body, operation, publish
-from halfmoon.conductor.openapi_bodies import ref
+from halfmoon.api import openai_schema as oa
+from halfmoon.api.openapi import answer, json_body, operation, publish
+from halfmoon.api.openapi_bodies import ref
 from halfmoon.conductor.errors import RequestTooLargeError, RetryableRejection, status_of
-from halfmoon.conductor.frontdoor import Call, FrontDoor
-from halfmoon.conductor.rejection import retry_after_header
+from halfmoon.api.frontdoor import Call, FrontDoor
+from halfmoon.api.logprobs_json import echo_logprobs, logprobs_json
+from halfmoon.api.requests import RequestSpec
+from halfmoon.api.rejection import retry_after_header
 from halfmoon.core.errors import HalfmoonError, InvalidRequestError
-from halfmoon.core.messages import TokenChunk
+from halfmoon.core.messages import TokenChunk, TokenLogprobs
 from halfmoon.core.tracing import TRACEPARENT
+from halfmoon.engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -174,27 +178,58 @@ async def _serve(door: FrontDoor, request: Request, client: str,
     call = Call(f"POST {path}", {"http.request.method": "POST", "url.path": path, "halfmoon.api": "http"},
                 request.headers.get(TRACEPARENT))
     items = door.generate(spec, client, "http", call)
-    model = door.backend.model.id
+    model, tokenizer = door.backend.model.id, door.backend.tokenizer
     if not stream:
-        return await _until_disconnect(request, lambda: _collect(items, model, chat))
+        return await _until_disconnect(request, lambda: _collect(items, model, chat, tokenizer, spec))
     try:
         first = await items.__anext__()  # validation and admission happen here
     except BaseException:
         await items.aclose()
         raise
-    events = _sse(door, first, items, model, chat, include_usage)
+    # the prompt is valid once the first item came (validation happens before it)
+    echo = Echo.of(spec, tokenizer) if spec.echo else None
+    events = _sse(door, first, items, Stream(model, chat, include_usage, tokenizer, echo=echo))
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _collect(items: Items, model: str, chat: bool) -> Response:
+@dataclass(frozen=True, slots=True)
+class Echo:
+    """Completions' `echo`: the prompt's text and ids, which the answer starts with."""
+
+    text: str
+    ids: list[int]
+
+    @classmethod
+    def of(cls, spec: RequestSpec, tokenizer: Tokenizer) -> Echo:
+        ids = spec.prompt_token_ids if spec.prompt_token_ids is not None else tokenizer.encode(spec.prompt or "")
+        return cls(spec.prompt if spec.prompt is not None else tokenizer.decode(ids), list(ids))
+
+    def logprobs(self, tokenizer: Tokenizer, prompt: Sequence[TokenLogprobs] | None, token_ids: Sequence[int],
+                 logprobs: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if prompt is None or logprobs is None:
+            return None
+        return echo_logprobs(tokenizer, self.ids, prompt, token_ids, logprobs)
+
+
+async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, spec: RequestSpec) -> Response:
     texts: list[str] = []
+    prompt: tuple[TokenLogprobs, ...] | None = None
+    tokens: list[int] = []
+    logprobs: list[TokenLogprobs] | None = None
     async with aclosing(items):
         async for item in items:
             texts.append(item.text)
+            tokens.extend(item.token_ids)
+            prompt = prompt if prompt is not None else item.prompt_logprobs  # the first (a move sends none)
+            if item.logprobs is not None:
+                logprobs = [*(logprobs or []), *item.logprobs]
             if item.end is not None:
-                return JSONResponse(oa.response_json(model, item.request_id, item.end, "".join(texts),
-                                                     oa.now_s(), chat))
+                echo = Echo.of(spec, tokenizer) if spec.echo else None  # validated: items came
+                lp = (echo.logprobs(tokenizer, prompt, tokens, logprobs) if echo is not None
+                      else logprobs_json(tokenizer, tokens, logprobs, chat))
+                text = (echo.text if echo is not None else "") + "".join(texts)
+                return JSONResponse(oa.response_json(model, item.request_id, item.end, text, oa.now_s(), chat, lp))
     raise AssertionError("a generation ended without its last chunk")
 
 
@@ -217,16 +252,28 @@ async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Respo
     return task.result()
 
 
-async def _sse(door: FrontDoor, first: TokenChunk, items: Items, model: str, chat: bool,
-               include_usage: bool) -> AsyncIterator[bytes]:
+@dataclass(slots=True)
+class Stream:
+    """What a stream's chunks are made with; `offset`: the text sent so far (completions'
+    text_offset)."""
+
+    model: str
+    chat: bool
+    include_usage: bool
+    tokenizer: Tokenizer
+    offset: int = 0
+    echo: Echo | None = None  # sent with the first chunk, then None
+
+
+async def _sse(door: FrontDoor, first: TokenChunk, items: Items, s: Stream) -> AsyncIterator[bytes]:
     created = oa.now_s()
     rid = first.request_id
     try:
-        if chat:
-            yield _event(oa.stream_chunk(model, rid, created, True, {"role": "assistant", "content": ""}))
+        if s.chat:
+            yield _event(oa.stream_chunk(s.model, rid, created, True, {"role": "assistant", "content": ""}))
         item: TokenChunk | None = first
         while item is not None:
-            for chunk in _chunks(item, model, rid, created, chat, include_usage):
+            for chunk in _chunks(item, s, rid, created):
                 yield _event(chunk)
             item = None if item.end is not None else await items.__anext__()
     except HalfmoonError as e:  # headers are sent: the error travels as an event
@@ -237,18 +284,32 @@ async def _sse(door: FrontDoor, first: TokenChunk, items: Items, model: str, cha
     yield b"data: [DONE]\n\n"
 
 
-def _chunks(item: TokenChunk, model: str, rid: str, created: int, chat: bool,
-            include_usage: bool) -> list[dict[str, Any]]:
-    """A chunk's text (if any), then, on the last one, the finish reason and usage."""
+def _chunks(item: TokenChunk, s: Stream, rid: str, created: int) -> list[dict[str, Any]]:
+    """A chunk's text and its tokens' logprobs (if any), then, on the last one, the finish
+    reason and usage."""
     out = []
-    if item.text:
-        out.append(oa.stream_chunk(model, rid, created, chat, {"content": item.text} if chat else item.text))
+    if s.echo is not None:
+        out.append(_echo_chunk(item, s, rid, created))
+    if item.text or item.logprobs:
+        lp = logprobs_json(s.tokenizer, item.token_ids, item.logprobs, s.chat, s.offset)
+        s.offset += len(item.text)
+        out.append(oa.stream_chunk(s.model, rid, created, s.chat, {"content": item.text} if s.chat else item.text,
+                                   logprobs=lp))
     if item.end is not None:
-        out.append(oa.stream_chunk(model, rid, created, chat, {} if chat else "", item.end.finish_reason.value,
+        out.append(oa.stream_chunk(s.model, rid, created, s.chat, {} if s.chat else "", item.end.finish_reason.value,
                                    prediction=item.end.prediction))
-        if include_usage:
-            out.append(oa.stream_chunk(model, rid, created, chat, None, usage=oa.usage_json(item.end.usage)))
+        if s.include_usage:
+            out.append(oa.stream_chunk(s.model, rid, created, s.chat, None, usage=oa.usage_json(item.end.usage)))
     return out
+
+
+def _echo_chunk(item: TokenChunk, s: Stream, rid: str, created: int) -> dict[str, Any]:
+    """A stream with `echo` starts with the prompt's text and (asked for) its tokens' logprobs."""
+    assert s.echo is not None
+    echo, s.echo = s.echo, None
+    lp = echo.logprobs(s.tokenizer, item.prompt_logprobs, [], [] if item.prompt_logprobs is not None else None)
+    s.offset += len(echo.text)
+    return oa.stream_chunk(s.model, rid, created, False, echo.text, logprobs=lp)
 
 
 def _event(obj: dict[str, Any]) -> bytes:

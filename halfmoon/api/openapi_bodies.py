@@ -1,6 +1,6 @@
 """JSON Schemas (OpenAPI 3.1) of the HTTP API's bodies, written from the parsers they describe.
 
-Each request schema states exactly what `conductor/openai_schema.py` and `conductor/requests.py`
+Each request schema states exactly what `api/openai_schema.py` and `api/requests.py`
 accept, with this server's limits and model filled in (a schema is built per running server), so
 a fuzzer can hold the server to it both ways: data the schema allows is served, data it forbids
 is a 4xx. Two rules are not expressible in a schema and are said in the descriptions instead:
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from halfmoon.conductor.requests import ROLES, Limits
+from halfmoon.api.requests import MAX_LOGIT_BIAS, ROLES, Limits
+from halfmoon.core.params import BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMIT
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.results import ModelInfo
 
@@ -84,15 +85,50 @@ def _common(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int |
             "ttft_ms": nullable({"type": "number", "exclusiveMinimum": 0}),
             "tbt_ms": nullable({"type": "number", "exclusiveMinimum": 0})},
             "description": "objectives; a request predicted to miss one is a 429 before any work"}),
-        "n": _neutral(1), "presence_penalty": _neutral(0), "frequency_penalty": _neutral(0),
-        "logprobs": _neutral(None, False),
+        "n": _neutral(1),
+        "presence_penalty": nullable({"type": "number", "minimum": -PENALTY_LIMIT, "maximum": PENALTY_LIMIT,
+                                      "description": "OpenAI's: minus this for every output token seen once"}),
+        "frequency_penalty": nullable({"type": "number", "minimum": -PENALTY_LIMIT, "maximum": PENALTY_LIMIT,
+                                       "description": "OpenAI's: minus this times each output token's count"}),
+        "repetition_penalty": nullable({"type": "number", "exclusiveMinimum": 0, "description":
+                                        "HF's, over prompt + output; 1 = off"}),
+        "logit_bias": nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                "propertyNames": {"pattern": "^" + range_regex(model.vocab_size - 1) + "$"},
+                                "additionalProperties": {"type": "number", "minimum": -BIAS_LIMIT,
+                                                         "maximum": BIAS_LIMIT},
+                                "description": "token id -> bias added to its logit"}),
+        "min_tokens": nullable({"type": "integer", "minimum": 0, "description": "EOS and stop_token_ids cannot end the first min(min_tokens, "
+                                               "max_tokens) outputs"}),
     }
+
+
+def range_regex(n: int) -> str:
+    """A regex of the decimal integers 0..n, no leading zeros (a JSON object key is a string)."""
+    digits = str(n)
+    if len(digits) == 1:
+        return f"([0-{n}])"
+    shorter = ["[0-9]"] + [f"[1-9][0-9]{{{k}}}" for k in range(1, len(digits) - 1)]
+    same = []
+    for i, d in enumerate(digits):
+        low = "1" if i == 0 else "0"
+        if int(d) > int(low):
+            rest = len(digits) - i - 1
+            same.append(digits[:i] + f"[{low}-{int(d) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    same.append(digits)
+    return "(" + "|".join(shorter + same) + ")"
 
 
 # stream_options with keys is allowed only when streaming.
 _STREAM_OPTIONS_NEED_STREAM: Schema = {
     "if": {"required": ["stream_options"], "properties": {"stream_options": {"type": "object", "minProperties": 1}}},
     "then": {"required": ["stream"], "properties": {"stream": {"const": True}}},
+}
+
+
+# top_logprobs > 0 only with logprobs: true.
+_TOP_NEEDS_LOGPROBS: Schema = {
+    "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer", "minimum": 1}}},
+    "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}},
 }
 
 
@@ -118,7 +154,11 @@ def completion_request(limits: Limits, model: ModelInfo, classes: frozenset[str]
     batch_of_one = {"type": "array", "minItems": 1, "maxItems": 1, "items": {"anyOf": [text, ids]}}
     properties = _common(limits, model, classes, kv) | {
         "prompt": {"anyOf": [text, ids, batch_of_one], "description": "text, token ids, or a batch of one"},
-        "echo": _neutral(False), "suffix": _neutral(None, ""), "best_of": _neutral(None, 1)}
+        "echo": nullable({"type": "boolean", "description": "the answer starts with the prompt (with logprobs: its "
+                                                            "tokens' too, the first null)"}),
+        "suffix": _neutral(None, ""), "best_of": _neutral(None, 1),
+        "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description":
+                              "each token's logprob and the N most likely (raw log_softmax)"})}
     return {"type": "object", "required": ["model", "prompt"], "additionalProperties": False,
             "properties": properties, **_STREAM_OPTIONS_NEED_STREAM}
 
@@ -135,12 +175,15 @@ def chat_request(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: 
         "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages,
                      "description": f"at most {limits.max_prompt_tokens} tokens once templated (400 otherwise)"},
         "max_completion_tokens": common["max_tokens"],
-        "top_logprobs": _neutral(None, 0), "tools": _neutral(None, []), "tool_choice": _neutral(None, "none"),
+        "logprobs": nullable({"type": "boolean", "description": "each token's logprob (raw log_softmax)"}),
+        "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                  "description": "the N most likely tokens per position; > 0 needs logprobs: true"}),
+        "tools": _neutral(None, []), "tool_choice": _neutral(None, "none"),
         "response_format": _neutral(None, {"type": "text"})}
     both = {"required": ["max_tokens", "max_completion_tokens"], "properties": {
         "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}}
     return {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
-            "properties": properties, "not": both, **_STREAM_OPTIONS_NEED_STREAM}
+            "properties": properties, "not": both, "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_NEEDS_LOGPROBS]}
 
 
 # ---------------------------------------------------------------------- responses
@@ -158,20 +201,33 @@ USAGE: Schema = {"type": "object", "required": ["prompt_tokens", "completion_tok
 _FINISH = {"enum": ["stop", "length", "abort"]}
 
 
-def _answer(kind: str, choice: dict[str, Schema]) -> Schema:
+def _answer(kind: str, choice: dict[str, Schema], logprobs: Schema) -> Schema:
     return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"const": kind}, "created": {"type": "integer"},
         "model": {"type": "string"}, "usage": ref("Usage"), "prediction": ref("Prediction"),
         "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
             "type": "object", "required": ["index", "finish_reason", *choice],
-            "properties": {"index": {"const": 0}, "finish_reason": _FINISH, "logprobs": {"type": "null"},
+            "properties": {"index": {"const": 0}, "finish_reason": _FINISH, "logprobs": nullable(logprobs),
                            **choice}}}}}
 
 
-COMPLETION = _answer("text_completion", {"text": {"type": "string"}})
+_TOKEN_LOGPROB: Schema = {"type": "object", "required": ["token", "logprob", "bytes"], "properties": {
+    "token": {"type": "string"}, "logprob": {"type": "number"},
+    "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}}}
+CHAT_LOGPROBS: Schema = {"type": "object", "required": ["content"], "properties": {"content": {
+    "type": "array", "items": {**_TOKEN_LOGPROB, "required": [*_TOKEN_LOGPROB["required"], "top_logprobs"],
+                              "properties": {**_TOKEN_LOGPROB["properties"],
+                                             "top_logprobs": {"type": "array", "items": _TOKEN_LOGPROB}}}}}}
+COMPLETION_LOGPROBS: Schema = {"type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"],
+                               "properties": {"tokens": {"type": "array", "items": {"type": "string"}},
+                                              "token_logprobs": {"type": "array", "items": nullable({"type": "number"})},
+                                              "top_logprobs": {"type": "array", "items": nullable({
+                                                  "type": "object", "additionalProperties": {"type": "number"}})},
+                                              "text_offset": {"type": "array", "items": {"type": "integer"}}}}
+COMPLETION = _answer("text_completion", {"text": {"type": "string"}}, COMPLETION_LOGPROBS)
 CHAT_COMPLETION = _answer("chat.completion", {"message": {
     "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}})
+    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}, CHAT_LOGPROBS)
 MODEL_LIST: Schema = {"type": "object", "required": ["object", "data"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": {
         "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"], "properties": {
