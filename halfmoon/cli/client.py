@@ -75,6 +75,16 @@ def _generation_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=_natural, default=None)
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's, [-2, 2]")
+    s.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's, [-2, 2]")
+    s.add_argument("--repetition-penalty", type=float, default=None, help="HF's, > 0; 1 = off")
+    s.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", type=_bias,
+                   help="add BIAS (-100..100) to token ID's logit (repeatable)")
+    s.add_argument("--min-tokens", type=_natural, default=None, help="EOS and stop ids held back this long")
+    s.add_argument("--logprobs", type=_natural, default=None, metavar="N",
+                   help="each token's logprob and the N most likely (--json shows them)")
+    s.add_argument("--prompt-logprobs", type=_natural, default=None, metavar="N",
+                   help="the same for the prompt's tokens (--json shows them)")
     s.add_argument("--ttft-slo-ms", type=float, default=None, help="reject up front if TTFT would miss this")
     s.add_argument("--tbt-slo-ms", type=float, default=None, help="reject up front if TBT would miss this")
     s.add_argument("--priority-class", default=None,
@@ -146,6 +156,17 @@ def describe_rejection(e: APIError) -> str:
             f"retry after {e.retry_after_s:g} s")
 
 
+def _bias(text: str) -> tuple[int, float]:
+    """`ID=BIAS` -> (token id, bias)."""
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (e.g. 28=-100), got {text!r}") from None
+
+
 def _read_ca(path: str | None) -> bytes | None:
     if path is None:
         return None
@@ -159,7 +180,10 @@ def _request_options(args: argparse.Namespace) -> dict[str, Any]:
     options = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
                "top_k": args.top_k, "seed": args.seed, "stop": args.stop, "ignore_eos": args.ignore_eos,
                "ttft_slo_ms": args.ttft_slo_ms, "tbt_slo_ms": args.tbt_slo_ms,
-               "priority_class": args.priority_class, "model": args.model}
+               "priority_class": args.priority_class, "model": args.model,
+               "frequency_penalty": args.frequency_penalty, "presence_penalty": args.presence_penalty,
+               "repetition_penalty": args.repetition_penalty, "logit_bias": dict(args.logit_bias) or None,
+               "min_tokens": args.min_tokens, "logprobs": args.logprobs, "prompt_logprobs": args.prompt_logprobs}
     if args.call == "chat":
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         return {**options, "messages": [*system, {"role": "user", "content": args.message}]}

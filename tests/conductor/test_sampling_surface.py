@@ -143,3 +143,28 @@ def test_grpc_prompt_logprobs(api: RunningApi, engine: Engine) -> None:
     assert result.prompt_logprobs is not None and want.prompt_logprobs is not None
     assert [round(x.logprob, 4) for x in result.prompt_logprobs] == [round(x.logprob, 4) for x in want.prompt_logprobs]
     assert all(len(x.top) == 2 for x in result.prompt_logprobs) and result.logprobs is None
+
+
+def test_halfmoon_client_flags(api: RunningApi, engine: Engine) -> None:
+    """`halfmoon client generate` sends the same fields (penalties, a bias, min_tokens, logprobs)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    ids = engine.tokenizer.encode("one two three one two three")
+    params = SamplingParams(max_tokens=6, ignore_eos=True, frequency_penalty=1.0, logit_bias={28: -100.0},
+                            min_tokens=2, logprobs=2, prompt_logprobs=1)
+    want = engine.generate([ids], params)[0]
+    done = subprocess.run([sys.executable, "-m", "halfmoon.cli.main", "client", "generate", "--target", api.grpc_target,
+                           "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", "6", "--ignore-eos",
+                           "--frequency-penalty", "1", "--logit-bias", "28=-100", "--min-tokens", "2",
+                           "--logprobs", "2", "--prompt-logprobs", "1", "--json"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout)
+    assert out["token_ids"] == want.output_ids and len(out["logprobs"]) == 6
+    assert len(out["prompt_logprobs"]) == len(ids) - 1 and len(out["logprobs"][0]["top"]) == 2
+    bad = subprocess.run([sys.executable, "-m", "halfmoon.cli.main", "client", "generate", "hi", "--logit-bias", "x"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "ID=BIAS" in bad.stderr
