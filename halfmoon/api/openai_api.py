@@ -20,7 +20,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -188,7 +188,7 @@ async def _serve(door: FrontDoor, request: Request, client: str,
         raise
     # the prompt is valid once the first item came (validation happens before it)
     echo = Echo.of(spec, tokenizer) if spec.echo else None
-    events = _sse(door, first, items, Stream(model, chat, include_usage, tokenizer, echo=echo))
+    events = _sse(door, first, items, Stream(model, chat, include_usage, tokenizer, echo=echo), spec.n)
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -212,25 +212,45 @@ class Echo:
         return echo_logprobs(tokenizer, self.ids, prompt, token_ids, logprobs)
 
 
-async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, spec: RequestSpec) -> Response:
-    texts: list[str] = []
-    prompt: tuple[TokenLogprobs, ...] | None = None
-    tokens: list[int] = []
+@dataclass(slots=True)
+class Choice:
+    """One choice's chunks summed up, as a non-streaming answer gathers them."""
+
+    texts: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] | None = None
+    finish: str = ""
+
+    def add(self, item: TokenChunk) -> None:
+        self.texts.append(item.text)
+        self.tokens.extend(item.token_ids)
+        if item.logprobs is not None:
+            self.logprobs = [*(self.logprobs or []), *item.logprobs]
+        ended = item.choice_finished
+        if ended is not None:
+            self.finish = ended.finish_reason.value
+
+
+async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, spec: RequestSpec) -> Response:
+    choices = [Choice() for _ in range(spec.n)]
+    prompt: tuple[TokenLogprobs, ...] | None = None
     async with aclosing(items):
         async for item in items:
-            texts.append(item.text)
-            tokens.extend(item.token_ids)
+            choices[item.index].add(item)
             prompt = prompt if prompt is not None else item.prompt_logprobs  # the first (a move sends none)
-            if item.logprobs is not None:
-                logprobs = [*(logprobs or []), *item.logprobs]
             if item.end is not None:
                 echo = Echo.of(spec, tokenizer) if spec.echo else None  # validated: items came
-                lp = (echo.logprobs(tokenizer, prompt, tokens, logprobs) if echo is not None
-                      else logprobs_json(tokenizer, tokens, logprobs, chat))
-                text = (echo.text if echo is not None else "") + "".join(texts)
-                return JSONResponse(oa.response_json(model, item.request_id, item.end, text, oa.now_s(), chat, lp))
+                out = [_choice_json(i, c, chat, tokenizer, echo, prompt) for i, c in enumerate(choices)]
+                return JSONResponse(oa.response_json(model, item.request_id, item.end, out, oa.now_s(), chat))
     raise AssertionError("a generation ended without its last chunk")
+
+
+def _choice_json(index: int, c: Choice, chat: bool, tokenizer: Tokenizer, echo: Echo | None,
+                 prompt: tuple[TokenLogprobs, ...] | None) -> dict[str, Any]:
+    lp = (echo.logprobs(tokenizer, prompt, c.tokens, c.logprobs) if echo is not None
+          else logprobs_json(tokenizer, c.tokens, c.logprobs, chat))
+    text = (echo.text if echo is not None else "") + "".join(c.texts)
+    return oa.choice_json(index, text, c.finish, chat, lp)
 
 
 async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
@@ -254,23 +274,25 @@ async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Respo
 
 @dataclass(slots=True)
 class Stream:
-    """What a stream's chunks are made with; `offset`: the text sent so far (completions'
-    text_offset)."""
+    """What a stream's chunks are made with; `offsets`: each choice's text sent so far
+    (completions' text_offset)."""
 
     model: str
     chat: bool
     include_usage: bool
     tokenizer: Tokenizer
-    offset: int = 0
+    offsets: list[int] = field(default_factory=lambda: [0])
     echo: Echo | None = None  # sent with the first chunk, then None
 
 
-async def _sse(door: FrontDoor, first: TokenChunk, items: Items, s: Stream) -> AsyncIterator[bytes]:
+async def _sse(door: FrontDoor, first: TokenChunk, items: Items, s: Stream, n: int = 1) -> AsyncIterator[bytes]:
     created = oa.now_s()
     rid = first.request_id
+    s.offsets = [0] * n
     try:
-        if s.chat:
-            yield _event(oa.stream_chunk(s.model, rid, created, True, {"role": "assistant", "content": ""}))
+        for index in range(n) if s.chat else ():
+            yield _event(oa.stream_chunk(s.model, rid, created, True, {"role": "assistant", "content": ""},
+                                         index=index))
         item: TokenChunk | None = first
         while item is not None:
             for chunk in _chunks(item, s, rid, created):
@@ -289,27 +311,34 @@ def _chunks(item: TokenChunk, s: Stream, rid: str, created: int) -> list[dict[st
     reason and usage."""
     out = []
     if s.echo is not None:
-        out.append(_echo_chunk(item, s, rid, created))
+        out += _echo_chunks(item, s, rid, created)
+    i = item.index
     if item.text or item.logprobs:
-        lp = logprobs_json(s.tokenizer, item.token_ids, item.logprobs, s.chat, s.offset)
-        s.offset += len(item.text)
+        lp = logprobs_json(s.tokenizer, item.token_ids, item.logprobs, s.chat, s.offsets[i])
+        s.offsets[i] += len(item.text)
         out.append(oa.stream_chunk(s.model, rid, created, s.chat, {"content": item.text} if s.chat else item.text,
-                                   logprobs=lp))
+                                   logprobs=lp, index=i))
+    ended = item.choice_finished
+    if ended is not None:
+        out.append(oa.stream_chunk(s.model, rid, created, s.chat, {} if s.chat else "", ended.finish_reason.value,
+                                   prediction=item.end.prediction if item.end is not None else None, index=i))
     if item.end is not None:
-        out.append(oa.stream_chunk(s.model, rid, created, s.chat, {} if s.chat else "", item.end.finish_reason.value,
-                                   prediction=item.end.prediction))
         if s.include_usage:
             out.append(oa.stream_chunk(s.model, rid, created, s.chat, None, usage=oa.usage_json(item.end.usage)))
     return out
 
 
-def _echo_chunk(item: TokenChunk, s: Stream, rid: str, created: int) -> dict[str, Any]:
-    """A stream with `echo` starts with the prompt's text and (asked for) its tokens' logprobs."""
+def _echo_chunks(item: TokenChunk, s: Stream, rid: str, created: int) -> list[dict[str, Any]]:
+    """A stream with `echo` starts each choice with the prompt's text and (asked for) its
+    tokens' logprobs (the request's first chunk carries them)."""
     assert s.echo is not None
     echo, s.echo = s.echo, None
     lp = echo.logprobs(s.tokenizer, item.prompt_logprobs, [], [] if item.prompt_logprobs is not None else None)
-    s.offset += len(echo.text)
-    return oa.stream_chunk(s.model, rid, created, False, echo.text, logprobs=lp)
+    out = []
+    for i in range(len(s.offsets)):
+        s.offsets[i] += len(echo.text)
+        out.append(oa.stream_chunk(s.model, rid, created, False, echo.text, logprobs=lp, index=i))
+    return out
 
 
 def _event(obj: dict[str, Any]) -> bytes:

@@ -35,7 +35,7 @@ COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 SLO_NAMES = {"ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms"}
 _TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in ASCII decimal, no leading zero
 # OpenAI fields accepted only at their neutral value (what "off" means for each).
-_NEUTRAL: dict[str, Any] = {"n": 1, "tools": (None, []), "tool_choice": (None, "none"),
+_NEUTRAL: dict[str, Any] = {"tools": (None, []), "tool_choice": (None, "none"),
                             "response_format": (None, {"type": "text"}), "suffix": (None, ""),
                             "best_of": (None, 1)}
 
@@ -163,6 +163,7 @@ def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
     spec.priority = body.integer("priority") or 0
     spec.priority_class = body.string("priority_class")
     spec.ttft_ms, spec.tbt_ms = _slo(body)
+    spec.n = _choices(body)
     _processing(body, spec)
     body.string("user")  # accepted (a string), not used
     stream = body.boolean("stream")
@@ -186,6 +187,12 @@ def _processing(body: Body, spec: RequestSpec) -> None:
         if token is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             raise InvalidRequestError("logit_bias", f"must map token ids to numbers, got {key!r}: {value!r}")
         spec.logit_bias[token] = float(value)
+
+
+def _choices(body: Body) -> int:
+    """`n`: 1 when absent; its range is SamplingParams.validate's."""
+    n = body.integer("n")
+    return 1 if n is None else n
 
 
 def _chat_logprobs(body: Body) -> int | None:
@@ -272,24 +279,30 @@ def usage_json(u: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-def response_json(model: str, rid: str, end: RequestEnd, text: str, created: int, chat: bool,
-                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The whole answer of a non-streaming chat (`chat`) or text completion; `logprobs` in its
-    API's shape (api/logprobs_json.py), None when the request did not ask."""
+def choice_json(index: int, text: str, finish: str, chat: bool, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    """One choice of a whole answer; `logprobs` in its API's shape (api/logprobs_json.py), None
+    when the request did not ask."""
     content: dict[str, Any] = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    choice = {"index": 0, **content, "finish_reason": end.finish_reason.value, "logprobs": logprobs}
+    return {"index": index, **content, "finish_reason": finish, "logprobs": logprobs}
+
+
+def response_json(model: str, rid: str, end: RequestEnd, choices: list[dict[str, Any]], created: int,
+                  chat: bool) -> dict[str, Any]:
+    """The whole answer of a non-streaming chat (`chat`) or text completion (`choice_json`s)."""
     out = {"id": _id(rid, chat), "object": "chat.completion" if chat else "text_completion",
-           "created": created, "model": model, "choices": [choice], "usage": usage_json(end.usage)}
+           "created": created, "model": model, "choices": choices, "usage": usage_json(end.usage)}
     return _with_prediction(out, end.prediction)
 
 
 def stream_chunk(model: str, rid: str, created: int, chat: bool, content: dict[str, str] | str | None,
                  finish: str | None = None, usage: dict[str, Any] | None = None,
-                 prediction: SloPrediction | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One SSE chunk: `content` is the chat delta or the completion text (None: no choice, as
-    in the usage chunk), with its tokens' `logprobs`; the finish chunk carries the `prediction`."""
+                 prediction: SloPrediction | None = None, logprobs: dict[str, Any] | None = None,
+                 index: int = 0) -> dict[str, Any]:
+    """One SSE chunk of choice `index`: `content` is the chat delta or the completion text (None:
+    no choice, as in the usage chunk), with its tokens' `logprobs`; the request's last finish
+    chunk carries the `prediction`."""
     key = "delta" if chat else "text"
-    choices = [] if content is None else [{"index": 0, key: content, "finish_reason": finish, "logprobs": logprobs}]
+    choices = [] if content is None else [{"index": index, key: content, "finish_reason": finish, "logprobs": logprobs}]
     chunk = {"id": _id(rid, chat), "object": "chat.completion.chunk" if chat else "text_completion",
              "created": created, "model": model, "choices": choices}
     if usage is not None:

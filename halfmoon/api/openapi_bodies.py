@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from halfmoon.api.requests import MAX_LOGIT_BIAS, ROLES, Limits
-from halfmoon.core.params import BIAS_LIMIT, MAX_LOGPROBS, PENALTY_LIMIT
+from halfmoon.core.params import BIAS_LIMIT, MAX_CHOICES, MAX_LOGPROBS, PENALTY_LIMIT
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.results import ModelInfo
 
@@ -85,7 +85,8 @@ def _common(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int |
             "ttft_ms": nullable({"type": "number", "exclusiveMinimum": 0}),
             "tbt_ms": nullable({"type": "number", "exclusiveMinimum": 0})},
             "description": "objectives; a request predicted to miss one is a 429 before any work"}),
-        "n": _neutral(1),
+        "n": nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "description":
+                       "choices from one prefill; choice i of a seeded request is seeded seed + i"}),
         "presence_penalty": nullable({"type": "number", "minimum": -PENALTY_LIMIT, "maximum": PENALTY_LIMIT,
                                       "description": "OpenAI's: minus this for every output token seen once"}),
         "frequency_penalty": nullable({"type": "number", "minimum": -PENALTY_LIMIT, "maximum": PENALTY_LIMIT,

@@ -82,6 +82,7 @@ class RequestSpec:
     logprobs: int | None = None  # None = none; k = the sampled token's and the top k
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (gRPC; HTTP: echo + logprobs)
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs)
+    n: int = 1  # choices from one prefill
     names: Mapping[str, str] = field(default_factory=dict)
 
     def name(self, canonical: str) -> str:
@@ -201,7 +202,7 @@ def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_l
                             presence_penalty=spec.presence_penalty or 0.0,
                             repetition_penalty=1.0 if spec.repetition_penalty is None else spec.repetition_penalty,
                             logit_bias=tuple(spec.logit_bias.items()), min_tokens=spec.min_tokens or 0,
-                            logprobs=spec.logprobs, prompt_logprobs=_prompt_logprobs(spec))
+                            logprobs=spec.logprobs, prompt_logprobs=_prompt_logprobs(spec), n=spec.n)
     try:  # the parameters' own rules, the same the engine checks: written once, in core.params
         params.validate(card.vocab_size)
     except InvalidRequestError as e:

@@ -214,7 +214,8 @@ class Candidate:
     """A routed request as admission sees it.
 
     prefill_ms: predicted prefill + fetch on the chosen prefill worker.
-    blocks: KV blocks it needs on the decode worker (prompt + max_tokens).
+    blocks: KV blocks it needs on the decode worker (prompt + max_tokens; n > 1: each other
+        choice's copy of the partial last prompt block and its own outputs').
     deadline: monotonic s when its first token is due (inf = no TTFT objective).
     new_tokens: prompt tokens it computes (the rest are a cached prefix).
     held_ms: how long the admission window held it before this decision (conductor/
@@ -232,6 +233,7 @@ class Candidate:
     new_tokens: int
     held_ms: float = 0.0
     fetch_ms: float = 0.0
+    choices: int = 1  # sequences it decodes (SamplingParams.n), sharing the prompt's blocks
 
     @property
     def queue_deadline(self) -> float:
@@ -302,14 +304,17 @@ class Admission:
 
     def candidate(self, objective: Objective, prompt_len: int, max_tokens: int, prefill_ms: float,
                   block_size: int, arrival: float, new_tokens: int | None = None,
-                  held_ms: float = 0.0, fetch_ms: float = 0.0) -> Candidate:
+                  held_ms: float = 0.0, fetch_ms: float = 0.0, choices: int = 1) -> Candidate:
         """`new_tokens`: the prompt tokens not in a cached prefix (default: all); `held_ms`: the
         time since `arrival` the admission window held it; `fetch_ms`: of `prefill_ms`, pulling
-        a prefix from another worker."""
+        a prefix from another worker; `choices`: n (each choice's blocks beyond the shared
+        full prompt blocks are priced too)."""
         deadline = arrival + objective.ttft_ms / 1e3 if math.isfinite(objective.ttft_ms) else math.inf
+        blocks = cdiv(prompt_len + max_tokens, block_size)
+        blocks += (choices - 1) * (blocks - prompt_len // block_size)
         return Candidate(objective, prompt_len, max_tokens, self.outputs.expected(objective.slo_class.name, max_tokens),
-                         prefill_ms, cdiv(prompt_len + max_tokens, block_size), deadline,
-                         prompt_len if new_tokens is None else new_tokens, max(0.0, held_ms), fetch_ms)
+                         prefill_ms, blocks, deadline,
+                         prompt_len if new_tokens is None else new_tokens, max(0.0, held_ms), fetch_ms, choices)
 
     def decide(self, c: Candidate, prefill: PrefillLedger, decode: DecodeLedger, now: float,
                final: bool = True) -> Decision:
@@ -373,7 +378,7 @@ class Admission:
             first = self.predictor.predict(jobs, arrive, c.prompt_len)
             # joining a batch that is decoding, it waits for the step in progress: half of one, on average
             first_step = first.tbt_ms * (1.5 if first.batch > 1 else 1.0)
-        peak = self.predictor.peak(jobs, arrive, c.prompt_len, c.expected_output, c.objective.tbt_ms)
+        peak = self.predictor.peak(jobs, arrive, c.prompt_len, c.expected_output, c.objective.tbt_ms, c.choices)
         stretched, limit = self._stretched(c, jobs, prefill)
         # a step emits tokens_per_step tokens a request (speculative decoding): TBT counts each
         tbt = peak.tbt_ms / decode.tokens_per_step

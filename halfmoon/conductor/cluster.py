@@ -237,6 +237,10 @@ class ClusterBackend(GenerationBackend):
                     yield progress.forward(item)
                 return
             except (WorkerLostError, KVTransferFailedError) as e:
+                if progress.sent and inp.params.n > 1:  # its choices' tokens are not one continuation
+                    raise ServiceUnavailableError(f"{e}; request {rid} has n = {inp.params.n} choices under way: "
+                                                  "such a request is re-run before its first token, never moved "
+                                                  "after it") from e
                 if attempt > self.config.migration_attempts:
                     raise ServiceUnavailableError(f"{e}; request {rid} gave up after {attempt - 1} moves "
                                                   "(--migration-attempts)") from e
@@ -428,7 +432,7 @@ class ClusterBackend(GenerationBackend):
     def _measured(self, route: Route, inp: GenerationInput, last: TokenChunk, gaps: TopGaps) -> None:
         """An admitted request finished: what it generated and how far off the predictions were."""
         assert last.end is not None and self.dispatcher is not None
-        self.dispatcher.finished(route.booking, last.end.usage.completion_tokens, inp.params.max_tokens,
+        self.dispatcher.finished(route.booking, last.end.usage.completion_tokens // inp.params.n, inp.params.max_tokens,
                                  last.end.timings.ttft_ms / 1e3, gaps.mean_s())
 
     # ------------------------------------------------------------------ routing
@@ -468,7 +472,8 @@ class ClusterBackend(GenerationBackend):
             except Exception as e:  # the rejection (or no worker): the request's own error
                 future.set_exception(e)
 
-        ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo)
+        ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo,
+                  choices=inp.params.n)
         self.window.hold(*self.dispatcher.window_key(ask, prefix), decide)
         try:
             return await future
@@ -488,7 +493,8 @@ class ClusterBackend(GenerationBackend):
         assert self.dispatcher is not None
         prefill = [PrefillSide(w.worker_id, w.pending, w.alive) for w in self.manager.role("prefill")]
         decode = [DecodeSide(w.worker_id, w.bound, w.alive) for w in self.manager.role("decode")]
-        ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo, resumed)
+        ask = Ask(wid, len(inp.prompt_ids), inp.params.max_tokens, inp.priority_class, inp.slo, resumed,
+                  inp.params.n)
         booking = self.dispatcher.dispatch(ask, prefix, prefill, decode, time.monotonic(), arrival, final)
         p, d = self.manager.workers[booking.prefill_id], self.manager.workers[booking.decode_id]
         return Route(p, d, booking)

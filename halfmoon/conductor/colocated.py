@@ -151,7 +151,7 @@ class ColocatedBackend(GenerationBackend):
         """The last chunk, with admission's prediction; the prediction's error is recorded."""
         end = chunk.end
         assert end is not None and self.dispatcher is not None
-        self.dispatcher.finished(stream.booking, end.usage.completion_tokens, inp.params.max_tokens,
+        self.dispatcher.finished(stream.booking, end.usage.completion_tokens // inp.params.n, inp.params.max_tokens,
                                  end.timings.ttft_ms / 1e3, stream.gaps.mean_s())
         if inp.span.recording:
             self._trace_engine(inp.span, stream.added_ns, end.timings)
@@ -188,7 +188,7 @@ class ColocatedBackend(GenerationBackend):
         assert self.dispatcher is not None
         n = len(inp.prompt_ids)
         cached = self.engine.cached_prefix_tokens(inp.prompt_ids, inp.cache_salt)
-        ask = Ask(request_id, n, inp.params.max_tokens, inp.priority_class, inp.slo)
+        ask = Ask(request_id, n, inp.params.max_tokens, inp.priority_class, inp.slo, choices=inp.params.n)
         started, policy = now_ns(), self.admission_config.admission
         try:
             stats = self.engine.scheduler.stats  # counters read across threads: plain ints

@@ -71,6 +71,7 @@ class Ask:
     priority_class: str | None = None
     slo: Slo = field(default_factory=Slo)
     resumed: bool = False  # a request moving to other workers (conductor/migration.py): admitted once already
+    choices: int = 1  # SamplingParams.n: sequences decoded from one prefill
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +152,7 @@ class Dispatcher:
         arrived = now if arrival is None else min(arrival, now)
         candidate = self.admission.candidate(objective, ask.prompt_len, ask.max_tokens, cost_ms,
                                              self.block_size, arrived, ask.prompt_len - plan.prefix_len,
-                                             (now - arrived) * 1e3, chosen.transfer_ms)
+                                             (now - arrived) * 1e3, chosen.transfer_ms, ask.choices)
         p = next(s for s in prefill if s.worker_id == plan.prefill_id)
         d = next(s for s in decode if s.worker_id == plan.decode_id)
         return self._book(ask, objective, candidate, p, d, plan.prefix_len, now, plan.fetch_from, final)
@@ -181,7 +182,7 @@ class Dispatcher:
         candidate = self.admission.candidate(objective, n, ask.max_tokens, self.colocated_prefill_ms(n - cached, cached,
                                                                                                     bound, now),
                                              self.block_size, arrived, new_tokens=n - cached,
-                                             held_ms=(now - arrived) * 1e3)
+                                             held_ms=(now - arrived) * 1e3, choices=ask.choices)
         return self._book(ask, objective, candidate, PrefillSide(COLOCATED, pending),
                           DecodeSide(COLOCATED, bound), cached, now)
 
@@ -217,7 +218,7 @@ class Dispatcher:
         chunks = cdiv(candidate.new_tokens, chunk) if chunk else 0
         p.ledger.add(candidate.prefill_job(ask.request_id, now, chunks))
         bound = BoundRequest(ask.request_id, ask.prompt_len, candidate.expected_output, objective.tbt_ms,
-                             now + decision.joins_in_ms / 1e3, candidate.blocks)
+                             now + decision.joins_in_ms / 1e3, candidate.blocks, choices=candidate.choices)
         d.ledger.book(bound)
         return Booking(ask.request_id, objective, candidate, decision, bound, p.worker_id, d.worker_id,
                        prefix_tokens, fetch_from)

@@ -243,6 +243,7 @@ class BoundRequest:
     joins_at: float
     blocks: int
     generated: int = 0
+    choices: int = 1  # sequences it decodes (n > 1: each counts in the batch)
 
     def job(self, now: float) -> DecodeJob:
         remaining = max(1, self.expected_output - self.generated)
@@ -318,7 +319,7 @@ class DecodeLedger:
             self.reserved_blocks -= bound.blocks
 
     def decode_jobs(self, now: float) -> list[DecodeJob]:
-        return [b.job(now) for b in self.jobs.values()]
+        return [b.job(now) for b in self.jobs.values() for _ in range(b.choices)]
 
     def check_integrity(self) -> None:
         """Booked blocks = the sum of the bookings, within the worker's pool."""

@@ -92,20 +92,20 @@ class DecodeLoadPredictor:
         return self._load_at(jobs, arrival_ms, self.step_ms_now(jobs), arrival_ms, prompt_len, tbt_slo_ms)
 
     def peak(self, jobs: Sequence[DecodeJob], arrival_ms: float, prompt_len: int, output_tokens: int,
-             tbt_slo_ms: float = math.inf) -> DecodeLoad:
+             tbt_slo_ms: float = math.inf, choices: int = 1) -> DecodeLoad:
         """The moment of the request's stay (arrival .. arrival + output_tokens steps) where its
         batch is closest to (or furthest past) the tightest objective in it; with no objective
-        anywhere, the slowest step."""
+        anywhere, the slowest step. `choices`: the sequences it decodes (n > 1)."""
         step = self.step_ms_now(jobs)
         leaves = arrival_ms + output_tokens * step
         moments = [arrival_ms] + sorted(j.joins_at_ms for j in jobs if arrival_ms < j.joins_at_ms < leaves)
-        loads = [self._load_at(jobs, t, step, arrival_ms, prompt_len, tbt_slo_ms) for t in moments]
+        loads = [self._load_at(jobs, t, step, arrival_ms, prompt_len, tbt_slo_ms, choices) for t in moments]
         return min(loads, key=lambda load: (load.slack_ms, -load.tbt_ms))
 
     def _load_at(self, jobs: Sequence[DecodeJob], t: float, step: float, arrival_ms: float,
-                 prompt_len: int, tbt_slo_ms: float) -> DecodeLoad:
+                 prompt_len: int, tbt_slo_ms: float, choices: int = 1) -> DecodeLoad:
         own_done = int((t - arrival_ms) / step) if step > 0 else 0
-        batch, context, limit = 1, prompt_len + own_done, tbt_slo_ms
+        batch, context, limit = choices, choices * (prompt_len + own_done), tbt_slo_ms
         for job in jobs:
             if job.joins_at_ms <= t < job.leaves_at_ms(step):
                 done = int((t - job.joins_at_ms) / step) if step > 0 else 0

@@ -100,8 +100,12 @@ class TokenLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class TokenChunk:
-    """New tokens of one request since its last chunk, and their text; the last chunk of a
-    request carries `end`. `logprobs`: one per token, when the request asked for them."""
+    """New tokens of one request's choice `index` since its last chunk, and their text; the last
+    chunk of a request carries `end`. `logprobs`: one per token, when the request asked for them.
+
+    A request of n > 1 choices (SamplingParams.n) interleaves its choices' chunks; a choice's
+    last chunk carries `choice_end`, and the request's very last one also `end` (its usage
+    sums every choice's tokens). With n = 1, `end` alone ends the one choice."""
 
     request_id: str
     token_ids: list[int]
@@ -110,10 +114,30 @@ class TokenChunk:
     logprobs: tuple[TokenLogprobs, ...] | None = None
     # a request's first chunk, when it asked: prompt token k+1's logprobs at k (the first has none)
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    index: int = 0
+    choice_end: ChoiceEnd | None = None
 
     @property
     def finished(self) -> bool:
         return self.end is not None
+
+    @property
+    def choice_finished(self) -> ChoiceEnd | None:
+        """How this chunk's choice ended, if it did (n = 1: from `end`)."""
+        if self.choice_end is not None:
+            return self.choice_end
+        if self.end is None:
+            return None
+        return ChoiceEnd(self.end.finish_reason, self.end.stop, self.end.usage.completion_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceEnd:
+    """How one choice of an n > 1 request ended: why, the stop string, its output tokens."""
+
+    finish_reason: FinishReason
+    stop: str | None
+    completion_tokens: int
 
 
 # ---------------------------------------------------------------------- Conductor -> workers
@@ -191,10 +215,13 @@ class PrefilledKV:
     generator_state: bytes | None = None
     first_logprobs: TokenLogprobs | None = None  # the first token's, when the request asked
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # computed by the prefill, when asked
+    choices: tuple[ChoiceStart, ...] = ()  # n > 1: choices 1..n-1, sampled from the same logits
 
     def to_meta(self) -> dict:
         """JSON-able form for the transport's DONE message."""
         meta: dict = {"first_token": self.first_token, "num_cached_tokens": self.num_cached_tokens}
+        if self.choices:
+            meta["choices"] = [c.to_meta() for c in self.choices]
         if self.generator_state is not None:
             meta["generator_state"] = self.generator_state.hex()
         if self.first_logprobs is not None:
@@ -209,7 +236,32 @@ class PrefilledKV:
         return cls(int(meta["first_token"]), int(meta.get("num_cached_tokens", 0)),
                    bytes.fromhex(state) if state else None,
                    TokenLogprobs.from_json(logprobs) if logprobs is not None else None,
-                   None if prompt is None else tuple(TokenLogprobs.from_json(v) for v in prompt))
+                   None if prompt is None else tuple(TokenLogprobs.from_json(v) for v in prompt),
+                   tuple(ChoiceStart.from_meta(c) for c in meta.get("choices", ())))
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceStart:
+    """Where choice i > 0 of an n > 1 request starts on the decode side: its first token, its
+    generator's state after sampling it, and that token's logprobs (when asked)."""
+
+    first_token: int
+    generator_state: bytes | None = None  # None: greedy
+    first_logprobs: TokenLogprobs | None = None
+
+    def to_meta(self) -> dict:
+        meta: dict = {"first_token": self.first_token}
+        if self.generator_state is not None:
+            meta["generator_state"] = self.generator_state.hex()
+        if self.first_logprobs is not None:
+            meta["first_logprobs"] = self.first_logprobs.to_json()
+        return meta
+
+    @classmethod
+    def from_meta(cls, meta: Mapping) -> ChoiceStart:
+        logprobs, state = meta.get("first_logprobs"), meta.get("generator_state")
+        return cls(int(meta["first_token"]), bytes.fromhex(state) if state else None,
+                   None if logprobs is None else TokenLogprobs.from_json(logprobs))
 
 
 # ---------------------------------------------------------------------- workers -> Conductor

@@ -6,7 +6,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from halfmoon.core.errors import InvalidRequestError
 
@@ -23,7 +23,8 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int
 
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
-FEATURES = ("logprobs", "logit_bias", "penalties", "min_tokens")  # SamplingParams.features
+MAX_CHOICES = 64  # SamplingParams.n
+FEATURES = ("logprobs", "logit_bias", "penalties", "min_tokens", "n")  # SamplingParams.features
 PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
 BIAS_LIMIT = 100.0  # |logit_bias| values (OpenAI's range)
 
@@ -44,6 +45,11 @@ class SamplingParams:
     cache hit, since a cached block keeps no logits). `output_offset`: how many trailing prompt tokens are in fact
     outputs (a migrated request resumes with its outputs in its prompt: they count as outputs
     for the penalties and min_tokens).
+
+    `n`: choices from one prompt, prefilled (and in 1P1D transferred) once: the choices share
+    the prompt's KV blocks and each samples on its own. Choice i's generator is seeded with
+    `seed + i` (seeded requests: choice i equals a single request of seed `seed + i`); only
+    choice 0 reports the prompt's logprobs.
     """
 
     max_tokens: int = 16
@@ -63,6 +69,7 @@ class SamplingParams:
     logprobs: int | None = None
     output_offset: int = 0
     prompt_logprobs: int | None = None
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Accept lists (and a dict of biases) from callers but keep the frozen object hashable.
@@ -77,12 +84,18 @@ class SamplingParams:
         return bool(self.logit_bias or self.frequency_penalty or self.presence_penalty
                     or self.repetition_penalty != 1.0 or self.min_tokens > self.output_offset)
 
+    def choice(self, index: int) -> SamplingParams:
+        """Choice `index`'s own parameters: one sequence, seeded `seed + index`, and the
+        prompt's logprobs only on choice 0."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if index == 0 else None)
+
     def features(self) -> tuple[str, ...]:
         """The sampling features this request uses beyond plain sampling (metrics count them)."""
         used = {"logprobs": self.logprobs is not None or self.prompt_logprobs is not None,
                 "logit_bias": bool(self.logit_bias),
                 "penalties": bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0),
-                "min_tokens": self.min_tokens > 0}
+                "min_tokens": self.min_tokens > 0, "n": self.n > 1}
         return tuple(name for name, on in used.items() if on)
 
     @property
@@ -130,6 +143,10 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("prompt_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_CHOICES:
+            raise InvalidRequestError("n", f"must be an integer in [1, {MAX_CHOICES}], got {self.n!r}")
+        if self.n > 1 and self.seed is not None and self.seed + self.n > 2**63:
+            raise InvalidRequestError("seed", f"choice i is seeded seed + i: at most 2**63 - n, got {self.seed}")
         if not isinstance(self.output_offset, int) or self.output_offset < 0:
             raise InvalidRequestError("output_offset", f"must be an integer >= 0, got {self.output_offset!r}")
 

@@ -208,7 +208,8 @@ class DecodeWorker(EngineWorker):
                                       request_id=task.request_id, cache_salt=task.cache_salt,
                                       generator_state=prefilled.generator_state,
                                       first_logprobs=prefilled.first_logprobs,
-                                      prompt_logprobs=prefilled.prompt_logprobs)
+                                      prompt_logprobs=prefilled.prompt_logprobs,
+                                      choices=prefilled.choices)
 
         try:
             await self.on_engine(add)

@@ -24,15 +24,15 @@ import torch
 from halfmoon.engine.config import EngineConfig
 from halfmoon.core.blocks import cdiv, first_visible_block
 from halfmoon.core.errors import InvalidRequestError
-from halfmoon.core.messages import EngineInfo, TokenChunk, TokenLogprobs
+from halfmoon.core.messages import ChoiceEnd, ChoiceStart, EngineInfo, TokenChunk, TokenLogprobs
 from halfmoon.engine.kv_push import KVPushes, PushStream
 from halfmoon.engine.loader import LoadedWeights, load_weights
 from halfmoon.engine.model import DecoderModel
 from halfmoon.engine.parallel import plan_shard
 from halfmoon.engine.logits import take_logprobs, take_prompt_logprobs
-from halfmoon.engine.outputs import CompletionResult, TextState, completion_result, request_end
+from halfmoon.engine.outputs import CompletionResult, Family, TextState, completion_result, request_end
 from halfmoon.core.params import FinishReason
-from halfmoon.engine.request import Request
+from halfmoon.engine.request import Request, RequestStatus
 from halfmoon.engine.runner import ModelRunner
 from halfmoon.core.params import SamplingParams, check_token_ids
 from halfmoon.engine.scheduler import Scheduler
@@ -188,6 +188,7 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.tiers, self.speculator, config.max_prefill_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        self.scheduler.copy_block = self._copy_block
         self.runner.stop_ids = self.stop_ids
         if self.ranks is not None:
             self.runner.step_sync = self.ranks.send_step
@@ -197,6 +198,7 @@ class Engine:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._live_ids: set[str] = set()  # guarded by _lock; an id is live until its final output
+        self._families: dict[str, Family] = {}  # n > 1 requests whose choices have not all ended
         self.windows = [cfg.window(i) for i in range(cfg.num_layers)]  # per layer, 0 = full attention
         self.pushes = KVPushes(self.pool, config.block_size, self.windows)  # disaggregation, prefill side
         # decode (and verification) CUDA graphs, captured now; padding rows write the pad block
@@ -227,10 +229,15 @@ class Engine:
             self._check_push(prompt_ids, kv_push)
         req = self._new_request(prompt_ids, params, cache_salt)
         req.priority, req.deadline, req.fetch_from = priority, deadline, fetch_from
+        if params.n > 1:
+            req.forks = [self._new_request(list(prompt_ids), params.choice(i), cache_salt)
+                         for i in range(1, params.n)]
         with self._lock:
             req.request_id = request_id = self._claim_id(request_id)
             if kv_push is not None:
                 self.pushes.add(request_id, kv_push)
+            elif req.forks is not None:  # prefill-only: the choices travel in its DONE
+                self._family(req)
             self._inbox.append(req)
         return request_id
 
@@ -238,7 +245,8 @@ class Engine:
                       block_ids: Sequence[int], request_id: str | None = None,
                       cache_salt: str | None = None, generator_state: bytes | None = None,
                       first_logprobs: TokenLogprobs | None = None,
-                      prompt_logprobs: Sequence[TokenLogprobs] | None = None) -> str:
+                      prompt_logprobs: Sequence[TokenLogprobs] | None = None,
+                      choices: Sequence[ChoiceStart] = ()) -> str:
         """Queue a request whose prompt KV is already in `block_ids` (received from a prefill
         worker, reserved with `reserve_blocks`) and whose first token was sampled there; it
         joins the running batch at the next step. The blocks become the request's block table:
@@ -246,25 +254,55 @@ class Engine:
             | prompt's blocks (KV received) | room for output tokens (optional) |
 
         With room for every output token (prompt + max_tokens) it never allocates while it
-        decodes; the unused tail goes back to the pool when it ends."""
+        decodes; the unused tail goes back to the pool when it ends. An n > 1 request brings
+        its other `choices`' first tokens: they fork from its prompt blocks as it joins."""
         prompt_ids = as_token_ids(prompt_ids)
         self.validate(prompt_ids, params)
         self._check_prefilled_blocks(len(prompt_ids), params.max_tokens, len(block_ids))
-        req = self._new_request(prompt_ids, params, cache_salt)
-        if generator_state is not None:
-            req.generator.set_state(torch.frombuffer(bytearray(generator_state), dtype=torch.uint8))
-        req.token_ids.append(int(first_token))
-        if params.logprobs is not None:  # the first token's, computed where it was sampled
-            req.pending_logprobs = [first_logprobs] if first_logprobs is not None else None
+        if len(choices) != params.n - 1:
+            raise InvalidRequestError("choices", f"{len(choices)} choices' first tokens for n = {params.n}")
+        req = self._prefilled(list(prompt_ids), params, cache_salt, ChoiceStart(first_token, generator_state, first_logprobs))
         req.prompt_logprobs = list(prompt_logprobs) if prompt_logprobs is not None else None
         req.block_table = list(block_ids)
         req.num_computed_tokens = req.num_prompt_tokens
         # sliding layers' dead blocks were not sent (engine/kv_push.py): not a cacheable prefix
         req.cache_kv = not self.window_truncated(len(prompt_ids))
+        if choices:
+            req.forks = [self._prefilled(list(prompt_ids), params.choice(i), cache_salt, start)
+                         for i, start in enumerate(choices, start=1)]
         with self._lock:
             req.request_id = request_id = self._claim_id(request_id)
+            if req.forks is not None:
+                self._family(req)
             self._inbox.append(req)
         return request_id
+
+    def _prefilled(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None,
+                   start: ChoiceStart) -> Request:
+        """A request (or choice) that starts from its first token, sampled elsewhere."""
+        check_token_ids("first_token", [int(start.first_token)], self.model_config.vocab_size)
+        req = self._new_request(prompt_ids, params, cache_salt)
+        if start.generator_state is not None:
+            req.generator.set_state(torch.frombuffer(bytearray(start.generator_state), dtype=torch.uint8))
+        req.token_ids.append(int(start.first_token))
+        if params.logprobs is not None:  # the first token's, computed where it was sampled
+            req.pending_logprobs = [start.first_logprobs] if start.first_logprobs is not None else None
+        return req
+
+    def _family(self, req: Request) -> None:
+        """Name the choices of an n > 1 request `{id}#{i}` inside the engine and claim those ids
+        (caller holds the lock): chunks carry the request's id and the choice's index."""
+        assert req.forks is not None
+        ids = [f"{req.request_id}#{i}" for i in range(1, 1 + len(req.forks))]
+        taken = self._live_ids.intersection(ids)
+        if taken:
+            self._live_ids.discard(req.request_id)
+            raise InvalidRequestError("request_id", f"{sorted(taken)[0]!r} (a choice's id) is already in use")
+        self._live_ids.update(ids)
+        req.family = req.request_id
+        for i, (child, child_id) in enumerate(zip(req.forks, ids), start=1):
+            child.request_id, child.family, child.choice = child_id, req.request_id, i
+        self._families[req.request_id] = Family(1 + len(req.forks))
 
     def info(self) -> EngineInfo:
         """What the Conductor needs to tokenize, hash blocks and size requests like this engine."""
@@ -443,9 +481,24 @@ class Engine:
             self._drafted = drafted
         now = time.perf_counter()
         for req, new in self.scheduler.update(plan, sampled):
+            born = self._fork(req) if req.forks is not None and req.request_id not in self.pushes else []
             outputs.append(self._postprocess(req, now, new))
+            outputs.extend(self._postprocess(child, now) for child in born)
         outputs.extend(self._abort_failed_pushes(now))
         return outputs
+
+    def _fork(self, req: Request) -> list[Request]:
+        """An n > 1 request's prompt is computed and every choice has its first token: the
+        other choices start from its blocks (before it may end and free them)."""
+        born, req.forks = req.forks or [], None
+        for child in born:
+            self.scheduler.fork(req, child)
+        return born
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        """Block `src`'s KV into block `dst`, every layer, on every tensor-parallel rank."""
+        for kv in [self.kv_cache, *(self.ranks.kv_caches if self.ranks is not None else [])]:
+            kv[:, :, dst].copy_(kv[:, :, src])
 
     def _drain_inbox(self) -> list[TokenChunk]:
         with self._lock:
@@ -453,17 +506,33 @@ class Engine:
             aborts, self._aborts = self._aborts, []
         outputs = []
         for req in new:
-            self._text[req.request_id] = TextState(IncrementalDetokenizer(self.tokenizer), req.params.stop)
-            if req.num_computed_tokens:  # prefilled elsewhere: it brings its first token
+            for member in [req, *(req.forks or [])]:
+                self._text[member.request_id] = TextState(IncrementalDetokenizer(self.tokenizer), req.params.stop)
+            if req.num_computed_tokens:  # prefilled elsewhere: it brings its first token(s)
                 self.scheduler.add_prefilled(req)
-                outputs.append(self._postprocess(req, time.perf_counter()))
+                born = self._fork(req) if req.forks is not None else []
+                now = time.perf_counter()
+                outputs.append(self._postprocess(req, now))
+                outputs.extend(self._postprocess(child, now) for child in born)
             else:
                 self.scheduler.add(req)
         for request_id in aborts:
-            req = self.scheduler.requests.get(request_id)
+            outputs.extend(self._abort(request_id, time.perf_counter()))
+        return outputs
+
+    def _abort(self, request_id: str, now: float) -> list[TokenChunk]:
+        """End a request (every choice of an n > 1 one, started or not) as aborted."""
+        req = self.scheduler.requests.get(request_id)
+        members = [] if req is None else [req, *(req.forks or [])]
+        family = self._families.get(request_id)
+        if family is not None:
             if req is not None:
-                self._finish(req, FinishReason.ABORT, time.perf_counter())
-                outputs.append(self._output(req, [], final=True))
+                req.forks = None  # never started: they end now
+            members += [r for i in range(1, family.n) if (r := self.scheduler.requests.get(f"{request_id}#{i}"))]
+        outputs = []
+        for member in members:
+            self._finish(member, FinishReason.ABORT, now)
+            outputs.append(self._output(member, [], final=True))
         return outputs
 
     # ------------------------------------------------------------------ KV push (prefill side)
@@ -471,9 +540,7 @@ class Engine:
     def _abort_failed_pushes(self, now: float) -> list[TokenChunk]:
         outputs = []
         for request_id in self.pushes.failed_ids():
-            req = self.scheduler.requests[request_id]
-            self._finish(req, FinishReason.ABORT, now)
-            outputs.append(self._output(req, [], final=True))
+            outputs.extend(self._abort(request_id, now))
         return outputs
 
     # ------------------------------------------------------------------ outputs
@@ -516,17 +583,29 @@ class Engine:
             self.speculator.forget(req.request_id)
         if req.request_id in self.pushes:
             self.pushes.end(req, reason)
-        self.scheduler.finish(req, reason)
+        if req.request_id in self.scheduler.requests:
+            self.scheduler.finish(req, reason)
+        else:  # a choice of an n > 1 request that never started
+            req.status, req.finish_reason = RequestStatus.FINISHED, reason
 
     def _output(self, req: Request, tokens: list[int], final: bool) -> TokenChunk:
         delta = self._text[req.request_id].take(final)
         logprobs, prompt = take_logprobs(req, len(tokens), final), take_prompt_logprobs(req)
+        public = req.family if req.family is not None else req.request_id
         if not final:
-            return TokenChunk(req.request_id, tokens, delta, logprobs=logprobs, prompt_logprobs=prompt)
+            return TokenChunk(public, tokens, delta, logprobs=logprobs, prompt_logprobs=prompt, index=req.choice)
         del self._text[req.request_id]
         with self._lock:
             self._live_ids.discard(req.request_id)
-        return TokenChunk(req.request_id, tokens, delta, request_end(req), logprobs, prompt)
+        end = request_end(req)
+        if req.family is None:
+            return TokenChunk(public, tokens, delta, end, logprobs, prompt)
+        family = self._families[req.family]
+        whole = family.ended(end)
+        if whole is not None:
+            del self._families[req.family]
+        choice = ChoiceEnd(end.finish_reason, end.stop, end.usage.completion_tokens)
+        return TokenChunk(public, tokens, delta, whole, logprobs, prompt, req.choice, choice)
 
     # ------------------------------------------------------------------ offline
 
@@ -548,3 +627,13 @@ class Engine:
                 chunks[chunk.request_id].append(chunk)
                 done += chunk.finished
         return [completion_result(rid, ids, chunks[rid]) for rid, ids in zip(order, prompts)]
+
+    def generate_choices(self, prompt: Sequence[int], params: SamplingParams,
+                         cache_salt: str | None = None) -> list[CompletionResult]:
+        """Run one prompt of `params.n` choices to completion; one result per choice, in order."""
+        prompt = as_token_ids(prompt)
+        rid = self.add_request(prompt, params, cache_salt=cache_salt)
+        chunks: list[TokenChunk] = []
+        while not chunks or not chunks[-1].finished:
+            chunks.extend(c for c in self.step() if c.request_id == rid)
+        return [completion_result(rid, prompt, chunks, i) for i in range(params.n)]

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from halfmoon.core.blocks import cdiv, first_visible_block
-from halfmoon.core.messages import PrefilledKV
+from halfmoon.core.messages import ChoiceStart, PrefilledKV
 from halfmoon.core.params import FinishReason
 from halfmoon.engine.request import Request
 from halfmoon.engine.scheduler import ScheduledRequest
@@ -163,8 +163,15 @@ class KVPushes:
 
 
 def prefilled_kv(req: Request) -> PrefilledKV:
-    """What the decode side needs besides the KV (the generator state only when sampling)."""
+    """What the decode side needs besides the KV (the generator state only when sampling); an
+    n > 1 request's other choices sampled their first tokens from the same logits."""
+    prompt = tuple(req.prompt_logprobs or ()) if req.params.prompt_logprobs is not None else None
+    first = _start(req)
+    return PrefilledKV(first.first_token, req.num_cached_tokens, first.generator_state, first.first_logprobs, prompt,
+                       tuple(_start(c) for c in req.forks or ()))
+
+
+def _start(req: Request) -> ChoiceStart:
     state = None if req.params.greedy else bytes(req.generator.get_state().numpy())
     first_logprobs = req.pending_logprobs[0] if req.pending_logprobs else None  # not yet in a chunk
-    prompt = tuple(req.prompt_logprobs or ()) if req.params.prompt_logprobs is not None else None
-    return PrefilledKV(req.token_ids[req.num_prompt_tokens], req.num_cached_tokens, state, first_logprobs, prompt)
+    return ChoiceStart(req.token_ids[req.num_prompt_tokens], state, first_logprobs)

@@ -3,7 +3,7 @@ carrying its `RequestEnd`; `Engine.generate` sums a request's chunks into a `Com
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from halfmoon.core.messages import RequestEnd, Timings, TokenChunk, TokenLogprobs, Usage
 from halfmoon.core.params import FinishReason
@@ -96,14 +96,47 @@ def request_end(req: Request) -> RequestEnd:
                       speculative_proposed=req.spec_proposed, speculative_accepted=req.spec_accepted)
 
 
-def completion_result(request_id: str, prompt_ids: list[int], chunks: list[TokenChunk]) -> CompletionResult:
-    """A finished request's chunks summed up (the last one carries its end)."""
+@dataclass(slots=True)
+class Family:
+    """The choices of an n > 1 request still running: the request ends with the last of them,
+    its usage summing every choice's output tokens."""
+
+    n: int
+    left: int = field(init=False)
+    completion_tokens: int = 0
+    preemptions: int = 0
+    proposed: int = 0
+    accepted: int = 0
+
+    def __post_init__(self) -> None:
+        self.left = self.n
+
+    def ended(self, end: RequestEnd) -> RequestEnd | None:
+        """Count one choice's end; the request's own once every choice has ended."""
+        self.left -= 1
+        self.completion_tokens += end.usage.completion_tokens
+        self.preemptions += end.num_preemptions
+        self.proposed += end.speculative_proposed
+        self.accepted += end.speculative_accepted
+        if self.left:
+            return None
+        return replace(end, usage=replace(end.usage, completion_tokens=self.completion_tokens),
+                       num_preemptions=self.preemptions, speculative_proposed=self.proposed,
+                       speculative_accepted=self.accepted)
+
+
+def completion_result(request_id: str, prompt_ids: list[int], chunks: list[TokenChunk],
+                      index: int = 0) -> CompletionResult:
+    """Choice `index` of a finished request, its chunks summed up (the request's last chunk
+    carries its end; the choice's last one how the choice ended)."""
     end = chunks[-1].end
     assert end is not None
+    mine = [c for c in chunks if c.index == index]
+    choice = next(c.choice_finished for c in reversed(mine) if c.choice_finished is not None)
     t = end.timings
-    return CompletionResult(request_id, prompt_ids, [t for c in chunks for t in c.token_ids],
-                            "".join(c.text for c in chunks), end.finish_reason, t.ttft_ms,
+    return CompletionResult(request_id, prompt_ids, [t for c in mine for t in c.token_ids],
+                            "".join(c.text for c in mine), choice.finish_reason, t.ttft_ms,
                             t.mean_tpot_ms, end.num_preemptions, end.usage.cached_prompt_tokens,
-                            t.queue_ms, t.prefill_ms, end.stop, t.e2e_ms,
-                            None if chunks[-1].logprobs is None else [lp for c in chunks for lp in c.logprobs or ()],
-                            next((list(c.prompt_logprobs) for c in chunks if c.prompt_logprobs is not None), None))
+                            t.queue_ms, t.prefill_ms, choice.stop, t.e2e_ms,
+                            None if mine[-1].logprobs is None else [lp for c in mine for lp in c.logprobs or ()],
+                            next((list(c.prompt_logprobs) for c in mine if c.prompt_logprobs is not None), None))

@@ -68,6 +68,12 @@ class Request:
     # prompt_logprobs: entry k is prompt token k+1's (the first has none); handed to the first chunk
     prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_sent: bool = False
+    # n > 1 (SamplingParams.n): the public request id and this choice's index; choice 0 holds
+    # the other choices until its prompt is computed (`forks`: they sample their first tokens
+    # from its last prompt row, then share its prompt blocks: Scheduler.fork)
+    family: str | None = None
+    choice: int = 0
+    forks: list[Request] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -150,12 +150,31 @@ class ModelRunner:
             logits = logits[:sampled_rows]
         if not inputs.sampled:
             return []
+        forks = _forking(inputs)
+        if forks:  # n > 1: the other choices sample their first tokens from the same rows
+            return self._sample_forks(logits, inputs, forks)
+        return self._sample_processed(logits, inputs)
+
+    def _sample_processed(self, logits: torch.Tensor, inputs: StepInputs) -> list[list[int]]:
         if all(r.params.plain for r in inputs.sampled):
             return self._sample(logits, inputs)
         # biases / penalties / min_tokens, and logprobs of the raw logits (engine/logits.py)
         emitted = self._sample(process(logits, inputs.sampled, inputs.drafts, self.stop_ids), inputs)
         record_logprobs(logits, inputs.sampled, inputs.drafts, emitted)
         return emitted
+
+    def _sample_forks(self, logits: torch.Tensor, inputs: StepInputs, forks: list[tuple[int, Request]]) -> list[list[int]]:
+        """Sample with each forking request's other choices appended as rows of their own (a
+        copy of its last prompt row); their first tokens go into their `token_ids`."""
+        n = len(inputs.sampled)
+        rows = [row for row, _ in forks]
+        extended = StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows,
+                              [*inputs.sampled, *(child for _, child in forks)],
+                              drafts=None if inputs.drafts is None else [*inputs.drafts, *([()] * len(forks))])
+        emitted = self._sample_processed(torch.cat([logits, logits[rows]]), extended)
+        for (_, child), tokens in zip(forks, emitted[n:]):
+            child.token_ids.extend(tokens)
+        return emitted[:n]
 
     def _sample(self, logits: torch.Tensor, inputs: StepInputs) -> list[list[int]]:
         if inputs.drafts is None:
@@ -315,6 +334,19 @@ class ModelRunner:
             segments.append(PrefillSegment(q_start, n, table, ctx, mask))
             q_start += n
         return segments
+
+
+def _forking(inputs: StepInputs) -> list[tuple[int, Request]]:
+    """(logits row, choice) of every choice whose first token this step samples: the other
+    choices of requests that finish their prompt now (Request.forks)."""
+    sampled = inputs.sampled
+    if all(r.forks is None for r in sampled):
+        return []
+    first = [0]
+    for d in inputs.drafts or [() for _ in sampled]:
+        first.append(first[-1] + 1 + len(d))
+    return [(first[i], child) for i, r in enumerate(sampled)
+            if r.forks is not None and r.num_output_tokens == 0 for child in r.forks]
 
 
 def _prompt_rows(entries: Sequence[ScheduledRequest],

@@ -80,6 +80,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.fetching: dict[str, tuple[Request, Future[Prefetched]]] = {}
+        # copies one KV block's contents to another, every layer and rank (set by the engine)
+        self.copy_block: Callable[[int, int], None] = _no_copy
         self.on_fetched: Callable[[], None] = lambda: None  # a pull ended (the loop wakes up)
         self.stats = SchedulerStats()
 
@@ -104,6 +106,37 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.running.append(request)
         self._register_full_blocks(request)
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Start choice `child` of an n > 1 request from `parent`'s computed prompt: it holds a
+        reference to each full prompt block (shared, read only) and a copy of the partial last
+        block (the next tokens of each choice differ: copy on write, done at once). Its first
+        token is already in `child.token_ids`. With no block free for the copy it waits to be
+        recomputed like a preempted request (the prompt's full blocks are a prefix-cache hit)."""
+        prompt, bs = parent.num_prompt_tokens, self.block_size
+        full = prompt // bs
+        self.requests[child.request_id] = child
+        child.arrival_time, child.scheduled_time = parent.arrival_time, parent.scheduled_time
+        child.num_cached_tokens, child.cache_kv = parent.num_cached_tokens, parent.cache_kv
+        child.root_hash = parent.root_hash
+        if prompt % bs and not self.pool.can_allocate(1):
+            self.stats.preemptions += 1
+            child.num_preemptions += 1
+            child.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(child)
+            return
+        shared = parent.block_table[:full]
+        self.pool.incref(shared)
+        child.block_table = list(shared)
+        if prompt % bs:
+            [copy] = self.pool.allocate(1)
+            self.copy_block(parent.block_table[full], copy)
+            child.block_table.append(copy)
+        child.block_hashes = parent.block_hashes[:full]
+        child.num_registered_blocks = min(parent.num_registered_blocks, full)
+        child.num_computed_tokens = prompt
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.fetching)
@@ -327,6 +360,10 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
+
+
+def _no_copy(src: int, dst: int) -> None:
+    raise RuntimeError("Scheduler.copy_block is not set: the engine sets it to copy KV blocks")
 
 
 def _order(request: Request) -> tuple[int, float]:
