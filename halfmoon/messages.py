@@ -4,6 +4,7 @@ keyword arguments, and response messages turned into results."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any, TypedDict
 
@@ -45,6 +46,7 @@ class GenerateOptions(TypedDict, total=False):
     min_tokens: int | None
     logprobs: int | None
     prompt_logprobs: int | None
+    n: int | None
 
 
 def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
@@ -58,7 +60,8 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
                      speculative: bool | None = None, frequency_penalty: float | None = None,
                      presence_penalty: float | None = None, repetition_penalty: float | None = None,
                      logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
-                     logprobs: int | None = None, prompt_logprobs: int | None = None) -> pb.GenerateRequest:
+                     logprobs: int | None = None, prompt_logprobs: int | None = None,
+                     n: int | None = None) -> pb.GenerateRequest:
     """The `GenerateRequest` for these arguments; None = the server's default. Give exactly one
     of `prompt`, `messages` (`{"role", "content"}` dicts) and `prompt_token_ids` (the server
     checks, naming the field). `priority_class`: interactive, standard or batch (the server's
@@ -67,7 +70,8 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
     `logit_bias` and `min_tokens` as the proto documents them; `logprobs=N` (0..20): each token's
     logprob and the N most likely (`StreamChunk.logprobs`, `GenerationResult.logprobs`);
     `prompt_logprobs=N` the same for the prompt's tokens after the first
-    (`GenerationResult.prompt_logprobs`)."""
+    (`GenerationResult.prompt_logprobs`); `n=N`: N choices from one prefill
+    (`GenerationResult.choices`, `StreamChunk.index`), choice i seeded `seed + i`."""
     sampling = pb.SamplingParams(logit_bias=dict(logit_bias or {}), **_present(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, min_tokens=min_tokens))
@@ -78,7 +82,7 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
         priority=priority, priority_class=priority_class or "", cache_salt=cache_salt or "",
         request_id=request_id or "",
         **_present(prompt=prompt, max_tokens=max_tokens, speculative=speculative, logprobs=logprobs,
-                   prompt_logprobs=prompt_logprobs))
+                   prompt_logprobs=prompt_logprobs, n=n))
 
 
 def tokenize_request(text: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
@@ -95,36 +99,51 @@ def _chat(messages: Sequence[Mapping[str, str]] | None) -> list[pb.ChatMessage]:
     return [pb.ChatMessage(role=m.get("role", ""), content=m.get("content", "")) for m in messages or ()]
 
 
+class _Choice:
+    """One choice's tokens, text and logprobs as they arrive, and how it ended."""
+
+    __slots__ = ("finish", "logprobs", "stop", "texts", "token_ids", "tokens_used")
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.texts: list[str] = []
+        self.logprobs: list[TokenLogprobs] | None = None
+        self.finish: str | None = None
+        self.stop: str | None = None
+        self.tokens_used = 0
+
+
 class Collector:
     """Turns the responses of one Generate call into chunks and, at the end, the result."""
 
-    __slots__ = ("logprobs", "prompt_logprobs", "received", "request_id", "result", "texts", "token_ids")
+    __slots__ = ("choices", "prompt_logprobs", "received", "request_id", "result")
 
     def __init__(self) -> None:
         self.request_id = ""
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] | None = None
+        self.choices: dict[int, _Choice] = {}
         self.prompt_logprobs: list[TokenLogprobs] | None = None
-        self.texts: list[str] = []
         self.received = 0  # messages delivered to the caller (a stream is retried only at 0)
         self.result: GenerationResult | None = None
 
     def add(self, response: pb.GenerateResponse) -> StreamChunk:
         self.received += 1
         self.request_id = response.request_id or self.request_id
+        choice = self.choices.setdefault(response.index, _Choice())
         ids = list(response.token_ids)
-        self.token_ids.extend(ids)
-        self.texts.append(response.text)
-        logprobs = [TokenLogprobs(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-                    for lp in response.logprobs] or None
+        choice.token_ids.extend(ids)
+        choice.texts.append(response.text)
+        logprobs = _logprobs(response.logprobs) or None
         if logprobs is not None:
-            self.logprobs = [*(self.logprobs or []), *logprobs]
+            choice.logprobs = [*(choice.logprobs or []), *logprobs]
         if response.prompt_logprobs:
-            self.prompt_logprobs = [TokenLogprobs(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top))
-                                    for lp in response.prompt_logprobs]
+            self.prompt_logprobs = _logprobs(response.prompt_logprobs)
+        if response.HasField("choice_end"):
+            end = response.choice_end
+            choice.finish, choice.stop, choice.tokens_used = _finish(end.finish_reason), end.stop or None, \
+                end.completion_tokens
         if response.HasField("final"):
             self.result = self._result(response.final)
-        return StreamChunk(self.request_id, ids, response.text, self.result, logprobs)
+        return StreamChunk(self.request_id, ids, response.text, self.result, logprobs, response.index)
 
     def finish(self) -> GenerationResult:
         """The result; raises InternalError when the stream ended without its final message."""
@@ -133,15 +152,32 @@ class Collector:
         return self.result
 
     def _result(self, final: pb.Final) -> GenerationResult:
-        if final.finish_reason not in _FINISH:
-            raise InternalError(grpc.StatusCode.INTERNAL, f"unknown finish reason {final.finish_reason}")
         u, t = final.usage, final.timings
-        return GenerationResult(
-            self.request_id, "".join(self.texts), list(self.token_ids), _FINISH[final.finish_reason],
-            final.stop or None, Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens),
-            Timings(t.queue_ms, t.prefill_ms, t.transfer_ms, t.ttft_ms, t.mean_tpot_ms, t.e2e_ms),
-            slo_prediction(final.prediction) if final.HasField("prediction") else None, self.logprobs,
-            self.prompt_logprobs)
+        usage = Usage(u.prompt_tokens, u.cached_prompt_tokens, u.completion_tokens)
+        timings = Timings(t.queue_ms, t.prefill_ms, t.transfer_ms, t.ttft_ms, t.mean_tpot_ms, t.e2e_ms)
+        prediction = slo_prediction(final.prediction) if final.HasField("prediction") else None
+        reason, stop = _finish(final.finish_reason), final.stop or None
+        first = self.choices.setdefault(0, _Choice())
+        result = GenerationResult(self.request_id, "".join(first.texts), list(first.token_ids),
+                                  first.finish or reason, first.stop if first.finish else stop, usage, timings,
+                                  prediction, first.logprobs, self.prompt_logprobs)
+        if len(self.choices) == 1 and first.finish is None:
+            return result
+        choices = tuple(GenerationResult(self.request_id, "".join(c.texts), list(c.token_ids), c.finish or reason,
+                                         c.stop, replace(usage, completion_tokens=c.tokens_used), timings, prediction,
+                                         c.logprobs, self.prompt_logprobs if i == 0 else None)
+                        for i, c in sorted(self.choices.items()))
+        return replace(result, choices=choices)
+
+
+def _logprobs(values: Sequence[pb.TokenLogprob]) -> list[TokenLogprobs]:
+    return [TokenLogprobs(lp.logprob, tuple((t.token_id, t.logprob) for t in lp.top)) for lp in values]
+
+
+def _finish(reason: int) -> str:
+    if reason not in _FINISH:
+        raise InternalError(grpc.StatusCode.INTERNAL, f"unknown finish reason {reason}")
+    return _FINISH[reason]
 
 
 def model_info(m: pb.ModelInfo) -> ModelInfo:

@@ -27,17 +27,22 @@ class GenerationResult:
     prediction: SloPrediction | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
     prompt_logprobs: list[TokenLogprobs] | None = None  # prompt tokens 1.., when the request asked
+    # n > 1: every choice in index order (choices[0] is this result's own text and tokens; each
+    # choice's usage counts its own tokens, this result's the request's); n = 1: ()
+    choices: tuple[GenerationResult, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class StreamChunk:
-    """New tokens of a stream; the last chunk has `result` set (and may have no tokens)."""
+    """New tokens of a stream (of choice `index` when n > 1); the last chunk has `result` set
+    (and may have no tokens)."""
 
     request_id: str
     token_ids: list[int]
     text: str
     result: GenerationResult | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    index: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,7 +30,7 @@ from halfmoon.api.frontdoor import Call, FrontDoor
 from halfmoon.api.rejection import reason_of
 from halfmoon.api.requests import RequestSpec, check_messages, check_model, prompt_ids
 from halfmoon.core.errors import InvalidRequestError
-from halfmoon.core.messages import RequestEnd, SloPrediction, TokenLogprobs
+from halfmoon.core.messages import ChoiceEnd, RequestEnd, SloPrediction, TokenLogprobs
 from halfmoon.core.tracing import TRACEPARENT
 from halfmoon.v1 import generation_pb2 as pb
 
@@ -89,7 +89,8 @@ def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestS
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
         logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens if s.HasField("min_tokens") else None,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
-        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None, names=NAMES)
+        prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
+        n=req.n if req.HasField("n") else 1, names=NAMES)
 
 
 def logprobs_proto(token_ids: list[int], logprobs: tuple[TokenLogprobs, ...] | None) -> list[pb.TokenLogprob]:
@@ -97,6 +98,13 @@ def logprobs_proto(token_ids: list[int], logprobs: tuple[TokenLogprobs, ...] | N
         return []
     return [pb.TokenLogprob(token_id=t, logprob=lp.logprob, top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in lp.top])
             for t, lp in zip(token_ids, logprobs)]
+
+
+def choice_end_proto(end: ChoiceEnd | None) -> pb.ChoiceEnd | None:
+    if end is None:
+        return None
+    return pb.ChoiceEnd(finish_reason=FINISH[end.finish_reason.value], stop=end.stop or "",
+                        completion_tokens=end.completion_tokens)
 
 
 def final_proto(end: RequestEnd) -> pb.Final:
@@ -179,10 +187,11 @@ class GenerationService:
             prompt_ids = None if spec.prompt_logprobs is None else self._prompt_ids(spec)
             async for item in self.door.generate(spec, client, "grpc", call):
                 prompt = [] if prompt_ids is None else logprobs_proto(prompt_ids[1:], item.prompt_logprobs)
-                if item.token_ids or item.text or prompt:
+                if item.token_ids or item.text or prompt or item.choice_end is not None:
                     yield pb.GenerateResponse(request_id=item.request_id, token_ids=item.token_ids, text=item.text,
                                               logprobs=logprobs_proto(item.token_ids, item.logprobs),
-                                              prompt_logprobs=prompt)
+                                              prompt_logprobs=prompt, index=item.index,
+                                              choice_end=choice_end_proto(item.choice_end))
                 if item.end is not None:
                     yield pb.GenerateResponse(request_id=item.request_id, final=final_proto(item.end))
         except Exception as e:  # ours map to their status; anything else is INTERNAL, logged

@@ -75,16 +75,7 @@ def _generation_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=_natural, default=None)
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--ignore-eos", action="store_true")
-    s.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's, [-2, 2]")
-    s.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's, [-2, 2]")
-    s.add_argument("--repetition-penalty", type=float, default=None, help="HF's, > 0; 1 = off")
-    s.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", type=_bias,
-                   help="add BIAS (-100..100) to token ID's logit (repeatable)")
-    s.add_argument("--min-tokens", type=_natural, default=None, help="EOS and stop ids held back this long")
-    s.add_argument("--logprobs", type=_natural, default=None, metavar="N",
-                   help="each token's logprob and the N most likely (--json shows them)")
-    s.add_argument("--prompt-logprobs", type=_natural, default=None, metavar="N",
-                   help="the same for the prompt's tokens (--json shows them)")
+    add_sampling_extras(s)
     s.add_argument("--ttft-slo-ms", type=float, default=None, help="reject up front if TTFT would miss this")
     s.add_argument("--tbt-slo-ms", type=float, default=None, help="reject up front if TBT would miss this")
     s.add_argument("--priority-class", default=None,
@@ -95,6 +86,22 @@ def _generation_parser() -> argparse.ArgumentParser:
                         "again, up to N times (default 0)")
     s.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
+
+
+def add_sampling_extras(s: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    """The penalties, biases, logprobs and n flags (`halfmoon client` and `halfmoon generate`)."""
+    s.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's, [-2, 2]")
+    s.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's, [-2, 2]")
+    s.add_argument("--repetition-penalty", type=float, default=None, help="HF's, > 0; 1 = off")
+    s.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS", type=_bias,
+                   help="add BIAS (-100..100) to token ID's logit (repeatable)")
+    s.add_argument("--min-tokens", type=_natural, default=None, help="EOS and stop ids held back this long")
+    s.add_argument("--logprobs", type=_natural, default=None, metavar="N",
+                   help="each token's logprob and the N most likely (--json shows them)")
+    s.add_argument("--prompt-logprobs", type=_natural, default=None, metavar="N",
+                   help="the same for the prompt's tokens (--json shows them)")
+    s.add_argument("--n", type=_natural, default=None, metavar="N",
+                   help="N choices from one prefill (choice i seeded --seed + i)")
 
 
 def _natural(text: str) -> int:
@@ -183,7 +190,8 @@ def _request_options(args: argparse.Namespace) -> dict[str, Any]:
                "priority_class": args.priority_class, "model": args.model,
                "frequency_penalty": args.frequency_penalty, "presence_penalty": args.presence_penalty,
                "repetition_penalty": args.repetition_penalty, "logit_bias": dict(args.logit_bias) or None,
-               "min_tokens": args.min_tokens, "logprobs": args.logprobs, "prompt_logprobs": args.prompt_logprobs}
+               "min_tokens": args.min_tokens, "logprobs": args.logprobs, "prompt_logprobs": args.prompt_logprobs,
+               "n": args.n}
     if args.call == "chat":
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         return {**options, "messages": [*system, {"role": "user", "content": args.message}]}
@@ -201,11 +209,13 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
         return 0
     result = None
     for chunk in client.stream(**options):
-        if chunk.text:
+        if chunk.text and chunk.index == 0:  # n > 1: the other choices are printed at the end
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
         result = chunk.result or result
     sys.stdout.write("\n")
+    for i, choice in enumerate(result.choices[1:], start=1):
+        print(f"--- choice {i} ({choice.finish_reason}) ---\n{choice.text}")
     t, p = result.timings, result.prediction
     predicted = f" (predicted {p.predicted_ttft_ms:.0f} ms)" if p is not None else ""
     print(f"[{result.finish_reason}: {result.usage.completion_tokens} tokens, TTFT {t.ttft_ms:.0f} ms{predicted}, "

@@ -10,6 +10,7 @@ from halfmoon.core.errors import InvalidRequestError
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
+    from halfmoon.cli.client import add_sampling_extras
     from halfmoon.cli.components import ENGINE
     from halfmoon.cli.flags import add_flags
 
@@ -24,6 +25,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    add_sampling_extras(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_flags(p, ENGINE)
 
@@ -54,7 +56,12 @@ def run(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed, ignore_eos=args.ignore_eos,
-                            stop=tuple(args.stop))
+                            stop=tuple(args.stop), frequency_penalty=args.frequency_penalty or 0.0,
+                            presence_penalty=args.presence_penalty or 0.0,
+                            repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty,
+                            logit_bias=tuple(args.logit_bias), min_tokens=args.min_tokens or 0,
+                            logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
+                            n=1 if args.n is None else args.n)
     # Bad flags fail before the model loads (seconds): every rule but the vocabulary's, which
     # needs the model and is checked by the engine.
     params.validate(vocab_size=sys.maxsize)
@@ -76,16 +83,31 @@ def _generate(args: argparse.Namespace, engine, params) -> int:
     while not chunks or not chunks[-1].finished:
         for chunk in engine.step():
             chunks.append(chunk)
-            if not args.json and chunk.text:
+            if not args.json and chunk.text and chunk.index == 0:  # the other choices at the end
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
-    result = completion_result("cli", ids, chunks)
+    choices = [completion_result("cli", ids, chunks, i) for i in range(params.n)]
+    result = choices[0]
     if args.json:
-        print(json.dumps({"prompt_ids": ids, "output_ids": result.output_ids, "text": result.text,
-                          "finish_reason": result.finish_reason.value,
-                          "ttft_ms": round(result.ttft_ms, 3), "tpot_ms": round(result.tpot_ms, 3)}))
+        print(json.dumps({"prompt_ids": ids, **_choice_json(result), "ttft_ms": round(result.ttft_ms, 3),
+                          "tpot_ms": round(result.tpot_ms, 3),
+                          "prompt_logprobs": _logprobs_json(result.prompt_logprobs),
+                          **({"choices": [_choice_json(c) for c in choices]} if params.n > 1 else {})}))
     else:
         sys.stdout.write("\n")
+        for i, choice in enumerate(choices[1:], start=1):
+            print(f"--- choice {i} ({choice.finish_reason.value}) ---\n{choice.text}")
         print(f"[{result.finish_reason.value}: {len(result.output_ids)} tokens, "
               f"TTFT {result.ttft_ms:.0f} ms, TPOT {result.tpot_ms:.1f} ms]", file=sys.stderr)
     return 0
+
+
+def _choice_json(result) -> dict:
+    return {"output_ids": result.output_ids, "text": result.text, "finish_reason": result.finish_reason.value,
+            "logprobs": _logprobs_json(result.logprobs)}
+
+
+def _logprobs_json(logprobs) -> list | None:
+    if logprobs is None:
+        return None
+    return [{"logprob": lp.logprob, "top": [list(pair) for pair in lp.top]} for lp in logprobs]

@@ -506,7 +506,7 @@ class Engine:
             aborts, self._aborts = self._aborts, []
         outputs = []
         for req in new:
-            for member in [req, *(req.forks or [])]:
+            for member in [req, *(req.forks or [])] if req.family is not None else [req]:
                 self._text[member.request_id] = TextState(IncrementalDetokenizer(self.tokenizer), req.params.stop)
             if req.num_computed_tokens:  # prefilled elsewhere: it brings its first token(s)
                 self.scheduler.add_prefilled(req)

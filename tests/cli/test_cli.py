@@ -34,7 +34,8 @@ def test_generate_json_matches_the_engine(engine: Engine) -> None:
                    "--threads", "1", *EXACT_FLAGS)  # token-exact: the engine fixture is fp32
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out) == {"prompt_ids", "output_ids", "text", "finish_reason", "ttft_ms", "tpot_ms"}
+    assert set(out) == {"prompt_ids", "output_ids", "text", "finish_reason", "ttft_ms", "tpot_ms", "logprobs",
+                        "prompt_logprobs"}
     ids = engine.tokenizer.encode(PROMPT)
     assert out["prompt_ids"] == ids
     expected = engine.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))[0]
@@ -44,11 +45,26 @@ def test_generate_json_matches_the_engine(engine: Engine) -> None:
     assert out["ttft_ms"] > 0 and out["tpot_ms"] > 0
 
 
+def test_generate_sampling_flags_and_n(engine: Engine) -> None:
+    """`halfmoon generate` takes the penalties, a bias, logprobs and n as `halfmoon client` does."""
+    proc = run_cli("generate", "--prompt", PROMPT, "--max-tokens", "5", "--ignore-eos", "--json", "--threads", "1",
+                   "--temperature", "0.8", "--seed", "3", "--n", "2", "--frequency-penalty", "0.5",
+                   "--logit-bias", "28=-100", "--logprobs", "1", *EXACT_FLAGS)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    ids = engine.tokenizer.encode(PROMPT)
+    want = engine.generate_choices(ids, SamplingParams(max_tokens=5, ignore_eos=True, temperature=0.8, seed=3, n=2,
+                                                       frequency_penalty=0.5, logit_bias={28: -100.0}, logprobs=1))
+    assert [c["output_ids"] for c in out["choices"]] == [w.output_ids for w in want]
+    assert out["output_ids"] == want[0].output_ids and len(out["choices"][1]["logprobs"]) == 5
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [
         (["--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
         (["--prompt", "hi", "--top-p", "1.5"], "top_p"),
+        (["--prompt", "hi", "--n", "0"], "n"),
         (["--prompt-ids", "1,x,3"], "prompt_ids"),
         (["--prompt-ids", "1,99999999"], "vocabulary"),
         (["--prompt", "hi", "--model", "/no/such/model.gguf"], "tried"),

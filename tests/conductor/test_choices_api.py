@@ -75,3 +75,19 @@ def test_n_out_of_range_is_a_400_naming_it(api: RunningApi) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         oai(api).completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, n=2, best_of=3)
     assert e.value.body["param"] == "best_of"
+
+
+def test_sdk_choices_over_grpc(api: RunningApi, engine: Engine) -> None:
+    from halfmoon.client import Client
+
+    ids = engine.tokenizer.encode(PROMPT)
+    want = engine.generate_choices(ids, SamplingParams(max_tokens=5, temperature=0.7, seed=5, n=3, ignore_eos=True))
+    with Client(api.grpc_target) as sdk:
+        result = sdk.generate(PROMPT, max_tokens=5, temperature=0.7, seed=5, n=3, ignore_eos=True)
+        streamed: dict[int, list[int]] = defaultdict(list)
+        for chunk in sdk.stream(PROMPT, max_tokens=5, temperature=0.7, seed=5, n=3, ignore_eos=True):
+            streamed[chunk.index] += chunk.token_ids
+    assert [c.token_ids for c in result.choices] == [w.output_ids for w in want]
+    assert result.token_ids == want[0].output_ids and result.usage.completion_tokens == 15
+    assert all(c.finish_reason == "length" and c.usage.completion_tokens == 5 for c in result.choices)
+    assert dict(streamed) == {i: w.output_ids for i, w in enumerate(want)}

@@ -140,3 +140,31 @@ def test_logprobs_and_penalties_across_the_pair_equal_one_engine(workers: InProc
     assert expected.prompt_logprobs is not None and len(prompt) == len(expected.prompt_logprobs) > 0
     assert all(abs(a.logprob - b.logprob) < 1e-4 and a.top[0][0] == b.top[0][0]
                for a, b in zip(prompt, expected.prompt_logprobs))
+
+
+def test_n_choices_cross_the_pair_with_one_prefill_and_one_transfer(workers: InProcessWorkers,
+                                                                    engine: Engine) -> None:
+    """n = 3, seeded: the prefill worker computes the prompt once and samples every choice's
+    first token; one KV transfer (the bytes of an n = 1 request) reaches the decode worker,
+    where the choices fork from the prompt's blocks: each choice as one engine gives it."""
+    prompt = engine.tokenizer.encode("Once upon a time, in a land far away,")
+    params = SamplingParams(max_tokens=6, temperature=0.8, seed=77, n=3, ignore_eos=True, logprobs=1)
+    expected = engine.generate_choices(prompt, params)
+    p, d = workers.prefill, workers.decode
+
+    def received() -> int:
+        return asyncio.run(d.load()).kv_bytes_received
+
+    start = received()
+    asyncio.run(run_pair(p, d, "single", prompt, SamplingParams(max_tokens=2)))
+    one = received() - start
+    computed = p.engine.scheduler.stats.prompt_tokens_computed
+    _, chunks = asyncio.run(run_pair(p, d, "choices", prompt, params))
+    assert received() - start - one == one > 0, "n = 3 sent other than one prompt's KV"
+    assert p.engine.scheduler.stats.prompt_tokens_computed - computed <= len(prompt)
+    for i, want in enumerate(expected):
+        mine = [c for c in chunks if c.index == i]
+        assert tokens(mine) == want.output_ids, i
+        assert [round(lp.logprob, 4) for c in mine for lp in c.logprobs or ()] == \
+            [round(lp.logprob, 4) for lp in want.logprobs or ()]
+    assert chunks[-1].end is not None and chunks[-1].end.usage.completion_tokens == 18
