@@ -3,7 +3,7 @@ each generated token's logprob and its top-5 equal transformers' log_softmax at 
 within 2e-3; biases, min_tokens and the penalties give the tokens of a reference implementation
 of the documented formula on transformers' logits (tests/engine/logprobs_support.py); both with
 speculative decoding on and off (n-gram drafts on repetitive prompts: verification rows count the
-drafts before them)."""
+drafts before them). The tiny families, 1P1D and TP=2: test_logprobs_families.py."""
 
 from __future__ import annotations
 
