@@ -1,8 +1,9 @@
 """Logprobs and logit processing on the engine (issue 46), against transformers (fp32, greedy):
 each generated token's logprob and its top-5 equal transformers' log_softmax at that position
 within 2e-3; biases, min_tokens and the penalties give the tokens of a reference implementation
-of the documented formula on transformers' logits; both with speculative decoding on and off
-(n-gram drafts on repetitive prompts: verification rows count the drafts before them)."""
+of the documented formula on transformers' logits (tests/engine/logprobs_support.py); both with
+speculative decoding on and off (n-gram drafts on repetitive prompts: verification rows count the
+drafts before them). The tiny families, 1P1D and TP=2: test_logprobs_families.py."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ from halfmoon.core.messages import PrefilledKV, TokenLogprobs
 from halfmoon.core.params import SamplingParams
 from halfmoon.engine.engine import Engine
 from tests.conftest import EngineFactory
+from tests.engine.logprobs_support import (assert_follows_reference, assert_logprobs, assert_prompt_logprobs,
+                                           hf_logprobs)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-TOL = 2e-3
 NEW = 12
 TEXTS = ["The capital of France is", "one two three one two three one two three one two",
          "def fibonacci(n):\n    if n < 2:\n        return n\n    return"]
@@ -42,31 +44,12 @@ def engines(request: pytest.FixtureRequest, make_engine: EngineFactory, shared_e
     return make_engine(num_blocks=256, speculative="ngram", speculative_max_batch=8)
 
 
-@torch.inference_mode()
-def hf_logprobs(model: Any, ids: list[int]) -> torch.Tensor:
-    return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), dim=-1)
-
-
 def test_logprobs_equal_transformers_log_softmax(engines: Engine, hf: Any) -> None:
     prompts = [engines.tokenizer.encode(t) for t in TEXTS]
     results = engines.generate(prompts, SamplingParams(max_tokens=NEW, ignore_eos=True, logprobs=5))
     for prompt, result in zip(prompts, results):
-        assert result.logprobs is not None and len(result.logprobs) == len(result.output_ids) == NEW
-        ref = hf_logprobs(hf, prompt + result.output_ids)
-        for j, (token, got) in enumerate(zip(result.output_ids, result.logprobs)):
-            row = ref[len(prompt) - 1 + j]
-            assert abs(got.logprob - float(row[token])) < TOL, (j, got.logprob, float(row[token]))
-            want_lp, want_ids = row.topk(5)
-            assert [i for i, _ in got.top] == want_ids.tolist() or _tied(row, got), (j, got.top, want_ids)
-            assert max(abs(lp - float(row[i])) for i, lp in got.top) < TOL
-            assert got.top[0][0] == token  # greedy: the chosen token is the most likely
-
-
-def _tied(row: torch.Tensor, got: TokenLogprobs) -> bool:
-    """The top-5 differs from the oracle's only where two candidates are within rounding."""
-    values = sorted((float(row[i]) for i, _ in got.top), reverse=True)
-    fifth = float(row.topk(6).values[4])
-    return abs(values[-1] - fifth) < TOL
+        assert len(result.output_ids) == NEW
+        assert_logprobs(hf_logprobs(hf, prompt + result.output_ids), prompt, result.output_ids, result.logprobs, 5)
 
 
 def test_logprobs_zero_gives_the_chosen_token_only_and_none_gives_nothing(engine: Engine) -> None:
@@ -74,30 +57,6 @@ def test_logprobs_zero_gives_the_chosen_token_only_and_none_gives_nothing(engine
     zero, none = engine.generate([ids, ids], [SamplingParams(max_tokens=4, logprobs=0), SamplingParams(max_tokens=4)])
     assert zero.logprobs is not None and all(lp.top == () and lp.logprob <= 0 for lp in zero.logprobs)
     assert none.logprobs is None and zero.output_ids == none.output_ids
-
-
-def reference(model: Any, prompt: list[int], params: SamplingParams, stop_ids: set[int], new: int) -> list[int]:
-    """Greedy on transformers with the documented processing, written out token by token."""
-    tokens: list[int] = []
-    offset_outputs = prompt[len(prompt) - params.output_offset:] if params.output_offset else []
-    for _ in range(new):
-        with torch.inference_mode():
-            logits = model(torch.tensor([prompt + tokens])).logits[0, -1].double()
-        logits = torch.tensor(logits.tolist(), dtype=torch.float64)  # a normal tensor, to edit
-        for token, bias in params.logit_bias:
-            logits[token] += bias
-        if len(offset_outputs) + len(tokens) < params.min_tokens:
-            for token in stop_ids | set(params.stop_token_ids):
-                logits[token] = float("-inf")
-        for token in set(prompt + tokens):
-            if params.repetition_penalty != 1.0:
-                r = params.repetition_penalty
-                logits[token] = logits[token] / r if logits[token] > 0 else logits[token] * r
-        for token in set(offset_outputs + tokens):
-            count = (offset_outputs + tokens).count(token)
-            logits[token] -= count * params.frequency_penalty + params.presence_penalty
-        tokens.append(int(logits.argmax()))
-    return tokens
 
 
 CASES = {
@@ -116,7 +75,7 @@ def test_penalties_and_bias_equal_the_reference(engines: Engine, hf: Any, case: 
     for text in TEXTS[1:]:
         prompt = engines.tokenizer.encode(text)
         got = engines.generate([prompt], params)[0].output_ids
-        assert got == reference(hf, prompt, params, set(engines.stop_ids), NEW), (case, text)
+        assert_follows_reference(hf, prompt, params, engines.stop_ids, got)
 
 
 def test_min_tokens_holds_back_eos_until_then(engine: Engine) -> None:
@@ -170,13 +129,8 @@ def test_prompt_logprobs_equal_transformers_even_for_a_cached_prefix(engines: En
         result = engines.generate([prompt], SamplingParams(max_tokens=3, prompt_logprobs=4, logprobs=2))[0]
     finally:
         engines.scheduler.max_num_batched_tokens = budget
-    ref = hf_logprobs(hf, prompt + result.output_ids)
-    assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(prompt) - 1
     assert result.num_cached_tokens == 0  # the cached prefix was computed again, for its logits
-    for k, got in enumerate(result.prompt_logprobs):
-        row = ref[k]  # predicts prompt token k + 1
-        assert abs(got.logprob - float(row[prompt[k + 1]])) < TOL, k
-        assert max(abs(lp - float(row[i])) for i, lp in got.top) < TOL and len(got.top) == 4
+    assert_prompt_logprobs(hf_logprobs(hf, prompt), prompt, result.prompt_logprobs, 4)
     assert result.logprobs is not None and len(result.logprobs) == 3
 
 
