@@ -20,6 +20,7 @@ BENCHMARKS = {
     "soak": "halfmoon.bench.soak_bench",
     "first-run": "halfmoon.bench.first_run_bench",
     "sampling": "halfmoon.bench.sampling_bench",
+    "choices": "halfmoon.bench.choices_bench",
     "make-trace": "halfmoon.bench.make_trace",  # not a benchmark: writes a synthetic Mooncake trace to replay
 }
 

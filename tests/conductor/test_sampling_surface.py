@@ -85,7 +85,7 @@ def test_penalties_bias_and_min_tokens_equal_the_engine(api: RunningApi, engine:
     ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"5": 101}}, "logit_bias"),
     ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"), ({"logprobs": 21}, "logprobs"), ({"logprobs": True}, "logprobs"),
-    ({"n": 2}, "n"), ({"echo": 1}, "echo"), ({"suffix": "x"}, "suffix"), ({"logit_bias": {"01": 1}}, "logit_bias"),
+    ({"n": 0}, "n"), ({"echo": 1}, "echo"), ({"suffix": "x"}, "suffix"), ({"logit_bias": {"01": 1}}, "logit_bias"),
     ({"logit_bias": {"\u00b2": 1}}, "logit_bias"), ({"prompt": [-1], "echo": True}, "prompt")])
 def test_bad_values_are_a_400_naming_the_field(api: RunningApi, body: dict, param: str) -> None:
     answer = httpx.post(api.http_url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2, **body},
