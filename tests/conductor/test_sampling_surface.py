@@ -135,6 +135,19 @@ def test_echo_with_logprobs_is_what_lm_eval_sends(api: RunningApi, engine: Engin
     assert plain_echo.choices[0].text.startswith(PROMPT) and plain_echo.choices[0].logprobs is None
 
 
+def test_echo_logprobs_keep_the_stop_token(api: RunningApi) -> None:
+    """lm_eval scores a continuation as `token_logprobs[ctxlen:-1]`: it counts on exactly one
+    entry after the prompt's, also when that one token ends the request (EOS, here forced)."""
+    tok = api.engine.tokenizer
+    ids = tok.encode(PROMPT + " Paris")
+    out = httpx.post(api.http_url + "/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 1,
+        "logit_bias": {str(tok.eos_id): 100}}).json()["choices"][0]
+    lp = out["logprobs"]
+    assert out["finish_reason"] == "stop" and len(lp["token_logprobs"]) == len(ids) + 1
+    assert lp["tokens"][-1] == tok.token_bytes(tok.eos_id).decode() and lp["token_logprobs"][-2] is not None
+
+
 def test_grpc_prompt_logprobs(api: RunningApi, engine: Engine) -> None:
     ids = engine.tokenizer.encode(PROMPT)
     want = engine.generate([ids], SamplingParams(max_tokens=2, prompt_logprobs=2))[0]
