@@ -8,6 +8,9 @@ test, that the test left it idle with every block back in the pool.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
 import importlib.util
 import os
 import shutil
@@ -31,7 +34,7 @@ from halfmoon.kvpool.errors import PoolIntegrityError
 # OpenMP threads next to another busy process stall at every barrier, measured 25x slower per
 # token (1.2 s instead of 45 ms); one thread is steady.
 # The worker tests' fixtures (`pair`, `workers`) live with their helpers.
-pytest_plugins = ["tests.workers_support"]
+pytest_plugins = ["tests.workers_support", "tests.server_fixtures"]
 
 NUM_THREADS = 1
 # Blocks of the shared engine: 256 x 16 = 4096 tokens, enough for every test's batch at once.
@@ -49,6 +52,7 @@ _SESSION_CACHE: Path | None = None
 
 def pytest_configure(config: pytest.Config) -> None:
     global _SESSION_CACHE
+    _bound_malloc()
     given = os.environ.get("HALFMOON_TEST_CACHE_DIR")
     if given:
         Path(given).mkdir(parents=True, exist_ok=True)
@@ -56,6 +60,42 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     _SESSION_CACHE = Path(tempfile.mkdtemp(prefix="halfmoon-test-cache-"))
     os.environ[CACHE_ENV] = str(_SESSION_CACHE)
+
+
+# glibc's mallopt parameters (malloc.h)
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
+
+
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+def _bound_malloc() -> None:
+    """The suite runs in one process whose modules build and drop engines, servers and worker
+    pairs by the dozen. glibc raises its mmap threshold to the largest block freed so far (up to
+    32 MiB), after which freed tensors stay in its heaps and the process only grows (24 GiB, an
+    OOM kill, by mid-suite): a fixed threshold keeps every block over 1 MiB in mappings of its
+    own, returned when freed; few arenas keep the many threads' heaps from fragmenting."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return
+    libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    libc.mallopt(M_TRIM_THRESHOLD, 64 << 20)
+    libc.mallopt(M_ARENA_MAX, 4)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own teardown has finalized the module's fixtures
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """At a module's end (its fixtures gone): collect its cycles and give freed heap back."""
+    if nextitem is not None and nextitem.module is item.module:
+        return
+    gc.collect()
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

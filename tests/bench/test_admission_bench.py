@@ -30,7 +30,6 @@ from halfmoon.conductor.admission import AdmissionConfig
 from tests.bench.records import record, write_trace
 from tests.conductor import conftest as server_fixtures
 
-api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, server_fixtures.start_api
 
 SLO = sm.Slo(ttft_ms=500.0, tbt_ms=125.0)  # binary fractions: "exactly at the SLO" is exact
 SAMPLE_TRACE = Path(__file__).resolve().parents[2] / "halfmoon" / "bench" / "data" / "sample_trace.jsonl"

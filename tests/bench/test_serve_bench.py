@@ -18,7 +18,6 @@ from halfmoon.bench.workload import (MIN_TOKEN_ID, SYSTEM_PROMPT_TOKENS, Caps, c
 from tests.bench.records import record, timeline, write_trace
 from tests.conductor import conftest as server_fixtures
 
-api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, server_fixtures.start_api
 
 RUN_KEYS = {"system", "rate", "target", "serve_args", "workload", "metrics"}
 METRIC_KEYS = {"requests", "completed", "rejected", "errors", "errors_by_status", "short_outputs", "ttft_ms",

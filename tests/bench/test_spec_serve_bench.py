@@ -18,7 +18,6 @@ from halfmoon.bench.serve_args import parse_args
 from halfmoon.bench.workload import Caps
 from tests.conductor import conftest as server_fixtures
 
-api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, server_fixtures.start_api
 
 
 def test_quoting_prompts_are_the_files_prompts_in_the_chat_template() -> None:

@@ -1,7 +1,7 @@
 """A real front door (gRPC + HTTP on loopback) over a real co-located engine, in this process.
 
-`api` is one session-wide server on free ports; `start_api(**config)` starts others (auth, TLS,
-small limits) for a test. The server runs its event loop on its own thread, like `halfmoon
+`api` (tests/server_fixtures.py) is one session-wide server on free ports; `start_api(**config)`
+starts others (auth, TLS, small limits) for a module. The server runs its event loop on its own thread, like `halfmoon
 serve` does on its main thread; the engine steps on the backend's thread.
 
 `scripted` is a real front door over a `ScriptedBackend`: no engine, the test says what the
@@ -27,7 +27,7 @@ from halfmoon.core.messages import RequestEnd, SloPrediction, Timings, TokenChun
 from halfmoon.core.params import FinishReason
 from halfmoon.engine.engine import Engine
 from halfmoon.results import ModelInfo
-from tests.conftest import EngineFactory, idle_problems
+from tests.conftest import idle_problems
 from tests.waiting import poll
 
 MODEL = "smollm2"
@@ -102,40 +102,6 @@ def run_api(backend: GenerationBackend, config: ServerConfig, extensions: Sequen
         assert not thread.is_alive(), "the server did not stop in 30 s"
 
     return RunningApi(backend, ready[0], stop)
-
-
-@pytest.fixture(scope="session")
-def start_api(make_engine: EngineFactory) -> Iterator[Callable[..., RunningApi]]:
-    """`start_api(num_blocks=..., max_waiting=..., admission=..., **ServerConfig fields)` -> a
-    running server. Admission: only the SLOs a request sends (the API tests are not about load)."""
-    running: list[RunningApi] = []
-
-    def start(num_blocks: int = 256, max_waiting: int = 256, admission: AdmissionConfig = CLIENT_SLOS_ONLY,
-              **config: Any) -> RunningApi:
-        engine = make_engine(num_blocks=num_blocks)
-        backend = ColocatedBackend(engine, MODEL, max_waiting=max_waiting, admission=admission)
-        api = run_api(backend, ServerConfig(**{"grpc_port": 0, "http_port": 0, **config}))
-        running.append(api)
-        return api
-
-    yield start
-    for api in running:
-        api.stop()
-
-
-@pytest.fixture(scope="session")
-def shared_api(start_api: Callable[..., RunningApi]) -> RunningApi:
-    return start_api()
-
-
-@pytest.fixture
-def api(shared_api: RunningApi) -> Iterator[RunningApi]:
-    """The session's server; the test must leave its engine idle with every block free."""
-    problems = shared_api.wait_idle()
-    assert not problems, "; ".join(problems)
-    yield shared_api
-    problems = shared_api.wait_idle()
-    assert not problems, "the test left the server busy: " + "; ".join(problems)
 
 
 class ScriptedBackend(GenerationBackend):

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -190,9 +189,16 @@ def test_the_server_keeps_serving_and_leaks_nothing(api: RunningApi) -> None:
     assert api.backend.stats().requests_running == 0
 
 
+@pytest.fixture(scope="module")
+def guarded(start_api, tmp_path_factory: pytest.TempPathFactory) -> RunningApi:
+    """One token-protected server for all the auth cases."""
+    tokens = tmp_path_factory.mktemp("auth") / "tokens"
+    tokens.write_text("the-token\n")
+    return start_api(api_token_file=str(tokens))
+
+
 @pytest.mark.parametrize("token", [None, "Bearer wrong", "Basic c2VjcmV0", "Bearer"])
-def test_missing_or_wrong_auth_on_both_apis(start_api, tmp_path: Path, token: str | None) -> None:
-    guarded = _guarded(start_api, tmp_path)
+def test_missing_or_wrong_auth_on_both_apis(guarded: RunningApi, token: str | None) -> None:
     metadata = None if token is None else [("authorization", token)]
     error = grpc_call(guarded, {"prompt": "hi"}, metadata)
     assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "token" in error.details()
@@ -200,15 +206,3 @@ def test_missing_or_wrong_auth_on_both_apis(start_api, tmp_path: Path, token: st
     assert response.status_code == 401
     assert response.json()["error"]["type"] == "authentication_error"
     assert "token" in response.json()["error"]["message"]
-
-
-_GUARDED: dict[str, RunningApi] = {}
-
-
-def _guarded(start_api, tmp_path: Path) -> RunningApi:
-    """One token-protected server for all the auth cases."""
-    if "api" not in _GUARDED:
-        tokens = tmp_path / "tokens"
-        tokens.write_text("the-token\n")
-        _GUARDED["api"] = start_api(api_token_file=str(tokens))
-    return _GUARDED["api"]

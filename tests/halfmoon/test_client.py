@@ -29,14 +29,12 @@ from halfmoon.client import (TOKEN_ENV, APIError, AsyncClient, Client, DeadlineE
                              GenerationResult, InvalidArgumentError, ModelInfo, NotFoundError,
                              ResourceExhaustedError, RetryEvent, RetryPolicy, StreamChunk,
                              UnauthenticatedError, UnavailableError, api_error)
-from tests.conductor import conftest as server_fixtures
 from tests.conductor.conftest import RunningApi
 from tests.conftest import assert_engine_idle
 from tests.waiting import poll
 
 # The real-server fixtures (module-scoped by their conftest's location, so bound here; assigned
 # rather than imported so the tests' `api` parameters do not read as redefinitions).
-api, shared_api, start_api = server_fixtures.api, server_fixtures.shared_api, server_fixtures.start_api
 
 PROMPT = "The capital of France is"
 MAX_TOKENS = 12
