@@ -35,7 +35,7 @@ class SamplingParams:
 
     Logit processing (engine/logits.py), in this order, before temperature / top-k / top-p:
     `logit_bias` (token id, bias) added; while fewer than `min_tokens` outputs, EOS and
-    `stop_token_ids` are impossible; `repetition_penalty` (HF's: a seen token's positive logit
+    `stop_token_ids` are impossible and no stop string ends the request (vLLM's rule); `repetition_penalty` (HF's: a seen token's positive logit
     divided by it, a negative one multiplied; over prompt + outputs); `frequency_penalty` and
     `presence_penalty` (OpenAI's: `logit - count * frequency - (count > 0) * presence`, counts of
     the output tokens). `logprobs`: None = none; k = the sampled token's logprob and the k most
@@ -70,6 +70,9 @@ class SamplingParams:
     output_offset: int = 0
     prompt_logprobs: int | None = None
     n: int = 1
+    # nothing beyond sampling: no logit processing, no logprobs (the step's fast path; set once
+    # here, since the runner asks every request every step)
+    plain: bool = field(init=False, repr=False, compare=False, default=True)
 
     def __post_init__(self) -> None:
         # Accept lists (and a dict of biases) from callers but keep the frozen object hashable.
@@ -77,6 +80,8 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in bias)))
+        object.__setattr__(self, "plain", self.logprobs is None and self.prompt_logprobs is None
+                           and not self.processes_logits)
 
     @property
     def processes_logits(self) -> bool:
@@ -97,11 +102,6 @@ class SamplingParams:
                 "penalties": bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0),
                 "min_tokens": self.min_tokens > 0, "n": self.n > 1}
         return tuple(name for name, on in used.items() if on)
-
-    @property
-    def plain(self) -> bool:
-        """Nothing beyond sampling: no logit processing, no logprobs (the step's fast path)."""
-        return self.logprobs is None and self.prompt_logprobs is None and not self.processes_logits
 
     @property
     def greedy(self) -> bool:

@@ -552,9 +552,11 @@ class Engine:
         del req.token_ids[-new:]
         if req.first_token_time is None:
             req.first_token_time = now
+        p = req.params
         for i, token in enumerate(tokens):
             req.token_ids.append(token)
-            stop_text = self._text[req.request_id].push(token)
+            # before min_tokens outputs no stop string ends it either (vLLM's rule)
+            stop_text = self._text[req.request_id].push(token, req.num_output_tokens + p.output_offset >= p.min_tokens)
             reason = self._stop_reason(req, token, stop_text)
             if reason is not None:
                 req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)

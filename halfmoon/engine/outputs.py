@@ -52,13 +52,14 @@ class TextState:
     def __post_init__(self) -> None:
         self.holdback = max((len(s) for s in self.stops), default=1) - 1
 
-    def push(self, token_id: int) -> str | None:
-        """Add a token; returns the stop string it completed, if any."""
+    def push(self, token_id: int, stops: bool = True) -> str | None:
+        """Add a token; returns the stop string it completed, if any (`stops` False: none is
+        looked for, as before a request's min_tokens)."""
         delta = self.detok.push(token_id)
         if not delta:
             return None
         self.text += delta
-        if not self.stops:
+        if not self.stops or not stops:
             return None
         window_start = max(0, len(self.text) - len(delta) - self.holdback)
         hits = [(self.text.find(s, window_start), s) for s in self.stops]

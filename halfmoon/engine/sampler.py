@@ -25,9 +25,15 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
 
 
 def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """Inverse-CDF sampling over the temperature-scaled, top-k/top-p filtered distribution."""
+    """Inverse-CDF sampling over the temperature-scaled, top-k/top-p filtered distribution, one
+    uniform of each request's generator per row. Only top-p needs the vocabulary sorted (the
+    smallest set holding p of the mass); without it the CDF is taken in vocabulary order (no
+    top-k) or over the k largest (`topk`, not a full sort): a sort of a 49k vocabulary costs
+    more than a small model's decode step's sampling should (n > 1 samples n rows a step)."""
     temps = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps.unsqueeze(1)  # <= 0: no overflow
+    if all(r.params.top_p >= 1.0 for r in requests):
+        return _sample_unsorted(scaled, requests)
     probs_sorted, idx_sorted = torch.sort(scaled, dim=-1, descending=True)
     probs_sorted = _apply_top_k(probs_sorted, [r.params.top_k for r in requests])
     probs_sorted = torch.softmax(probs_sorted, dim=-1)
@@ -37,6 +43,23 @@ def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Ten
     uniforms = uniforms * cdf[:, -1]  # the filtered mass is renormalised implicitly
     choice = torch.searchsorted(cdf, uniforms.unsqueeze(1)).clamp_(max=cdf.shape[1] - 1)
     return idx_sorted.gather(1, choice).squeeze(1)
+
+
+def _sample_unsorted(scaled: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """No top-p: the full distribution in vocabulary order, or (some top-k) the largest
+    max-k of each row, each row cut to its own k."""
+    ks = [r.params.top_k for r in requests]
+    vocab = scaled.shape[1]
+    idx = None
+    if any(0 < k < vocab for k in ks):
+        scaled, idx = scaled.topk(max(k for k in ks if 0 < k < vocab), dim=-1)  # sorted: rank j = column j
+        width = scaled.shape[1]
+        k = torch.tensor([k if 0 < k < width else width for k in ks]).unsqueeze(1)
+        scaled = scaled.masked_fill(torch.arange(width).unsqueeze(0) >= k, float("-inf"))
+    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
+    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in requests]) * cdf[:, -1]
+    choice = torch.searchsorted(cdf, uniforms.unsqueeze(1)).clamp_(max=cdf.shape[1] - 1)
+    return choice.squeeze(1) if idx is None else idx.gather(1, choice).squeeze(1)
 
 
 def probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

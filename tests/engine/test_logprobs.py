@@ -87,6 +87,18 @@ def test_min_tokens_holds_back_eos_until_then(engine: Engine) -> None:
     assert len(held.output_ids) == 6 and held.output_ids[-1] == eos and eos not in held.output_ids[:5]
 
 
+def test_min_tokens_holds_back_stop_strings_too(engine: Engine) -> None:
+    """A stop string completed before min_tokens outputs does not end the request (vLLM's rule)."""
+    prompt = engine.tokenizer.encode(TEXTS[1])
+    free = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    stop = engine.tokenizer.decode(free.output_ids[:2]).strip()
+    assert stop, "the first outputs spell nothing to stop on"
+    early = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop]))[0]
+    assert early.finish_reason.value == "stop" and len(early.output_ids) <= 2
+    held = engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True, stop=[stop], min_tokens=6))[0]
+    assert len(held.output_ids) >= 6 and held.output_ids[:6] == free.output_ids[:6]
+
+
 def test_bad_values_name_their_field(engine: Engine) -> None:
     for field, kwargs in [("frequency_penalty", {"frequency_penalty": 2.5}), ("presence_penalty", {"presence_penalty": float("nan")}),
                           ("repetition_penalty", {"repetition_penalty": 0.0}), ("logit_bias", {"logit_bias": {10**9: 1.0}}),

@@ -65,6 +65,22 @@ def test_a_top_k_at_or_over_the_vocabulary_keeps_every_token(top_k: int) -> None
     assert_close(frequencies(SamplingParams(temperature=1.0, top_k=top_k)), PROBS)
 
 
+def test_a_vocabulary_not_in_probability_order() -> None:
+    """Without top-p the CDF runs in vocabulary order (no sort): the draw still follows p."""
+    probs = [0.1, 0.2, 0.7]
+    assert_close(frequencies(SamplingParams(temperature=1.0), probs), probs)
+
+
+def test_each_row_keeps_its_own_top_k() -> None:
+    """Rows of top_k 1 and 2 in one batch share one topk of width 2, each cut to its own k."""
+    logits = torch.tensor([0.1, 0.2, 0.7]).log().expand(2 * DRAWS, -1).contiguous()
+    one, two = fake_request(SamplingParams(temperature=1.0, top_k=1)), fake_request(SamplingParams(temperature=1.0, top_k=2), 1)
+    tokens = sample(logits, [one, two] * DRAWS)
+    assert set(tokens[0::2]) == {2}
+    counts = Counter(tokens[1::2])
+    assert_close([counts[i] / DRAWS for i in range(3)], [0.0, 0.2 / 0.9, 0.7 / 0.9])
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     # 0.7 < 0.75, so the second token is needed to reach 0.75; the third never is.
     freqs = frequencies(SamplingParams(temperature=1.0, top_p=0.75))
