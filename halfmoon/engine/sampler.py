@@ -27,39 +27,55 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
 def _sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """Inverse-CDF sampling over the temperature-scaled, top-k/top-p filtered distribution, one
     uniform of each request's generator per row. Only top-p needs the vocabulary sorted (the
-    smallest set holding p of the mass); without it the CDF is taken in vocabulary order (no
-    top-k) or over the k largest (`topk`, not a full sort): a sort of a 49k vocabulary costs
-    more than a small model's decode step's sampling should (n > 1 samples n rows a step)."""
+    smallest set holding p of the mass); a row without it takes the CDF in vocabulary order (no
+    top-k) or over its k largest (`topk`, not a full sort): a sort of a 49k vocabulary costs more
+    than a small model's decode step should spend sampling (n > 1 samples n rows a step). Which
+    way a row goes depends on its own parameters only, so a seeded request draws the same token
+    whatever shares its batch."""
     temps = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
     scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps.unsqueeze(1)  # <= 0: no overflow
-    if all(r.params.top_p >= 1.0 for r in requests):
-        return _sample_unsorted(scaled, requests)
+    vocab = scaled.shape[1]
+    groups: dict[str, list[int]] = {"nucleus": [], "top_k": [], "dense": []}
+    for i, r in enumerate(requests):
+        kind = "nucleus" if r.params.top_p < 1.0 else "top_k" if 0 < r.params.top_k < vocab else "dense"
+        groups[kind].append(i)
+    ways = {"nucleus": _sample_sorted, "top_k": _sample_top_k, "dense": _sample_dense}
+    if len(groups["dense"]) == len(requests):  # the common case: one call, no gathers
+        return _sample_dense(scaled, requests)
+    out = torch.empty(len(requests), dtype=torch.long)
+    for kind, rows in groups.items():
+        if rows:
+            out[rows] = ways[kind](scaled[rows], [requests[i] for i in rows])
+    return out
+
+
+def _draw(cdf: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Column of each row's CDF its request's uniform falls in (the mass renormalised)."""
+    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in requests]) * cdf[:, -1]
+    return torch.searchsorted(cdf, uniforms.unsqueeze(1)).clamp_(max=cdf.shape[1] - 1).squeeze(1)
+
+
+def _sample_dense(scaled: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """No filter: the whole distribution, in vocabulary order."""
+    return _draw(torch.softmax(scaled, dim=-1).cumsum(dim=-1), requests)
+
+
+def _sample_top_k(scaled: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Top-k alone: the largest max-k of each row (best first), each row cut to its own k."""
+    ks = [r.params.top_k for r in requests]
+    top, idx = scaled.topk(max(ks), dim=-1)
+    beyond = torch.arange(top.shape[1]).unsqueeze(0) >= torch.tensor(ks).unsqueeze(1)
+    cdf = torch.softmax(top.masked_fill(beyond, float("-inf")), dim=-1).cumsum(dim=-1)
+    return idx.gather(1, _draw(cdf, requests).unsqueeze(1)).squeeze(1)
+
+
+def _sample_sorted(scaled: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """Top-p (and top-k with it): the vocabulary sorted, best first."""
     probs_sorted, idx_sorted = torch.sort(scaled, dim=-1, descending=True)
     probs_sorted = _apply_top_k(probs_sorted, [r.params.top_k for r in requests])
     probs_sorted = torch.softmax(probs_sorted, dim=-1)
     probs_sorted = _apply_top_p(probs_sorted, [r.params.top_p for r in requests])
-    cdf = probs_sorted.cumsum(dim=-1)
-    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in requests])
-    uniforms = uniforms * cdf[:, -1]  # the filtered mass is renormalised implicitly
-    choice = torch.searchsorted(cdf, uniforms.unsqueeze(1)).clamp_(max=cdf.shape[1] - 1)
-    return idx_sorted.gather(1, choice).squeeze(1)
-
-
-def _sample_unsorted(scaled: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-    """No top-p: the full distribution in vocabulary order, or (some top-k) the largest
-    max-k of each row, each row cut to its own k."""
-    ks = [r.params.top_k for r in requests]
-    vocab = scaled.shape[1]
-    idx = None
-    if any(0 < k < vocab for k in ks):
-        scaled, idx = scaled.topk(max(k for k in ks if 0 < k < vocab), dim=-1)  # sorted: rank j = column j
-        width = scaled.shape[1]
-        k = torch.tensor([k if 0 < k < width else width for k in ks]).unsqueeze(1)
-        scaled = scaled.masked_fill(torch.arange(width).unsqueeze(0) >= k, float("-inf"))
-    cdf = torch.softmax(scaled, dim=-1).cumsum(dim=-1)
-    uniforms = torch.cat([torch.rand(1, generator=r.generator) for r in requests]) * cdf[:, -1]
-    choice = torch.searchsorted(cdf, uniforms.unsqueeze(1)).clamp_(max=cdf.shape[1] - 1)
-    return choice.squeeze(1) if idx is None else idx.gather(1, choice).squeeze(1)
+    return idx_sorted.gather(1, _draw(probs_sorted.cumsum(dim=-1), requests).unsqueeze(1)).squeeze(1)
 
 
 def probabilities(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:

@@ -81,6 +81,15 @@ def test_each_row_keeps_its_own_top_k() -> None:
     assert_close([counts[i] / DRAWS for i in range(3)], [0.0, 0.2 / 0.9, 0.7 / 0.9])
 
 
+def test_a_row_without_top_k_keeps_the_whole_vocabulary_beside_one_with_it() -> None:
+    """Rows filter by their own parameters: a top-k row in the batch narrows nobody else."""
+    probs = [0.1, 0.2, 0.7]
+    logits = torch.tensor(probs).log().expand(2 * DRAWS, -1).contiguous()
+    narrow, wide = fake_request(SamplingParams(temperature=1.0, top_k=1)), fake_request(SamplingParams(temperature=1.0), 1)
+    counts = Counter(sample(logits, [narrow, wide] * DRAWS)[1::2])
+    assert_close([counts[i] / DRAWS for i in range(3)], probs)
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     # 0.7 < 0.75, so the second token is needed to reach 0.75; the third never is.
     freqs = frequencies(SamplingParams(temperature=1.0, top_p=0.75))

@@ -138,7 +138,7 @@ def test_an_evicted_prefix_reloads_every_ranks_shard(folders: dict[str, Path], r
 
 
 def test_the_arena_of_a_replicated_layout_is_its_own() -> None:
-    from halfmoon.engine.engine import arena_name
+    from halfmoon.engine.tier_setup import arena_name
 
     assert arena_name("node-a", 2, 1000, 1000) == "node-a"  # KV heads split: the node's arena
     assert arena_name("node-a", 2, 2000, 1000) == "node-a-tp2"
