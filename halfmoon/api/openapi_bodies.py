@@ -206,9 +206,10 @@ def _answer(kind: str, choice: dict[str, Schema], logprobs: Schema) -> Schema:
     return {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"const": kind}, "created": {"type": "integer"},
         "model": {"type": "string"}, "usage": ref("Usage"), "prediction": ref("Prediction"),
-        "choices": {"type": "array", "minItems": 1, "maxItems": 1, "items": {
+        "choices": {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "description": "n of them, in index order",
+                    "items": {
             "type": "object", "required": ["index", "finish_reason", *choice],
-            "properties": {"index": {"const": 0}, "finish_reason": _FINISH, "logprobs": nullable(logprobs),
+            "properties": {"index": {"type": "integer", "minimum": 0, "maximum": MAX_CHOICES - 1}, "finish_reason": _FINISH, "logprobs": nullable(logprobs),
                            **choice}}}}}
 
 

@@ -114,3 +114,16 @@ def assert_follows_reference(model: Any, prompt: list[int], params: SamplingPara
     ends = enders(params, stop_ids)
     assert not ends.intersection(got[:-1]), (got, ends)
     assert len(got) == params.max_tokens or got[-1] in ends, (len(got), got)
+
+
+def penalty_cases(new: int) -> dict[str, SamplingParams]:
+    """The penalty and bias cases both oracles run (`new` tokens each, EOS ignored)."""
+    base = {"max_tokens": new, "ignore_eos": True}
+    return {
+        "frequency": SamplingParams(**base, frequency_penalty=1.5),
+        "presence": SamplingParams(**base, presence_penalty=2.0),
+        "repetition": SamplingParams(**base, repetition_penalty=1.3),
+        "all-and-bias": SamplingParams(**base, frequency_penalty=0.7, presence_penalty=0.4, repetition_penalty=1.1,
+                                       logit_bias={15: 5.0, 28: -100.0, 314: 3.0}),
+        "migrated": SamplingParams(**base, frequency_penalty=1.0, output_offset=4),
+    }

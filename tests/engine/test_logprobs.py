@@ -20,7 +20,7 @@ from halfmoon.core.messages import PrefilledKV, TokenLogprobs
 from halfmoon.core.params import SamplingParams
 from halfmoon.engine.engine import Engine
 from tests.conftest import EngineFactory
-from tests.engine.logprobs_support import (assert_follows_reference, assert_logprobs, assert_prompt_logprobs,
+from tests.engine.logprobs_support import (penalty_cases, assert_follows_reference, assert_logprobs, assert_prompt_logprobs,
                                            hf_logprobs)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -59,14 +59,7 @@ def test_logprobs_zero_gives_the_chosen_token_only_and_none_gives_nothing(engine
     assert none.logprobs is None and zero.output_ids == none.output_ids
 
 
-CASES = {
-    "frequency": SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=1.5),
-    "presence": SamplingParams(max_tokens=NEW, ignore_eos=True, presence_penalty=2.0),
-    "repetition": SamplingParams(max_tokens=NEW, ignore_eos=True, repetition_penalty=1.3),
-    "all-and-bias": SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=0.7, presence_penalty=0.4,
-                                   repetition_penalty=1.1, logit_bias={15: 5.0, 28: -100.0, 314: 3.0}),
-    "migrated": SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=1.0, output_offset=4),
-}
+CASES = penalty_cases(NEW)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -39,7 +39,7 @@ from halfmoon.engine.engine import Engine
 from halfmoon.engine.loader import load_weights
 from halfmoon.engine.outputs import CompletionResult, completion_result
 from tests.conftest import NUM_THREADS, assert_engine_idle
-from tests.engine.logprobs_support import (assert_follows_reference, assert_logprobs, assert_prompt_logprobs,
+from tests.engine.logprobs_support import (penalty_cases, assert_follows_reference, assert_logprobs, assert_prompt_logprobs,
                                            hf_logprobs)
 from tests.model_families import BY_NAME, build_checkpoint, prompts
 from tests.workers_support import TIMEOUT_S, TRANSPORT, InProcessWorkers, run_pair, settled
@@ -194,14 +194,7 @@ def test_prompt_logprobs_of_a_cached_prefix_equal_transformers(case: Case, targe
     assert_logprobs(rows, prompt, result.output_ids, result.logprobs, 3)
 
 
-PENALTIES = {
-    "frequency": SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=1.5),
-    "presence": SamplingParams(max_tokens=NEW, ignore_eos=True, presence_penalty=2.0),
-    "repetition": SamplingParams(max_tokens=NEW, ignore_eos=True, repetition_penalty=1.3),
-    "all-and-bias": SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=0.7, presence_penalty=0.4,
-                                   repetition_penalty=1.1, logit_bias={15: 5.0, 28: -100.0, 314: 3.0}),
-    "migrated": SamplingParams(max_tokens=NEW, ignore_eos=True, frequency_penalty=1.0, output_offset=4),
-}
+PENALTIES = penalty_cases(NEW)
 
 
 @pytest.mark.parametrize("name", sorted(PENALTIES))

@@ -74,6 +74,10 @@ def _is_repeated(field: FieldDescriptor) -> bool:
     return field.is_repeated
 
 
+def _is_map(field: FieldDescriptor) -> bool:
+    return field.type == F.TYPE_MESSAGE and field.message_type.GetOptions().map_entry
+
+
 @st.composite
 def _message(draw: st.DrawFn, descriptor: Descriptor, hints: Hints, depth: int) -> Message:
     msg = GetMessageClass(descriptor)()
@@ -82,7 +86,11 @@ def _message(draw: st.DrawFn, descriptor: Descriptor, hints: Hints, depth: int) 
             continue
         if draw(st.integers(0, 2)):  # unset, 2 in 3 (a proto3 optional stays absent, a scalar its default)
             continue
-        if _is_repeated(field):
+        if _is_map(field):  # map<K, V>: a repeated entry message on the wire, a dict in Python
+            key, value = field.message_type.fields_by_name["key"], field.message_type.fields_by_name["value"]
+            entries = draw(st.dictionaries(_value(key, hints, depth), _value(value, hints, depth), max_size=MAX_REPEATED))
+            getattr(msg, field.name).update(entries)
+        elif _is_repeated(field):
             values = draw(st.lists(_value(field, hints, depth), max_size=MAX_REPEATED))
             target = getattr(msg, field.name)
             if field.type == F.TYPE_MESSAGE:
