@@ -140,3 +140,13 @@ def test_n_is_validated(engine: Engine) -> None:
     with pytest.raises(InvalidRequestError) as e:
         engine.add_request([1, 2, 3], SamplingParams(n=2, seed=2**63 - 1))
     assert e.value.field == "seed"
+
+
+def test_choices_under_speculation_equal_plain_choices(make_engine: EngineFactory, engine: Engine) -> None:
+    """n-gram speculation on the decode side: every choice's tokens as without it."""
+    prompt = engine.tokenizer.encode("one two three one two three one two three one two")
+    params = SamplingParams(max_tokens=10, temperature=0.7, seed=4, n=3, ignore_eos=True)
+    want = engine.generate_choices(prompt, params)
+    spec = make_engine(num_blocks=128, speculative="ngram", speculative_max_batch=8)
+    assert [c.output_ids for c in spec.generate_choices(prompt, params)] == [w.output_ids for w in want]
+    assert_engine_idle(spec)
