@@ -23,7 +23,7 @@ from halfmoon.core.blocks import cdiv
 from halfmoon.engine.cuda_graphs import DecodeGraphs, VerifyGraphs, VerifyShape
 from halfmoon.engine.model import LayerHook, DecoderModel
 from halfmoon.engine.request import Request
-from halfmoon.engine.logits import process, record_logprobs, record_prompt_logprobs
+from halfmoon.engine.logits import process, record_logprobs, record_prompt_logprobs, row_spans
 from halfmoon.engine.sampler import sample
 from halfmoon.engine.speculative import verify
 from halfmoon.engine.scheduler import ScheduledRequest
@@ -342,10 +342,8 @@ def _forking(inputs: StepInputs) -> list[tuple[int, Request]]:
     sampled = inputs.sampled
     if all(r.forks is None for r in sampled):
         return []
-    first = [0]
-    for d in inputs.drafts or [() for _ in sampled]:
-        first.append(first[-1] + 1 + len(d))
-    return [(first[i], child) for i, r in enumerate(sampled)
+    spans = row_spans(inputs.drafts, len(sampled))
+    return [(spans[i][0], child) for i, r in enumerate(sampled)
             if r.forks is not None and r.num_output_tokens == 0 for child in r.forks]
 
 
