@@ -25,7 +25,6 @@ import collections
 import itertools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, replace
@@ -41,6 +40,7 @@ from halfmoon.conductor.dispatch import Ask, Booking, DecodeSide, Dispatcher, Pr
 from halfmoon.conductor.errors import OverloadedError, RetryableRejection, ServiceUnavailableError
 from halfmoon.conductor.migration import Progress
 from halfmoon.conductor.profile_cache import cached_cost_model, profile_key
+from halfmoon.conductor.request_names import RequestNames
 from halfmoon.conductor.startup_probe import measured_overhead
 from halfmoon.conductor.router import NoWorkerAvailableError
 from halfmoon.conductor import spans
@@ -107,6 +107,7 @@ class ClusterBackend(GenerationBackend):
         self._health: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # fire-and-forget cancels, kept referenced
         self._requests = 0  # attempts in flight
+        self.names = RequestNames()  # client ids running, and each attempt's name on the workers
         self._streaming = 0  # of which past their first token
         self._reruns: collections.Counter[str] = collections.Counter()  # see BackendStats.requests_rerun
         self._reprefilled = 0  # prompt tokens sent to prefill again by re-runs and moves
@@ -222,19 +223,29 @@ class ClusterBackend(GenerationBackend):
         `migration_attempts` moves, waiting at most `migration_stall_s` in all for live workers
         (a new request finding every worker of a role down waits the same way); past either,
         UNAVAILABLE naming the cause."""
-        rid = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
+        rid = self.names.claim(inp.request_id)
+        try:
+            async with aclosing(self._moves(inp, rid)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.names.release(rid)
+
+    async def _moves(self, inp: GenerationInput, rid: str) -> AsyncIterator[TokenChunk]:
+        """`generate` for the client id `rid`: its tries, each under a fresh name on the workers."""
         progress = Progress(inp, time.perf_counter())
         stall_left = self.config.migration_stall_s
         for attempt in itertools.count(1):
-            # A fresh id per attempt: the workers may still be cleaning up the last one.
-            wid = rid if attempt == 1 else f"{rid}~{attempt}"
+            # A fresh name per attempt: the workers may still be cleaning up the last one.
+            wid = self.names.inner(rid)
             try:
                 if progress.left <= 0:  # every token reached the client; only the end was lost
                     yield progress.complete_end(rid)
                     return
-                async for item in self._attempt(progress.next_input(), rid, wid, progress.arrival,
-                                                resumed=bool(progress.sent)):
-                    yield progress.forward(item)
+                async with aclosing(self._attempt(progress.next_input(), rid, wid, progress.arrival,
+                                                  resumed=bool(progress.sent))) as items:
+                    async for item in items:
+                        yield progress.forward(item)
                 return
             except (WorkerLostError, KVTransferFailedError) as e:
                 if progress.sent and inp.params.n > 1:  # its choices' tokens are not one continuation

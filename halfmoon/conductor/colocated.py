@@ -2,10 +2,13 @@
 
 ```
 event loop (gRPC + HTTP handlers)            engine thread (engine/loop.py)
-  generate(): watch_async(id), add_request -> engine.step() ... outputs
+  generate(): watch_async(id@n), add_request -> engine.step() ... outputs
   await queue.get()  <-- call_soon_threadsafe -- one put per request per step
-  closed early -> engine.abort(id)  -------->  freed at the start of the next step
+  closed early -> engine.abort(id@n)  ------>  freed at the start of the next step
 ```
+
+The engine knows each request as `{id}@{n}` (conductor/request_names.py): the client's id is free
+again the moment its stream closes, though the engine frees a cancelled one a step later.
 
 Admission is the cluster's (conductor/admission.py) over this engine: requests waiting for their
 first token are its prefill queue, requests decoding its decode batch, and a prefill's chunk
@@ -16,8 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, replace
 
 from halfmoon.conductor.admission import AdmissionConfig
@@ -28,8 +31,8 @@ from halfmoon.conductor.dispatch import COLOCATED, Ask, Booking, Dispatcher
 from halfmoon.conductor.errors import DeadlineExceededError, RetryableRejection, ServiceUnavailableError
 from halfmoon.conductor.ledger import DecodeLedger, PrefillLedger
 from halfmoon.conductor.profile_cache import cached_cost_model, profile_key
+from halfmoon.conductor.request_names import RequestNames
 from halfmoon.conductor import spans
-from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import Timings, TokenChunk
 from halfmoon.core.tracing import NO_TRACER, Span, Tracer, now_ns
 from halfmoon.engine.engine import Engine
@@ -74,7 +77,8 @@ class ColocatedBackend(GenerationBackend):
         self.pending = PrefillLedger()  # waiting for their first token
         self.bound = DecodeLedger(engine.pool.num_blocks)  # every request in the engine
         self.loop = EngineLoop(engine)
-        self._streams: dict[str, _Stream] = {}  # only touched on the event loop
+        self._streams: dict[str, _Stream] = {}  # by engine-side name; only touched on the event loop
+        self.names = RequestNames()
         self._started = False
 
     @property
@@ -120,24 +124,34 @@ class ColocatedBackend(GenerationBackend):
     # ------------------------------------------------------------------ requests
 
     async def generate(self, inp: GenerationInput) -> AsyncIterator[TokenChunk]:
-        request_id, stream = self._open(inp)
+        rid = self.names.claim(inp.request_id)
+        try:
+            async with aclosing(self._run(inp, rid, self.names.inner(rid))) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            self.names.release(rid)
+
+    async def _run(self, inp: GenerationInput, rid: str, inner: str) -> AsyncIterator[TokenChunk]:
+        """One request in the engine as `inner`; its chunks carry the client's id `rid`."""
+        stream = self._open(inp, inner)
         finished = False
         try:
             while not finished:
                 chunk = await self._next(stream, inp.deadline)
-                self._progress(request_id, stream, chunk)
+                self._progress(inner, stream, chunk)
                 if chunk.end is not None:
                     finished = True
                     chunk = self._finish(stream, chunk, inp)
-                yield chunk
+                yield replace(chunk, request_id=rid)
         finally:
             if not finished:  # cancelled, deadline, disconnect or error: free its KV now
-                self.loop.unwatch(request_id)
-                self.engine.abort(request_id)
+                self.loop.unwatch(inner)
+                self.engine.abort(inner)
                 self.loop.wake()
-            self._streams.pop(request_id, None)
-            self.pending.finish(request_id, time.monotonic())
-            self.bound.release(request_id)
+            self._streams.pop(inner, None)
+            self.pending.finish(inner, time.monotonic())
+            self.bound.release(inner)
 
     def _progress(self, request_id: str, stream: _Stream, chunk: TokenChunk) -> None:
         if not stream.started:
@@ -158,15 +172,12 @@ class ColocatedBackend(GenerationBackend):
         return replace(chunk, end=replace(end, prediction=stream.booking.decision.prediction,
                                           prefill_worker=COLOCATED, decode_worker=COLOCATED))
 
-    def _open(self, inp: GenerationInput) -> tuple[str, _Stream]:
+    def _open(self, inp: GenerationInput, request_id: str) -> _Stream:
         """Admission, then the request enters the engine's inbox (booked in both ledgers)."""
         if not self.ready():
             failure = self.loop.failure
             raise ServiceUnavailableError("the engine is not running" if failure is None
                                           else f"the engine failed: {failure}")
-        request_id = inp.request_id or f"req-{uuid.uuid4().hex[:16]}"
-        if request_id in self._streams:
-            raise InvalidRequestError("request_id", f"{request_id!r} is already in use by a running request")
         booking = self._admit(inp, request_id)  # booked in both ledgers
         stream = _Stream(self.loop.watch_async(request_id), booking, TopGaps(inp.params.max_tokens), now_ns())
         self._streams[request_id] = stream
@@ -181,7 +192,7 @@ class ColocatedBackend(GenerationBackend):
             self.bound.release(request_id)
             raise
         self.loop.wake()
-        return request_id, stream
+        return stream
 
     def _admit(self, inp: GenerationInput, request_id: str) -> Booking:
         """Admission on this engine's ledgers (conductor/dispatch.py); raises the rejection."""

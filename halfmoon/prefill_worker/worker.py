@@ -109,9 +109,9 @@ class PrefillWorker(EngineWorker):
                 self.loop.wake()
 
     async def corrupt_next_push(self, request_id: str | None = None, times: int = 1) -> None:
-        """Drill: flip one bit in the next `times` KV units pushed for `request_id` (None: any
-        request). The decode side detects it, the transfer fails, and the Conductor re-runs the
-        request if no token had reached the client."""
+        """Drill: flip one bit in the next `times` KV units pushed for `request_id` (a client id
+        matches its tries `{id}@{n}`; None: any request). The decode side detects it, the transfer
+        fails, and the Conductor re-runs the request if no token had reached the client."""
         self.faults.corrupt_next(request_id=request_id, times=times)
 
     async def drop_kv_connections(self) -> int:

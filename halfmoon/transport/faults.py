@@ -32,7 +32,8 @@ class FaultInjector:
         self.receive_delay = 0.0  # seconds a receiver waits before reading each message
 
     def corrupt_next(self, request_id: str | None = None, layer: int | None = None, times: int = 1) -> None:
-        """Corrupt the next `times` units matching (None matches anything)."""
+        """Corrupt the next `times` units matching (None matches anything). A request id also
+        matches its tries on the workers, `{id}@{n}` (conductor/request_names.py)."""
         if times < 1:
             raise ValueError(f"times must be >= 1, got {times}")
         with self._lock:
@@ -43,13 +44,17 @@ class FaultInjector:
             return False
         with self._lock:
             for rule in self._rules:
-                if rule.request_id in (None, request_id) and rule.layer in (None, layer):
+                if _names(rule.request_id, request_id) and rule.layer in (None, layer):
                     rule.remaining -= 1
                     if not rule.remaining:
                         self._rules.remove(rule)
                     self.injected += 1
                     return True
         return False
+
+
+def _names(wanted: str | None, request_id: str) -> bool:
+    return wanted is None or request_id == wanted or request_id.startswith(wanted + "@")
 
 
 def flip_one_bit(view: memoryview) -> memoryview:

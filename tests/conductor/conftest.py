@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 
@@ -31,6 +31,7 @@ from tests.conftest import idle_problems
 from tests.waiting import poll
 
 MODEL = "smollm2"
+T = TypeVar("T")
 # Predictive admission on the objectives a request sends, none from the server's classes.
 CLIENT_SLOS_ONLY = AdmissionConfig(interactive_ttft_ms=0, interactive_tbt_ms=0, standard_ttft_ms=0,
                                    standard_tbt_ms=0)
@@ -41,6 +42,12 @@ class RunningApi:
     backend: ColocatedBackend
     endpoints: Endpoints
     stop: Callable[[], None]
+    loop: asyncio.AbstractEventLoop | None = None  # the server's, where its backend lives
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        """Run `coro` on the server's event loop (the backend is only touched there)."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     @property
     def engine(self) -> Engine:
@@ -101,7 +108,7 @@ def run_api(backend: GenerationBackend, config: ServerConfig, extensions: Sequen
         thread.join(30)
         assert not thread.is_alive(), "the server did not stop in 30 s"
 
-    return RunningApi(backend, ready[0], stop)
+    return RunningApi(backend, ready[0], stop, holder["loop"])
 
 
 class ScriptedBackend(GenerationBackend):

@@ -16,6 +16,7 @@ import pytest
 from halfmoon.conductor.backend import GenerationInput, Slo
 from halfmoon.conductor.cluster import ClusterBackend
 from halfmoon.conductor.errors import SloMissError
+from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import TokenChunk, WorkerLoad
 from halfmoon.core.params import FinishReason, SamplingParams
 from halfmoon.engine.engine import Engine
@@ -103,6 +104,29 @@ def test_closing_the_stream_early_leaves_both_workers_idle(idle: Running, engine
     chunks = idle.run(two_then_close())
 
     assert [c.finished for c in chunks] == [False, False]
+
+
+def test_an_id_is_refused_while_it_runs_and_reused_at_once_after_a_cancel(idle: Running, engine: Engine) -> None:
+    """The workers free a cancelled request a step later; its id is the client's again at once
+    (the workers know each try as `{id}@{n}`) and a second request under it runs exactly."""
+    prompt = engine.tokenizer.encode("Write a short poem about the sea.")
+    long, short = SamplingParams(max_tokens=60, ignore_eos=True), SamplingParams(max_tokens=6, ignore_eos=True)
+    want = engine.generate([prompt], short)[0].output_ids
+
+    async def cancel_then_reuse() -> tuple[str, list[TokenChunk]]:
+        first = idle.backend.generate(GenerationInput(prompt, long, request_id="again"))
+        await anext(first)
+        with pytest.raises(InvalidRequestError) as refused:
+            await anext(idle.backend.generate(GenerationInput(prompt, short, request_id="again")))
+        await first.aclose()  # type: ignore[attr-defined]
+        return str(refused.value), [c async for c in idle.backend.generate(GenerationInput(prompt, short,
+                                                                                           request_id="again"))]
+
+    refused, chunks = idle.run(cancel_then_reuse())
+
+    assert "'again' is already in use" in refused
+    assert tokens(chunks) == want and {c.request_id for c in chunks} == {"again"}
+    assert chunks[-1].end is not None and chunks[-1].end.finish_reason is FinishReason.LENGTH
 
 
 def test_a_request_that_cannot_meet_its_slo_is_refused_before_any_worker_works(idle: Running) -> None:
