@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.halfmoon-installed
 # The venv is stale when any of these change.
 DEPS   := pyproject.toml setup.py halfmoon/kvpool/_copysum.c halfmoon/transport/_ucxspin.c halfmoon/kernels/_paged_attn.c halfmoon/kernels/_qgemv.c halfmoon/kernels/_fused.c halfmoon/kernels/_expf.h constraints.txt Makefile deploy/install.sh
 
-.PHONY: setup serve test bench lint proto clean browser fuzz
+.PHONY: setup serve test test-long bench lint proto clean browser fuzz
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ serve: $(STAMP)
 
 test: lint browser
 	$(PY) -m pytest -q $(ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+# The tests `make test` skips for time (the `long` marker: benchmarks' whole comparisons, more
+# first-run variants), about 5 minutes.
+test-long: lint browser
+	HALFMOON_LONG=1 $(PY) -m pytest -q -m long $(ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/halfmoon bench engine $(ARGS)

@@ -3,6 +3,7 @@ keyword arguments, and response messages turned into results."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
@@ -10,6 +11,7 @@ from typing import Any, TypedDict
 
 import grpc
 
+from halfmoon.core.errors import InvalidRequestError
 from halfmoon.errors import InternalError, slo_prediction
 from halfmoon.results import GenerationResult, ModelInfo, StreamChunk, Timings, TokenLogprobs, Usage
 from halfmoon.v1 import generation_pb2 as pb
@@ -47,6 +49,11 @@ class GenerateOptions(TypedDict, total=False):
     logprobs: int | None
     prompt_logprobs: int | None
     n: int | None
+    json_schema: Mapping[str, Any] | str | None
+    json_object: bool
+    regex: str | None
+    choice: Sequence[str] | None
+    grammar: str | None
 
 
 def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
@@ -61,7 +68,9 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
                      presence_penalty: float | None = None, repetition_penalty: float | None = None,
                      logit_bias: Mapping[int, float] | None = None, min_tokens: int | None = None,
                      logprobs: int | None = None, prompt_logprobs: int | None = None,
-                     n: int | None = None) -> pb.GenerateRequest:
+                     n: int | None = None, json_schema: Mapping[str, Any] | str | None = None,
+                     json_object: bool = False, regex: str | None = None, choice: Sequence[str] | None = None,
+                     grammar: str | None = None) -> pb.GenerateRequest:
     """The `GenerateRequest` for these arguments; None = the server's default. Give exactly one
     of `prompt`, `messages` (`{"role", "content"}` dicts) and `prompt_token_ids` (the server
     checks, naming the field). `priority_class`: interactive, standard or batch (the server's
@@ -71,7 +80,9 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
     logprob and the N most likely (`StreamChunk.logprobs`, `GenerationResult.logprobs`);
     `prompt_logprobs=N` the same for the prompt's tokens after the first
     (`GenerationResult.prompt_logprobs`); `n=N`: N choices from one prefill
-    (`GenerationResult.choices`, `StreamChunk.index`), choice i seeded `seed + i`."""
+    (`GenerationResult.choices`, `StreamChunk.index`), choice i seeded `seed + i`. At most one
+    constraint on the output: `json_schema` (a dict or its JSON text), `json_object=True`,
+    `regex`, `choice` (a list of strings) or `grammar` (Lark or GBNF)."""
     sampling = pb.SamplingParams(logit_bias=dict(logit_bias or {}), **_present(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, min_tokens=min_tokens))
@@ -81,8 +92,23 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
         stop=list(stop), stop_token_ids=list(stop_token_ids), ignore_eos=ignore_eos,
         priority=priority, priority_class=priority_class or "", cache_salt=cache_salt or "",
         request_id=request_id or "",
+        constraint=_constraint(json_schema, json_object, regex, choice, grammar),
         **_present(prompt=prompt, max_tokens=max_tokens, speculative=speculative, logprobs=logprobs,
                    prompt_logprobs=prompt_logprobs, n=n))
+
+
+def _constraint(json_schema: Mapping[str, Any] | str | None, json_object: bool, regex: str | None,
+                choice: Sequence[str] | None, grammar: str | None) -> pb.Constraint:
+    given = {k: v for k, v in (("json_schema", json_schema), ("json_object", json_object or None),
+                               ("regex", regex), ("choice", choice), ("grammar", grammar)) if v is not None}
+    if len(given) > 1:
+        raise InvalidRequestError("constraint", f"give at most one of {sorted(given)}")
+    if json_schema is not None:
+        text = json_schema if isinstance(json_schema, str) else json.dumps(json_schema)
+        return pb.Constraint(json_schema=text)
+    if choice is not None:
+        return pb.Constraint(choice=pb.ChoiceList(choices=list(choice)))
+    return pb.Constraint(**given)
 
 
 def tokenize_request(text: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,

@@ -62,6 +62,19 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ[CACHE_ENV] = str(_SESSION_CACHE)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The `long` marker: a test worth more than a minute of the suite (a benchmark's whole
+    comparison, a second first-run variant) runs only when asked (`pytest -m long`,
+    HALFMOON_LONG=1, `make test-long`); the suite keeps a shorter test of the same path."""
+    marks = config.getoption("-m") or ""
+    if ("long" in marks and "not long" not in marks) or os.environ.get("HALFMOON_LONG") == "1":
+        return
+    skip = pytest.mark.skip(reason="over a minute: run with `make test-long` (pytest -m long)")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(skip)
+
+
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 

@@ -28,6 +28,7 @@ from halfmoon.conductor.errors import RetryableRejection, TooManyStreamsError, s
 from halfmoon.conductor.live import LiveWindow, TrafficRecorder, meets
 from halfmoon.api.metrics import Metrics
 from halfmoon.api.requests import Limits, RequestSpec, build_input
+from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.logs import bind_request
 from halfmoon.core.messages import RequestEnd, TokenChunk
 from halfmoon.core.tracing import Attributes, Span
@@ -70,6 +71,7 @@ class FrontDoor:
                 b = self.backend
                 inp = build_input(spec, b.tokenizer, b.model, self.limits, priority_classes=b.priority_classes,
                                   kv_capacity_tokens=b.kv_capacity_tokens)
+                await _compiled(b, inp, spec)
                 async with aclosing(self._run(_traced(inp, span), api)) as items:
                     async for item in items:
                         if not started:
@@ -119,6 +121,15 @@ class FrontDoor:
             self.live.rejected(error.reason)
         elif status.http >= 500:  # the server's failures; a client's own mistakes are not shown
             self.live.failed()
+
+
+async def _compiled(backend: GenerationBackend, inp: GenerationInput, spec: RequestSpec) -> None:
+    """The request's constraint compiled off the event loop (engine/grammar.py); one the grammar
+    engine cannot enforce is refused here, naming the field the client gave it in."""
+    try:
+        await backend.grammars.prepare(inp.params)
+    except InvalidRequestError as e:
+        raise type(e)(spec.name(e.field), e.message) from None
 
 
 def _traced(inp: GenerationInput, span: Span) -> GenerationInput:

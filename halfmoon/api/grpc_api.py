@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
 from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
+from halfmoon.api.structured import from_proto
 from halfmoon.api.frontdoor import Call, FrontDoor
 from halfmoon.api.rejection import reason_of
 from halfmoon.api.requests import RequestSpec, check_messages, check_model, prompt_ids
@@ -90,7 +91,8 @@ def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestS
         logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens if s.HasField("min_tokens") else None,
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
-        n=req.n if req.HasField("n") else 1, names=NAMES)
+        n=req.n if req.HasField("n") else 1, constraint=from_proto(req.constraint),
+        names={**NAMES, "constraint": f"constraint.{req.constraint.WhichOneof('kind')}"})
 
 
 def logprobs_proto(token_ids: list[int], logprobs: tuple[TokenLogprobs, ...] | None) -> list[pb.TokenLogprob]:

@@ -4,7 +4,9 @@ Strict: a field of the wrong type, an unknown field, or an OpenAI feature Halfmo
 implement (n > 1, tools, suffix, ...) is a 400 naming the field — never silently ignored.
 Logprobs (chat: `logprobs` + `top_logprobs`; completions: `logprobs: N`, with `echo` the prompt's
 too, the first `null`), `frequency_penalty`,
-`presence_penalty` and `logit_bias` as OpenAI defines them. Extensions, as vLLM spells them:
+`presence_penalty`, `logit_bias` and `response_format` (json_object, json_schema) as OpenAI defines
+them. Extensions, as vLLM spells them: `structured_outputs` (json, json_object, regex, choice,
+grammar: api/structured.py),
 top_k, ignore_eos, stop_token_ids, seed, repetition_penalty, min_tokens,
 speculative (false: opt out of speculative decoding),
 cache_salt, priority, request_id, and `slo: {ttft_ms, tbt_ms}`; Halfmoon's own: `priority_class`
@@ -22,21 +24,20 @@ from typing import Any
 from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
 from halfmoon.api.rejection import prediction_json, rejection_json
 from halfmoon.api.requests import RequestSpec
+from halfmoon.api.structured import from_openai
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import RequestEnd, SloPrediction, Usage
 
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stream",
            "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
            "ignore_eos", "speculative", "stop_token_ids", "cache_salt", "priority", "priority_class", "request_id", "slo",
-           "logit_bias", "repetition_penalty", "min_tokens"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                         "response_format"}
+           "logit_bias", "repetition_penalty", "min_tokens", "response_format", "structured_outputs"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 SLO_NAMES = {"ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms"}
 _TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in ASCII decimal, no leading zero
 # OpenAI fields accepted only at their neutral value (what "off" means for each).
-_NEUTRAL: dict[str, Any] = {"tools": (None, []), "tool_choice": (None, "none"),
-                            "response_format": (None, {"type": "text"}), "suffix": (None, ""),
+_NEUTRAL: dict[str, Any] = {"tools": (None, []), "tool_choice": (None, "none"), "suffix": (None, ""),
                             "best_of": (None, 1)}
 
 
@@ -165,6 +166,9 @@ def _common(body: Body, spec: RequestSpec) -> tuple[RequestSpec, bool, bool]:
     spec.ttft_ms, spec.tbt_ms = _slo(body)
     spec.n = _choices(body)
     _processing(body, spec)
+    spec.constraint, source = from_openai(body.data)
+    if spec.constraint is not None:
+        spec.names = {**spec.names, "constraint": source}
     body.string("user")  # accepted (a string), not used
     stream = body.boolean("stream")
     options = body.get("stream_options", (dict,), "an object") or {}

@@ -100,7 +100,44 @@ def _common(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int |
                                 "description": "token id -> bias added to its logit"}),
         "min_tokens": nullable({"type": "integer", "minimum": 0, "description": "EOS and stop_token_ids cannot end the first min(min_tokens, "
                                                "max_tokens) outputs"}),
+        "response_format": nullable(RESPONSE_FORMAT),
+        "structured_outputs": nullable(STRUCTURED_OUTPUTS),
     }
+
+
+# Structured outputs (api/structured.py). What the grammar engine accepts is no JSON Schema: a
+# schema's keywords, a regex's and a grammar's syntax are checked when it compiles (400 naming
+# what it cannot enforce). The documented shapes are the part a fuzzer can generate valid.
+_JSON_SCHEMA_VALUE: Schema = {"type": "object", "description":
+                              "a JSON Schema; a keyword the grammar engine does not implement (uniqueItems, "
+                              "not, if/then/else, ...) or an unsatisfiable schema is a 400 naming it"}
+_REGEX: Schema = {"type": "string", "format": "regex", "description":
+                  "Rust regex syntax; the whole output matches it (anchors optional); invalid: 400"}
+_GRAMMAR: Schema = {"type": "string", "pattern": '^start: "[a-z]{1,8}"$', "description":
+                    "a Lark grammar (llguidance's dialect) or GBNF; the pattern is the sliver a fuzzer "
+                    "can generate, any grammar that compiles is served (400 naming the error otherwise)"}
+RESPONSE_FORMAT: Schema = {"oneOf": [
+    {"type": "object", "additionalProperties": False, "required": ["type"],
+     "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "additionalProperties": False, "required": ["type", "json_schema"],
+     "properties": {"type": {"const": "json_schema"}, "json_schema": {
+         "type": "object", "additionalProperties": False, "required": ["name"],
+         "properties": {"name": {"type": "string", "minLength": 1}, "schema": nullable(_JSON_SCHEMA_VALUE),
+                        "strict": nullable({"type": "boolean", "description": "enforced either way"}),
+                        "description": nullable({"type": "string"})}}}}],
+    "description": "OpenAI's: text, any JSON object, or a JSON Schema the output is held to"}
+_ONE_CONSTRAINT: Schema = {"not": {
+    "required": ["response_format", "structured_outputs"],
+    "properties": {"response_format": {"type": "object", "required": ["type"],
+                                       "properties": {"type": {"enum": ["json_object", "json_schema"]}}},
+                   "structured_outputs": {"type": "object"}}}}
+STRUCTURED_OUTPUTS: Schema = {"oneOf": [
+    {"type": "object", "additionalProperties": False, "required": [key], "properties": {key: value}}
+    for key, value in (("json", _JSON_SCHEMA_VALUE), ("json_object", {"const": True}), ("regex", _REGEX),
+                       ("choice", {"type": "array", "minItems": 1, "items": {"type": "string", "minLength": 1}}),
+                       ("grammar", _GRAMMAR))],
+    "description": "vLLM's spelling, exactly one of json, json_object, regex, choice, grammar; not with "
+                   "response_format"}
 
 
 def range_regex(n: int) -> str:
@@ -161,7 +198,7 @@ def completion_request(limits: Limits, model: ModelInfo, classes: frozenset[str]
         "logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "description":
                               "each token's logprob and the N most likely (raw log_softmax)"})}
     return {"type": "object", "required": ["model", "prompt"], "additionalProperties": False,
-            "properties": properties, **_STREAM_OPTIONS_NEED_STREAM}
+            "properties": properties, "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT]}
 
 
 def chat_request(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int | None) -> Schema:
@@ -179,12 +216,11 @@ def chat_request(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: 
         "logprobs": nullable({"type": "boolean", "description": "each token's logprob (raw log_softmax)"}),
         "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                                   "description": "the N most likely tokens per position; > 0 needs logprobs: true"}),
-        "tools": _neutral(None, []), "tool_choice": _neutral(None, "none"),
-        "response_format": _neutral(None, {"type": "text"})}
+        "tools": _neutral(None, []), "tool_choice": _neutral(None, "none")}
     both = {"required": ["max_tokens", "max_completion_tokens"], "properties": {
         "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}}
     return {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
-            "properties": properties, "not": both, "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_NEEDS_LOGPROBS]}
+            "properties": properties, "not": both, "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_NEEDS_LOGPROBS, _ONE_CONSTRAINT]}
 
 
 # ---------------------------------------------------------------------- responses

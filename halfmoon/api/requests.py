@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from halfmoon.conductor.backend import GenerationInput, Slo
 from halfmoon.conductor.errors import ModelNotFoundError
 from halfmoon.core.errors import InvalidRequestError, check_positive
-from halfmoon.core.params import SamplingParams, check_token_ids
+from halfmoon.core.params import Constraint, SamplingParams, check_token_ids
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.results import ModelInfo
 
@@ -83,6 +83,7 @@ class RequestSpec:
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (gRPC; HTTP: echo + logprobs)
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs)
     n: int = 1  # choices from one prefill
+    constraint: Constraint | None = None  # structured output (api/structured.py)
     names: Mapping[str, str] = field(default_factory=dict)
 
     def name(self, canonical: str) -> str:
@@ -202,7 +203,8 @@ def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_l
                             presence_penalty=spec.presence_penalty or 0.0,
                             repetition_penalty=1.0 if spec.repetition_penalty is None else spec.repetition_penalty,
                             logit_bias=tuple(spec.logit_bias.items()), min_tokens=spec.min_tokens or 0,
-                            logprobs=spec.logprobs, prompt_logprobs=_prompt_logprobs(spec), n=spec.n)
+                            logprobs=spec.logprobs, prompt_logprobs=_prompt_logprobs(spec), n=spec.n,
+                            constraint=spec.constraint)
     try:  # the parameters' own rules, the same the engine checks: written once, in core.params
         params.validate(card.vocab_size)
     except InvalidRequestError as e:

@@ -21,6 +21,7 @@ BENCHMARKS = {
     "first-run": "halfmoon.bench.first_run_bench",
     "sampling": "halfmoon.bench.sampling_bench",
     "choices": "halfmoon.bench.choices_bench",
+    "constraints": "halfmoon.bench.constraints_bench",
     "make-trace": "halfmoon.bench.make_trace",  # not a benchmark: writes a synthetic Mooncake trace to replay
 }
 

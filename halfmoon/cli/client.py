@@ -102,6 +102,30 @@ def add_sampling_extras(s: argparse._ArgumentGroup | argparse.ArgumentParser) ->
                    help="the same for the prompt's tokens (--json shows them)")
     s.add_argument("--n", type=_natural, default=None, metavar="N",
                    help="N choices from one prefill (choice i seeded --seed + i)")
+    c = s.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="the output is JSON valid against this schema (its JSON text, or @FILE)")
+    c.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    c.add_argument("--regex", default=None, help="the whole output matches this regex (Rust syntax)")
+    c.add_argument("--choice", action="append", default=None, metavar="TEXT",
+                   help="the output is exactly one of these (repeatable)")
+    c.add_argument("--grammar", default=None, metavar="GRAMMAR",
+                   help="the output follows this Lark or GBNF grammar (its text, or @FILE)")
+
+
+def constraint_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The SDK's constraint keywords from the flags (`@FILE` reads a schema or grammar)."""
+    return {"json_schema": _text_or_file(args.json_schema), "json_object": args.json_object,
+            "regex": args.regex, "choice": args.choice, "grammar": _text_or_file(args.grammar)}
+
+
+def _text_or_file(value: str | None) -> str | None:
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        return Path(value[1:]).read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read {value[1:]}: {e}") from e
 
 
 def _natural(text: str) -> int:
@@ -191,7 +215,7 @@ def _request_options(args: argparse.Namespace) -> dict[str, Any]:
                "frequency_penalty": args.frequency_penalty, "presence_penalty": args.presence_penalty,
                "repetition_penalty": args.repetition_penalty, "logit_bias": dict(args.logit_bias) or None,
                "min_tokens": args.min_tokens, "logprobs": args.logprobs, "prompt_logprobs": args.prompt_logprobs,
-               "n": args.n}
+               "n": args.n, **constraint_options(args)}
     if args.call == "chat":
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
         return {**options, "messages": [*system, {"role": "user", "content": args.message}]}

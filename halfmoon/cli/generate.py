@@ -7,6 +7,7 @@ import json
 import sys
 
 from halfmoon.core.errors import InvalidRequestError
+from halfmoon.core.params import Constraint
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -48,6 +49,15 @@ def prompt_ids(args: argparse.Namespace, tokenizer) -> list[int]:
     return tokenizer.encode(text)
 
 
+def constraint_of(args: argparse.Namespace) -> Constraint | None:
+    """The output constraint the flags name (the SDK's keywords, as the gRPC API takes them)."""
+    from halfmoon.api.structured import from_proto
+    from halfmoon.cli.client import constraint_options
+    from halfmoon.messages import generate_request
+
+    return from_proto(generate_request("", **constraint_options(args)).constraint)
+
+
 def run(args: argparse.Namespace) -> int:
     from halfmoon.engine.engine import Engine
     from halfmoon.core.params import SamplingParams
@@ -61,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
                             repetition_penalty=1.0 if args.repetition_penalty is None else args.repetition_penalty,
                             logit_bias=tuple(args.logit_bias), min_tokens=args.min_tokens or 0,
                             logprobs=args.logprobs, prompt_logprobs=args.prompt_logprobs,
-                            n=1 if args.n is None else args.n)
+                            n=1 if args.n is None else args.n, constraint=constraint_of(args))
     # Bad flags fail before the model loads (seconds): every rule but the vocabulary's, which
     # needs the model and is checked by the engine.
     params.validate(vocab_size=sys.maxsize)

@@ -20,6 +20,7 @@ from halfmoon.core.messages import TokenChunk, WorkerLoad
 from halfmoon.core.params import SamplingParams
 from halfmoon.core.tracing import NO_SPAN, NO_TRACER, Span, Tracer
 from halfmoon.results import ModelInfo
+from halfmoon.engine.grammar import Grammars
 from halfmoon.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # conductor.admission imports this module
@@ -107,6 +108,15 @@ class GenerationBackend(abc.ABC):
     block_size: int = 16  # the workers' KV block, tokens (known once started)
     cost: CostModel | None = None  # the cost model admission prices with (known once started)
     tracer: Tracer = NO_TRACER  # this process's (core/tracing.py); the front door's spans too
+    _grammars: Grammars | None = None
+
+    @property
+    def grammars(self) -> Grammars:
+        """The served tokenizer's constraint compiler (engine/grammar.py): the front door checks
+        a request's constraint with it before the backend sees the request."""
+        if self._grammars is None:
+            self._grammars = Grammars(self.tokenizer, self.model.vocab_size)
+        return self._grammars
 
     @abc.abstractmethod
     async def start(self) -> None:

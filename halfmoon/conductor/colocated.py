@@ -63,6 +63,7 @@ class ColocatedBackend(GenerationBackend):
         self.engine = engine
         self.tracer = tracer
         self.tokenizer = engine.tokenizer
+        self._grammars = engine.grammars  # one cache: the front door's check compiles for the engine
         self.model = ModelInfo(model_id, engine.max_model_len, engine.model_config.vocab_size,
                                architecture=engine.model_config.architecture, dtype=engine.config.kv_tag)
         # One bound on the queue: --max-waiting is this mode's name for max_queue_per_worker.

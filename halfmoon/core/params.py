@@ -24,7 +24,8 @@ def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> list[int
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 MAX_CHOICES = 64  # SamplingParams.n
-FEATURES = ("logprobs", "logit_bias", "penalties", "min_tokens", "n")  # SamplingParams.features
+FEATURES = ("logprobs", "logit_bias", "penalties", "min_tokens", "n", "constraint")  # SamplingParams.features
+MAX_CONSTRAINT_CHARS = 256 * 1024  # a schema, regex, choice list or grammar, as text
 PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| (OpenAI's range)
 BIAS_LIMIT = 100.0  # |logit_bias| values (OpenAI's range)
 
@@ -50,6 +51,10 @@ class SamplingParams:
     the prompt's KV blocks and each samples on its own. Choice i's generator is seeded with
     `seed + i` (seeded requests: choice i equals a single request of seed `seed + i`); only
     choice 0 reports the prompt's logprobs.
+
+    `constraint`: the output must match a JSON schema, regex, choice or grammar (`Constraint`);
+    applied after every other logit processing (engine/grammar.py). Its request ends with `stop`
+    once the grammar is complete (EOS is then the only token left), `ignore_eos` or not.
     """
 
     max_tokens: int = 16
@@ -70,6 +75,7 @@ class SamplingParams:
     output_offset: int = 0
     prompt_logprobs: int | None = None
     n: int = 1
+    constraint: Constraint | None = None
     # nothing beyond sampling: no logit processing, no logprobs (the step's fast path; set once
     # here, since the runner asks every request every step)
     plain: bool = field(init=False, repr=False, compare=False, default=True)
@@ -85,9 +91,10 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether any bias, penalty or min_tokens changes the logits before sampling."""
+        """Whether any bias, penalty, min_tokens or constraint changes the logits before sampling."""
         return bool(self.logit_bias or self.frequency_penalty or self.presence_penalty
-                    or self.repetition_penalty != 1.0 or self.min_tokens > self.output_offset)
+                    or self.repetition_penalty != 1.0 or self.min_tokens > self.output_offset
+                    or self.constraint is not None)
 
     def choice(self, index: int) -> SamplingParams:
         """Choice `index`'s own parameters: one sequence, seeded `seed + index`, and the
@@ -100,7 +107,7 @@ class SamplingParams:
         used = {"logprobs": self.logprobs is not None or self.prompt_logprobs is not None,
                 "logit_bias": bool(self.logit_bias),
                 "penalties": bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0),
-                "min_tokens": self.min_tokens > 0, "n": self.n > 1}
+                "min_tokens": self.min_tokens > 0, "n": self.n > 1, "constraint": self.constraint is not None}
         return tuple(name for name, on in used.items() if on)
 
     @property
@@ -149,6 +156,38 @@ class SamplingParams:
             raise InvalidRequestError("seed", f"choice i is seeded seed + i: at most 2**63 - n, got {self.seed}")
         if not isinstance(self.output_offset, int) or self.output_offset < 0:
             raise InvalidRequestError("output_offset", f"must be an integer >= 0, got {self.output_offset!r}")
+        if self.constraint is not None:
+            self.constraint.validate()
+
+
+class ConstraintKind(str, enum.Enum):
+    """What a constraint's `spec` is (engine/grammar.py compiles each)."""
+
+    JSON = "json"  # any JSON object (OpenAI's response_format json_object); spec unused
+    JSON_SCHEMA = "json_schema"  # a JSON Schema, as JSON text
+    REGEX = "regex"  # a regular expression (Rust regex syntax) the whole output matches
+    CHOICE = "choice"  # a JSON array of strings: the output is exactly one of them
+    GRAMMAR = "grammar"  # a Lark grammar (llguidance's dialect) or GBNF
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """The output must match this: the sampler masks every token that would leave it, so a
+    request that ends with `stop` is valid by construction (one cut by max_tokens may stop
+    mid-structure and ends with `length`)."""
+
+    kind: ConstraintKind
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", ConstraintKind(self.kind))
+
+    def validate(self) -> None:
+        """The shape only; whether the grammar engine supports it is engine/grammar.py's check."""
+        if self.kind is not ConstraintKind.JSON and not self.spec:
+            raise InvalidRequestError("constraint", f"a {self.kind.value} constraint needs its text")
+        if len(self.spec) > MAX_CONSTRAINT_CHARS:
+            raise InvalidRequestError("constraint", f"{len(self.spec)} characters; at most {MAX_CONSTRAINT_CHARS}")
 
 
 class FinishReason(str, enum.Enum):

@@ -119,6 +119,7 @@ class DecodeWorker(EngineWorker):
             phase = now_ns()
             prefilled = await self._receive(task, span)
             phase = self._phase(span, "decode.kv_wait", phase)
+            await self.engine.grammars.prepare(task.params)
             queue = self.loop.watch_async(task.request_id)
             await self._join(task, prefilled)
             tokens = 0

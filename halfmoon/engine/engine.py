@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from halfmoon.engine.config import EngineConfig
+from halfmoon.engine.grammar import Grammars
 from halfmoon.core.blocks import cdiv, first_visible_block
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import ChoiceEnd, ChoiceStart, EngineInfo, TokenChunk, TokenLogprobs
@@ -91,6 +92,8 @@ class Engine:
         self.tokenizer = load_tokenizer(weights)
         # EOS, the chat template's turn end, generation_config's other stop ids (Llama 3: <|eot_id|>)
         self.stop_ids = frozenset({*self.tokenizer.stop_ids, *weights.config.stop_ids})
+        # constrained decoding (engine/grammar.py): compiled constraints, built on first use
+        self.grammars = Grammars(self.tokenizer, weights.config.vocab_size, self.stop_ids)
         self.max_model_len = min(config.max_model_len or weights.config.max_position,
                                  weights.config.max_position)
         shard = plan_shard(weights.config, 0, config.tp, config.quantization)
@@ -302,7 +305,10 @@ class Engine:
     def _new_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> Request:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         root = self._root_hash(len(prompt_ids), cache_salt)
-        return Request("", prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed), root_hash=root)
+        req = Request("", prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed), root_hash=root)
+        if params.constraint is not None:  # compiled already when its caller ran Grammars.compile
+            req.grammar = self.grammars.state(params.constraint, len(prompt_ids) - params.output_offset)
+        return req
 
     def _root_hash(self, prompt_len: int, cache_salt: str | None) -> bytes:
         """The request's block-hash root. Under dynamic NTK RoPE a prompt longer than the trained
@@ -510,11 +516,26 @@ class Engine:
             return FinishReason.STOP
         if not p.ignore_eos and token in self.stop_ids:
             return FinishReason.STOP
+        if req.grammar is not None:
+            reason = self._grammar_stop(req)
+            if reason is not None:
+                return reason
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         if req.request_id in self.pushes:  # prefill-only: decoding continues on the decode side
             return FinishReason.LENGTH
         return None
+
+    @staticmethod
+    def _grammar_stop(req: Request) -> FinishReason | None:
+        """A constrained request ends when its grammar is complete (EOS was its only next token,
+        ignore_eos or not); one whose tokens left the grammar (a bug) is aborted, loudly."""
+        state = req.grammar
+        state.catch_up(req.token_ids)
+        if state.error is not None:
+            log.error("request %s: its output left its constraint (%s); aborted", req.request_id, state.error)
+            return FinishReason.ABORT
+        return FinishReason.STOP if state.complete else None
 
     def _finish(self, req: Request, reason: FinishReason, now: float) -> None:
         req.finish_time = now

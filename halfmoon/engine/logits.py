@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from halfmoon.core.messages import TokenLogprobs
+from halfmoon.engine.grammar import apply_bitmask
 from halfmoon.engine.request import Request
 
 
@@ -70,9 +71,10 @@ def row_spans(drafts: Sequence[Sequence[int]] | None, n: int) -> list[tuple[int,
 
 
 def process(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[Sequence[int]] | None,
-            stop_ids: Collection[int]) -> torch.Tensor:
-    """`logits` with every request's biases, min_tokens and penalties applied (a copy when any
-    request has some; `logits` itself, untouched, when none has)."""
+            stop_ids: Collection[int], bitmask: torch.Tensor | None = None) -> torch.Tensor:
+    """`logits` with every request's biases, min_tokens and penalties applied, then its
+    constraint's `bitmask` (engine/grammar.py step_bitmask): a copy when any request has some;
+    `logits` itself, untouched, when none has."""
     asking = [i for i, r in enumerate(requests) if r.params.processes_logits]
     if not asking:
         return logits
@@ -82,7 +84,23 @@ def process(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[
         start, rows = spans[i]
         draft = drafts[i] if drafts is not None else ()
         _apply(out[start : start + rows], requests[i], draft, stop_ids)
+    if bitmask is not None:
+        _constrain(out, logits, bitmask, [r for i in asking if requests[i].grammar is not None
+                                          for r in range(spans[i][0], spans[i][0] + spans[i][1])])
     return out
+
+
+def _constrain(out: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """The grammar's mask on `rows`; a row the other processing left nothing the grammar allows
+    (min_tokens holding back the EOS a complete grammar needs, a -100 bias) gets the grammar's
+    mask over its raw logits: the constraint wins."""
+    if not rows:
+        return
+    apply_bitmask(out, bitmask, rows)
+    dead = [r for r, empty in zip(rows, torch.isneginf(out[rows]).all(dim=-1).tolist()) if empty]
+    if dead:
+        out[dead] = raw[dead]
+        apply_bitmask(out, bitmask, dead)
 
 
 def _apply(rows: torch.Tensor, req: Request, draft: Sequence[int], stop_ids: Collection[int]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import math
 import time
+from typing import TYPE_CHECKING
 from dataclasses import dataclass, field
 
 import torch
@@ -12,6 +13,9 @@ import torch
 from halfmoon.core.messages import TokenLogprobs
 from halfmoon.core.params import FinishReason, SamplingParams
 from halfmoon.kvpool.tiered import Prefetched
+
+if TYPE_CHECKING:
+    from halfmoon.engine.grammar import ConstraintState
 
 
 class RequestStatus(enum.Enum):
@@ -74,6 +78,9 @@ class Request:
     family: str | None = None
     choice: int = 0
     forks: list[Request] | None = None
+    # SamplingParams.constraint: its matcher (engine/grammar.py ConstraintState), caught up with
+    # token_ids at each step that samples it
+    grammar: ConstraintState | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from halfmoon.core.blocks import cdiv
+from halfmoon.engine.grammar import step_bitmask
 from halfmoon.engine.cuda_graphs import DecodeGraphs, VerifyGraphs, VerifyShape
 from halfmoon.engine.model import LayerHook, DecoderModel
 from halfmoon.engine.request import Request
@@ -133,6 +135,7 @@ class ModelRunner:
         self.verify_graphs: VerifyGraphs | None = None
         # what min_tokens holds back (EOS and the model's other stop ids; set by the engine)
         self.stop_ids: frozenset[int] = frozenset()
+        self._mask_thread: ThreadPoolExecutor | None = None  # constraints' masks (started on first use)
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> list[list[int]]:
         """One forward pass over the batch; returns the new tokens of each request whose
@@ -140,6 +143,9 @@ class ModelRunner:
         inputs = self.prepare(scheduled)
         if self.step_sync is not None:
             self.step_sync(inputs)
+        forks = _forking(inputs)  # n > 1: the other choices sample their first tokens from the same rows
+        sampling = _with_forks(inputs, forks) if forks else inputs
+        masks = self._masks(sampling)  # constraints: the step's bitmask, computed during the forward
         start = time.perf_counter()
         logits = self._forward(inputs)
         self.last_forward_s = time.perf_counter() - start
@@ -150,28 +156,37 @@ class ModelRunner:
             logits = logits[:sampled_rows]
         if not inputs.sampled:
             return []
-        forks = _forking(inputs)
-        if forks:  # n > 1: the other choices sample their first tokens from the same rows
-            return self._sample_forks(logits, inputs, forks)
-        return self._sample_processed(logits, inputs)
+        bitmask = masks.result() if masks is not None else None
+        if forks:
+            return self._sample_forks(logits, sampling, forks, bitmask)
+        return self._sample_processed(logits, inputs, bitmask)
 
-    def _sample_processed(self, logits: torch.Tensor, inputs: StepInputs) -> list[list[int]]:
+    def _masks(self, inputs: StepInputs) -> Future[torch.Tensor | None] | None:
+        """The constrained requests' bitmask (engine/grammar.py), on the mask thread while this
+        one runs the forward pass; None when no sampled request is constrained."""
+        if all(r.grammar is None for r in inputs.sampled):
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+        spans = row_spans(inputs.drafts, len(inputs.sampled))
+        return self._mask_thread.submit(step_bitmask, inputs.sampled, inputs.drafts, spans, self.model.cfg.vocab_size)
+
+    def _sample_processed(self, logits: torch.Tensor, inputs: StepInputs,
+                          bitmask: torch.Tensor | None = None) -> list[list[int]]:
         if all(r.params.plain for r in inputs.sampled):
             return self._sample(logits, inputs)
-        # biases / penalties / min_tokens, and logprobs of the raw logits (engine/logits.py)
-        emitted = self._sample(process(logits, inputs.sampled, inputs.drafts, self.stop_ids), inputs)
+        # biases / penalties / min_tokens / constraints, and logprobs of the raw logits (engine/logits.py)
+        emitted = self._sample(process(logits, inputs.sampled, inputs.drafts, self.stop_ids, bitmask), inputs)
         record_logprobs(logits, inputs.sampled, inputs.drafts, emitted)
         return emitted
 
-    def _sample_forks(self, logits: torch.Tensor, inputs: StepInputs, forks: list[tuple[int, Request]]) -> list[list[int]]:
+    def _sample_forks(self, logits: torch.Tensor, extended: StepInputs, forks: list[tuple[int, Request]],
+                      bitmask: torch.Tensor | None) -> list[list[int]]:
         """Sample with each forking request's other choices appended as rows of their own (a
         copy of its last prompt row); their first tokens go into their `token_ids`."""
-        n = len(inputs.sampled)
+        n = len(extended.sampled) - len(forks)
         rows = [row for row, _ in forks]
-        extended = StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows,
-                              [*inputs.sampled, *(child for _, child in forks)],
-                              drafts=None if inputs.drafts is None else [*inputs.drafts, *([()] * len(forks))])
-        emitted = self._sample_processed(torch.cat([logits, logits[rows]]), extended)
+        emitted = self._sample_processed(torch.cat([logits, logits[rows]]), extended, bitmask)
         for (_, child), tokens in zip(forks, emitted[n:]):
             child.token_ids.extend(tokens)
         return emitted[:n]
@@ -334,6 +349,14 @@ class ModelRunner:
             segments.append(PrefillSegment(q_start, n, table, ctx, mask))
             q_start += n
         return segments
+
+
+def _with_forks(inputs: StepInputs, forks: list[tuple[int, Request]]) -> StepInputs:
+    """The step's sampled requests with the forking choices after them (their rows are copies
+    of their parent's last prompt row, appended after the sampled rows)."""
+    return StepInputs(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows,
+                      [*inputs.sampled, *(child for _, child in forks)],
+                      drafts=None if inputs.drafts is None else [*inputs.drafts, *([()] * len(forks))])
 
 
 def _forking(inputs: StepInputs) -> list[tuple[int, Request]]:

@@ -340,6 +340,10 @@ class Tokenizer:
         """Text of `ids`; invalid utf-8 becomes U+FFFD."""
         return self._backend.decode(list(ids), skip_special_tokens=skip_special)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (what a grammar engine builds its own from)."""
+        return self._backend.to_str()
+
     def token_bytes(self, token_id: int) -> bytes:
         """Raw bytes of one token (a special token gives its utf-8 text)."""
         if not 0 <= token_id < self.vocab_size:  # a negative index would wrap silently

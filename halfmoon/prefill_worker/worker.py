@@ -68,6 +68,7 @@ class PrefillWorker(EngineWorker):
     async def _prefill(self, task: PrefillTask, span: Span, arrived: int) -> PrefillResult:
         turn = self.arrivals.take()  # to the engine in the order the Conductor sent them (core/turns.py)
         try:
+            await self.engine.grammars.prepare(task.params)
             stream = await asyncio.to_thread(self.peers.open, task.handoff.receivers, task.request_id,
                                              task.handoff.block_ids, span.traceparent, span.recording)
             await self.arrivals.wait(turn)

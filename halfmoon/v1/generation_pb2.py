@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chalfmoon/v1/generation.proto\x12\x0bhalfmoon.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xce\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12>\n\nlogit_bias\x18\x08 \x03(\x0b\x32*.halfmoon.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\t \x01(\rH\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.halfmoon.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"G\n\x03Slo\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06tbt_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\t\n\x07_tbt_ms\"\x9e\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.halfmoon.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x03slo\x18\n \x01(\x0b\x32\x10.halfmoon.v1.Slo\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x16\n\x0epriority_class\x18\x0e \x01(\t\x12\x18\n\x0bspeculative\x18\x0f \x01(\x08H\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\x05\x88\x01\x01\x42\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_speculativeB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"{\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x14\n\x0cmean_tpot_ms\x18\x05 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x06 \x01(\x01\"\xc1\x01\n\x05\x46inal\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.halfmoon.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.halfmoon.v1.Usage\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.halfmoon.v1.Timings\x12\x0c\n\x04stop\x18\x04 \x01(\t\x12.\n\nprediction\x18\x05 \x01(\x0b\x32\x1a.halfmoon.v1.SloPrediction\"\x86\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12!\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x12.halfmoon.v1.Final\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\nchoice_end\x18\x08 \x01(\x0b\x32\x16.halfmoon.v1.ChoiceEnd\"f\n\tChoiceEnd\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.halfmoon.v1.FinishReason\x12\x0c\n\x04stop\x18\x02 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"h\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.halfmoon.v1.ChatMessageB\x07\n\x05_text\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"y\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x10\n\x08owned_by\x18\x04 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.halfmoon.v1.ModelInfo\"m\n\rSloPrediction\x12\x19\n\x11predicted_ttft_ms\x18\x01 \x01(\x01\x12\x18\n\x10predicted_tbt_ms\x18\x02 \x01(\x01\x12\x13\n\x0bttft_slo_ms\x18\x03 \x01(\x01\x12\x12\n\ntbt_slo_ms\x18\x04 \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xef\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.halfmoon.v1.GenerateRequest\x1a\x1d.halfmoon.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.halfmoon.v1.TokenizeRequest\x1a\x1d.halfmoon.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.halfmoon.v1.ListModelsRequest\x1a\x1f.halfmoon.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1chalfmoon/v1/generation.proto\x12\x0bhalfmoon.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xce\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x01H\x06\x88\x01\x01\x12>\n\nlogit_bias\x18\x08 \x03(\x0b\x32*.halfmoon.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\t \x01(\rH\x07\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x03\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokens\"W\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12$\n\x03top\x18\x03 \x03(\x0b\x32\x17.halfmoon.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\"G\n\x03Slo\x12\x14\n\x07ttft_ms\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x06tbt_ms\x18\x02 \x01(\x01H\x01\x88\x01\x01\x42\n\n\x08_ttft_msB\t\n\x07_tbt_ms\"\xcb\x04\n\x0fGenerateRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.halfmoon.v1.ChatMessage\x12\x18\n\x10prompt_token_ids\x18\x04 \x03(\x03\x12-\n\x08sampling\x18\x05 \x01(\x0b\x32\x1b.halfmoon.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x03\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12\x1d\n\x03slo\x18\n \x01(\x0b\x32\x10.halfmoon.v1.Slo\x12\x10\n\x08priority\x18\x0b \x01(\x05\x12\x12\n\ncache_salt\x18\x0c \x01(\t\x12\x12\n\nrequest_id\x18\r \x01(\t\x12\x16\n\x0epriority_class\x18\x0e \x01(\t\x12\x18\n\x0bspeculative\x18\x0f \x01(\x08H\x02\x88\x01\x01\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\x03\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x11 \x01(\rH\x04\x88\x01\x01\x12\x0e\n\x01n\x18\x12 \x01(\rH\x05\x88\x01\x01\x12+\n\nconstraint\x18\x13 \x01(\x0b\x32\x17.halfmoon.v1.ConstraintB\t\n\x07_promptB\r\n\x0b_max_tokensB\x0e\n\x0c_speculativeB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x04\n\x02_n\"\x91\x01\n\nConstraint\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.halfmoon.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"{\n\x07Timings\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x0f\n\x07ttft_ms\x18\x04 \x01(\x01\x12\x14\n\x0cmean_tpot_ms\x18\x05 \x01(\x01\x12\x0e\n\x06\x65\x32\x65_ms\x18\x06 \x01(\x01\"\xc1\x01\n\x05\x46inal\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.halfmoon.v1.FinishReason\x12!\n\x05usage\x18\x02 \x01(\x0b\x32\x12.halfmoon.v1.Usage\x12%\n\x07timings\x18\x03 \x01(\x0b\x32\x14.halfmoon.v1.Timings\x12\x0c\n\x04stop\x18\x04 \x01(\t\x12.\n\nprediction\x18\x05 \x01(\x0b\x32\x1a.halfmoon.v1.SloPrediction\"\x86\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12!\n\x05\x66inal\x18\x04 \x01(\x0b\x32\x12.halfmoon.v1.Final\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\x32\n\x0fprompt_logprobs\x18\x06 \x03(\x0b\x32\x19.halfmoon.v1.TokenLogprob\x12\r\n\x05index\x18\x07 \x01(\r\x12*\n\nchoice_end\x18\x08 \x01(\x0b\x32\x16.halfmoon.v1.ChoiceEnd\"f\n\tChoiceEnd\x12\x30\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x19.halfmoon.v1.FinishReason\x12\x0c\n\x04stop\x18\x02 \x01(\t\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\"h\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x11\n\x04text\x18\x02 \x01(\tH\x00\x88\x01\x01\x12*\n\x08messages\x18\x03 \x03(\x0b\x32\x18.halfmoon.v1.ChatMessageB\x07\n\x05_text\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"\x13\n\x11ListModelsRequest\"y\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x10\n\x08owned_by\x18\x04 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x05 \x01(\t\x12\r\n\x05\x64type\x18\x06 \x01(\t\"<\n\x12ListModelsResponse\x12&\n\x06models\x18\x01 \x03(\x0b\x32\x16.halfmoon.v1.ModelInfo\"m\n\rSloPrediction\x12\x19\n\x11predicted_ttft_ms\x18\x01 \x01(\x01\x12\x18\n\x10predicted_tbt_ms\x18\x02 \x01(\x01\x12\x13\n\x0bttft_slo_ms\x18\x03 \x01(\x01\x12\x12\n\ntbt_slo_ms\x18\x04 \x01(\x01*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xef\x01\n\nGeneration\x12I\n\x08Generate\x12\x1c.halfmoon.v1.GenerateRequest\x1a\x1d.halfmoon.v1.GenerateResponse0\x01\x12G\n\x08Tokenize\x12\x1c.halfmoon.v1.TokenizeRequest\x1a\x1d.halfmoon.v1.TokenizeResponse\x12M\n\nListModels\x12\x1e.halfmoon.v1.ListModelsRequest\x1a\x1f.halfmoon.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2576
-  _globals['_FINISHREASON']._serialized_end=2696
+  _globals['_FINISHREASON']._serialized_start=2800
+  _globals['_FINISHREASON']._serialized_end=2920
   _globals['_CHATMESSAGE']._serialized_start=45
   _globals['_CHATMESSAGE']._serialized_end=89
   _globals['_SAMPLINGPARAMS']._serialized_start=92
@@ -48,29 +48,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SLO']._serialized_start=694
   _globals['_SLO']._serialized_end=765
   _globals['_GENERATEREQUEST']._serialized_start=768
-  _globals['_GENERATEREQUEST']._serialized_end=1310
-  _globals['_USAGE']._serialized_start=1312
-  _globals['_USAGE']._serialized_end=1399
-  _globals['_TIMINGS']._serialized_start=1401
-  _globals['_TIMINGS']._serialized_end=1524
-  _globals['_FINAL']._serialized_start=1527
-  _globals['_FINAL']._serialized_end=1720
-  _globals['_GENERATERESPONSE']._serialized_start=1723
-  _globals['_GENERATERESPONSE']._serialized_end=1985
-  _globals['_CHOICEEND']._serialized_start=1987
-  _globals['_CHOICEEND']._serialized_end=2089
-  _globals['_TOKENIZEREQUEST']._serialized_start=2091
-  _globals['_TOKENIZEREQUEST']._serialized_end=2195
-  _globals['_TOKENIZERESPONSE']._serialized_start=2197
-  _globals['_TOKENIZERESPONSE']._serialized_end=2257
-  _globals['_LISTMODELSREQUEST']._serialized_start=2259
-  _globals['_LISTMODELSREQUEST']._serialized_end=2278
-  _globals['_MODELINFO']._serialized_start=2280
-  _globals['_MODELINFO']._serialized_end=2401
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2403
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2463
-  _globals['_SLOPREDICTION']._serialized_start=2465
-  _globals['_SLOPREDICTION']._serialized_end=2574
-  _globals['_GENERATION']._serialized_start=2699
-  _globals['_GENERATION']._serialized_end=2938
+  _globals['_GENERATEREQUEST']._serialized_end=1355
+  _globals['_CONSTRAINT']._serialized_start=1358
+  _globals['_CONSTRAINT']._serialized_end=1503
+  _globals['_CHOICELIST']._serialized_start=1505
+  _globals['_CHOICELIST']._serialized_end=1534
+  _globals['_USAGE']._serialized_start=1536
+  _globals['_USAGE']._serialized_end=1623
+  _globals['_TIMINGS']._serialized_start=1625
+  _globals['_TIMINGS']._serialized_end=1748
+  _globals['_FINAL']._serialized_start=1751
+  _globals['_FINAL']._serialized_end=1944
+  _globals['_GENERATERESPONSE']._serialized_start=1947
+  _globals['_GENERATERESPONSE']._serialized_end=2209
+  _globals['_CHOICEEND']._serialized_start=2211
+  _globals['_CHOICEEND']._serialized_end=2313
+  _globals['_TOKENIZEREQUEST']._serialized_start=2315
+  _globals['_TOKENIZEREQUEST']._serialized_end=2419
+  _globals['_TOKENIZERESPONSE']._serialized_start=2421
+  _globals['_TOKENIZERESPONSE']._serialized_end=2481
+  _globals['_LISTMODELSREQUEST']._serialized_start=2483
+  _globals['_LISTMODELSREQUEST']._serialized_end=2502
+  _globals['_MODELINFO']._serialized_start=2504
+  _globals['_MODELINFO']._serialized_end=2625
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2627
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2687
+  _globals['_SLOPREDICTION']._serialized_start=2689
+  _globals['_SLOPREDICTION']._serialized_end=2798
+  _globals['_GENERATION']._serialized_start=2923
+  _globals['_GENERATION']._serialized_end=3162
 # @@protoc_insertion_point(module_scope)

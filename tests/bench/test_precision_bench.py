@@ -74,6 +74,7 @@ def test_ratios_are_taken_against_the_default_and_the_headline_can_miss() -> Non
     assert rep["per_rate"][0]["default_vs_bf16"] == pytest.approx(1.2 / 1.5)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_the_comparison_starts_a_cluster_per_precision_and_reports_against_the_default(tmp_path: Path) -> None:

@@ -103,6 +103,7 @@ def test_the_quoting_workload_replays_against_the_in_process_server(
     assert all(0 < r["tokens"] <= 12 for r in rows)
 
 
+@pytest.mark.long
 @pytest.mark.slow
 def test_the_comparison_starts_both_clusters_and_reports_the_gains(tmp_path: Path) -> None:
     proc = subprocess.run(

@@ -7,6 +7,7 @@ One 2P2D cluster serves the module; a 1P1D cluster is started for its own test. 
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
@@ -17,11 +18,13 @@ import grpc
 import pytest
 
 from halfmoon.conductor.ledger import PendingPrefill
+from halfmoon.core.params import Constraint, ConstraintKind, SamplingParams
 from halfmoon.engine.engine import Engine
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc as pb_grpc
 from halfmoon.kvpool.redis_server import EmbeddedRedis
 from tests.conductor.conftest import RunningApi
+from tests.engine.constraint_cases import SCHEMAS
 from tests.e2e.support import (
     generate_all,
     prompts,
@@ -88,9 +91,10 @@ def test_a_prefix_computed_on_a_busy_worker_is_reused_by_the_other(cluster: Runn
     assert results and len(results[0][0]) == 1
 
 
-def _stream(target: str, prompt_ids: list[int], max_tokens: int):
+def _stream(target: str, prompt_ids: list[int], max_tokens: int, json_schema: str = ""):
     channel = grpc.insecure_channel(target)
-    req = pb.GenerateRequest(prompt_token_ids=prompt_ids, max_tokens=max_tokens, ignore_eos=True)
+    req = pb.GenerateRequest(prompt_token_ids=prompt_ids, max_tokens=max_tokens, ignore_eos=True,
+                             constraint=pb.Constraint(json_schema=json_schema) if json_schema else None)
     return channel, pb_grpc.GenerationStub(channel).Generate(req, timeout=120)
 
 
@@ -134,10 +138,13 @@ def test_a_kv_transfer_that_fails_before_the_first_token_is_re_run(cluster: Runn
 
 def test_killing_the_decode_worker_mid_stream_moves_the_request(cluster: RunningApi, engine: Engine) -> None:
     """The stream goes on on the other decode worker (conductor/migration.py): the client sees a
-    pause, and the text it would have got."""
-    ids = engine.tokenizer.encode("Count slowly from one to one hundred:")
+    pause, and the text it would have got. The request is held to a JSON schema: its first token
+    was masked on the prefill worker, the rest on two decode workers, each matcher caught up from
+    the token history alone, and the whole is the co-located constrained output."""
+    ids = engine.tokenizer.encode("Count slowly from one to one hundred, as a JSON list of objects:")
     migrated = cluster.backend.stats().requests_rerun.get("migrated", 0)
-    channel, call = _stream(cluster.grpc_target, ids, 60)
+    schema = json.dumps({"type": "array", "minItems": 20, "items": SCHEMAS["person"]})
+    channel, call = _stream(cluster.grpc_target, ids, 60, schema)
     with channel:
         responses = iter(call)
         tokens = [t for _, r in zip(range(3), responses) for t in r.token_ids]
@@ -146,7 +153,9 @@ def test_killing_the_decode_worker_mid_stream_moves_the_request(cluster: Running
         t0 = time.monotonic()
         _kill(cluster, victim)
         tokens += [t for r in responses for t in r.token_ids]
-    assert tokens == reference(engine, [ids], [60])[0]
+    constrained = SamplingParams(max_tokens=60, ignore_eos=True,
+                                 constraint=Constraint(ConstraintKind.JSON_SCHEMA, schema))
+    assert tokens == engine.generate([ids], constrained)[0].output_ids
     assert time.monotonic() - t0 < 30
     assert cluster.backend.stats().requests_rerun["migrated"] == migrated + 1
     wait_until(lambda: cluster.backend.manager.workers[victim].restarts > restarts and _all_alive_again(cluster),

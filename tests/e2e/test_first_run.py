@@ -119,11 +119,12 @@ def test_make_serve_defaults_answers_from_an_empty_cache(tmp_path: Path) -> None
         run.stop()
 
 
-@pytest.mark.parametrize("args", ["--colocated", "--dtype float32"])
+@pytest.mark.parametrize("args", ["--colocated", pytest.param("--dtype float32", marks=pytest.mark.long)])
 def test_make_serve_variants_answer_from_an_empty_cache(tmp_path: Path, args: str) -> None:
     _profiled_from_scratch(_serve_from_scratch(tmp_path, args, "smollm2"))
 
 
+@pytest.mark.long
 def test_make_serve_gemma3_answers_from_an_empty_cache(tmp_path: Path) -> None:
     log = _serve_from_scratch(tmp_path, "--model gemma3-270m", "gemma3-270m")
     _profiled_from_scratch(log)
