@@ -81,7 +81,9 @@ def _json_schema(value: Any) -> Constraint:
 def _schema_text(schema: Any, field: str) -> str:
     if not isinstance(schema, dict):
         raise InvalidRequestError(field, "must be a JSON Schema (an object)")
-    return json.dumps(schema, sort_keys=True)  # one text per schema: one cache entry
+    # The client's key order is kept: the grammar writes an object's properties in the order the
+    # schema lists them (sorting them would reorder every answer's fields)
+    return json.dumps(schema)
 
 
 def _structured(value: Any) -> Constraint | None:

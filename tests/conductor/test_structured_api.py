@@ -81,6 +81,8 @@ def test_a_grammar_and_a_json_schema_by_structured_outputs(api: RunningApi) -> N
     out = oai(api).chat.completions.create(model=MODEL, messages=ask("A person, as JSON."), max_tokens=80,
                                            extra_body={"structured_outputs": {"json": SCHEMAS["person"]}})
     check("person", out.choices[0].message.content)
+    # the fields come in the schema's order (name, age, role: not sorted), as pydantic models list them
+    assert list(json.loads(out.choices[0].message.content)) == list(SCHEMAS["person"]["properties"])
 
 
 @pytest.mark.parametrize("body, param, phrase", [
