@@ -35,6 +35,7 @@ import torch
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.params import Constraint, ConstraintKind, SamplingParams
 from halfmoon.engine.tokenizer import Tokenizer
+from halfmoon.kernels.token_mask import mask_logits
 
 if TYPE_CHECKING:
     from halfmoon.engine.request import Request
@@ -47,7 +48,6 @@ JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": 
 ANY_OBJECT = '{"type": "object"}'
 CACHE_SIZE = 256  # compiled constraints kept per engine
 MAX_MESSAGE = 400  # characters of the grammar engine's complaint a client sees
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class UnsupportedConstraintError(InvalidRequestError):
@@ -235,10 +235,6 @@ def step_bitmask(requests: Sequence[Request], drafts: Sequence[Sequence[int]] | 
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """-inf, in place, on every token a row's bitmask leaves out (only `rows` are touched)."""
-    index = torch.tensor(rows, dtype=torch.long)
-    words = bitmask.index_select(0, index).to(logits.device)
-    allowed = (words.unsqueeze(-1) >> _BITS.to(logits.device)).bitwise_and_(1).view(len(rows), -1)
-    allowed = allowed[:, : logits.shape[1]].bool()
-    sub = logits.index_select(0, index.to(logits.device)).masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, index.to(logits.device), sub)
+    """-inf, in place, on every token a row's bitmask leaves out (only `rows` are touched; row r
+    of the logits takes row r of the bitmask)."""
+    mask_logits(logits, bitmask, rows, rows)

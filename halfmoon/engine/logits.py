@@ -85,19 +85,34 @@ def process(logits: torch.Tensor, requests: Sequence[Request], drafts: Sequence[
         draft = drafts[i] if drafts is not None else ()
         _apply(out[start : start + rows], requests[i], draft, stop_ids)
     if bitmask is not None:
-        _constrain(out, logits, bitmask, [r for i in asking if requests[i].grammar is not None
-                                          for r in range(spans[i][0], spans[i][0] + spans[i][1])])
+        constrained = [i for i in asking if requests[i].grammar is not None]
+        _constrain(out, logits, bitmask, _rows(spans, constrained),
+                   _rows(spans, [i for i in constrained if _blocks_tokens(requests[i])]))
     return out
 
 
-def _constrain(out: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-    """The grammar's mask on `rows`; a row the other processing left nothing the grammar allows
-    (min_tokens holding back the EOS a complete grammar needs, a -100 bias) gets the grammar's
-    mask over its raw logits: the constraint wins."""
+def _rows(spans: Sequence[tuple[int, int]], requests: Sequence[int]) -> list[int]:
+    return [r for i in requests for r in range(spans[i][0], spans[i][0] + spans[i][1])]
+
+
+def _blocks_tokens(req: Request) -> bool:
+    """Whether the request's other processing can make a token impossible (-inf): min_tokens
+    still holding EOS back, or a bias (penalties only shift logits)."""
+    p = req.params
+    return bool(p.logit_bias) or p.min_tokens > req.num_output_tokens + p.output_offset
+
+
+def _constrain(out: torch.Tensor, raw: torch.Tensor, bitmask: torch.Tensor, rows: list[int],
+               suspects: list[int]) -> None:
+    """The grammar's mask on `rows`. A row of `suspects` that the other processing left nothing
+    the grammar allows (min_tokens holding back the EOS a complete grammar needs, a -100 bias)
+    gets the grammar's mask over its raw logits: the constraint wins."""
     if not rows:
         return
     apply_bitmask(out, bitmask, rows)
-    dead = [r for r, empty in zip(rows, torch.isneginf(out[rows]).all(dim=-1).tolist()) if empty]
+    if not suspects:
+        return
+    dead = [r for r, empty in zip(suspects, torch.isneginf(out[suspects]).all(dim=-1).tolist()) if empty]
     if dead:
         out[dead] = raw[dead]
         apply_bitmask(out, bitmask, dead)

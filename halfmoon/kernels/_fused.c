@@ -25,6 +25,12 @@
  *       (x + 0.044715 x^3))) with the e^x below (rounded to the dtype before the product, as
  *       F.gelu then mul_(up)); kernels/fused.py calls it, as silu_mul, only for a few rows.
  *
+ *   mask_by_bits(logits, logits_stride, bits, bits_stride, rows, n)
+ *       logits[r][t] = -inf wherever bit t of bits[r] (int32 words, bit t % 32 of word t / 32:
+ *       llguidance's token bitmask) is 0, fp32 logits, t < n. A word of all ones is skipped and one
+ *       of zeros written as 32 -inf at once: a grammar's mask is mostly one or the other, so a
+ *       32-row step costs a pass over the words, not an unpack of every bit (engine/grammar.py).
+ *
  * Arguments are addresses (tensor.data_ptr()) and element strides of rows; bf16: every tensor is
  * bfloat16 (else float32). The sum of squares and e^x are this file's own (a different order and
  * polynomial than ATen's), so fp32 results agree with torch to a few ulp, bf16 ones to the bf16
@@ -263,7 +269,45 @@ static PyObject *gelu_tanh_mul(PyObject *self, PyObject *args) {
     return act_mul(args, GELU_FN);
 }
 
+static void mask_row(float *row, const int32_t *bits, int64_t n) {
+    const int64_t words = (n + 31) / 32;
+    for (int64_t w = 0; w < words; w++) {
+        const uint32_t word = (uint32_t)bits[w];
+        if (word == 0xffffffffu) continue;
+        const int64_t start = w * 32, end = start + 32 < n ? start + 32 : n;
+        if (word == 0) {
+            for (int64_t t = start; t < end; t++) row[t] = -INFINITY;
+            continue;
+        }
+        for (int64_t t = start; t < end; t++)
+            if (!((word >> (t - start)) & 1u)) row[t] = -INFINITY;
+    }
+}
+
+static PyObject *mask_by_bits(PyObject *self, PyObject *args) {
+    (void)self;
+    unsigned long long logits, bits;
+    long long logits_stride, bits_stride, rows, n;
+    if (!PyArg_ParseTuple(args, "KLKLLL", &logits, &logits_stride, &bits, &bits_stride, &rows, &n)
+        || check_shape(rows, n) < 0)
+        return NULL;
+    if (bits_stride < (n + 31) / 32 || logits_stride < n) {
+        PyErr_Format(PyExc_ValueError, "mask_by_bits: rows of %lld logits need %lld words and a "
+                     "logits stride >= n (got %lld and %lld)", n, (n + 31) / 32, bits_stride,
+                     logits_stride);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (int64_t r = 0; r < rows; r++)
+        mask_row((float *)(uintptr_t)logits + r * logits_stride,
+                 (const int32_t *)(uintptr_t)bits + r * bits_stride, n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"mask_by_bits", mask_by_bits, METH_VARARGS,
+     "logits[r][t] = -inf where bit t of the int32 words bits[r] is 0 (fp32, in place)."},
     {"add_rms_norm", add_rms_norm, METH_VARARGS,
      "x += delta (when given); out = rmsnorm(x) * weight, per row, in place."},
     {"silu_mul", silu_mul, METH_VARARGS, "out = silu(gate) * up for rows [gate | up], in place."},

@@ -115,3 +115,22 @@ def test_apply_bitmask_touches_only_its_rows() -> None:
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     finite = torch.isfinite(logits[1]).nonzero().flatten().tolist()
     assert finite == [0, 2, 65] and torch.equal(logits[1, finite], before[1, finite])
+
+
+@pytest.mark.parametrize("vocab", [70, 49152, 49157])
+def test_the_native_mask_equals_the_torch_one(vocab: int) -> None:
+    """kernels/_fused.c mask_by_bits against the torch path: every word kind (all ones, all
+    zeros, mixed), a vocabulary that is no multiple of 32, a subset of rows."""
+    from halfmoon.kernels import token_mask
+
+    if token_mask._fused is None:
+        pytest.skip("kernels._fused is not built (no C compiler at install)")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(8, vocab, generator=gen)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (8, (vocab + 31) // 32), dtype=torch.int32, generator=gen)
+    bitmask[::3], bitmask[1::4] = 0, -1
+    rows = [0, 1, 3, 6, 7]
+    native, reference = logits.clone(), logits.clone()
+    token_mask.mask_logits(native, bitmask, rows, rows)
+    token_mask._mask_torch(reference, bitmask, rows, rows)
+    assert torch.equal(native, reference) and torch.equal(native[2], logits[2])
