@@ -10,7 +10,8 @@ install still succeeds and the module that would use one logs a warning at impor
 - halfmoon.kernels._paged_attn (halfmoon/kernels/_paged_attn.c): decode attention that reads the paged KV cache in
   place, and for all-decode steps RoPE + the KV write in the same call; without it the torch
   backend gathers every request's blocks into a copy first (slower).
-- halfmoon.kernels._fused (halfmoon/kernels/_fused.c): a decode step's residual add + RMSNorm and SiLU(gate) * up,
+- halfmoon.kernels._fused (halfmoon/kernels/_fused.c): a decode step's residual add + RMSNorm and SiLU(gate) * up
+  (and a grammar's token mask on the logits, kernels/token_mask.py),
   one call each; without it (or without _paged_attn) every decode step runs the torch ops of
   engine/model.py's `_layer` (about 3x the per-layer calls; kernels/fused.py).
 - halfmoon.kernels._qgemv (halfmoon/kernels/_qgemv.c): int4 (Q4_1) / int8 weight-only products for decode's few

@@ -169,3 +169,19 @@ def test_int4_keeps_the_files_own_precision_and_meets_smollm2s_bounds(gemma_weig
     assert all(isinstance(lw.qkv, Int8Linear) for lw in layers)  # attn_q/k Q5_0, attn_v Q8_0
     ppl, top1, firsts = measure(engine, reference)
     assert abs(ppl) < PERPLEXITY_BOUND["int4"] and top1 >= MIN_TOP1_AGREEMENT and firsts == 8, (ppl, top1, firsts)
+
+
+def test_constrained_outputs_are_valid_with_gemmas_tokenizer(gemma_engine: Engine) -> None:
+    """Structured outputs on SentencePiece with byte fallback (issue 47): every case sampled at
+    temperature 0.9, each stopped output valid."""
+    from tests.engine.constraint_cases import PROMPTS, all_cases, check
+
+    tok, stopped = gemma_engine.tokenizer, 0
+    for name, constraint in all_cases():
+        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[name]}]))
+        params = SamplingParams(max_tokens=100, temperature=0.9, seed=7, n=4, constraint=constraint)
+        for result in gemma_engine.generate_choices(prompt, params):
+            if result.finish_reason.value == "stop":
+                check(name, result.text)
+                stopped += 1
+    assert stopped >= 0.75 * 4 * len(all_cases())
