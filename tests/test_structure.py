@@ -248,6 +248,31 @@ def test_the_package_graph_has_no_cycle(table: dict[str, set[str]], edges: list[
 # ---------------------------------------------------------------- file sizes
 
 
+# One door per third-party seam: the grammar engine is engine/grammar.py's alone (the sampler's
+# neighbour, where constraint state lives), and the shapes clients send constraints in are the
+# request surface's (api/structured.py), never the Conductor's scheduling.
+SOLE_IMPORTERS = {"llguidance": {"halfmoon/engine/grammar.py"}}
+SURFACE_NAMES = {"response_format": "halfmoon/api", "structured_outputs": "halfmoon/api"}
+
+
+def test_the_grammar_engine_has_one_door() -> None:
+    for package, allowed in SOLE_IMPORTERS.items():
+        users = set()
+        for room in packages():
+            for path in room_files(room):
+                tree = ast.parse(path.read_text(), filename=str(path))
+                if any(m == package or m.startswith(package + ".") for m, _ in imported_modules(tree)):
+                    users.add(str(path.relative_to(ROOT)))
+        assert users == allowed, f"{package} is imported by {sorted(users)}; only {sorted(allowed)} may"
+
+
+def test_constraint_shapes_are_read_by_the_request_surface_only() -> None:
+    for name, room in SURFACE_NAMES.items():
+        readers = {str(path.relative_to(ROOT)) for r in packages() for path in room_files(r)
+                   if f'"{name}"' in path.read_text() and not str(path.relative_to(ROOT)).startswith(room)}
+        assert not readers, f"{name!r} is read outside {room}: {sorted(readers)}"
+
+
 def test_no_source_file_is_over_600_lines() -> None:
     long = [(str(p.relative_to(ROOT)), n) for p in source_files(ROOT)
             if not p.name.endswith(GENERATED) and (n := len(p.read_text().splitlines())) > MAX_LINES]

@@ -126,6 +126,8 @@ class FrontDoor:
 async def _compiled(backend: GenerationBackend, inp: GenerationInput, spec: RequestSpec) -> None:
     """The request's constraint compiled off the event loop (engine/grammar.py); one the grammar
     engine cannot enforce is refused here, naming the field the client gave it in."""
+    if inp.params.constraint is None:  # nothing to compile: a backend's grammars are built on first use
+        return
     try:
         await backend.grammars.prepare(inp.params)
     except InvalidRequestError as e:

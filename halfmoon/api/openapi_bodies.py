@@ -111,7 +111,7 @@ def _common(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int |
 _JSON_SCHEMA_VALUE: Schema = {"type": "object", "description":
                               "a JSON Schema; a keyword the grammar engine does not implement (uniqueItems, "
                               "not, if/then/else, ...) or an unsatisfiable schema is a 400 naming it"}
-_REGEX: Schema = {"type": "string", "format": "regex", "description":
+_REGEX: Schema = {"type": "string", "minLength": 1, "format": "regex", "description":
                   "Rust regex syntax; the whole output matches it (anchors optional); invalid: 400"}
 _GRAMMAR: Schema = {"type": "string", "pattern": '^start: "[a-z]{1,8}"$', "description":
                     "a Lark grammar (llguidance's dialect) or GBNF; the pattern is the sliver a fuzzer "

@@ -72,6 +72,8 @@ def _json_schema(value: Any) -> Constraint:
         raise InvalidRequestError(f"{field}.name", "is required (a non-empty string)")
     if value.get("strict") is not None and not isinstance(value["strict"], bool):
         raise InvalidRequestError(f"{field}.strict", "must be a boolean")
+    if value.get("description") is not None and not isinstance(value["description"], str):
+        raise InvalidRequestError(f"{field}.description", "must be a string")
     schema = value.get("schema")
     if schema is None:  # OpenAI allows a schema-less format: any JSON object
         return Constraint(ConstraintKind.JSON)
@@ -94,10 +96,9 @@ def _structured(value: Any) -> Constraint | None:
     extra = sorted(set(value) - _STRUCTURED_KEYS)
     if extra:
         raise InvalidRequestError(f"{STRUCTURED}.{extra[0]}", "unknown field")
-    given = [k for k in sorted(_STRUCTURED_KEYS) if value.get(k) not in (None, False)]
-    if len(given) != 1:
-        raise InvalidRequestError(STRUCTURED, f"give exactly one of {sorted(_STRUCTURED_KEYS)} (got {given})")
-    key = given[0]
+    if len(value) != 1:
+        raise InvalidRequestError(STRUCTURED, f"give exactly one of {sorted(_STRUCTURED_KEYS)} (got {sorted(value)})")
+    key = next(iter(value))
     item, field = value[key], f"{STRUCTURED}.{key}"
     if key == "json":
         return Constraint(ConstraintKind.JSON_SCHEMA, _schema_text(item, field))

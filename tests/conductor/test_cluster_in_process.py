@@ -18,11 +18,11 @@ from halfmoon.conductor.cluster import ClusterBackend
 from halfmoon.conductor.errors import SloMissError
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import TokenChunk, WorkerLoad
-from halfmoon.core.params import FinishReason, SamplingParams
+from halfmoon.core.params import Constraint, FinishReason, SamplingParams
 from halfmoon.engine.engine import Engine
 from halfmoon.engine.loader import LoadedWeights
 from tests.e2e.support import cost_model_file
-from tests.engine.constraint_cases import check, schema_constraint
+from tests.engine.constraint_cases import PROMPTS, all_cases, check
 from tests.workers_support import TIMEOUT_S, InProcessWorkers, cluster_config, settled, tokens
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -130,12 +130,16 @@ def test_an_id_is_refused_while_it_runs_and_reused_at_once_after_a_cancel(idle: 
     assert chunks[-1].end is not None and chunks[-1].end.finish_reason is FinishReason.LENGTH
 
 
-def test_constrained_choices_over_prefill_and_decode_equal_the_engine_s(idle: Running, engine: Engine) -> None:
+@pytest.mark.parametrize("name, constraint", all_cases(), ids=[n for n, _ in all_cases()])
+def test_constrained_choices_over_prefill_and_decode_equal_the_engine_s(idle: Running, engine: Engine, name: str,
+                                                                        constraint: Constraint) -> None:
     """The prefill worker masks every choice's first token, the decode worker the rest, each
-    matcher caught up from the token history: the same tokens as one co-located engine, valid."""
-    prompt = engine.tokenizer.encode("Describe a person as JSON with name, age and role.")
-    params = SamplingParams(max_tokens=60, temperature=0.9, seed=21, n=3, constraint=schema_constraint("person"))
-    expected = [r.output_ids for r in engine.generate_choices(prompt, params)]
+    matcher caught up from the token history: the same tokens as one co-located engine, and
+    every choice that stops satisfies its constraint."""
+    tok = engine.tokenizer
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPTS[name]}]))
+    params = SamplingParams(max_tokens=80, temperature=0.9, seed=21, n=3, constraint=constraint)
+    expected = engine.generate_choices(prompt, params)
 
     async def collect() -> list[TokenChunk]:
         return [c async for c in idle.backend.generate(GenerationInput(prompt, params, request_id="shaped"))]
@@ -143,9 +147,10 @@ def test_constrained_choices_over_prefill_and_decode_equal_the_engine_s(idle: Ru
     chunks = idle.run(collect())
 
     got = [[t for c in chunks if c.index == i for t in c.token_ids] for i in range(3)]
-    assert got == expected
-    for ids in got:
-        check("person", engine.tokenizer.decode(ids))
+    assert got == [r.output_ids for r in expected]
+    for result in expected:
+        if result.finish_reason is FinishReason.STOP:
+            check(name, result.text)
 
 
 def test_a_request_that_cannot_meet_its_slo_is_refused_before_any_worker_works(idle: Running) -> None:

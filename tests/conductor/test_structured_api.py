@@ -93,9 +93,14 @@ def test_a_grammar_and_a_json_schema_by_structured_outputs(api: RunningApi) -> N
     ({"structured_outputs": {"grammar": "start: ("}}, "structured_outputs", "grammar"),
     ({"response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "name"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "description": True}}},
+     "response_format.json_schema.description", "string"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs", "exactly one"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs", "not both"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty"),
+    ({"structured_outputs": {"json": {}, "regex": None}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"json_object": False}}, "structured_outputs.json_object", "true"),
+    ({"structured_outputs": {"regex": ""}}, "structured_outputs.regex", "non-empty"),
 ])
 def test_what_cannot_be_enforced_is_a_400_naming_it(api: RunningApi, body: dict, param: str, phrase: str) -> None:
     r = httpx.post(api.http_url + "/v1/chat/completions", timeout=30,
