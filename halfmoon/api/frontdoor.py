@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from halfmoon.api.auth import Authenticator, StreamLimiter
 from halfmoon.conductor.backend import GenerationBackend
@@ -27,6 +28,7 @@ from halfmoon.conductor.backend import GenerationInput
 from halfmoon.conductor.errors import RetryableRejection, TooManyStreamsError, status_of
 from halfmoon.conductor.live import LiveWindow, TrafficRecorder, meets
 from halfmoon.api.metrics import Metrics
+from halfmoon.api.tool_formats import AUTO, ToolFormat, choose
 from halfmoon.api.requests import Limits, RequestSpec, build_input
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.logs import bind_request
@@ -45,14 +47,23 @@ class Call:
 
 
 class FrontDoor:
-    def __init__(self, backend: GenerationBackend, limits: Limits, auth: Authenticator) -> None:
+    def __init__(self, backend: GenerationBackend, limits: Limits, auth: Authenticator,
+                 tool_parser: str = AUTO) -> None:
         self.backend = backend
+        self.tool_parser = tool_parser
         self.limits = limits
         self.auth = auth
         self.limiter = StreamLimiter(limits.max_streams_per_client)
         self.metrics = Metrics(backend.stats)
         self.live = LiveWindow()
         self.traffic = TrafficRecorder()
+
+    @cached_property
+    def tool_format(self) -> ToolFormat:
+        """How the served model writes tool calls (api/tool_formats.py)."""
+        tokenizer = self.backend.tokenizer
+        template = tokenizer.chat_template if tokenizer is not None else None
+        return choose(template, self.backend.model.architecture, self.tool_parser)
 
     def client(self, authorization: str | None, peer: str) -> str:
         """Who is calling: their token's digest when auth is on, else their address."""
@@ -69,6 +80,7 @@ class FrontDoor:
         try:
             with self.limiter.hold(client):
                 b = self.backend
+                spec.tool_format = self.tool_format if spec.messages is not None else None
                 inp = build_input(spec, b.tokenizer, b.model, self.limits, priority_classes=b.priority_classes,
                                   kv_capacity_tokens=b.kv_capacity_tokens)
                 await _compiled(b, inp, spec)

@@ -34,6 +34,8 @@ from halfmoon.api.frontdoor import Call, FrontDoor
 from halfmoon.api.logprobs_json import echo_logprobs, logprobs_json
 from halfmoon.api.requests import RequestSpec
 from halfmoon.api.rejection import retry_after_header
+from halfmoon.api.tool_formats import ToolFormat
+from halfmoon.api.tool_stream import ToolStream
 from halfmoon.core.errors import HalfmoonError, InvalidRequestError
 from halfmoon.core.messages import TokenChunk, TokenLogprobs
 from halfmoon.core.tracing import TRACEPARENT
@@ -179,8 +181,9 @@ async def _serve(door: FrontDoor, request: Request, client: str,
                 request.headers.get(TRACEPARENT))
     items = door.generate(spec, client, "http", call)
     model, tokenizer = door.backend.model.id, door.backend.tokenizer
+    fmt = door.tool_format if chat and spec.tools is not None and spec.tools.active else None
     if not stream:
-        return await _until_disconnect(request, lambda: _collect(items, model, chat, tokenizer, spec))
+        return await _until_disconnect(request, lambda: _collect(items, model, chat, tokenizer, spec, fmt))
     try:
         first = await items.__anext__()  # validation and admission happen here
     except BaseException:
@@ -188,7 +191,8 @@ async def _serve(door: FrontDoor, request: Request, client: str,
         raise
     # the prompt is valid once the first item came (validation happens before it)
     echo = Echo.of(spec, tokenizer) if spec.echo else None
-    events = _sse(door, first, items, Stream(model, chat, include_usage, tokenizer, echo=echo), spec.n)
+    tools = [ToolStream(fmt) for _ in range(spec.n)] if fmt is not None else None
+    events = _sse(door, first, items, Stream(model, chat, include_usage, tokenizer, echo=echo, tools=tools), spec.n)
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -231,7 +235,8 @@ class Choice:
             self.finish = ended.finish_reason.value
 
 
-async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, spec: RequestSpec) -> Response:
+async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, spec: RequestSpec,
+                   fmt: ToolFormat | None = None) -> Response:
     choices = [Choice() for _ in range(spec.n)]
     prompt: tuple[TokenLogprobs, ...] | None = None
     async with aclosing(items):
@@ -240,17 +245,21 @@ async def _collect(items: Items, model: str, chat: bool, tokenizer: Tokenizer, s
             prompt = prompt if prompt is not None else item.prompt_logprobs  # the first (a move sends none)
             if item.end is not None:
                 echo = Echo.of(spec, tokenizer) if spec.echo else None  # validated: items came
-                out = [_choice_json(i, c, chat, tokenizer, echo, prompt) for i, c in enumerate(choices)]
+                out = [_choice_json(i, c, chat, tokenizer, echo, prompt, fmt) for i, c in enumerate(choices)]
                 return JSONResponse(oa.response_json(model, item.request_id, item.end, out, oa.now_s(), chat))
     raise AssertionError("a generation ended without its last chunk")
 
 
 def _choice_json(index: int, c: Choice, chat: bool, tokenizer: Tokenizer, echo: Echo | None,
-                 prompt: tuple[TokenLogprobs, ...] | None) -> dict[str, Any]:
+                 prompt: tuple[TokenLogprobs, ...] | None, fmt: ToolFormat | None = None) -> dict[str, Any]:
     lp = (echo.logprobs(tokenizer, prompt, c.tokens, c.logprobs) if echo is not None
           else logprobs_json(tokenizer, c.tokens, c.logprobs, chat))
     text = (echo.text if echo is not None else "") + "".join(c.texts)
-    return oa.choice_json(index, text, c.finish, chat, lp)
+    if fmt is None:
+        return oa.choice_json(index, text, c.finish, chat, lp)
+    parsed = fmt.parse(text)
+    return oa.choice_json(index, parsed.content, oa.finish_with_calls(c.finish, bool(parsed.calls)), chat, lp,
+                          parsed.calls)
 
 
 async def _until_disconnect(request: Request, work: Callable[[], Awaitable[Response]]) -> Response:
@@ -283,6 +292,7 @@ class Stream:
     tokenizer: Tokenizer
     offsets: list[int] = field(default_factory=lambda: [0])
     echo: Echo | None = None  # sent with the first chunk, then None
+    tools: list[ToolStream] | None = None  # each choice's tool calls, when the request offers tools
 
 
 async def _sse(door: FrontDoor, first: TokenChunk, items: Items, s: Stream, n: int = 1) -> AsyncIterator[bytes]:
@@ -316,16 +326,33 @@ def _chunks(item: TokenChunk, s: Stream, rid: str, created: int) -> list[dict[st
     if item.text or item.logprobs:
         lp = logprobs_json(s.tokenizer, item.token_ids, item.logprobs, s.chat, s.offsets[i])
         s.offsets[i] += len(item.text)
-        out.append(oa.stream_chunk(s.model, rid, created, s.chat, {"content": item.text} if s.chat else item.text,
-                                   logprobs=lp, index=i))
+        out += _content_chunks(item.text, lp, s, rid, created, i)
     ended = item.choice_finished
     if ended is not None:
-        out.append(oa.stream_chunk(s.model, rid, created, s.chat, {} if s.chat else "", ended.finish_reason.value,
+        finish = ended.finish_reason.value
+        if s.tools is not None:
+            out += [oa.stream_chunk(s.model, rid, created, True, d, index=i) for d in s.tools[i].finish()]
+            finish = oa.finish_with_calls(finish, s.tools[i].called)
+        out.append(oa.stream_chunk(s.model, rid, created, s.chat, {} if s.chat else "", finish,
                                    prediction=item.end.prediction if item.end is not None else None, index=i))
     if item.end is not None:
         if s.include_usage:
             out.append(oa.stream_chunk(s.model, rid, created, s.chat, None, usage=oa.usage_json(item.end.usage)))
     return out
+
+
+def _content_chunks(text: str, lp: dict[str, Any] | None, s: Stream, rid: str, created: int,
+                    i: int) -> list[dict[str, Any]]:
+    """A choice's new text as chunks: as it is, or split into content and tool calls (the
+    tokens' logprobs ride on the first)."""
+    if s.tools is None:
+        return [oa.stream_chunk(s.model, rid, created, s.chat, {"content": text} if s.chat else text,
+                                logprobs=lp, index=i)]
+    deltas = s.tools[i].push(text)
+    if not deltas and lp is not None:
+        deltas = [{"content": ""}]
+    return [oa.stream_chunk(s.model, rid, created, True, d, logprobs=lp if k == 0 else None, index=i)
+            for k, d in enumerate(deltas)]
 
 
 def _echo_chunks(item: TokenChunk, s: Stream, rid: str, created: int) -> list[dict[str, Any]]:

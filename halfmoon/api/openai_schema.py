@@ -19,12 +19,15 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
 from halfmoon.api.rejection import prediction_json, rejection_json
 from halfmoon.api.requests import RequestSpec
 from halfmoon.api.structured import from_openai
+from halfmoon.api.tools import ChoiceMode, ToolCall, calls_of, message_keys
+from halfmoon.api.tools import from_openai as tools_from_openai
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import RequestEnd, SloPrediction, Usage
 
@@ -32,13 +35,13 @@ _COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop
            "stream_options", "n", "user", "presence_penalty", "frequency_penalty", "logprobs",
            "ignore_eos", "speculative", "stop_token_ids", "cache_salt", "priority", "priority_class", "request_id", "slo",
            "logit_bias", "repetition_penalty", "min_tokens", "response_format", "structured_outputs"}
-CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"}
+CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                         "parallel_tool_calls"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "echo", "suffix", "best_of"}
 SLO_NAMES = {"ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms"}
 _TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in ASCII decimal, no leading zero
 # OpenAI fields accepted only at their neutral value (what "off" means for each).
-_NEUTRAL: dict[str, Any] = {"tools": (None, []), "tool_choice": (None, "none"), "suffix": (None, ""),
-                            "best_of": (None, 1)}
+_NEUTRAL: dict[str, Any] = {"suffix": (None, ""), "best_of": (None, 1)}
 
 
 def integral(value: Any) -> int | None:
@@ -219,21 +222,47 @@ def parse_chat(data: Any) -> tuple[RequestSpec, bool, bool]:
     if mt is not None and mct is not None:
         raise InvalidRequestError("max_completion_tokens", "give max_tokens or max_completion_tokens, not both")
     spec.max_tokens = mct if mct is not None else mt
-    return _common(body, spec)
+    spec.tools = tools_from_openai(body.data)
+    out = _common(body, spec)
+    if spec.tools is not None and spec.tools.enforced and spec.constraint is not None:
+        raise InvalidRequestError("tool_choice", f"{_choice_name(spec.tools.mode)} cannot be combined with "
+                                  f"{spec.name('constraint')}")
+    return out
 
 
-def _messages(body: Body) -> list[dict[str, str]]:
+def _choice_name(mode: ChoiceMode) -> str:
+    return "a named function" if mode is ChoiceMode.NAMED else mode.value
+
+
+def _messages(body: Body) -> list[dict[str, Any]]:
     messages = body.get("messages", (list,), "a list of messages")
     if messages is None:
         raise InvalidRequestError("messages", "is required")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise InvalidRequestError(f"messages[{i}]", "must be an object {role, content}")
-        if set(m) - {"role", "content", "name"}:
-            raise InvalidRequestError(f"messages[{i}].{sorted(set(m) - {'role', 'content', 'name'})[0]}",
-                                      "is not supported")
-        out.append({"role": m.get("role"), "content": _content(m.get("content"), i)})
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
+def _message(m: Any, i: int) -> dict[str, Any]:
+    """One turn: {role, content}, an assistant's `tool_calls` (its content may then be null), a
+    tool result's `tool_call_id` (and `name`)."""
+    if not isinstance(m, dict):
+        raise InvalidRequestError(f"messages[{i}]", "must be an object {role, content}")
+    role = m.get("role")
+    extra = sorted(set(m) - message_keys(role))
+    if extra:
+        raise InvalidRequestError(f"messages[{i}].{extra[0]}", f"is not supported in a {role!r} message")
+    calls = m.get("tool_calls")
+    out: dict[str, Any] = {"role": role}
+    if calls is not None:
+        out["tool_calls"] = calls_of(calls, f"messages[{i}].tool_calls")
+    content = m.get("content")
+    out["content"] = "" if content is None and role == "assistant" else _content(content, i)
+    if role == "tool":
+        call_id = m.get("tool_call_id")
+        if not isinstance(call_id, str):
+            raise InvalidRequestError(f"messages[{i}].tool_call_id", "is required (a string)")
+        out["tool_call_id"] = call_id
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
     return out
 
 
@@ -283,11 +312,21 @@ def usage_json(u: Usage) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
 
 
-def choice_json(index: int, text: str, finish: str, chat: bool, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+def choice_json(index: int, text: str, finish: str, chat: bool, logprobs: dict[str, Any] | None,
+                calls: Sequence[ToolCall] = ()) -> dict[str, Any]:
     """One choice of a whole answer; `logprobs` in its API's shape (api/logprobs_json.py), None
-    when the request did not ask."""
-    content: dict[str, Any] = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-    return {"index": index, **content, "finish_reason": finish, "logprobs": logprobs}
+    when the request did not ask; a chat answer's tool `calls` (its content then null if empty)."""
+    if not chat:
+        return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if calls:
+        message = {"role": "assistant", "content": text or None, "tool_calls": [c.openai_json() for c in calls]}
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+
+
+def finish_with_calls(finish: str, called: bool) -> str:
+    """An answer that called tools and ended on its own finishes with `tool_calls`."""
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 def response_json(model: str, rid: str, end: RequestEnd, choices: list[dict[str, Any]], created: int,

@@ -9,15 +9,19 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
+from halfmoon.api.chat import render
+from halfmoon.api.tool_formats import ToolFormat, token_literal
+from halfmoon.api.tools import ToolRequest
 from halfmoon.conductor.backend import GenerationInput, Slo
 from halfmoon.conductor.errors import ModelNotFoundError
 from halfmoon.core.errors import InvalidRequestError, check_positive
-from halfmoon.core.params import Constraint, SamplingParams, check_token_ids
+from halfmoon.core.params import Constraint, ConstraintKind, SamplingParams, check_token_ids
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.results import ModelInfo
 
-ROLES = frozenset({"system", "user", "assistant"})
+ROLES = frozenset({"system", "user", "assistant", "tool"})
 DEFAULT_MAX_TOKENS = 16
 MAX_LOGIT_BIAS = 300  # entries of a request's logit_bias (OpenAI's limit)
 
@@ -56,7 +60,7 @@ class RequestSpec:
 
     model: str = ""
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    messages: list[dict[str, Any]] | None = None
     prompt_token_ids: list[int] | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -84,6 +88,8 @@ class RequestSpec:
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs)
     n: int = 1  # choices from one prefill
     constraint: Constraint | None = None  # structured output (api/structured.py)
+    tools: ToolRequest | None = None  # chat's tools and tool_choice (api/tools.py)
+    tool_format: ToolFormat | None = None  # how the served model writes calls (the front door's)
     names: Mapping[str, str] = field(default_factory=dict)
 
     def name(self, canonical: str) -> str:
@@ -107,6 +113,7 @@ def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits
     check_model(spec.model, card)
     cls = priority_class(spec, priority_classes)
     ids = prompt_ids(spec, tokenizer, card, limits)
+    tool_constraint(spec, tokenizer)
     params = sampling_params(spec, card, limits, len(ids), kv_capacity_tokens)
     check_kv_capacity(spec, len(ids), params.max_tokens, kv_capacity_tokens)
     return GenerationInput(ids, params, _short(spec, "request_id", spec.request_id, limits),
@@ -147,7 +154,7 @@ def prompt_ids(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits:
     if spec.prompt_token_ids is not None:
         ids = check_token_ids(spec.name("prompt_token_ids"), spec.prompt_token_ids, card.vocab_size)
     elif spec.messages is not None:
-        ids = tokenizer.encode(tokenizer.apply_chat_template(check_messages(spec, limits)))
+        ids = tokenizer.encode(render(tokenizer, check_messages(spec, limits), spec.tools, spec.tool_format))
     else:
         assert spec.prompt is not None
         ids = tokenizer.encode(spec.prompt)
@@ -162,7 +169,20 @@ def prompt_ids(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits:
     return ids
 
 
-def check_messages(spec: RequestSpec, limits: Limits) -> list[dict[str, str]]:
+def tool_constraint(spec: RequestSpec, tokenizer: Tokenizer) -> None:
+    """tool_choice required / named: the output held to the format's grammar of a call."""
+    tools = spec.tools
+    if tools is None or not tools.enforced or spec.tool_format is None:
+        return
+    if spec.constraint is not None:
+        raise InvalidRequestError(spec.name("tool_choice"), f"{tools.mode.value} cannot be combined with "
+                                  f"{spec.name('constraint')}")
+    grammar = spec.tool_format.grammar(tools, token_literal(tokenizer.special_id))
+    spec.constraint = Constraint(ConstraintKind.GRAMMAR, grammar)
+    spec.names = {**spec.names, "constraint": "tools"}
+
+
+def check_messages(spec: RequestSpec, limits: Limits) -> list[dict[str, Any]]:
     messages = spec.messages or []
     name = spec.name("messages")
     if not messages:

@@ -23,6 +23,7 @@ from grpc_health.v1 import health
 
 from halfmoon.api.auth import Authenticator, load_tokens
 from halfmoon.conductor.backend import GenerationBackend
+from halfmoon.api.tool_formats import AUTO, PARSERS
 from halfmoon.api.frontdoor import FrontDoor
 from halfmoon.api.grpc_api import GrpcTls, bind, build_server, set_serving
 from halfmoon.api.openai_api import BodyLimit, build_app
@@ -40,6 +41,8 @@ class ServerConfig:
     api_token_file: bearer tokens, one per line; None = HALFMOON_API_TOKENS, else auth off.
     limits: per-request limits (see `Limits`).
     dashboard: serve the operator dashboard at /dashboard (docs/DASHBOARD.md).
+    tool_call_parser: how the model's answers are read for tool calls (api/tool_formats.py):
+        auto (from the chat template and family), hermes, llama3_json, mistral, pythonic.
     """
 
     host: str = "127.0.0.1"
@@ -50,10 +53,13 @@ class ServerConfig:
     api_token_file: str | None = None
     limits: Limits = field(default_factory=Limits)
     dashboard: bool = True
+    tool_call_parser: str = AUTO
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ConfigError("--tls-cert and --tls-key go together")
+        if self.tool_call_parser not in PARSERS:
+            raise ConfigError(f"tool_call_parser must be one of {list(PARSERS)}, got {self.tool_call_parser!r}")
         for name in ("grpc_port", "http_port"):
             if not 0 <= getattr(self, name) <= 65535:
                 raise ConfigError(f"{name} must be in 0..65535, got {getattr(self, name)}")
@@ -136,7 +142,7 @@ async def serve(backend: GenerationBackend, config: ServerConfig, stop: asyncio.
     `extensions` add their routes to the HTTP app (the layers above the Conductor: the dashboard)."""
     auth = Authenticator(load_tokens(config.api_token_file))
     tls = config.tls
-    door = FrontDoor(backend, config.limits, auth)
+    door = FrontDoor(backend, config.limits, auth, config.tool_call_parser)
     health_servicer = health.aio.HealthServicer()
     grpc_server = build_server(door, health_servicer)
     grpc_port = bind(grpc_server, f"{_bracket(config.host)}:{config.grpc_port}", tls)

@@ -14,6 +14,7 @@ from halfmoon.conductor.cluster_config import ClusterConfig
 from halfmoon.api.requests import Limits
 from halfmoon.conductor.serve_defaults import HOST_CACHE_GB, SERVE_DTYPE, SERVE_PREFILL_MAX_SEQS, SERVE_QUANTIZATION
 from halfmoon.api.server import ServerConfig
+from halfmoon.api.tool_formats import PARSERS
 from halfmoon.core.logs import FORMATS, LEVELS, LogConfig
 from halfmoon.core.tracing import PROTOCOLS, SAMPLERS, TracingConfig
 from halfmoon.engine.config import AUTO, QUANTIZATIONS, EngineConfig
@@ -113,6 +114,9 @@ SERVER = Component(
         "http_port": Flag(help="HTTP port (0 = any free port)"),
         "tls_cert": Flag(help="PEM certificate (TLS for gRPC and HTTP)"),
         "tls_key": Flag(help="PEM private key"),
+        "tool_call_parser": Flag(choices=PARSERS, help="how answers are read for tool calls: auto (the chat "
+                                 "template's markers, else the family: Gemma 3 pythonic, else hermes), hermes, "
+                                 "llama3_json, mistral, pythonic"),
     },
     nested={"limits": LIMITS})
 

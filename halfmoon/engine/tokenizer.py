@@ -27,6 +27,7 @@ from types import MappingProxyType
 from typing import Any
 
 import jinja2
+import jinja2.meta
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
@@ -244,7 +245,7 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"chat template rejected the conversation: {message}")
 
 
-def _check_messages(messages: list[dict[str, str]]) -> None:
+def _check_messages(messages: Sequence[Mapping[str, Any]]) -> None:
     """Every message must be a mapping with string `role` and `content`."""
     if not isinstance(messages, list) or not messages:
         raise ChatTemplateError("messages must be a non-empty list of {'role', 'content'} dicts")
@@ -354,30 +355,50 @@ class Tokenizer:
         """True for control tokens such as `<|im_start|>`, which decode skips by default."""
         return token_id in self._special
 
-    def apply_chat_template(self, messages: list[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
-        """Render a conversation into prompt text with the model's template, as HF does."""
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Render a conversation into prompt text with the model's template, as HF does
+        (`tools`: OpenAI-shaped function tools, for a template that `takes_tools`)."""
         _check_messages(messages)
+        extra = {"tools": list(tools)} if tools else {}
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id))
+                bos_token=self._token_text(self.bos_id), eos_token=self._token_text(self.eos_id), **extra)
         except jinja2.TemplateError as err:
             raise ChatTemplateError(f"chat template failed to render: {err}") from err
+
+    @cached_property
+    def takes_tools(self) -> bool:
+        """The chat template renders a `tools` list itself (Qwen's, Llama 3.1's, Mistral's do;
+        SmolLM2's and Gemma 3's do not)."""
+        if self.chat_template is None:
+            return False
+        try:
+            return "tools" in jinja2.meta.find_undeclared_variables(self._environment().parse(self.chat_template))
+        except jinja2.TemplateSyntaxError:
+            return False
 
     @cached_property
     def _template(self) -> jinja2.Template:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; send a plain prompt instead")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
-        env.filters["tojson"] = _tojson
-        env.globals.update(raise_exception=_raise_exception,
-                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
-            return env.from_string(self.chat_template)
+            return self._environment().from_string(self.chat_template)
         except jinja2.TemplateSyntaxError as err:
             raise ChatTemplateError(f"chat template does not parse: {err}") from err
+
+    @staticmethod
+    def _environment() -> ImmutableSandboxedEnvironment:
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals.update(raise_exception=_raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        return env
+
+    def special_id(self, text: str) -> int | None:
+        """The id of the special token spelled `text` (None: it is not one)."""
+        i = self._backend.token_to_id(text)
+        return i if i is not None and i in self._special else None
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else self._backend.id_to_token(token_id) or ""

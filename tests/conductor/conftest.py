@@ -114,7 +114,9 @@ def run_api(backend: GenerationBackend, config: ServerConfig, extensions: Sequen
 class ScriptedBackend(GenerationBackend):
     """A backend without an engine whose answers a test sets. Each request pops the next of
     `rejections` and raises it; with none left it answers one token, then the last chunk with
-    `prediction`. `inputs` holds what the front door handed it (validated requests)."""
+    `prediction`. `inputs` holds what the front door handed it (validated requests). A text
+    in `texts` is the next answer instead (a few characters a chunk, finish `stop`): what a
+    model would write, for tests of how the front door reads it (tool calls)."""
 
     TOKEN = 42
 
@@ -125,8 +127,10 @@ class ScriptedBackend(GenerationBackend):
         self.rejections: deque[BaseException] = deque()
         self.prediction: SloPrediction | None = None
         self.inputs: list[GenerationInput] = []
+        self.texts: deque[str] = deque()
 
     def reset(self) -> None:
+        self.texts.clear()
         self.rejections.clear()
         self.prediction = None
         self.inputs.clear()
@@ -148,8 +152,21 @@ class ScriptedBackend(GenerationBackend):
         if self.rejections:
             raise self.rejections.popleft()
         rid = inp.request_id or "scripted"
+        if self.texts:
+            async for chunk in self._answer(rid, self.texts.popleft(), len(inp.prompt_ids)):
+                yield chunk
+            return
         yield TokenChunk(rid, [self.TOKEN], "x")
         end = RequestEnd(FinishReason.LENGTH, None, Usage(len(inp.prompt_ids), 0, 1),
+                         Timings(0.0, 1.0, 0.0, 1.0, 0.0, 1.0), prediction=self.prediction)
+        yield TokenChunk(rid, [], "", end)
+
+
+    async def _answer(self, rid: str, text: str, prompt_tokens: int) -> AsyncIterator[TokenChunk]:
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        for piece in pieces:
+            yield TokenChunk(rid, [self.TOKEN], piece)
+        end = RequestEnd(FinishReason.STOP, None, Usage(prompt_tokens, 0, len(pieces)),
                          Timings(0.0, 1.0, 0.0, 1.0, 0.0, 1.0), prediction=self.prediction)
         yield TokenChunk(rid, [], "", end)
 
