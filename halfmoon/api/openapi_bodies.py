@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from halfmoon.api.requests import MAX_LOGIT_BIAS, ROLES, Limits
+from halfmoon.api.requests import MAX_LOGIT_BIAS, Limits
+from halfmoon.api.tools import MAX_TOOLS, TOOL_NAME
 from halfmoon.core.params import BIAS_LIMIT, MAX_CHOICES, MAX_LOGPROBS, PENALTY_LIMIT
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.results import ModelInfo
@@ -201,26 +202,76 @@ def completion_request(limits: Limits, model: ModelInfo, classes: frozenset[str]
             "properties": properties, "allOf": [_STREAM_OPTIONS_NEED_STREAM, _ONE_CONSTRAINT]}
 
 
+_PART: Schema = {"type": "object", "required": ["type", "text"],
+                 "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_CONTENT: Schema = {"anyOf": [{"type": "string"}, {"type": "array", "items": _PART}]}
+_CALL: Schema = {"type": "object", "required": ["function"], "additionalProperties": False, "properties": {
+    "id": nullable({"type": "string"}), "type": nullable({"const": "function"}),
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": {"type": "string"},
+        "arguments": nullable({"anyOf": [{"type": "string"}, {"type": "object"}], "description":
+                               "JSON text of an object (OpenAI's), or the object"})}}}}
+
+
+def _turn(role: str, required: list[str], **fields: Schema) -> Schema:
+    return {"type": "object", "required": ["role", *required], "additionalProperties": False,
+            "properties": {"role": {"const": role}, "name": {"description": "accepted, not used"}, **fields}}
+
+
+MESSAGE: Schema = {"oneOf": [
+    *(_turn(role, ["content"], content=_CONTENT) for role in ("system", "user")),
+    _turn("assistant", [], content=nullable(_CONTENT), refusal={"description": "accepted, not used"},
+          tool_calls=nullable({"type": "array", "minItems": 1, "items": _CALL,
+                               "description": "calls it made, fed back through the chat template"})),
+    _turn("tool", ["content", "tool_call_id"], content=_CONTENT, tool_call_id={"type": "string"})]}
+TOOL: Schema = {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": {"type": "string", "pattern": "^" + TOOL_NAME.pattern + "$"},
+        "description": nullable({"type": "string"}),
+        "parameters": nullable({**_JSON_SCHEMA_VALUE, "description": "its arguments' JSON Schema (default: no "
+                                "arguments); with tool_choice required or named, a keyword the grammar engine "
+                                "does not implement is a 400 naming it"}),
+        "strict": nullable({"type": "boolean", "description": "enforced either way with required / named"})}}}}
+TOOL_CHOICE: Schema = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+        "type": {"const": "function"}, "function": {
+            "type": "object", "required": ["name"], "additionalProperties": False,
+            "properties": {"name": {"type": "string", "description": "one of the tools' names (400 otherwise)"}}}}}],
+    "description": "none: no tools offered; auto (the default with tools; without, the same as none): the "
+                   "answer is read for calls; "
+                   "required (one or more calls, at most 8) and a named function (one call) are held to a grammar"}
+_ENFORCED: Schema = {"anyOf": [{"const": "required"}, {"type": "object"}]}
+# tool_choice required / named needs tools and no other constraint (one rule: the fuzzer's
+# generator expands each if/then into alternatives, and a few more are too many for it).
+_TOOL_RULES: list[Schema] = [
+    {"if": {"required": ["tool_choice"], "properties": {"tool_choice": _ENFORCED}},
+     "then": {"required": ["tools"], "properties": {
+         "tools": {"type": "array", "minItems": 1}, "structured_outputs": {"type": "null"},
+         "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"type": {"const": "text"}}}]}}}},
+]
+
+
 def chat_request(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int | None) -> Schema:
-    part = {"type": "object", "required": ["type", "text"],
-            "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
-    message = {"type": "object", "required": ["role", "content"], "additionalProperties": False, "properties": {
-        "role": {"enum": sorted(ROLES)},
-        "content": {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]},
-        "name": {"description": "accepted, not used"}}}
     common = _common(limits, model, classes, kv)
     properties = common | {
-        "messages": {"type": "array", "items": message, "minItems": 1, "maxItems": limits.max_messages,
-                     "description": f"at most {limits.max_prompt_tokens} tokens once templated (400 otherwise)"},
+        "messages": {"type": "array", "items": MESSAGE, "minItems": 1, "maxItems": limits.max_messages,
+                     "description": f"at most {limits.max_prompt_tokens} tokens once templated, with the tools "
+                                    "(400 otherwise)"},
         "max_completion_tokens": common["max_tokens"],
         "logprobs": nullable({"type": "boolean", "description": "each token's logprob (raw log_softmax)"}),
         "top_logprobs": nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                                   "description": "the N most likely tokens per position; > 0 needs logprobs: true"}),
-        "tools": _neutral(None, []), "tool_choice": _neutral(None, "none")}
+        "tools": nullable({"type": "array", "items": TOOL, "maxItems": MAX_TOOLS,
+                           "description": "functions the model may call (a repeated name: the first)"}),
+        "tool_choice": nullable(TOOL_CHOICE),
+        "parallel_tool_calls": nullable({"type": "boolean", "description": "false: at most one call"})}
     both = {"required": ["max_tokens", "max_completion_tokens"], "properties": {
         "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}}}
     return {"type": "object", "required": ["model", "messages"], "additionalProperties": False,
-            "properties": properties, "not": both, "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_NEEDS_LOGPROBS, _ONE_CONSTRAINT]}
+            "properties": properties, "not": both,
+            "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_NEEDS_LOGPROBS, _ONE_CONSTRAINT, *_TOOL_RULES]}
 
 
 # ---------------------------------------------------------------------- responses
@@ -235,7 +286,7 @@ USAGE: Schema = {"type": "object", "required": ["prompt_tokens", "completion_tok
                  "properties": {"prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
                                 "total_tokens": {"type": "integer"}, "prompt_tokens_details": {
                                     "type": "object", "properties": {"cached_tokens": {"type": "integer"}}}}}
-_FINISH = {"enum": ["stop", "length", "abort"]}
+_FINISH = {"enum": ["stop", "length", "abort", "tool_calls"]}
 
 
 def _answer(kind: str, choice: dict[str, Schema], logprobs: Schema) -> Schema:
@@ -263,9 +314,14 @@ COMPLETION_LOGPROBS: Schema = {"type": "object", "required": ["tokens", "token_l
                                                   "type": "object", "additionalProperties": {"type": "number"}})},
                                               "text_offset": {"type": "array", "items": {"type": "integer"}}}}
 COMPLETION = _answer("text_completion", {"text": {"type": "string"}}, COMPLETION_LOGPROBS)
+_ANSWERED_CALL: Schema = {"type": "object", "required": ["id", "type", "function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"}, "function": {
+        "type": "object", "required": ["name", "arguments"],
+        "properties": {"name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
 CHAT_COMPLETION = _answer("chat.completion", {"message": {
     "type": "object", "required": ["role", "content"],
-    "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}}, CHAT_LOGPROBS)
+    "properties": {"role": {"const": "assistant"}, "content": nullable({"type": "string"}),
+                   "tool_calls": {"type": "array", "items": _ANSWERED_CALL}}}}, CHAT_LOGPROBS)
 MODEL_LIST: Schema = {"type": "object", "required": ["object", "data"], "properties": {
     "object": {"const": "list"}, "data": {"type": "array", "items": {
         "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"], "properties": {

@@ -325,7 +325,10 @@ class Pythonic(ToolFormat):
 
     def call_text(self, calls: Sequence[Mapping[str, Any]]) -> str:
         def one(c: Mapping[str, Any]) -> str:
-            args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in c["function"]["arguments"].items())
+            arguments = c["function"]["arguments"]
+            if isinstance(arguments, str):  # a client's arguments that are no JSON object: as sent
+                return f"{c['function']['name']}({arguments})"
+            args = ", ".join(f"{k}={json.dumps(v, ensure_ascii=False)}" for k, v in arguments.items())
             return f"{c['function']['name']}({args})"
 
         return "[" + ", ".join(one(c) for c in calls) + "]"
@@ -378,12 +381,18 @@ def _keyword_call(tool: Tool) -> str:
     """`name(k1=v1, k2=v2)`: the schema's properties in its order, the required ones always,
     each value `%json` of the property's schema."""
     schema = strict_objects(tool.schema)
-    props = list((schema.get("properties") or {}).items())
-    required = set(schema.get("required") or [])
-    args = [(f'"{k}=" {_json_rule(v if isinstance(v, dict) else {})}', k in required) for k, v in props]
+    props, required = schema.get("properties") or {}, schema.get("required") or []
+    if not isinstance(props, dict) or not isinstance(required, list):
+        raise InvalidRequestError("tools", f"{tool.name}: properties must be an object, required a list")
+    bad = next((k for k in props if not k.isidentifier()), None)
+    if bad is not None:
+        raise InvalidRequestError("tools", f"{tool.name}: the pythonic format passes arguments by keyword, and "
+                                  f"{bad!r} is no Python name")
+    args = [(f"{text_literal(k + '=')} {_json_rule(v if isinstance(v, dict) else {})}", k in required)
+            for k, v in props.items()]
     if not args:
-        return f'"{tool.name}()"'
-    return f'"{tool.name}(" {_arguments(args)} ")"'
+        return text_literal(tool.name + "()")
+    return f"{text_literal(tool.name + '(')} {_arguments(args)} \")\""
 
 
 def _arguments(args: list[tuple[str, bool]]) -> str:

@@ -26,8 +26,9 @@ from typing import Any
 from halfmoon.core.errors import InvalidRequestError
 
 MAX_TOOLS = 128
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # OpenAI's function names (a-z, 0-9, _ and -, <= 64)
+TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")  # OpenAI's function names (a-z, 0-9, _ and -, <= 64)
 _TOOL_KEYS = {"type", "function"}
+_CALL_KEYS = {"id", "type", "function"}
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 EMPTY_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {}}
 
@@ -137,12 +138,7 @@ def _tools(value: Any) -> list[Tool]:
         raise InvalidRequestError("tools", "must be a list of {type: function, function}")
     if len(value) > MAX_TOOLS:
         raise InvalidRequestError("tools", f"{len(value)} tools is over the limit of {MAX_TOOLS}")
-    tools = [_tool(item, f"tools[{i}]") for i, item in enumerate(value)]
-    names = [t.name for t in tools]
-    duplicate = next((n for n in names if names.count(n) > 1), None)
-    if duplicate is not None:
-        raise InvalidRequestError("tools", f"two tools are named {duplicate!r}")
-    return tools
+    return [_tool(item, f"tools[{i}]") for i, item in enumerate(value)]  # a repeated name: the first
 
 
 def _tool(item: Any, field: str) -> Tool:
@@ -160,7 +156,7 @@ def _tool(item: Any, field: str) -> Tool:
     if extra:
         raise InvalidRequestError(f"{field}.function.{extra[0]}", "unknown field")
     name = fn.get("name")
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
+    if not isinstance(name, str) or not TOOL_NAME.fullmatch(name):
         raise InvalidRequestError(f"{field}.function.name", "must be 1..64 letters, digits, _ . or -, "
                                   "not starting with a digit")
     description = fn.get("description")
@@ -182,8 +178,8 @@ def _choice(value: Any, has_tools: bool) -> tuple[ChoiceMode, str | None]:
     if isinstance(value, str):
         if value not in ("none", "auto", "required"):
             raise InvalidRequestError("tool_choice", f"must be none, auto, required or a function, got {value!r}")
-        if value != "none" and not has_tools:
-            raise InvalidRequestError("tool_choice", f"{value!r} needs tools")
+        if value == "required" and not has_tools:
+            raise InvalidRequestError("tool_choice", "required needs tools")
         return ChoiceMode(value), None
     if not isinstance(value, dict) or value.get("type") != "function" or set(value) != {"type", "function"}:
         raise InvalidRequestError("tool_choice", 'must be none, auto, required or {"type": "function", '
@@ -211,23 +207,26 @@ def message_keys(role: Any) -> set[str]:
 
 def calls_of(value: Any, field: str) -> list[dict[str, Any]]:
     """An assistant message's `tool_calls` in HF's template convention: arguments as an object
-    (a template writes them with `tojson`); the id kept for formats that echo it."""
+    (a template writes them with `tojson`; arguments that are no JSON object stay text); the
+    id kept for formats that echo it."""
     if not isinstance(value, list) or not value:
         raise InvalidRequestError(field, "must be a non-empty list of {id, type: function, function}")
-    out = []
-    for i, call in enumerate(value):
-        f = f"{field}[{i}]"
-        if not isinstance(call, dict) or call.get("type", "function") != "function":
-            raise InvalidRequestError(f, "must be an object {id, type: function, function: {name, arguments}}")
-        fn = call.get("function")
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise InvalidRequestError(f"{f}.function", "must be an object {name, arguments}")
-        out.append({"id": str(call.get("id") or ""), "type": "function",
-                    "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"), f"{f}.function")}})
-    return out
+    return [_call(call, f"{field}[{i}]") for i, call in enumerate(value)]
 
 
-def _arguments(value: Any, field: str) -> dict[str, Any]:
+def _call(call: Any, field: str) -> dict[str, Any]:
+    if not isinstance(call, dict) or set(call) - _CALL_KEYS:
+        raise InvalidRequestError(field, "must be an object {id, type: function, function: {name, arguments}}")
+    if call.get("type") not in (None, "function") or not isinstance(call.get("id"), (str, type(None))):
+        raise InvalidRequestError(field, "must have type function and a string id")
+    fn = call.get("function")
+    if not isinstance(fn, dict) or set(fn) - {"name", "arguments"} or not isinstance(fn.get("name"), str):
+        raise InvalidRequestError(f"{field}.function", "must be an object {name, arguments}")
+    return {"id": call.get("id") or "", "type": "function",
+            "function": {"name": fn["name"], "arguments": _arguments(fn.get("arguments"), f"{field}.function")}}
+
+
+def _arguments(value: Any, field: str) -> dict[str, Any] | str:
     if value is None or value == "":
         return {}
     if isinstance(value, dict):
@@ -236,10 +235,9 @@ def _arguments(value: Any, field: str) -> dict[str, Any]:
         try:
             parsed = json.loads(value)
         except ValueError:
-            parsed = None
-        if isinstance(parsed, dict):
-            return parsed
-    raise InvalidRequestError(f"{field}.arguments", "must be a JSON object (or its JSON text)")
+            return value
+        return parsed if isinstance(parsed, dict) else value
+    raise InvalidRequestError(f"{field}.arguments", "must be a JSON object or its JSON text")
 
 
 def tools_json(tools: Sequence[Tool]) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ The normal suite runs a few seeded cases per operation; `make fuzz` sets HALFMOO
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from tests.conductor.conftest import RunningApi
 from tests.fuzz.conftest import TOKEN, FuzzBudget, report_dir
 
 MAX_RESPONSE_S = 30
+HOOKS = Path(__file__).with_name("hooks.py")  # a cross-field rule JSON Schema cannot state
 SIZING_JOBS = "/dashboard/api/sizing/jobs"
 
 
@@ -40,7 +42,8 @@ def schemathesis(api: RunningApi, budget: FuzzBudget, reports: Path, *extra: str
         args += ["--max-time", str(max(1, int(budget.minutes * 60)))]
     if not budget.long:  # the normal suite's pass: random cases only (the coverage phase's
         args += ["--phases", "examples,fuzzing"]  # boundary cases take minutes: `make fuzz`)
-    done = subprocess.run(args, capture_output=True, text=True, timeout=budget.minutes * 60 + 1200)
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS)}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=budget.minutes * 60 + 1200, env=env)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-20000:]
     cases = re.search(r"(\d+) generated", output)
