@@ -114,7 +114,7 @@ def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits
     cls = priority_class(spec, priority_classes)
     ids = prompt_ids(spec, tokenizer, card, limits)
     tool_constraint(spec, tokenizer)
-    params = sampling_params(spec, card, limits, len(ids), kv_capacity_tokens)
+    params = sampling_params(spec, card, limits, len(ids), kv_capacity_tokens, tokenizer)
     check_kv_capacity(spec, len(ids), params.max_tokens, kv_capacity_tokens)
     return GenerationInput(ids, params, _short(spec, "request_id", spec.request_id, limits),
                            _short(spec, "cache_salt", spec.cache_salt, limits), slo(spec),
@@ -203,8 +203,17 @@ def default_max_tokens(limits: Limits, room: int, kv_room: int | None) -> int:
     return max(1, min(DEFAULT_MAX_TOKENS, limits.max_tokens, room, room if kv_room is None else kv_room))
 
 
+def _tool_markers(spec: RequestSpec, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """The tool-call marker's id when it is a control token the output must keep (Mistral's)."""
+    fmt, tools = spec.tool_format, spec.tools
+    if fmt is None or tools is None or not tools.active or fmt.marker is None or tokenizer is None:
+        return ()
+    marker = tokenizer.special_id(fmt.marker)
+    return () if marker is None else (marker,)
+
+
 def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_len: int,
-                    kv_capacity_tokens: int | None = None) -> SamplingParams:
+                    kv_capacity_tokens: int | None = None, tokenizer: Tokenizer | None = None) -> SamplingParams:
     room = card.max_model_len - prompt_len
     kv_room = None if kv_capacity_tokens is None else kv_capacity_tokens - prompt_len
     max_tokens = default_max_tokens(limits, room, kv_room) if spec.max_tokens is None else spec.max_tokens
@@ -224,7 +233,7 @@ def sampling_params(spec: RequestSpec, card: ModelInfo, limits: Limits, prompt_l
                             repetition_penalty=1.0 if spec.repetition_penalty is None else spec.repetition_penalty,
                             logit_bias=tuple(spec.logit_bias.items()), min_tokens=spec.min_tokens or 0,
                             logprobs=spec.logprobs, prompt_logprobs=_prompt_logprobs(spec), n=spec.n,
-                            constraint=spec.constraint)
+                            constraint=spec.constraint, keep_special=_tool_markers(spec, tokenizer))
     try:  # the parameters' own rules, the same the engine checks: written once, in core.params
         params.validate(card.vocab_size)
     except InvalidRequestError as e:

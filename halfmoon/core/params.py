@@ -55,6 +55,10 @@ class SamplingParams:
     `constraint`: the output must match a JSON schema, regex, choice or grammar (`Constraint`);
     applied after every other logit processing (engine/grammar.py). Its request ends with `stop`
     once the grammar is complete (EOS is then the only token left), `ignore_eos` or not.
+
+    `keep_special`: special tokens whose text the output keeps (decoding drops every other one):
+    a tool-call marker that is a control token, as Mistral's `[TOOL_CALLS]`, which the front door
+    reads the calls after.
     """
 
     max_tokens: int = 16
@@ -76,6 +80,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     n: int = 1
     constraint: Constraint | None = None
+    keep_special: tuple[int, ...] = ()
     # nothing beyond sampling: no logit processing, no logprobs (the step's fast path; set once
     # here, since the runner asks every request every step)
     plain: bool = field(init=False, repr=False, compare=False, default=True)
@@ -84,6 +89,7 @@ class SamplingParams:
         # Accept lists (and a dict of biases) from callers but keep the frozen object hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "keep_special", tuple(self.keep_special))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((int(k), float(v)) for k, v in bias)))
         object.__setattr__(self, "plain", self.logprobs is None and self.prompt_logprobs is None
@@ -128,6 +134,7 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed}")
         check_token_ids("stop_token_ids", self.stop_token_ids, vocab_size)
+        check_token_ids("keep_special", self.keep_special, vocab_size)
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
         self._validate_processing(vocab_size)

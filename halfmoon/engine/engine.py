@@ -450,7 +450,8 @@ class Engine:
         outputs = []
         for req in new:
             for member in [req, *(req.forks or [])] if req.family is not None else [req]:
-                self._text[member.request_id] = TextState(IncrementalDetokenizer(self.tokenizer), req.params.stop)
+                self._text[member.request_id] = TextState(IncrementalDetokenizer(self.tokenizer, keep=req.params.keep_special),
+                                                             req.params.stop)
             if req.num_computed_tokens:  # prefilled elsewhere: it brings its first token(s)
                 self.scheduler.add_prefilled(req)
                 born = self._fork(req) if req.forks is not None else []

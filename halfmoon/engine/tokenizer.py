@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -411,17 +411,19 @@ class IncrementalDetokenizer:
     completes, so each `push` costs O(token length), independent of the text so far.
     """
 
-    __slots__ = ("_tokenizer", "_skip_special", "_utf8", "_chunks")
+    __slots__ = ("_tokenizer", "_skip_special", "_keep", "_utf8", "_chunks")
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = True, keep: Collection[int] = ()) -> None:
+        """`keep`: special tokens whose text is kept when the others are skipped."""
         self._tokenizer = tokenizer
         self._skip_special = skip_special
+        self._keep = frozenset(keep)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._chunks: list[str] = []
 
     def push(self, token_id: int) -> str:
         """Add one token; return the text it completes (may be empty)."""
-        if self._skip_special and self._tokenizer.is_special(token_id):
+        if self._skip_special and self._tokenizer.is_special(token_id) and token_id not in self._keep:
             return ""
         return self._emit(self._utf8.decode(self._tokenizer.token_bytes(token_id)))
 
