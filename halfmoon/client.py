@@ -41,7 +41,7 @@ from halfmoon.errors import (ERRORS, APIError, CancelledError, DeadlineExceededE
                              InvalidArgumentError, NotFoundError, ResourceExhaustedError,
                              UnauthenticatedError, UnavailableError, api_error, error_from_rpc)
 from halfmoon.messages import Collector, GenerateOptions, generate_request, model_info, tokenize_request
-from halfmoon.results import GenerationResult, ModelInfo, SloPrediction, StreamChunk, Timings, Usage
+from halfmoon.results import GenerationResult, ModelInfo, SloPrediction, StreamChunk, Timings, ToolCall, Usage
 from halfmoon.retry import MAX_BACKOFF_S, Attempts, RetryEvent, RetryHook, RetryPolicy
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc
@@ -53,7 +53,8 @@ __all__ = [
     "DEFAULT_TARGET", "ERRORS", "MAX_BACKOFF_S", "TOKEN_ENV", "APIError", "AsyncClient",
     "CancelledError", "Client", "DeadlineExceededError", "GenerateOptions", "GenerationResult",
     "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "ResourceExhaustedError",
-    "RetryEvent", "RetryHook", "RetryPolicy", "SloPrediction", "StreamChunk", "Timings", "UnauthenticatedError",
+    "RetryEvent", "RetryHook", "RetryPolicy", "SloPrediction", "StreamChunk", "Timings", "ToolCall",
+    "UnauthenticatedError",
     "UnavailableError", "Usage", "api_error", "error_from_rpc", "generate_request", "resolve_token",
     "tokenize_request",
 ]

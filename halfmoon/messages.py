@@ -13,17 +13,17 @@ import grpc
 
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.errors import InternalError, slo_prediction
-from halfmoon.results import GenerationResult, ModelInfo, StreamChunk, Timings, TokenLogprobs, Usage
+from halfmoon.results import GenerationResult, ModelInfo, StreamChunk, Timings, TokenLogprobs, ToolCall, Usage
 from halfmoon.v1 import generation_pb2 as pb
 
 _FINISH = MappingProxyType({pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                            pb.FINISH_REASON_ABORT: "abort"})
+                            pb.FINISH_REASON_ABORT: "abort", pb.FINISH_REASON_TOOL_CALLS: "tool_calls"})
 
 
 class GenerateOptions(TypedDict, total=False):
     """The keyword arguments of `generate` / `stream` (see `generate_request`)."""
 
-    messages: Sequence[Mapping[str, str]] | None
+    messages: Sequence[Mapping[str, Any]] | None
     prompt_token_ids: Sequence[int] | None
     max_tokens: int | None
     temperature: float | None
@@ -54,9 +54,12 @@ class GenerateOptions(TypedDict, total=False):
     regex: str | None
     choice: Sequence[str] | None
     grammar: str | None
+    tools: Sequence[Mapping[str, Any]] | None
+    tool_choice: str | Mapping[str, Any] | None
+    parallel_tool_calls: bool | None
 
 
-def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[str, str]] | None = None,
+def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[str, Any]] | None = None,
                      prompt_token_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                      temperature: float | None = None, top_p: float | None = None,
                      top_k: int | None = None, seed: int | None = None, stop: Sequence[str] = (),
@@ -70,7 +73,9 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
                      logprobs: int | None = None, prompt_logprobs: int | None = None,
                      n: int | None = None, json_schema: Mapping[str, Any] | str | None = None,
                      json_object: bool = False, regex: str | None = None, choice: Sequence[str] | None = None,
-                     grammar: str | None = None) -> pb.GenerateRequest:
+                     grammar: str | None = None, tools: Sequence[Mapping[str, Any]] | None = None,
+                     tool_choice: str | Mapping[str, Any] | None = None,
+                     parallel_tool_calls: bool | None = None) -> pb.GenerateRequest:
     """The `GenerateRequest` for these arguments; None = the server's default. Give exactly one
     of `prompt`, `messages` (`{"role", "content"}` dicts) and `prompt_token_ids` (the server
     checks, naming the field). `priority_class`: interactive, standard or batch (the server's
@@ -82,7 +87,13 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
     (`GenerationResult.prompt_logprobs`); `n=N`: N choices from one prefill
     (`GenerationResult.choices`, `StreamChunk.index`), choice i seeded `seed + i`. At most one
     constraint on the output: `json_schema` (a dict or its JSON text), `json_object=True`,
-    `regex`, `choice` (a list of strings) or `grammar` (Lark or GBNF)."""
+    `regex`, `choice` (a list of strings) or `grammar` (Lark or GBNF). `tools`: functions the
+    model may call, as OpenAI spells them (`{"type": "function", "function": {"name",
+    "description", "parameters"}}`) or flat (`{"name", "description", "parameters"}`);
+    `tool_choice`: "none", "auto", "required" or a function's name (or OpenAI's
+    `{"type": "function", "function": {"name"}}`); the calls come in `GenerationResult.tool_calls`.
+    A message may carry an assistant's `tool_calls` (OpenAI's shape) or a tool result's
+    `tool_call_id`."""
     sampling = pb.SamplingParams(logit_bias=dict(logit_bias or {}), **_present(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, frequency_penalty=frequency_penalty,
         presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, min_tokens=min_tokens))
@@ -93,8 +104,26 @@ def generate_request(prompt: str | None = None, *, messages: Sequence[Mapping[st
         priority=priority, priority_class=priority_class or "", cache_salt=cache_salt or "",
         request_id=request_id or "",
         constraint=_constraint(json_schema, json_object, regex, choice, grammar),
+        tools=[_tool(t) for t in tools or ()], tool_choice=_tool_choice(tool_choice),
         **_present(prompt=prompt, max_tokens=max_tokens, speculative=speculative, logprobs=logprobs,
-                   prompt_logprobs=prompt_logprobs, n=n))
+                   prompt_logprobs=prompt_logprobs, n=n, parallel_tool_calls=parallel_tool_calls))
+
+
+def _tool(tool: Mapping[str, Any]) -> pb.Tool:
+    fn = tool.get("function", tool) if tool.get("type", "function") == "function" else tool
+    parameters = fn.get("parameters")
+    return pb.Tool(name=fn.get("name", ""), description=fn.get("description") or "",
+                   parameters=parameters if isinstance(parameters, str) else json.dumps(parameters) if parameters else "")
+
+
+def _tool_choice(choice: str | Mapping[str, Any] | None) -> pb.ToolChoice:
+    if choice is None:
+        return pb.ToolChoice()
+    if isinstance(choice, Mapping):
+        return pb.ToolChoice(function=choice.get("function", {}).get("name", ""))
+    if choice in ("none", "auto", "required"):
+        return pb.ToolChoice(**{choice: True})
+    return pb.ToolChoice(function=choice)
 
 
 def _constraint(json_schema: Mapping[str, Any] | str | None, json_object: bool, regex: str | None,
@@ -121,14 +150,26 @@ def _present(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _chat(messages: Sequence[Mapping[str, str]] | None) -> list[pb.ChatMessage]:
-    return [pb.ChatMessage(role=m.get("role", ""), content=m.get("content", "")) for m in messages or ()]
+def _chat(messages: Sequence[Mapping[str, Any]] | None) -> list[pb.ChatMessage]:
+    return [pb.ChatMessage(role=m.get("role", ""), content=m.get("content") or "",
+                           tool_calls=[_call(c) for c in m.get("tool_calls") or ()],
+                           tool_call_id=m.get("tool_call_id") or "") for m in messages or ()]
+
+
+def _call(call: Any) -> pb.ToolCall:
+    """An assistant's call: a `ToolCall` result, or OpenAI's {id, function: {name, arguments}}."""
+    if isinstance(call, ToolCall):
+        return pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
+    fn = call.get("function", {})
+    arguments = fn.get("arguments", "")
+    return pb.ToolCall(id=call.get("id") or "", name=fn.get("name", ""),
+                       arguments=arguments if isinstance(arguments, str) else json.dumps(arguments))
 
 
 class _Choice:
     """One choice's tokens, text and logprobs as they arrive, and how it ended."""
 
-    __slots__ = ("finish", "logprobs", "stop", "texts", "token_ids", "tokens_used")
+    __slots__ = ("calls", "content", "finish", "logprobs", "stop", "texts", "token_ids", "tokens_used")
 
     def __init__(self) -> None:
         self.token_ids: list[int] = []
@@ -137,6 +178,8 @@ class _Choice:
         self.finish: str | None = None
         self.stop: str | None = None
         self.tokens_used = 0
+        self.calls: tuple[ToolCall, ...] = ()
+        self.content: str | None = None
 
 
 class Collector:
@@ -167,6 +210,7 @@ class Collector:
             end = response.choice_end
             choice.finish, choice.stop, choice.tokens_used = _finish(end.finish_reason), end.stop or None, \
                 end.completion_tokens
+            choice.calls, choice.content = _calls(end.tool_calls), end.content if end.tool_calls else None
         if response.HasField("final"):
             self.result = self._result(response.final)
         return StreamChunk(self.request_id, ids, response.text, self.result, logprobs, response.index)
@@ -184,16 +228,24 @@ class Collector:
         prediction = slo_prediction(final.prediction) if final.HasField("prediction") else None
         reason, stop = _finish(final.finish_reason), final.stop or None
         first = self.choices.setdefault(0, _Choice())
+        if first.finish is None and final.tool_calls:
+            first.calls, first.content = _calls(final.tool_calls), final.content
         result = GenerationResult(self.request_id, "".join(first.texts), list(first.token_ids),
                                   first.finish or reason, first.stop if first.finish else stop, usage, timings,
-                                  prediction, first.logprobs, self.prompt_logprobs)
+                                  prediction, first.logprobs, self.prompt_logprobs, tool_calls=first.calls,
+                                  content=first.content)
         if len(self.choices) == 1 and first.finish is None:
             return result
         choices = tuple(GenerationResult(self.request_id, "".join(c.texts), list(c.token_ids), c.finish or reason,
                                          c.stop, replace(usage, completion_tokens=c.tokens_used), timings, prediction,
-                                         c.logprobs, self.prompt_logprobs if i == 0 else None)
+                                         c.logprobs, self.prompt_logprobs if i == 0 else None,
+                                         tool_calls=c.calls, content=c.content)
                         for i, c in sorted(self.choices.items()))
         return replace(result, choices=choices)
+
+
+def _calls(values: Sequence[pb.ToolCall]) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(c.id, c.name, c.arguments) for c in values)
 
 
 def _logprobs(values: Sequence[pb.TokenLogprob]) -> list[TokenLogprobs]:

@@ -12,8 +12,18 @@ __all__ = ["GenerationResult", "ModelInfo", "SloPrediction", "StreamChunk", "Tim
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call the model made: `arguments` is JSON text of an object (`json.loads` it)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
 class GenerationResult:
-    """A finished generation. `finish_reason` is "stop", "length" or "abort"; `stop` is the
+    """A finished generation. `finish_reason` is "stop", "length", "abort" or "tool_calls" (it
+    ended on its own after calling tools: `tool_calls`, with `content` the text before them); `stop` is the
     stop string that ended it, if one did; `prediction`: the TTFT / TBT admission predicted for
     it, next to its objectives (ms; 0 = no objective), or None where the server predicted none."""
 
@@ -30,6 +40,8 @@ class GenerationResult:
     # n > 1: every choice in index order (choices[0] is this result's own text and tokens; each
     # choice's usage counts its own tokens, this result's the request's); n = 1: ()
     choices: tuple[GenerationResult, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()  # a request with tools: the calls found in `text`
+    content: str | None = None  # with tool_calls: the text before them (else None: see `text`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,9 @@ from grpc_status import rpc_status
 
 from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
 from halfmoon.api.structured import from_proto
+from halfmoon.api.tool_formats import ToolFormat
+from halfmoon.api.tools import ToolCall, calls_of
+from halfmoon.api.tools import from_proto as tools_from_proto
 from halfmoon.api.frontdoor import Call, FrontDoor
 from halfmoon.api.rejection import reason_of
 from halfmoon.api.requests import RequestSpec, check_messages, check_model, prompt_ids
@@ -38,7 +41,8 @@ from halfmoon.v1 import generation_pb2 as pb
 log = logging.getLogger(__name__)
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
+FINISH = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT,
+          "tool_calls": pb.FINISH_REASON_TOOL_CALLS}
 # gRPC field spellings, for error messages that name the client's field.
 NAMES = {"temperature": "sampling.temperature", "top_p": "sampling.top_p", "top_k": "sampling.top_k",
          "seed": "sampling.seed", "ttft_ms": "slo.ttft_ms", "tbt_ms": "slo.tbt_ms",
@@ -74,7 +78,7 @@ def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestS
     s, slo = req.sampling, req.slo
     return RequestSpec(
         model=req.model, prompt=req.prompt if req.HasField("prompt") else None,
-        messages=[{"role": m.role, "content": m.content} for m in req.messages] or None,
+        messages=[chat_message(m, i) for i, m in enumerate(req.messages)] or None,
         prompt_token_ids=list(req.prompt_token_ids) or None,
         max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
         temperature=s.temperature if s.HasField("temperature") else None,
@@ -92,7 +96,22 @@ def spec_from_proto(req: pb.GenerateRequest, deadline: float | None) -> RequestS
         logprobs=req.logprobs if req.HasField("logprobs") else None,
         prompt_logprobs=req.prompt_logprobs if req.HasField("prompt_logprobs") else None,
         n=req.n if req.HasField("n") else 1, constraint=from_proto(req.constraint),
+        tools=tools_from_proto(req.tools, req.tool_choice,
+                               req.parallel_tool_calls if req.HasField("parallel_tool_calls") else None),
         names={**NAMES, "constraint": f"constraint.{req.constraint.WhichOneof('kind')}"})
+
+
+def chat_message(m: pb.ChatMessage, i: int) -> dict[str, Any]:
+    """A turn as the template takes it: an assistant's calls, a tool result's call id."""
+    out: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.tool_calls:
+        out["tool_calls"] = calls_of([{"id": c.id, "type": "function", "function": {"name": c.name,
+                                       "arguments": c.arguments}} for c in m.tool_calls], f"messages[{i}].tool_calls")
+    if m.role == "tool":
+        if not m.tool_call_id:
+            raise InvalidRequestError(f"messages[{i}].tool_call_id", "is required in a tool turn")
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def logprobs_proto(token_ids: list[int], logprobs: tuple[TokenLogprobs, ...] | None) -> list[pb.TokenLogprob]:
@@ -119,6 +138,31 @@ def final_proto(end: RequestEnd) -> pb.Final:
     if end.prediction is not None:
         final.prediction.CopyFrom(prediction_proto(end.prediction))
     return final
+
+
+class Calls:
+    """Each choice's text, read for tool calls when it ends (the stream carries what the model
+    wrote; the end message, its calls and the text before them)."""
+
+    def __init__(self, fmt: ToolFormat) -> None:
+        self.fmt = fmt
+        self.texts: dict[int, list[str]] = {}
+
+    def add(self, index: int, text: str) -> None:
+        self.texts.setdefault(index, []).append(text)
+
+    def fill(self, end: pb.Final | pb.ChoiceEnd, index: int) -> None:
+        parsed = self.fmt.parse("".join(self.texts.get(index, ())))
+        if not parsed.calls:
+            return
+        end.tool_calls.extend(tool_call_proto(c) for c in parsed.calls)
+        end.content = parsed.content
+        if end.finish_reason == pb.FINISH_REASON_STOP:
+            end.finish_reason = pb.FINISH_REASON_TOOL_CALLS
+
+
+def tool_call_proto(call: ToolCall) -> pb.ToolCall:
+    return pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
 
 
 def prediction_proto(p: SloPrediction) -> pb.SloPrediction:
@@ -187,15 +231,23 @@ class GenerationService:
                         dict(context.invocation_metadata() or ()).get(TRACEPARENT))
             spec = spec_from_proto(request, deadline)
             prompt_ids = None if spec.prompt_logprobs is None else self._prompt_ids(spec)
+            calls = Calls(self.door.tool_format) if spec.tools is not None and spec.tools.active else None
             async for item in self.door.generate(spec, client, "grpc", call):
                 prompt = [] if prompt_ids is None else logprobs_proto(prompt_ids[1:], item.prompt_logprobs)
+                if calls is not None:
+                    calls.add(item.index, item.text)
                 if item.token_ids or item.text or prompt or item.choice_end is not None:
+                    end = choice_end_proto(item.choice_end)
+                    if end is not None and calls is not None:
+                        calls.fill(end, item.index)
                     yield pb.GenerateResponse(request_id=item.request_id, token_ids=item.token_ids, text=item.text,
                                               logprobs=logprobs_proto(item.token_ids, item.logprobs),
-                                              prompt_logprobs=prompt, index=item.index,
-                                              choice_end=choice_end_proto(item.choice_end))
+                                              prompt_logprobs=prompt, index=item.index, choice_end=end)
                 if item.end is not None:
-                    yield pb.GenerateResponse(request_id=item.request_id, final=final_proto(item.end))
+                    final = final_proto(item.end)
+                    if calls is not None:
+                        calls.fill(final, 0)
+                    yield pb.GenerateResponse(request_id=item.request_id, final=final)
         except Exception as e:  # ours map to their status; anything else is INTERNAL, logged
             await self._fail(context, e)
 

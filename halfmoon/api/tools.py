@@ -131,6 +131,25 @@ def from_openai(body: Mapping[str, Any]) -> ToolRequest | None:
     return ToolRequest(tuple(tools), mode, named, parallel is not False)
 
 
+def from_proto(tools: Sequence[Any], choice: Any, parallel: bool | None) -> ToolRequest | None:
+    """gRPC's `tools`, `tool_choice` (a ToolChoice, unset: none given) and `parallel_tool_calls`."""
+    listed = [{"type": "function", "function": {"name": t.name, "description": t.description or None,
+                                                 "parameters": _schema(t.parameters, f"tools[{i}].parameters")}}
+              for i, t in enumerate(tools)]
+    kind = choice.WhichOneof("kind")
+    named = {"type": "function", "function": {"name": choice.function}} if kind == "function" else None
+    return from_openai({"tools": listed or None, "tool_choice": named or kind, "parallel_tool_calls": parallel})
+
+
+def _schema(text: str, field: str) -> Any:
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise InvalidRequestError(field, "is not valid JSON") from None
+
+
 def _tools(value: Any) -> list[Tool]:
     if value is None:
         return []

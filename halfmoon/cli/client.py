@@ -45,6 +45,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     c = calls.add_parser("chat", parents=[conn, gen], help="one user message, with the chat template")
     c.add_argument("message", help="the user's message")
     c.add_argument("--system", default=None, help="a system message before it")
+    tools = c.add_argument_group("tools")
+    tools.add_argument("--tools", default=None, metavar="TOOLS",
+                       help="functions the model may call: a JSON list of OpenAI tools or of {name, description, "
+                            "parameters} (its text, or @FILE); the calls print after the text")
+    tools.add_argument("--tool-choice", default=None, metavar="CHOICE",
+                       help="none, auto (the default with tools), required, or a function's name")
+    tools.add_argument("--no-parallel-tool-calls", action="store_true", help="at most one call")
     m = calls.add_parser("models", parents=[conn], help="list the served models")
     m.add_argument("--json", action="store_true", help="print JSON instead of a table")
     t = calls.add_parser("tokenize", parents=[conn], help="print the token ids of a text")
@@ -117,6 +124,21 @@ def constraint_options(args: argparse.Namespace) -> dict[str, Any]:
     """The SDK's constraint keywords from the flags (`@FILE` reads a schema or grammar)."""
     return {"json_schema": _text_or_file(args.json_schema), "json_object": args.json_object,
             "regex": args.regex, "choice": args.choice, "grammar": _text_or_file(args.grammar)}
+
+
+def tool_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The SDK's tool keywords from `chat`'s flags."""
+    text = _text_or_file(args.tools)
+    tools = None
+    if text is not None:
+        try:
+            tools = json.loads(text)
+        except ValueError as e:
+            raise ConfigError(f"--tools: not valid JSON: {e}") from e
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise ConfigError("--tools: a JSON list of tools (objects)")
+    return {"tools": tools, "tool_choice": args.tool_choice,
+            "parallel_tool_calls": False if args.no_parallel_tool_calls else None}
 
 
 def _text_or_file(value: str | None) -> str | None:
@@ -218,7 +240,7 @@ def _request_options(args: argparse.Namespace) -> dict[str, Any]:
                "n": args.n, **constraint_options(args)}
     if args.call == "chat":
         system = [{"role": "system", "content": args.system}] if args.system is not None else []
-        return {**options, "messages": [*system, {"role": "user", "content": args.message}]}
+        return {**options, **tool_options(args), "messages": [*system, {"role": "user", "content": args.message}]}
     if args.prompt_ids is not None:
         from halfmoon.cli.generate import parse_ids
 
@@ -238,8 +260,12 @@ def _generate(args: argparse.Namespace, client: Client) -> int:
             sys.stdout.flush()
         result = chunk.result or result
     sys.stdout.write("\n")
+    for call in result.tool_calls:
+        print(f"--- tool call {call.id}: {call.name}({call.arguments})")
     for i, choice in enumerate(result.choices[1:], start=1):
         print(f"--- choice {i} ({choice.finish_reason}) ---\n{choice.text}")
+        for call in choice.tool_calls:
+            print(f"--- tool call {call.id}: {call.name}({call.arguments})")
     t, p = result.timings, result.prediction
     predicted = f" (predicted {p.predicted_ttft_ms:.0f} ms)" if p is not None else ""
     print(f"[{result.finish_reason}: {result.usage.completion_tokens} tokens, TTFT {t.ttft_ms:.0f} ms{predicted}, "

@@ -12,6 +12,8 @@ deltas in OpenAI's shape, text that only looks like a call kept as content. Bad 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -211,3 +213,62 @@ def test_calls_stream_as_each_completes(scripted_tools: RunningApi) -> None:
     assert json.loads(calls[1]["function"]["arguments"]) == {"city": "Oslo", "unit": "celsius"}
     assert not any(d.get("content") for d in deltas)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# ---------------------------------------------------------------------- gRPC, the SDK, the CLI
+
+
+def test_the_sdk_calls_tools_over_grpc(api: RunningApi) -> None:
+    from halfmoon.client import Client
+
+    with Client(api.grpc_target) as sdk:
+        for seed in range(2):
+            result = sdk.generate(messages=ask("Weather in Oslo?"), tools=TOOLS, tool_choice="required",
+                                  parallel_tool_calls=False, temperature=0.9, seed=seed, max_tokens=100)
+            assert result.finish_reason == "tool_calls" and len(result.tool_calls) == 1, result
+            call = result.tool_calls[0]
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+            assert result.content == "" and call.id.startswith("call_")
+        flat = [t["function"] for t in TOOLS]  # the flat spelling works too
+        chunks = list(sdk.stream(messages=ask("Time in Oslo?"), tools=flat, tool_choice="get_time",
+                                 temperature=0.9, seed=3, max_tokens=60))
+        final = chunks[-1].result
+        assert final is not None and final.finish_reason == "tool_calls"
+        assert [c.name for c in final.tool_calls] == ["get_time"]
+        assert "".join(c.text for c in chunks) == final.text  # the stream is what the model wrote
+        # the call and its result go back through the template, as over HTTP
+        turns = [*ask("Time in Oslo?"), {"role": "assistant", "tool_calls": list(final.tool_calls)},
+                 {"role": "tool", "tool_call_id": final.tool_calls[0].id, "content": "12:00"}]
+        answer = sdk.generate(messages=turns, tools=TOOLS, max_tokens=4)
+    http_turns = [*ask("Time in Oslo?"), {"role": "assistant", "content": None, "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in final.tool_calls]}, {"role": "tool", "tool_call_id": final.tool_calls[0].id, "content": "12:00"}]
+    over_http = oai(api.http_url).chat.completions.create(model=MODEL, messages=http_turns, tools=TOOLS, max_tokens=4)
+    assert answer.usage.prompt_tokens == over_http.usage.prompt_tokens > 200
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"tools": TOOLS, "tool_choice": "nope"}, "tool_choice.function.name"),
+    ({"tools": [{"name": "f", "parameters": "{not json"}]}, "tools[0].parameters"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_invalid_argument_over_grpc(api: RunningApi, kwargs: dict[str, Any], field: str) -> None:
+    from halfmoon.client import Client, InvalidArgumentError
+
+    with Client(api.grpc_target) as sdk, pytest.raises(InvalidArgumentError) as caught:
+        sdk.generate(messages=ask("Hi"), max_tokens=4, **kwargs)
+    assert caught.value.field == field, caught.value
+
+
+def test_halfmoon_client_chat_prints_the_calls(api: RunningApi, tmp_path: Any) -> None:
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    done = subprocess.run([sys.executable, "-m", "halfmoon.cli.main", "client", "chat", "--target", api.grpc_target,
+                           "Time in Oslo?", "--tools", f"@{tools}", "--tool-choice", "get_time", "--max-tokens", "60",
+                           "--temperature", "0.9", "--seed", "5"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    line = next(x for x in done.stdout.splitlines() if x.startswith("--- tool call "))
+    name, _, arguments = line.split(": ", 1)[1].partition("(")
+    assert name == "get_time"
+    jsonschema.validate(json.loads(arguments[:-1]), SCHEMAS["get_time"])
+    assert "[tool_calls:" in done.stderr
