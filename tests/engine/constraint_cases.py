@@ -1,6 +1,8 @@
 """Held-out-style constraints the tests sample under: JSON schemas with enums, bounded strings and
-integers, nested objects, arrays with maxItems and a `pattern`; regexes; choices. Shared by the
-engine, 1P1D and API tests and by `halfmoon bench constraints`' test schemas."""
+integers, nested objects, arrays with maxItems and a `pattern`; regexes; choices; a tool call
+(tool_choice required's grammar in the Hermes format, the arguments held to each function's
+parameters). Shared by the engine, 1P1D and API tests and by `halfmoon bench constraints`' test
+schemas."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from typing import Any
 
 import jsonschema
 
+from halfmoon.api.tool_formats import FORMATS
+from halfmoon.api.tools import from_openai
 from halfmoon.core.params import Constraint, ConstraintKind
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -39,7 +43,23 @@ PROMPTS = {"person": "Describe a person as JSON with name, age and role.",
            "order": "Write a JSON order: an id, some items and where to ship it.",
            "event": "Describe an event as JSON with a title, a score and tags.",
            "phone": "What is the phone number?", "color": "Name a color and an animal.",
-           "choice": "Is this review positive or negative? 'I loved it.'"}
+           "choice": "Is this review positive or negative? 'I loved it.'",
+           "tool_call": "What is the weather in Paris, or the time in Tokyo?"}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+              "type": "object", "required": ["city"], "properties": {
+                  "city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["c", "f"]},
+                  "days": {"type": "integer", "minimum": 1, "maximum": 5}}}}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+              "type": "object", "required": ["zone"], "properties": {
+                  "zone": {"type": "string", "pattern": "^[A-Z][a-z]{2,10}/[A-Z][a-z]{2,10}$"}}}}}]
+TOOL_SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def tool_constraint() -> Constraint:
+    """tool_choice required, one call, in the Hermes format (what the front door builds)."""
+    tools = from_openai({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
+    assert tools is not None
+    return Constraint(ConstraintKind.GRAMMAR, FORMATS["hermes"].grammar(tools))
 
 
 def schema_constraint(name: str) -> Constraint:
@@ -50,7 +70,7 @@ def all_cases() -> list[tuple[str, Constraint]]:
     """(name, constraint) of every case: each schema, each regex, the choice."""
     return [*((n, schema_constraint(n)) for n in SCHEMAS),
             *((n, Constraint(ConstraintKind.REGEX, r)) for n, r in REGEXES.items()),
-            ("choice", Constraint(ConstraintKind.CHOICE, json.dumps(CHOICES)))]
+            ("choice", Constraint(ConstraintKind.CHOICE, json.dumps(CHOICES))), ("tool_call", tool_constraint())]
 
 
 def check(name: str, text: str) -> None:
@@ -60,5 +80,9 @@ def check(name: str, text: str) -> None:
         jsonschema.validate(json.loads(text), SCHEMAS[name])
     elif name in REGEXES:
         assert re.fullmatch(REGEXES[name], text), (name, text)
+    elif name == "tool_call":
+        calls = FORMATS["hermes"].parse(text).calls
+        assert len(calls) == 1, text
+        jsonschema.validate(json.loads(calls[0].arguments), TOOL_SCHEMAS[calls[0].name])
     else:
         assert text in CHOICES, text
