@@ -253,6 +253,10 @@ def test_the_package_graph_has_no_cycle(table: dict[str, set[str]], edges: list[
 # request surface's (api/structured.py), never the Conductor's scheduling.
 SOLE_IMPORTERS = {"llguidance": {"halfmoon/engine/grammar.py"}}
 SURFACE_NAMES = {"response_format": "halfmoon/api", "structured_outputs": "halfmoon/api"}
+# Tool calling is the request surface's too: the families' call formats and parsers, the chat
+# templates with tools and the tools' shapes are imported by nothing outside it but the command
+# line (`serve --tool-call-parser`'s choices).
+SURFACE_MODULES = {"halfmoon.api.tools", "halfmoon.api.tool_formats", "halfmoon.api.chat", "halfmoon.api.tool_stream"}
 
 
 def test_the_grammar_engine_has_one_door() -> None:
@@ -271,6 +275,20 @@ def test_constraint_shapes_are_read_by_the_request_surface_only() -> None:
         readers = {str(path.relative_to(ROOT)) for r in packages() for path in room_files(r)
                    if f'"{name}"' in path.read_text() and not str(path.relative_to(ROOT)).startswith(room)}
         assert not readers, f"{name!r} is read outside {room}: {sorted(readers)}"
+
+
+def test_tool_calling_lives_in_the_request_surface() -> None:
+    outside = set()
+    for room in packages():
+        for path in room_files(room):
+            rel = str(path.relative_to(ROOT))
+            if rel.startswith(("halfmoon/api/", "halfmoon/cli/")):
+                continue
+            tree = ast.parse(path.read_text(), filename=rel)
+            outside |= {f"{rel} imports {m}" for m, _ in imported_modules(tree) if m in SURFACE_MODULES}
+    assert not outside, sorted(outside)
+    for module in SURFACE_MODULES:  # each exists (a renamed module would make this check vacuous)
+        assert (ROOT / (module.replace(".", "/") + ".py")).is_file(), module
 
 
 def test_no_source_file_is_over_600_lines() -> None:

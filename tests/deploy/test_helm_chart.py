@@ -770,6 +770,7 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--grpc-port": HelmValue("conductor.grpcPort", 50052, "50052"),
     "--http-port": HelmValue("conductor.httpPort", 8001, "8001"),
     "--served-model-name": HelmValue("conductor.servedModelName", "probe", "probe"),
+    "--tool-call-parser": HelmValue("conductor.toolCallParser", "mistral", "mistral"),
     "--request-timeout-s": HelmValue("conductor.requestTimeoutS", 90, "90"),
     "--migration-attempts": HelmValue("conductor.migrationAttempts", 5, "5"),
     "--migration-stall-s": HelmValue("conductor.migrationStallS", 12.5, "12.5"),

@@ -190,6 +190,10 @@ argparse parser, so a flag that does not exist fails the tests).
 {{- if not $v.conductor.dashboard }}
 - --no-dashboard
 {{- end }}
+{{- with $v.conductor.toolCallParser }}
+- --tool-call-parser
+- {{ . | quote }}
+{{- end }}
 {{- if not $v.kvTiers.remoteFetch }}
 - --no-remote-fetch
 {{- end }}
