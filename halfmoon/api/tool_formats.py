@@ -72,14 +72,36 @@ def _json_rule(schema: Mapping[str, Any]) -> str:
     return "%json " + json.dumps({**schema, "x-guidance": _LAYOUT})
 
 
-def _call_object(tool: Tool, arguments_key: str) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, arguments_key: strict_objects(tool.schema)},
+_DEFS = ("$defs", "definitions")
+
+
+def _call_object(parameters: dict[str, Any], name: str, arguments_key: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": name}, arguments_key: parameters},
             "required": ["name", arguments_key], "additionalProperties": False}
 
 
 def _one_of_calls(tools: Sequence[Tool], arguments_key: str) -> dict[str, Any]:
-    objects = [_call_object(t, arguments_key) for t in tools]
-    return objects[0] if len(objects) == 1 else {"anyOf": objects}
+    """One call to any of `tools`, as a JSON schema. Each function's `$defs` move to the root
+    (where its `#/$defs/...` references resolve once its parameters sit inside a call)."""
+    defs: dict[str, dict[str, Any]] = {}
+    objects = [_call_object(_hoist(strict_objects(t.schema), t.name, defs), t.name, arguments_key) for t in tools]
+    schema = objects[0] if len(objects) == 1 else {"anyOf": objects}
+    return {**schema, **{k: v for k, v in defs.items() if v}}
+
+
+def _hoist(schema: dict[str, Any], name: str, defs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`schema` without its `$defs` / `definitions`, which join `defs` (a name two tools define
+    differently cannot be told apart: a 400)."""
+    out = dict(schema)
+    for key in _DEFS:
+        found = out.pop(key, None)
+        if not isinstance(found, dict):
+            continue
+        merged = defs.setdefault(key, {})
+        for ref, value in found.items():
+            if merged.setdefault(ref, value) != value:
+                raise InvalidRequestError("tools", f"{name}: {key}/{ref} is defined differently by another tool")
+    return out
 
 
 def _repeated(item: str, separator: str, parallel: bool) -> str:
@@ -278,7 +300,9 @@ class Mistral(ToolFormat):
         return Parsed(text[:start].rstrip(), tuple(c for c in calls if c is not None))
 
     def grammar(self, request: ToolRequest, literal: Literal = text_literal) -> str:
-        array = {"type": "array", "items": _one_of_calls(request.allowed, "arguments"), "minItems": 1}
+        call = _one_of_calls(request.allowed, "arguments")
+        defs = {k: call.pop(k) for k in _DEFS if k in call}  # references resolve at the root
+        array = {"type": "array", "items": call, "minItems": 1, **defs}
         if not request.many:
             array["maxItems"] = 1
         return f"start: {literal(self.marker)} {_json_rule(array)}\n"
@@ -320,7 +344,7 @@ class Pythonic(ToolFormat):
         try:
             tree = ast.parse(body, mode="eval").body
             calls = [self._call(node) for node in tree.elts] if isinstance(tree, ast.List) else []
-        except (SyntaxError, ValueError, RecursionError):
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # whatever it wrote
             return Parsed(text)
         return Parsed("", tuple(calls)) if calls else Parsed(text)
 
@@ -338,6 +362,8 @@ class Pythonic(ToolFormat):
         if isinstance(node, ast.List):
             return [self._value(v) for v in node.elts]
         if isinstance(node, ast.Dict):
+            if any(k is None for k in node.keys):
+                raise ValueError("**mapping")
             return {self._value(k): self._value(v) for k, v in zip(node.keys, node.values, strict=True)}
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -self._value(node.operand)
@@ -363,7 +389,8 @@ def _keyword_call(tool: Tool) -> str:
     if bad is not None:
         raise InvalidRequestError("tools", f"{tool.name}: the pythonic format passes arguments by keyword, and "
                                   f"{bad!r} is no Python name")
-    args = [(f"{text_literal(k + '=')} {_json_rule(v if isinstance(v, dict) else {})}", k in required)
+    defs = {k: schema[k] for k in _DEFS if isinstance(schema.get(k), dict)}  # each value's references resolve
+    args = [(f"{text_literal(k + '=')} {_json_rule({**(v if isinstance(v, dict) else {}), **defs})}", k in required)
             for k, v in props.items()]
     if not args:
         return text_literal(tool.name + "()")
