@@ -109,7 +109,7 @@ CASES = [
     c("cache_salt not printable", {"prompt": "hi", "cache_salt": "a\x00b"}, (CHAT, chat(cache_salt="a\x00b")),
       "cache_salt", "cache_salt"),
     c("unsupported OpenAI feature / unknown field", {"prompt": "hi", "sampling": pb.SamplingParams(top_p=-1)},
-      (CHAT, chat(tools=[{"type": "function"}])), "sampling.top_p", "tools"),
+      (CHAT, chat(functions=[{"name": "f"}])), "sampling.top_p", "functions"),
     c("oversized body", {"prompt": HUGE}, (COMPLETIONS, body(prompt=HUGE)), None, None,
       grpc.StatusCode.RESOURCE_EXHAUSTED, 413, phrase="larger than"),
 ]
