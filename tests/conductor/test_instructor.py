@@ -48,3 +48,19 @@ def test_instructor_streams_partial_objects_in_tools_mode(api: RunningApi) -> No
     assert partials, "no partial object"
     final = City.model_validate(partials[-1].model_dump())
     assert final.climate in ("cold", "mild", "hot")
+
+
+class Trip(pydantic.BaseModel):
+    """A nested model: its JSON schema has `$defs` and references (City inside)."""
+
+    start: City
+    end: City
+    days: int = pydantic.Field(ge=1, le=9)
+
+
+@pytest.mark.parametrize("mode", [instructor.Mode.TOOLS, instructor.Mode.JSON_SCHEMA], ids=["tools", "json_schema"])
+def test_instructor_nested_models_with_references(api: RunningApi, mode: instructor.Mode) -> None:
+    trip = client(api, mode).chat.completions.create(
+        model=MODEL, response_model=Trip, max_retries=0, max_tokens=200, temperature=0.9, seed=8,
+        messages=[{"role": "user", "content": "Plan a trip from Paris to Rome."}])
+    assert isinstance(trip, Trip) and isinstance(trip.start, City)
