@@ -16,6 +16,7 @@ process trees, by pid), never another Ray's (`ray stop` would end every Ray of t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ import psutil
 
 HEAD_WAIT_S = 120.0  # the GCS of a loaded 2-core machine can take a while
 STOP_WAIT_S = 10.0  # then SIGKILL: a head's `ray start --block` may outwait its SIGTERM
+PAUSE_WAIT_S = 10.0  # a paused node: every process of it reports stopped within this
 # The per-node ports `ray start` would otherwise take at fixed defaults (or share).
 PORT_FLAGS = ("--node-manager-port", "--object-manager-port", "--metrics-export-port",
               "--dashboard-agent-listen-port", "--dashboard-agent-grpc-port", "--runtime-env-agent-port")
@@ -141,14 +143,20 @@ class LocalRayNodes:
             _kill_left(tree + _tree(proc.pid))
         self.procs.clear()
 
-    def pause_node(self, i: int) -> None:
-        """SIGSTOP every process of node `i` (a hung machine: connections open, nothing answers).
-        By process tree, not group: the raylet starts its workers in process groups of their own."""
-        for proc in _tree(self.procs[i].pid):
-            try:
-                proc.suspend()
-            except psutil.NoSuchProcess:
-                pass
+    def pause_node(self, i: int, timeout_s: float = PAUSE_WAIT_S) -> None:
+        """SIGSTOP every process of node `i` (a hung machine: connections open, nothing answers)
+        and return once each one is stopped. By process tree, not group: the raylet starts its
+        workers in process groups of their own; a process it forked while the others were being
+        stopped is stopped on the next pass (a signal is not delivered at once, so the tree is
+        read again until all of it reports stopped)."""
+        deadline = time.monotonic() + timeout_s
+        while running := [p for p in _tree(self.procs[i].pid) if _state(p) not in _PAUSED]:
+            if time.monotonic() > deadline:
+                raise RayNodesError(f"node {i}: {len(running)} processes still running {timeout_s:g} s after SIGSTOP")
+            for proc in running:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.suspend()
+            time.sleep(0.02)  # the kernel delivers the signals
 
     def kill_node(self, i: int) -> list[psutil.Process]:
         """SIGKILL every process of node `i` (a machine lost); returns them, all gone."""
@@ -166,6 +174,16 @@ class LocalRayNodes:
     def leftovers(self) -> list[int]:
         """Pids still alive of the processes the nodes had when `stop` began (empty after it)."""
         return [p.pid for p in self.stopped if is_alive(p)]
+
+
+_PAUSED = (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP, psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+
+
+def _state(proc: psutil.Process) -> str:
+    try:
+        return proc.status()
+    except psutil.NoSuchProcess:
+        return psutil.STATUS_DEAD
 
 
 def node_env() -> dict[str, str]:
