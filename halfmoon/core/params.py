@@ -8,6 +8,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from halfmoon.core.adapters import AdapterRef
 from halfmoon.core.errors import InvalidRequestError
 
 
@@ -59,6 +60,9 @@ class SamplingParams:
     `keep_special`: special tokens whose text the output keeps (decoding drops every other one):
     a tool-call marker that is a control token, as Mistral's `[TOOL_CALLS]`, which the front door
     reads the calls after.
+
+    `adapter`: the LoRA adapter the request runs under (None = the base model), on its prefill
+    and its decode worker alike (core/adapters.py); it roots the request's KV block hashes.
     """
 
     max_tokens: int = 16
@@ -81,6 +85,7 @@ class SamplingParams:
     n: int = 1
     constraint: Constraint | None = None
     keep_special: tuple[int, ...] = ()
+    adapter: AdapterRef | None = None
     # nothing beyond sampling: no logit processing, no logprobs (the step's fast path; set once
     # here, since the runner asks every request every step)
     plain: bool = field(init=False, repr=False, compare=False, default=True)

@@ -109,6 +109,11 @@ class EngineConfig:
         and mixed steps run eagerly. Ignored on CPU.
     gpu_memory_fraction: the share of the GPU's memory this process may allocate (0 = no cap;
         `serve` sets an equal share when workers share one GPU).
+    max_loras: LoRA adapter slots (engine/lora_pool.py): the most distinct adapters one step
+        serves; their memory is allocated at the first adapter a request names.
+    max_lora_rank: the largest adapter rank served (the slots' size).
+    max_cpu_loras: adapters kept read and checked in host memory (>= max_loras).
+    lora_base_check: refuse an adapter whose `base_model_name_or_path` names another model.
     """
 
     model: str = "smollm2"
@@ -138,6 +143,10 @@ class EngineConfig:
     device: str = "cpu"
     cuda_graphs: bool = True
     gpu_memory_fraction: float = 0.0
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 16
+    lora_base_check: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype == AUTO:  # resolved here, once: the config carries the concrete dtype from now on
@@ -162,6 +171,9 @@ class EngineConfig:
                               f"{list(SPECULATIVE_MODES)} or {DRAFT_PREFIX}MODEL (an alias, GGUF file or HF folder)")
         if not 1 <= self.speculative_tokens <= 16 or self.speculative_max_batch < 0:
             raise ConfigError("speculative_tokens must be in 1..16 and speculative_max_batch >= 0")
+        check_positive(self, "max_loras", "max_lora_rank")
+        if self.max_cpu_loras < self.max_loras:
+            raise ConfigError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
         self._check_device()
 
     def _check_device(self) -> None:

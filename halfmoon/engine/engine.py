@@ -23,6 +23,7 @@ import torch
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.grammar import Grammars
 from halfmoon.core.blocks import cdiv, first_visible_block
+from halfmoon.core.adapters import AdapterRef
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.core.messages import ChoiceEnd, ChoiceStart, EngineInfo, TokenChunk, TokenLogprobs
 from halfmoon.engine.kv_push import KVPushes, PushStream
@@ -43,6 +44,8 @@ from halfmoon.engine.tp_ranks import Ranks
 from halfmoon.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from halfmoon.kernels.attention import get_backend
 from halfmoon.kvpool.block_hash import block_hashes, root_hash
+from halfmoon.engine.lora import lora_shapes, base_names
+from halfmoon.engine.lora_pool import LoraPool
 from halfmoon.engine.tier_setup import build_tiers
 from halfmoon.kvpool.block_pool import BlockPool
 from halfmoon.kvpool.device_tier import DeviceTier
@@ -128,6 +131,12 @@ class Engine:
         self.scheduler = Scheduler(self.pool, config.block_size, config.max_num_batched_tokens,
                                    config.max_num_seqs, self.tiers, self.speculator, config.max_prefill_seqs)
         self.runner = ModelRunner(self.model, self.kv_cache, config.block_size)
+        # LoRA adapters (engine/lora_pool.py); not with tensor parallelism (the slots are not sharded)
+        self.lora = None if config.tp > 1 else LoraPool(
+            lora_shapes(cfg, base_names(config.model, weights)), config.max_loras, config.max_lora_rank,
+            config.max_cpu_loras, config.torch_dtype, self.kv_cache.device, config.lora_base_check)
+        self.runner.lora = self.lora
+        self.scheduler.lora_limit = config.max_loras
         self.scheduler.copy_block = self._copy_block
         self.runner.stop_ids = self.stop_ids
         if self.ranks is not None:
@@ -294,30 +303,32 @@ class Engine:
         """Return reserved blocks whose transfer failed or was cancelled (never used)."""
         self.pool.free(block_ids)
 
-    def cached_prefix_tokens(self, prompt_ids: Sequence[int], cache_salt: str | None = None) -> int:
+    def cached_prefix_tokens(self, prompt_ids: Sequence[int], cache_salt: str | None = None,
+                             adapter: AdapterRef | None = None) -> int:
         """Prompt tokens this device's prefix cache holds now (an estimate for admission: the
         blocks may be evicted before the request runs; host/disk tiers are not counted)."""
         bs = self.config.block_size
-        root = self._root_hash(len(prompt_ids), cache_salt)
+        root = self._root_hash(len(prompt_ids), cache_salt, adapter)
         usable = list(prompt_ids[: (len(prompt_ids) - 1) // bs * bs])
         return len(self.pool.get_computed_blocks(block_hashes(usable, bs, root))) * bs
 
     def _new_request(self, prompt_ids: list[int], params: SamplingParams, cache_salt: str | None) -> Request:
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
-        root = self._root_hash(len(prompt_ids), cache_salt)
+        root = self._root_hash(len(prompt_ids), cache_salt, params.adapter)
         req = Request("", prompt_ids, params, len(prompt_ids), torch.Generator().manual_seed(seed), root_hash=root)
         if params.constraint is not None:  # compiled already when its caller ran Grammars.compile
             req.grammar = self.grammars.state(params.constraint, len(prompt_ids) - params.output_offset)
         return req
 
-    def _root_hash(self, prompt_len: int, cache_salt: str | None) -> bytes:
+    def _root_hash(self, prompt_len: int, cache_salt: str | None, adapter: AdapterRef | None = None) -> bytes:
         """The request's block-hash root. Under dynamic NTK RoPE a prompt longer than the trained
         context is rotated with frequencies of its own length (engine/rope.py): its blocks only
         match prompts of that length, so the length joins the salt."""
         start = self.model.dynamic_from
         if start is not None and prompt_len > start:
             cache_salt = f"{cache_salt or ''}|ntk-len:{prompt_len}"
-        return root_hash(self.model_config.fingerprint, self.config.kv_tag, self.config.block_size, cache_salt)
+        return root_hash(self.model_config.fingerprint, self.config.kv_tag, self.config.block_size, cache_salt,
+                         adapter.cache_key if adapter is not None else "")
 
     def _check_prefilled_blocks(self, num_prompt_tokens: int, max_tokens: int, num_blocks: int) -> None:
         least = cdiv(num_prompt_tokens, self.config.block_size)
@@ -369,6 +380,17 @@ class Engine:
             raise InvalidRequestError(
                 "max_tokens", f"prompt + max_tokens = {len(prompt_ids) + params.max_tokens} tokens "
                 f"exceeds the whole KV cache ({capacity} tokens); raise --kv-cache-gb")
+        if params.adapter is not None:
+            self.load_adapter(params.adapter)
+
+    def load_adapter(self, adapter: AdapterRef) -> None:
+        """Have `adapter` read and checked in host memory (a no-op when it is): requests naming
+        it page it into a slot without touching the disk. InvalidAdapterError when it cannot be
+        served; InvalidRequestError on an engine that serves no adapters."""
+        if self.lora is None:
+            raise InvalidRequestError("model", f"LoRA adapter {adapter.name!r}: adapters are not served "
+                                               f"by tensor-parallel engines (tp = {self.config.tp})")
+        self.lora.preload(adapter)
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks; release the host arena (removed when this engine

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,9 @@ from halfmoon.kernels import fused
 from halfmoon.kernels.attention import AttentionBackend, AttentionMetadata
 from halfmoon.kernels.linear import DenseLayer, Linear
 from halfmoon.kernels.quant_linear import Int4Linear, Int8Linear, Q4Groups, quantize_q4
+
+if TYPE_CHECKING:
+    from halfmoon.engine.lora_pool import LoraStep
 
 # Called after layer l's K/V is written: the hook for layer-wise KV streaming (transport).
 LayerHook = Callable[[int], None]
@@ -231,21 +235,24 @@ class DecoderModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, logits_rows: torch.Tensor,
-                layer_hook: LayerHook | None = None, rope_lens: torch.Tensor | None = None) -> torch.Tensor:
+                layer_hook: LayerHook | None = None, rope_lens: torch.Tensor | None = None,
+                lora: LoraStep | None = None) -> torch.Tensor:
         """input_ids/positions: [T]; `rope_lens` [T]: the sequence length each token's RoPE is
-        for (dynamic NTK only, engine/rope.py); returns logits [len(logits_rows), vocab] in fp32."""
+        for (dynamic NTK only, engine/rope.py); `lora`: the rows' LoRA adapters
+        (engine/lora_pool.py), added to each projection's output; returns logits
+        [len(logits_rows), vocab] in fp32."""
         cfg = self.cfg
         x = self._embed(input_ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         tables = self._step_tables(positions, rope_lens)
         if tables is not None and self.fused_decode and fused.supported(x, kv_cache, meta, self.num_heads, tables[0]):
-            return self._forward_decode(x, tables, kv_cache, meta, logits_rows, layer_hook)
+            return self._forward_decode(x, tables, kv_cache, meta, logits_rows, layer_hook, lora)
         glob, local = self._rope_rows(positions, rope_lens)
         ropes = {False: tuple(t.unsqueeze(1) for t in glob), True: tuple(t.unsqueeze(1) for t in local)}
         attn_out = torch.empty(x.shape[0], self.num_heads * cfg.head_dim, dtype=x.dtype)
         for i, lw in enumerate(self.layers):
-            x = self._layer(x, lw, kv_cache[i], ropes[lw.local_rope], meta, attn_out)
+            x = self._layer(x, i, lw, kv_cache[i], ropes[lw.local_rope], meta, attn_out, lora)
             if layer_hook is not None:
                 layer_hook(i)
         if logits_rows.numel() == 0:  # a step of mid-prompt chunks samples nothing
@@ -294,7 +301,7 @@ class DecoderModel:
 
     def _forward_decode(self, x: torch.Tensor, tables: tuple[tuple[RopeRows, RopeRows], torch.Tensor],
                         kv_cache: torch.Tensor, meta: AttentionMetadata, logits_rows: torch.Tensor,
-                        layer_hook: LayerHook | None) -> torch.Tensor:
+                        layer_hook: LayerHook | None, lora: LoraStep | None) -> torch.Tensor:
         """`forward` for an all-decode step: each layer's MLP output is added to the residual by
         the next layer's first norm (the last one's by the final norm)."""
         (glob, local), rows = tables
@@ -302,7 +309,7 @@ class DecoderModel:
                                 self.cfg.rms_norm_eps, scale=self.cfg.attention_scale)
         delta = None
         for i, lw in enumerate(self.layers):
-            delta = self._decode_layer(step, i, lw, delta, local if lw.local_rope else glob)
+            delta = self._decode_layer(step, i, lw, delta, local if lw.local_rope else glob, lora)
             if layer_hook is not None:  # layer i's K/V are in the cache: decode_rope wrote them
                 layer_hook(i)
         h = step.add_rms_norm(delta, self.final_norm)
@@ -311,24 +318,25 @@ class DecoderModel:
         return self._logits(h[logits_rows])
 
     def _decode_layer(self, step: fused.DecodeStep, i: int, lw: LayerWeights,
-                      delta: torch.Tensor | None, rope: RopeRows) -> torch.Tensor:
+                      delta: torch.Tensor | None, rope: RopeRows, lora: LoraStep | None) -> torch.Tensor:
         """`_layer` in native calls; returns the MLP output, not yet added to the residual."""
-        qkv = lw.qkv(step.add_rms_norm(delta, lw.input_norm))
+        qkv = _project(lw.qkv, step.add_rms_norm(delta, lw.input_norm), lora, i, "qkv")
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias
         step.attend(i, qkv, rope=rope, window=lw.window, q_norm=lw.q_norm, k_norm=lw.k_norm)
-        o = self._reduce(lw.o(step.attn_out))
+        o = self._reduce(_project(lw.o, step.attn_out, lora, i, "o"))
         if lw.post_attn_norm is not None:
             o = step.rms_norm(o, lw.post_attn_norm)
-        mlp = self._reduce(lw.down(step.act_mul(lw.gate_up(step.add_rms_norm(o, lw.ffn_norm)), self.cfg.activation)))
+        gate_up = _project(lw.gate_up, step.add_rms_norm(o, lw.ffn_norm), lora, i, "gate_up")
+        mlp = self._reduce(_project(lw.down, step.act_mul(gate_up, self.cfg.activation), lora, i, "down"))
         return step.rms_norm(mlp, lw.post_ffn_norm) if lw.post_ffn_norm is not None else mlp
 
-    def _layer(self, x: torch.Tensor, lw: LayerWeights, cache: torch.Tensor, rope: tuple[torch.Tensor, ...],
-               meta: AttentionMetadata, attn_out: torch.Tensor) -> torch.Tensor:
-        """One decoder layer; updates `x` (the residual stream, owned by forward) in place."""
+    def _layer(self, x: torch.Tensor, i: int, lw: LayerWeights, cache: torch.Tensor, rope: tuple[torch.Tensor, ...],
+               meta: AttentionMetadata, attn_out: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
+        """Decoder layer `i`; updates `x` (the residual stream, owned by forward) in place."""
         cfg = self.cfg
         t, heads, kv_heads, eps = x.shape[0], self.num_heads, self.num_kv_heads, cfg.rms_norm_eps
-        qkv = lw.qkv(rms_norm(x, lw.input_norm, eps))
+        qkv = _project(lw.qkv, rms_norm(x, lw.input_norm, eps), lora, i, "qkv")
         if lw.qkv_bias is not None:
             qkv += lw.qkv_bias
         qkv = qkv.view(t, heads + 2 * kv_heads, cfg.head_dim)
@@ -339,12 +347,18 @@ class DecoderModel:
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads :]
         self.backend.write_kv(cache, k, v, meta.slot_mapping)
         self.backend.forward(q, cache, meta, attn_out, window=lw.window, scale=cfg.attention_scale)
-        o = self._reduce(lw.o(attn_out))
+        o = self._reduce(_project(lw.o, attn_out, lora, i, "o"))
         x += rms_norm(o, lw.post_attn_norm, eps) if lw.post_attn_norm is not None else o
-        mlp = self._reduce(lw.down(gated_act(lw.gate_up(rms_norm(x, lw.ffn_norm, eps)), cfg.activation)))
+        gate_up = _project(lw.gate_up, rms_norm(x, lw.ffn_norm, eps), lora, i, "gate_up")
+        mlp = self._reduce(_project(lw.down, gated_act(gate_up, cfg.activation), lora, i, "down"))
         x += rms_norm(mlp, lw.post_ffn_norm, eps) if lw.post_ffn_norm is not None else mlp
         return x
 
+
+def _project(layer: DenseLayer, x: torch.Tensor, lora: LoraStep | None, i: int, proj: str) -> torch.Tensor:
+    """layer(x), plus the LoRA delta of each row's adapter when the step has any."""
+    y = layer(x)
+    return y if lora is None else lora.add(y, x, i, proj)
 
 
 def _own(t: torch.Tensor, shard: Shard) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 from halfmoon.core.blocks import cdiv
 from halfmoon.engine.grammar import step_bitmask
 from halfmoon.engine.cuda_graphs import DecodeGraphs, VerifyGraphs, VerifyShape
+from halfmoon.engine.lora_pool import LoraPool, LoraStep
 from halfmoon.engine.model import LayerHook, DecoderModel
 from halfmoon.engine.request import Request
 from halfmoon.engine.logits import process, record_logprobs, record_prompt_logprobs, row_spans
@@ -34,7 +35,7 @@ from halfmoon.kernels.attention import AttentionMetadata, DecodeBatch, PrefillSe
 
 class StepInputs:
     __slots__ = ("input_ids", "positions", "meta", "logits_rows", "sampled", "rope_lens", "drafts", "verify",
-                 "prompt_rows")
+                 "prompt_rows", "lora")
 
     def __init__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  logits_rows: torch.Tensor, sampled: list[Request],
@@ -54,6 +55,7 @@ class StepInputs:
         # prompt logprobs: (request, first position, rows) of the chunks that asked, their logits
         # rows appended after the sampled ones (engine/logits.py record_prompt_logprobs)
         self.prompt_rows: list[tuple[Request, int, int]] = []
+        self.lora: LoraStep | None = None  # the rows' LoRA adapters, when any has one
 
 
 class StepBuffers:
@@ -136,6 +138,7 @@ class ModelRunner:
         # what min_tokens holds back (EOS and the model's other stop ids; set by the engine)
         self.stop_ids: frozenset[int] = frozenset()
         self._mask_thread: ThreadPoolExecutor | None = None  # constraints' masks (started on first use)
+        self.lora: LoraPool | None = None  # the engine's LoRA slots (None: no adapters served)
 
     def run(self, scheduled: Sequence[ScheduledRequest]) -> list[list[int]]:
         """One forward pass over the batch; returns the new tokens of each request whose
@@ -199,12 +202,12 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """A graph's replay for a plain decode or verification step that fits one (no layer
         hook, no tensor parallel peers, no dynamic-NTK lengths); else the eager forward."""
-        if self.layer_hook is None and self.step_sync is None and inputs.rope_lens is None:
+        if self.layer_hook is None and self.step_sync is None and inputs.rope_lens is None and inputs.lora is None:
             logits = self._replay(inputs)
             if logits is not None:
                 return logits
         return self.model.forward(inputs.input_ids, inputs.positions, self.kv_cache,
-                                  inputs.meta, inputs.logits_rows, self.layer_hook, inputs.rope_lens)
+                                  inputs.meta, inputs.logits_rows, self.layer_hook, inputs.rope_lens, inputs.lora)
 
     def _replay(self, inputs: StepInputs) -> torch.Tensor | None:
         """The step's logits from a decode or verification graph; None: no graph holds it."""
@@ -238,10 +241,11 @@ class ModelRunner:
         The scheduler consumes the sampled tokens in its own order, so `logits_rows`/`sampled`
         follow `scheduled`, not the flat layout.
         """
-        if all(s.num_tokens == 1 and s.sample and not s.draft for s in scheduled):
-            inputs = self._prepare_decodes(scheduled)
-        else:
-            inputs = self._prepare_mixed(scheduled)
+        decodes_only = all(s.num_tokens == 1 and s.sample and not s.draft for s in scheduled)
+        inputs = self._prepare_decodes(scheduled) if decodes_only else self._prepare_mixed(scheduled)
+        if self.lora is not None and any(s.request.params.adapter is not None for s in scheduled):
+            inputs.lora = self.lora.step([(s.request.params.adapter, s.num_tokens)
+                                          for s in _flat_order(scheduled, decodes_only)])
         if self.model.needs_rope_lens:
             inputs.rope_lens = self._rope_lens(scheduled, inputs.positions)
         return inputs
@@ -250,10 +254,7 @@ class ModelRunner:
     def _rope_lens(scheduled: Sequence[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
         """HF's dynamic-NTK sequence length per token (engine/rope.py): a prompt token's is the
         prompt's length, a decoded token's its position + 1. Flat order: decodes, then prefills."""
-        order = ([s for s in scheduled if s.num_tokens == 1 or s.draft]
-                 + [s for s in scheduled if s.num_tokens > 1 and not s.draft])
-        if all(s.num_tokens == 1 and s.sample and not s.draft for s in scheduled):
-            order = list(scheduled)
+        order = _flat_order(scheduled, all(s.num_tokens == 1 and s.sample and not s.draft for s in scheduled))
         prompt = torch.cat([torch.full((s.num_tokens,), s.request.num_prompt_tokens) for s in order])
         return torch.maximum(positions.cpu() + 1, prompt)
 
@@ -349,6 +350,15 @@ class ModelRunner:
             segments.append(PrefillSegment(q_start, n, table, ctx, mask))
             q_start += n
         return segments
+
+
+def _flat_order(scheduled: Sequence[ScheduledRequest], decodes_only: bool) -> list[ScheduledRequest]:
+    """The entries in the step's flat row order: the scheduler's for an all-decode step, else
+    decodes (and verifications), then prefill chunks (module docstring)."""
+    if decodes_only:
+        return list(scheduled)
+    return ([s for s in scheduled if s.num_tokens == 1 or s.draft]
+            + [s for s in scheduled if s.num_tokens > 1 and not s.draft])
 
 
 def _with_forks(inputs: StepInputs, forks: list[tuple[int, Request]]) -> StepInputs:

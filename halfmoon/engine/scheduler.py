@@ -24,6 +24,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from halfmoon.core.adapters import AdapterRef
 from halfmoon.core.blocks import cdiv
 from halfmoon.core.params import FinishReason
 
@@ -83,6 +84,9 @@ class Scheduler:
         # copies one KV block's contents to another, every layer and rank (set by the engine)
         self.copy_block: Callable[[int, int], None] = _no_copy
         self.on_fetched: Callable[[], None] = lambda: None  # a pull ended (the loop wakes up)
+        # the most distinct LoRA adapters one step may use (the engine's slots; 0 = no limit)
+        self.lora_limit = 0
+        self._step_adapters: set[AdapterRef] = set()
         self.stats = SchedulerStats()
 
     def add(self, request: Request) -> None:
@@ -150,6 +154,7 @@ class Scheduler:
         self._collect_fetches()
         batch: list[ScheduledRequest] = []
         preempted: list[Request] = []
+        self._step_adapters.clear()
         budget = self._schedule_running(batch, preempted, self.max_num_batched_tokens)
         if not preempted:  # under memory pressure, admit nobody new this step
             self._schedule_waiting(batch, budget)
@@ -161,6 +166,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if not self._adapter_fits(req):  # its adapter waits for a step with a free slot
+                i += 1
+                continue
             draft = drafts.get(req.request_id, ())[: max(0, budget - 1)]
             n = min(req.num_tokens - req.num_computed_tokens + len(draft), budget)
             if not self._reserve_or_preempt(req, n, preempted):
@@ -175,6 +183,8 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and (
                 self.max_prefill_seqs is None or prefills < self.max_prefill_seqs):
             req = self.waiting[0]
+            if not self._adapter_fits(req):
+                break
             usable, hit = self._device_hit(req)
             # Touching a cached-but-free block takes it out of the free list too.
             free = self.pool.num_free() - self.pool.num_free_among(hit)
@@ -199,6 +209,17 @@ class Scheduler:
             batch.append(self._entry(req, n))
             budget -= n
             prefills += 1
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether `req` may join this step: the base model, an adapter the step already uses, or
+        one more adapter while the step uses fewer than `lora_limit` (it joins the step's set)."""
+        adapter = req.params.adapter
+        if adapter is None or adapter in self._step_adapters:
+            return True
+        if self.lora_limit and len(self._step_adapters) >= self.lora_limit:
+            return False
+        self._step_adapters.add(adapter)
+        return True
 
     def _plan(self, req: Request, usable: list[bytes], device_hit: int) -> TierPlan:
         """Where the blocks past the device hit come from (a finished pull's rows included)."""

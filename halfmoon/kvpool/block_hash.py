@@ -1,13 +1,14 @@
 """Block identity: chained sha256 hashes of full token blocks (docs/ARCHITECTURE.md, "Block identity").
 
-    h_0 = H("halfmoon-kv/1", model fingerprint, dtype, block_size, cache_salt)
+    h_0 = H("halfmoon-kv/1", model fingerprint, dtype, block_size, cache_salt[, LoRA adapter digest])
     h_i = H(h_{i-1}, token_ids of block i)
 
 H is sha256 over a canonical byte encoding (length-prefixed UTF-8 strings, little-endian u32
 integers), truncated to 16 bytes. Only full blocks are hashed. Never Python's `hash()`: the same
 tokens give the same hash on every process and node, today and after an upgrade (golden tests
 pin the values). A different `cache_salt` gives a different root, hence disjoint hashes: tenants
-never hit each other's blocks.
+never hit each other's blocks; a LoRA adapter's digest (when the request has one) roots its own
+chain, so a prefix computed under one adapter is no hit for another or for the base model.
 """
 
 from __future__ import annotations
@@ -29,12 +30,17 @@ def _field(value: str) -> bytes:
     return struct.pack("<I", len(data)) + data
 
 
-def root_hash(model_fingerprint: str, dtype: str, block_size: int, cache_salt: str | None = None) -> bytes:
-    """h_0 for one model/dtype/block size/tenant; `None` and "" salts are the same tenant."""
+def root_hash(model_fingerprint: str, dtype: str, block_size: int, cache_salt: str | None = None,
+              adapter: str = "") -> bytes:
+    """h_0 for one model/dtype/block size/tenant/LoRA adapter; `None` and "" salts are the same
+    tenant; `adapter` (AdapterRef.cache_key, "" = the base model) is hashed only when given, so
+    the base model's roots are those of before adapters existed."""
     if block_size <= 0:
         raise ValueError(f"block_size must be > 0, got {block_size}")
     payload = _DOMAIN + _field(model_fingerprint) + _field(dtype) + struct.pack("<I", block_size)
     payload += _field(cache_salt or "")
+    if adapter:
+        payload += _field(adapter)
     return hashlib.sha256(payload).digest()[:HASH_BYTES]
 
 

@@ -1,0 +1,214 @@
+"""The worker's LoRA slots: a bounded pool of adapters resident for the model, paged in on demand.
+
+    disk (the adapter folder) --read + check--> host cache (LRU, max_cpu_loras) --copy--> slot (LRU, max_loras)
+
+Each projection has one stack per kind, [layers, slots, in, k*R] and [layers, slots, k*R, out]
+(engine/lora.py's layout), allocated at the first adapter. A step names the adapters its rows
+use (the scheduler lets at most `max_loras` distinct ones into a step); `activate` gives each a
+slot, paging in what is not resident and evicting the least recently used adapter that this
+step does not use. An evicted adapter's running requests lose nothing: their next step pages
+it back in (from the host cache, or the folder again).
+
+A step's LoRA (`LoraStep`): the rows of each slot gathered into [slots, m, in] (m = the most
+rows any slot has this step; a slot's other rows are padding, zeroed after the shrink), then
+per projection
+
+    y[rows] += ((x[rows] @ A[slot]) * keep) @ B[slot]          two bmm's for every adapter at once
+
+Slots are taken lowest first and a step multiplies slots [0, n) (a view, no copy): a slot no row
+of the step uses is all padding.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from halfmoon.core.adapters import AdapterRef, InvalidAdapterError, LoraShapes
+from halfmoon.engine.lora import StackedLora, check_adapter, projection_dims, read_files, stack
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoraPoolStats:
+    """Counters since start (the worker's metrics)."""
+
+    disk_loads: int = 0  # adapters read from their folder (host cache misses)
+    page_ins: int = 0  # copies host cache -> slot
+    evictions: int = 0  # slots given to another adapter
+    hits: int = 0  # adapters a step found resident
+    load_s: float = 0.0  # time reading + checking folders
+    requests: dict[str, int] = field(default_factory=dict)  # per adapter name: requests started
+
+
+class LoraStep:
+    """One step's LoRA: which rows use which slot (module docstring)."""
+
+    __slots__ = ("rows", "keep", "n", "m", "pool")
+
+    def __init__(self, pool: LoraPool, rows: torch.Tensor, keep: torch.Tensor, n: int, m: int) -> None:
+        self.pool, self.rows, self.keep, self.n, self.m = pool, rows, keep, n, m
+
+    def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
+        """y (= the base projection of x) plus each row's adapter delta, in place."""
+        a = self.pool.a[proj][layer, : self.n]
+        xs = x.index_select(0, self.rows).view(self.n, self.m, x.shape[1])
+        shrunk = torch.bmm(xs, a).mul_(self.keep)
+        delta = torch.bmm(shrunk, self.pool.b[proj][layer, : self.n])
+        return y.index_add_(0, self.rows, delta.view(-1, y.shape[1]))
+
+
+class LoraPool:
+    """The slots and host cache of one engine (module docstring). Thread-safe for `preload`
+    (the worker's loader thread) against the engine thread's `activate`."""
+
+    def __init__(self, shapes: LoraShapes, max_loras: int, max_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu", check_base: bool = True) -> None:
+        if max_loras < 1 or max_rank < 1 or max_cpu_loras < max_loras:
+            raise ValueError(f"max_loras {max_loras} >= 1, max_lora_rank {max_rank} >= 1 and "
+                             f"max_cpu_loras {max_cpu_loras} >= max_loras needed")
+        self.shapes = shapes if check_base else LoraShapes(shapes.num_layers, shapes.modules)
+        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        self.dtype, self.device = dtype, torch.device(device)
+        self.a: dict[str, torch.Tensor] = {}
+        self.b: dict[str, torch.Tensor] = {}
+        self.slots: list[str | None] = [None] * max_loras  # digest resident in each slot
+        self._used: OrderedDict[str, int] = OrderedDict()  # digest -> slot, least recently used first
+        self._host: OrderedDict[str, StackedLora] = OrderedDict()
+        self._lock = threading.Lock()
+        self.stats = LoraPoolStats()
+
+    # ------------------------------------------------------------------ host cache
+
+    def preload(self, ref: AdapterRef) -> StackedLora:
+        """`ref` in the host cache (read from its folder and checked if it is not)."""
+        with self._lock:
+            cached = self._host.get(ref.digest)
+            if cached is not None:
+                self._host.move_to_end(ref.digest)
+                return cached
+        start = time.perf_counter()
+        files = read_files(ref.path, ref.name)
+        if files.digest != ref.digest:
+            raise InvalidAdapterError(ref.name, f"the files in {ref.path} changed since it was loaded "
+                                                f"(digest {files.digest}, loaded as {ref.digest}): load it again")
+        stacked = stack(check_adapter(files, ref.name, self.shapes, self.max_rank), self.shapes,
+                        self.max_rank, self.dtype)
+        with self._lock:
+            self.stats.disk_loads += 1
+            self.stats.load_s += time.perf_counter() - start
+            self._host[ref.digest] = stacked
+            self._host.move_to_end(ref.digest)
+            self._trim_host()
+        return stacked
+
+    def _trim_host(self) -> None:
+        """Drop the least recently used host copies past `max_cpu_loras` (resident ones stay)."""
+        for digest in list(self._host):
+            if len(self._host) <= self.max_cpu_loras:
+                return
+            if digest not in self._used:
+                del self._host[digest]
+
+    def forget(self, digest: str) -> None:
+        """An unloaded adapter: drop its host copy; its slot is freed once no step uses it."""
+        with self._lock:
+            if digest not in self._used:
+                self._host.pop(digest, None)
+
+    # ------------------------------------------------------------------ slots
+
+    def activate(self, refs: Sequence[AdapterRef]) -> list[int]:
+        """A slot for each of `refs` (distinct, at most `max_loras`), paging in what is missing."""
+        if len(refs) > self.max_loras:
+            raise RuntimeError(f"a step uses {len(refs)} adapters; the pool has {self.max_loras} slots")
+        slots = []
+        wanted = {r.digest for r in refs}
+        for ref in refs:
+            slot = self._used.get(ref.digest)
+            if slot is None:
+                slot = self._page_in(ref, wanted)
+            else:
+                self.stats.hits += 1
+            self._used.move_to_end(ref.digest)
+            slots.append(slot)
+        return slots
+
+    def _page_in(self, ref: AdapterRef, keep: set[str]) -> int:
+        stacked = self.preload(ref)
+        if not self.a:
+            self._allocate()
+        slot = self._free_slot(keep)
+        for proj in self.a:
+            self.a[proj][:, slot].copy_(stacked.a[proj])
+            self.b[proj][:, slot].copy_(stacked.b[proj])
+        self.slots[slot] = ref.digest
+        self._used[ref.digest] = slot
+        self.stats.page_ins += 1
+        return slot
+
+    def _free_slot(self, keep: set[str]) -> int:
+        """The lowest empty slot, else the least recently used one no adapter in `keep` holds."""
+        if None in self.slots:
+            return self.slots.index(None)
+        victim = next(d for d in self._used if d not in keep)
+        slot = self._used.pop(victim)
+        self.stats.evictions += 1
+        with self._lock:
+            self._trim_host()
+        return slot
+
+    def _allocate(self) -> None:
+        dims = projection_dims(self.shapes)
+        n, s, r = self.shapes.num_layers, self.max_loras, self.max_rank
+        for proj, (fan_in, fan_out, k) in dims.items():
+            self.a[proj] = torch.zeros(n, s, fan_in, k * r, dtype=self.dtype, device=self.device)
+            self.b[proj] = torch.zeros(n, s, k * r, fan_out, dtype=self.dtype, device=self.device)
+        log.info("LoRA slots allocated: %d slots of rank %d, %.1f MiB", s, r, self.nbytes() / 2**20)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+    def resident(self) -> list[str]:
+        """Digests in the slots, most recently used last."""
+        return list(self._used)
+
+    def cached(self) -> list[str]:
+        with self._lock:
+            return list(self._host)
+
+    # ------------------------------------------------------------------ steps
+
+    def step(self, order: Sequence[tuple[AdapterRef | None, int]]) -> LoraStep | None:
+        """The step's LoRA for its flat rows: `order` is (adapter or None, rows) per request in
+        the step's flat order. None when no row uses an adapter."""
+        refs = list(dict.fromkeys(ref for ref, _ in order if ref is not None))
+        if not refs:
+            return None
+        slot_of = dict(zip(refs, self.activate(refs)))
+        groups: list[list[int]] = [[] for _ in range(max(slot_of.values()) + 1)]
+        row = 0
+        for ref, count in order:
+            if ref is not None:
+                groups[slot_of[ref]].extend(range(row, row + count))
+            row += count
+        n, m = len(groups), max(len(g) for g in groups)
+        flat = [g[i] if i < len(g) else 0 for g in groups for i in range(m)]
+        keep = torch.tensor([[float(i < len(g))] for g in groups for i in range(m)], dtype=self.dtype)
+        return LoraStep(self, torch.tensor(flat, device=self.device), keep.view(n, m, 1).to(self.device), n, m)
+
+    def check(self) -> None:
+        """Invariants: each resident digest in exactly one slot, its host copy cached, sizes bounded."""
+        assert len(self._used) <= self.max_loras, (len(self._used), self.max_loras)
+        for digest, slot in self._used.items():
+            assert self.slots[slot] == digest, (slot, digest, self.slots[slot])
+        assert sum(d is not None for d in self.slots) == len(self._used), (self.slots, self._used)
+        with self._lock:
+            assert all(d in self._host for d in self._used), "a resident adapter lost its host copy"
