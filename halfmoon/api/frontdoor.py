@@ -82,7 +82,7 @@ class FrontDoor:
                 b = self.backend
                 spec.tool_format = self.tool_format if spec.messages is not None else None
                 inp = build_input(spec, b.tokenizer, b.model, self.limits, priority_classes=b.priority_classes,
-                                  kv_capacity_tokens=b.kv_capacity_tokens)
+                                  kv_capacity_tokens=b.kv_capacity_tokens, adapters=b.adapters)
                 await _compiled(b, inp, spec)
                 async with aclosing(self._run(_traced(inp, span), api)) as items:
                     async for item in items:

@@ -263,7 +263,7 @@ class GenerationService:
             if isinstance(request, Undecodable):
                 raise InvalidRequestError("request", request.error)
             backend = self.door.backend
-            check_model(request.model, backend.model)
+            check_model(request.model, backend.model, backend.adapters)
             ids = _tokenize(request, backend, self.door.limits)
             return pb.TokenizeResponse(token_ids=ids, max_model_len=backend.model.max_model_len)
         except Exception as e:

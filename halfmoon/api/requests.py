@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from halfmoon.api.chat import render
 from halfmoon.api.tool_formats import ToolFormat, token_literal
 from halfmoon.api.tools import ToolRequest
+from halfmoon.conductor.adapters import AdapterRegistry
 from halfmoon.conductor.backend import GenerationInput, Slo
 from halfmoon.conductor.errors import ModelNotFoundError
+from halfmoon.core.adapters import AdapterRef
 from halfmoon.core.errors import InvalidRequestError, check_positive
 from halfmoon.core.params import Constraint, ConstraintKind, SamplingParams, check_token_ids
 from halfmoon.engine.tokenizer import Tokenizer
@@ -96,25 +98,33 @@ class RequestSpec:
         return self.names.get(canonical, canonical)
 
 
-def check_model(model: str, card: ModelInfo) -> None:
-    """Empty = the served model; anything else must be its id."""
+def check_model(model: str, card: ModelInfo, adapters: AdapterRegistry | None = None) -> AdapterRef | None:
+    """Empty = the served model; anything else must be its id or a loaded LoRA adapter's name
+    (returned; counted as one of its requests). ModelNotFoundError otherwise."""
+    if adapters is not None:
+        return adapters.resolve(model)
     if model and model != card.id:
         raise ModelNotFoundError(model, [card.id])
+    return None
 
 
 def build_input(spec: RequestSpec, tokenizer: Tokenizer, card: ModelInfo, limits: Limits, *,
-                priority_classes: frozenset[str], kv_capacity_tokens: int | None = None) -> GenerationInput:
+                priority_classes: frozenset[str], kv_capacity_tokens: int | None = None,
+                adapters: AdapterRegistry | None = None) -> GenerationInput:
     """Validate everything, tokenize, return what the backend runs. Raises InvalidRequestError
     (naming the field), ModelNotFoundError.
 
     priority_classes: the classes the backend has; kv_capacity_tokens: the most tokens (prompt +
-    max_tokens) one request's KV may take where it decodes (None = not known: not checked here).
+    max_tokens) one request's KV may take where it decodes (None = not known: not checked here);
+    adapters: the LoRA adapters a request's `model` may name (None: the base model only).
     """
-    check_model(spec.model, card)
+    adapter = check_model(spec.model, card, adapters)
     cls = priority_class(spec, priority_classes)
     ids = prompt_ids(spec, tokenizer, card, limits)
     tool_constraint(spec, tokenizer)
     params = sampling_params(spec, card, limits, len(ids), kv_capacity_tokens, tokenizer)
+    if adapter is not None:
+        params = replace(params, adapter=adapter)
     check_kv_capacity(spec, len(ids), params.max_tokens, kv_capacity_tokens)
     return GenerationInput(ids, params, _short(spec, "request_id", spec.request_id, limits),
                            _short(spec, "cache_salt", spec.cache_salt, limits), slo(spec),

@@ -24,6 +24,7 @@ from halfmoon.engine.grammar import Grammars
 from halfmoon.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # conductor.admission imports this module
+    from halfmoon.conductor.adapters import AdapterRegistry
     from halfmoon.conductor.admission import AdmissionConfig
     from halfmoon.conductor.cost_model import CostModel
 
@@ -108,6 +109,8 @@ class GenerationBackend(abc.ABC):
     block_size: int = 16  # the workers' KV block, tokens (known once started)
     cost: CostModel | None = None  # the cost model admission prices with (known once started)
     tracer: Tracer = NO_TRACER  # this process's (core/tracing.py); the front door's spans too
+    # the LoRA adapters a request's `model` may name (conductor/adapters.py); None: base model only
+    adapters: AdapterRegistry | None = None
     _grammars: Grammars | None = None
 
     @property

@@ -30,6 +30,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, replace
 from typing import Any
 
+from halfmoon.conductor.adapters import AdapterRegistry
 from halfmoon.conductor.admission import AdmissionConfig
 from halfmoon.conductor.admission_window import AdmissionWindow, SecondLook
 from halfmoon.conductor.admission_stats import AdmissionStats, TopGaps
@@ -57,6 +58,7 @@ from halfmoon.core.messages import (
     TokenChunk,
     WorkerLostError,
 )
+from halfmoon.core.adapters import AdapterRef
 from halfmoon.core.tracing import now_ns, start_tracing
 from halfmoon.engine.worker import tokenizer_for_model
 from halfmoon.results import ModelInfo
@@ -111,6 +113,10 @@ class ClusterBackend(GenerationBackend):
         self._streaming = 0  # of which past their first token
         self._reruns: collections.Counter[str] = collections.Counter()  # see BackendStats.requests_rerun
         self._reprefilled = 0  # prompt tokens sent to prefill again by re-runs and moves
+        # LoRA adapters: checked against the workers' shapes, known at start
+        self.adapters = AdapterRegistry(config.model_id, None, config.engine.max_lora_rank,
+                                        f"LoRA adapters are not served with tensor-parallel workers "
+                                        f"(--prefill-tp {config.prefill_tp}, --decode-tp {config.decode_tp})")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -121,6 +127,9 @@ class ClusterBackend(GenerationBackend):
         self.model = ModelInfo(self.config.model_id, self.info.max_model_len, self.info.vocab_size,
                                architecture=self.info.architecture, dtype=self.info.dtype)
         self.block_size = self.info.block_size
+        self.adapters.base_id = self.config.model_id
+        self.adapters.shapes = self.info.lora if self.config.decode_tp == 1 else None
+        self.adapters.max_rank = self.info.max_lora_rank
         self.cost = await self._cost_model(first)
         self._dispatch_with(self.cost, self.admission_stats)
         if self.redis_url is not None:
@@ -453,7 +462,7 @@ class ClusterBackend(GenerationBackend):
         started, arrival = now_ns(), time.monotonic()
         # Hashing the prompt and the index round trip run off the event loop: a slow or hung
         # Redis (up to the index's socket timeout) must not stall every other stream.
-        prefix = await asyncio.to_thread(self.prefix_match, inp.prompt_ids, inp.cache_salt)
+        prefix = await asyncio.to_thread(self.prefix_match, inp.prompt_ids, inp.cache_salt, inp.params.adapter)
         policy = self.admission_config.admission
         try:
             route = await self._held(inp, wid, prefix, resumed, arrival)  # decision + booking at once
@@ -510,12 +519,15 @@ class ClusterBackend(GenerationBackend):
         p, d = self.manager.workers[booking.prefill_id], self.manager.workers[booking.decode_id]
         return Route(p, d, booking)
 
-    def prefix_match(self, prompt_ids: list[int], cache_salt: str | None) -> PrefixMatch:
+    def prefix_match(self, prompt_ids: list[int], cache_salt: str | None,
+                     adapter: AdapterRef | None = None) -> PrefixMatch:
         """What the cluster index knows of this prompt's blocks (nothing without an index)."""
+        adapter_ms = self._adapter_ms(adapter)
         if self.index is None or self.info is None:
-            return PrefixMatch({})
+            return PrefixMatch({}, adapter_ms=adapter_ms)
         bs = self.info.block_size
-        root = root_hash(self.info.fingerprint, self.info.dtype, bs, cache_salt)
+        root = root_hash(self.info.fingerprint, self.info.dtype, bs, cache_salt,
+                         adapter.cache_key if adapter is not None else "")
         result = self.index.lookup(block_hashes(prompt_ids, bs, root))
         matched: dict[str, int] = {}
         prefill = self.manager.role("prefill")
@@ -531,8 +543,17 @@ class ClusterBackend(GenerationBackend):
         prefill_ids = {w.worker_id for w in prefill}
         best = max(result.matches, key=lambda m: (m.length, m.holder.worker_id in prefill_ids), default=None)
         if best is None or not self.config.engine.remote_fetch:  # local-only: no pull to price
-            return PrefixMatch(matched)
-        return PrefixMatch(matched, best.length * bs, best.holder.worker_id)
+            return PrefixMatch(matched, adapter_ms=adapter_ms)
+        return PrefixMatch(matched, best.length * bs, best.holder.worker_id, adapter_ms)
+
+    def _adapter_ms(self, adapter: AdapterRef | None) -> dict[str, float]:
+        """Per prefill worker that does not hold `adapter` (its last health answer), the time to
+        read it there: what reading and checking it took the Conductor."""
+        if adapter is None:
+            return {}
+        cost = self.adapters.load_ms(adapter.name)
+        return {w.worker_id: cost for w in self.manager.role("prefill")
+                if w.load is None or adapter.digest not in w.load.adapters}
 
 
 async def _profiled(worker: Worker, info: EngineInfo) -> CostModel:

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, replace
 
+from halfmoon.conductor.adapters import AdapterRegistry
 from halfmoon.conductor.admission import AdmissionConfig
 from halfmoon.conductor.admission_stats import AdmissionStats, TopGaps
 from halfmoon.conductor.backend import BackendStats, GenerationBackend, GenerationInput, WorkerView
@@ -66,6 +67,9 @@ class ColocatedBackend(GenerationBackend):
         self._grammars = engine.grammars  # one cache: the front door's check compiles for the engine
         self.model = ModelInfo(model_id, engine.max_model_len, engine.model_config.vocab_size,
                                architecture=engine.model_config.architecture, dtype=engine.config.kv_tag)
+        info = engine.info()
+        self.adapters = AdapterRegistry(model_id, info.lora, info.max_lora_rank,
+                                        f"LoRA adapters are not served by tensor-parallel engines (tp = {engine.config.tp})")
         # One bound on the queue: --max-waiting is this mode's name for max_queue_per_worker.
         cfg = admission or AdmissionConfig()
         self.admission_config = replace(cfg, max_queue_per_worker=min(cfg.max_queue_per_worker, max_waiting))
@@ -199,7 +203,7 @@ class ColocatedBackend(GenerationBackend):
         """Admission on this engine's ledgers (conductor/dispatch.py); raises the rejection."""
         assert self.dispatcher is not None
         n = len(inp.prompt_ids)
-        cached = self.engine.cached_prefix_tokens(inp.prompt_ids, inp.cache_salt)
+        cached = self.engine.cached_prefix_tokens(inp.prompt_ids, inp.cache_salt, inp.params.adapter)
         ask = Ask(request_id, n, inp.params.max_tokens, inp.priority_class, inp.slo, choices=inp.params.n)
         started, policy = now_ns(), self.admission_config.admission
         try:

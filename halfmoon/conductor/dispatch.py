@@ -42,6 +42,8 @@ class PrefixMatch:
     per_worker: dict[str, int] = field(default_factory=dict)
     best_tokens: int = 0
     best_holder: str = ""
+    # per prefill worker: reading the request's LoRA adapter first (absent: it holds it / none)
+    adapter_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +165,8 @@ class Dispatcher:
         request = RouteRequest(ask.prompt_len, ask.max_tokens, prefix.best_tokens,
                                prefix.best_holder if prefix.best_tokens else None)
         prefill_views = [PrefillView(s.worker_id, prefix.per_worker.get(s.worker_id, 0),
-                                     s.ledger.wait_ms(objective.rank, now), s.alive) for s in prefill]
+                                     s.ledger.wait_ms(objective.rank, now), s.alive,
+                                     prefix.adapter_ms.get(s.worker_id, 0.0)) for s in prefill]
         decode_views = [DecodeView(s.worker_id, len(s.ledger.jobs),
                                    sum(b.prompt_len + b.generated for b in s.ledger.jobs.values()),
                                    s.ledger.free_blocks, s.alive) for s in decode]

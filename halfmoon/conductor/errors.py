@@ -6,6 +6,7 @@ client sees. Each class maps to exactly one (gRPC status, HTTP code, OpenAI erro
 | exception                          | gRPC                | HTTP | OpenAI `type`          |
 |------------------------------------|---------------------|------|------------------------|
 | InvalidRequestError (+ChatTemplate)| INVALID_ARGUMENT    | 400  | invalid_request_error  |
+| InvalidAdapterError (LoRA)         | INVALID_ARGUMENT    | 400  | invalid_request_error  |
 | ModelNotFoundError                 | NOT_FOUND           | 404  | not_found_error        |
 | RequestTooLargeError               | RESOURCE_EXHAUSTED  | 413  | invalid_request_error  |
 | RetryableRejection (every kind)    | RESOURCE_EXHAUSTED  | 429  | rate_limit_error       |
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from halfmoon.core.adapters import InvalidAdapterError
 from halfmoon.core.errors import HalfmoonError, InvalidRequestError
 from halfmoon.core.messages import SloPrediction, WorkerError
 from halfmoon.engine.errors import ChatTemplateError, RequestAbortedError
@@ -111,6 +113,7 @@ class ErrorStatus:
 _STATUS: list[tuple[type[BaseException], ErrorStatus]] = [
     (InvalidRequestError, ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
     (ChatTemplateError, ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
+    (InvalidAdapterError, ErrorStatus(grpc.StatusCode.INVALID_ARGUMENT, 400, "invalid_request_error")),
     (ModelNotFoundError, ErrorStatus(grpc.StatusCode.NOT_FOUND, 404, "not_found_error")),
     (ResourceNotFoundError, ErrorStatus(grpc.StatusCode.NOT_FOUND, 404, "not_found_error")),
     (ConflictError, ErrorStatus(grpc.StatusCode.FAILED_PRECONDITION, 409, "conflict_error")),

@@ -10,7 +10,7 @@ For each live prefill worker p, with `best_len` the longest prefix held anywhere
         prefix = best_len;      T_transfer = est_transfer(best_len - p.prefix_len)
     else:                                                                 compute them
         prefix = p.prefix_len;  T_transfer = 0
-    TTFT(p) = p.queued_prefill_ms + est_prefill(prompt_len - prefix, prefix) + T_transfer
+    TTFT(p) = p.queued_prefill_ms + est_prefill(prompt_len - prefix, prefix) + T_transfer (+ p.adapter_ms)
 
 The prefill worker is the one with the smallest TTFT (ties: shorter queue, then worker id). Pulling
 hot blocks to where requests run is how hot prefixes get replicated. The decode worker is, among
@@ -60,12 +60,14 @@ class PrefillView:
 
     prefix_len: tokens of this prompt's chain the worker holds (index match, any of its tiers).
     queued_prefill_ms: sum of the predicted prefill times of the requests queued on it.
+    adapter_ms: reading the request's LoRA adapter there first (0: it holds it, or no adapter).
     """
 
     worker_id: str
     prefix_len: int
     queued_prefill_ms: float
     alive: bool = True
+    adapter_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _check_non_negative(self)
@@ -114,7 +116,7 @@ class PrefillEstimate(NamedTuple):
     fetch_tokens: int  # of which pulled from the best holder
     queue_ms: float
     prefill_ms: float
-    transfer_ms: float
+    transfer_ms: float  # pulling the prefix, and reading the request's LoRA adapter when it must
     ttft_ms: float
 
 
@@ -183,7 +185,7 @@ class Router:
         prefix = best if pull else own
         fetch = best - own if pull else 0
         prefill_ms = self.cost.est_prefill_ms(request.prompt_len - prefix, prefix)
-        transfer_ms = self.cost.est_transfer_ms(fetch)
+        transfer_ms = self.cost.est_transfer_ms(fetch) + p.adapter_ms
         ttft = p.queued_prefill_ms + prefill_ms + transfer_ms
         return PrefillEstimate(p.worker_id, prefix, fetch, p.queued_prefill_ms, prefill_ms,
                                transfer_ms, ttft)

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
+from halfmoon.core.adapters import LoraShapes
 from halfmoon.core.errors import HalfmoonError, StructuredError
 from halfmoon.core.params import FinishReason, SamplingParams
 
@@ -299,6 +300,10 @@ class WorkerLoad:
     node_id: str = ""  # the node it runs on, as its cluster-index entries name it
     fetches_in_flight: int = 0  # remote prefix pulls waiting on a holder now
     fetch_failures: int = 0  # remote pulls that failed (holder gone, timeout, corrupt): recomputed
+    # LoRA (engine/lora_pool.py): digests of the adapters it holds (slots, then host copies), and
+    # its pool's counters since start
+    adapters: tuple[str, ...] = ()
+    lora: LoraCounters | None = None
     spec_verifications: int = 0  # speculative decoding, since start: verification entries (request x step)
     spec_proposed: int = 0  # draft tokens verified
     spec_accepted: int = 0  # of which accepted
@@ -308,6 +313,19 @@ class WorkerLoad:
     decode_single: int = 0  # of those steps, the ones that emitted a single token
     tp: int = 1  # tensor-parallel size: the worker is one unit of this many ranks (devices)
     kv_rank_bytes: tuple[int, ...] = ()  # decode: KV bytes each rank's receiver verified, rank 0's first
+
+
+@dataclass(frozen=True, slots=True)
+class LoraCounters:
+    """A worker's LoRA pool since start (engine/lora_pool.py LoraPoolStats): folders read, slot
+    page-ins and evictions, steps that found their adapter resident; requests per adapter name."""
+
+    disk_loads: int = 0
+    page_ins: int = 0
+    evictions: int = 0
+    hits: int = 0
+    load_s: float = 0.0
+    requests: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +339,9 @@ class EngineInfo:
     dtype: str  # EngineConfig.kv_tag: the KV dtype, `+int8`/`+int4` for quantized weights
     kv_bytes_per_token: int
     architecture: str = ""  # the model family (engine/families.py), e.g. "llama", "gemma3"
+    # what a LoRA adapter must fit (engine/lora.py); None: this engine serves no adapters
+    lora: LoraShapes | None = None
+    max_lora_rank: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -176,6 +176,8 @@ class Engine:
         self.validate(prompt_ids, params)
         if kv_push is not None:
             self._check_push(prompt_ids, kv_push)
+        if params.adapter is not None and self.lora is not None:
+            self.lora.count_request(params.adapter)
         req = self._new_request(prompt_ids, params, cache_salt)
         req.priority, req.deadline, req.fetch_from = priority, deadline, fetch_from
         if params.n > 1:
@@ -210,6 +212,8 @@ class Engine:
         self._check_prefilled_blocks(len(prompt_ids), params.max_tokens, len(block_ids))
         if len(choices) != params.n - 1:
             raise InvalidRequestError("choices", f"{len(choices)} choices' first tokens for n = {params.n}")
+        if params.adapter is not None and self.lora is not None:
+            self.lora.count_request(params.adapter)
         req = self._prefilled(list(prompt_ids), params, cache_salt, ChoiceStart(first_token, generator_state, first_logprobs))
         req.prompt_logprobs = list(prompt_logprobs) if prompt_logprobs is not None else None
         req.block_table = list(block_ids)
@@ -257,7 +261,8 @@ class Engine:
         """What the Conductor needs to tokenize, hash blocks and size requests like this engine."""
         return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.model_config.fingerprint,
                           self.config.block_size, self.config.kv_tag, self.kv_bytes_per_token,
-                          self.model_config.architecture)
+                          self.model_config.architecture, self.lora.shapes if self.lora is not None else None,
+                          self.config.max_lora_rank)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from halfmoon.core.adapters import AdapterRef, InvalidAdapterError, LoraShapes
+from halfmoon.core.messages import LoraCounters
 from halfmoon.engine.lora import StackedLora, check_adapter, projection_dims, read_files, stack
 
 log = logging.getLogger(__name__)
@@ -181,8 +182,19 @@ class LoraPool:
         return list(self._used)
 
     def cached(self) -> list[str]:
+        """Digests in the host cache not resident in a slot."""
         with self._lock:
-            return list(self._host)
+            return [d for d in self._host if d not in self._used]
+
+    def counters(self) -> LoraCounters:
+        s = self.stats
+        return LoraCounters(s.disk_loads, s.page_ins, s.evictions, s.hits, s.load_s,
+                            tuple(sorted(s.requests.items())))
+
+    def count_request(self, ref: AdapterRef) -> None:
+        """A request under `ref` started here (the per-adapter traffic the metrics show)."""
+        with self._lock:
+            self.stats.requests[ref.name] = self.stats.requests.get(ref.name, 0) + 1
 
     # ------------------------------------------------------------------ steps
 

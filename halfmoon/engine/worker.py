@@ -59,6 +59,9 @@ def engine_load(engine: Engine, loop: EngineLoop) -> WorkerLoad:
                       failure=None if loop.failure is None else str(loop.failure),
                       running=len(engine.scheduler.running), decode_entries=stats.decode_entries,
                       decode_tokens=stats.decode_tokens, decode_single=stats.decode_single)
+    if engine.lora is not None and engine.lora.stats.requests:
+        load = replace(load, adapters=tuple(engine.lora.resident() + engine.lora.cached()),
+                       lora=engine.lora.counters())
     if engine.speculator is not None:
         spec = engine.speculator.stats
         load = replace(load, spec_verifications=spec.steps, spec_proposed=spec.proposed,
