@@ -111,18 +111,10 @@ class LoraPool:
         return stacked
 
     def _trim_host(self) -> None:
-        """Drop the least recently used host copies past `max_cpu_loras` (resident ones stay)."""
-        for digest in list(self._host):
-            if len(self._host) <= self.max_cpu_loras:
-                return
-            if digest not in self._used:
-                del self._host[digest]
-
-    def forget(self, digest: str) -> None:
-        """An unloaded adapter: drop its host copy; its slot is freed once no step uses it."""
-        with self._lock:
-            if digest not in self._used:
-                self._host.pop(digest, None)
+        """Drop the least recently used host copies past `max_cpu_loras` (a resident adapter
+        needs none: its slot holds it)."""
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
 
     # ------------------------------------------------------------------ slots
 
@@ -162,8 +154,6 @@ class LoraPool:
         victim = next(d for d in self._used if d not in keep)
         slot = self._used.pop(victim)
         self.stats.evictions += 1
-        with self._lock:
-            self._trim_host()
         return slot
 
     def _allocate(self) -> None:
@@ -217,10 +207,11 @@ class LoraPool:
         return LoraStep(self, torch.tensor(flat, device=self.device), keep.view(n, m, 1).to(self.device), n, m)
 
     def check(self) -> None:
-        """Invariants: each resident digest in exactly one slot, its host copy cached, sizes bounded."""
+        """Invariants: each resident digest in exactly one slot and no slot twice, sizes bounded."""
         assert len(self._used) <= self.max_loras, (len(self._used), self.max_loras)
         for digest, slot in self._used.items():
             assert self.slots[slot] == digest, (slot, digest, self.slots[slot])
         assert sum(d is not None for d in self.slots) == len(self._used), (self.slots, self._used)
+        assert len(set(self._used.values())) == len(self._used), self._used
         with self._lock:
-            assert all(d in self._host for d in self._used), "a resident adapter lost its host copy"
+            assert len(self._host) <= self.max_cpu_loras, (len(self._host), self.max_cpu_loras)
