@@ -22,6 +22,7 @@ BENCHMARKS = {
     "sampling": "halfmoon.bench.sampling_bench",
     "choices": "halfmoon.bench.choices_bench",
     "constraints": "halfmoon.bench.constraints_bench",
+    "lora": "halfmoon.bench.lora_bench",
     "make-trace": "halfmoon.bench.make_trace",  # not a benchmark: writes a synthetic Mooncake trace to replay
 }
 
