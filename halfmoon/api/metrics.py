@@ -10,6 +10,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from halfmoon.conductor.adapters import LoraStats
 from halfmoon.conductor.admission_stats import AdmissionStats
 from halfmoon.conductor.backend import BackendStats, WorkerView
 from halfmoon.core.params import FEATURES, SamplingParams
@@ -56,6 +57,8 @@ class _BackendCollector(Collector):
             yield from _index_metrics(s.index_health)
         if s.workers:
             yield from _worker_metrics(s.workers)
+        if s.lora is not None:
+            yield from _lora_metrics(s.lora, s.workers)
         if s.index_up is not None:
             yield GaugeMetricFamily("halfmoon_index_up", "1 while the Conductor's cluster index reaches its Redis, "
                                     "0 while it serves from local caches only.", float(s.index_up))
@@ -131,6 +134,34 @@ def _worker_metrics(workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFami
         verifications.add_metric([w.worker_id], load.spec_verifications)
     yield from (up, restarts, running, steps, blocks, received, by_path, prompt, prefix, served, fetching, fetch_failed,
                 spec, verifications, _standby_metric(workers))
+
+
+def _lora_metrics(lora: LoraStats, workers: tuple[WorkerView, ...]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """LoRA adapters: served, requests per adapter, registry loads/unloads, and each worker's
+    slot pool (folders read, page-ins, evictions, steps that found their adapter resident)."""
+    yield GaugeMetricFamily("halfmoon_lora_adapters_loaded", "LoRA adapters a request may name now.",
+                            len(lora.loaded))
+    requests = CounterMetricFamily("halfmoon_lora_requests", "Requests per LoRA adapter (model name) since "
+                                   "start.", labels=["adapter"])
+    for name, n in lora.requests:
+        requests.add_metric([name], n)
+    yield requests
+    changes = CounterMetricFamily("halfmoon_lora_registry_changes", "Adapters loaded and unloaded through "
+                                  "--lora and the admin API.", labels=["change"])
+    changes.add_metric(["load"], lora.loads)
+    changes.add_metric(["unload"], lora.unloads)
+    yield changes
+    events = CounterMetricFamily("halfmoon_lora_slot_events", "Each worker's LoRA slots: disk_load (a folder "
+                                 "read), page_in (copied into a slot), eviction, hit (a step found it "
+                                 "resident); hit rate = hit / (hit + page_in).", labels=["worker", "event"])
+    for w in workers:
+        c = w.load.lora if w.load is not None else None
+        if c is None:
+            continue
+        for event, n in (("disk_load", c.disk_loads), ("page_in", c.page_ins), ("eviction", c.evictions),
+                         ("hit", c.hits)):
+            events.add_metric([w.worker_id, event], n)
+    yield events
 
 
 def _standby_metric(workers: tuple[WorkerView, ...]) -> GaugeMetricFamily:

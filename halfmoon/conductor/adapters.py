@@ -27,6 +27,17 @@ NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]{0,127}$")
 
 
 @dataclass(frozen=True, slots=True)
+class LoraStats:
+    """The registry for /metrics and the dashboard: adapters served, requests per adapter name
+    (since start, unloaded ones included), loads and unloads."""
+
+    loaded: tuple[str, ...] = ()
+    requests: tuple[tuple[str, int], ...] = ()
+    loads: int = 0
+    unloads: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class AdapterInfo:
     """A loaded adapter as the admin API and /v1/models describe it."""
 
@@ -108,6 +119,11 @@ class AdapterRegistry:
         with self._lock:
             info = self._adapters.get(name)
         return info.load_ms if info is not None else 0.0
+
+    def snapshot(self) -> LoraStats:
+        with self._lock:
+            return LoraStats(tuple(sorted(self._adapters)), tuple(sorted(self.requests.items())),
+                             self.loads, self.unloads)
 
     def names(self) -> list[str]:
         with self._lock:

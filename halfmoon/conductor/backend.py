@@ -24,7 +24,8 @@ from halfmoon.engine.grammar import Grammars
 from halfmoon.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # conductor.admission imports this module
-    from halfmoon.conductor.adapters import AdapterRegistry
+    from halfmoon.conductor.adapters import AdapterRegistry, LoraStats
+    from halfmoon.core.adapters import AdapterRef
     from halfmoon.conductor.admission import AdmissionConfig
     from halfmoon.conductor.cost_model import CostModel
 
@@ -93,6 +94,7 @@ class BackendStats:
     index_up: bool | None = None  # the Conductor's cluster index reaches its Redis (None: no index)
     index_errors: int = 0  # failed Redis calls of the Conductor's index since start
     tokens_reprefilled: int = 0  # prompt tokens re-sent to prefill by re-runs and moves (conductor/migration.py)
+    lora: LoraStats | None = None  # the LoRA adapters served and their traffic (conductor/adapters.py)
 
 
 class GenerationBackend(abc.ABC):
@@ -146,6 +148,11 @@ class GenerationBackend(abc.ABC):
         """Why serving goes on at less than full strength ([] = it does not): e.g. the cluster
         index's Redis is unreachable, so prefixes are found only in each worker's own cache."""
         return []
+
+    async def prepare_adapter(self, adapter: AdapterRef) -> None:
+        """Called once `adapter` is in `adapters` (loaded at start or by the admin API): a
+        backend may read it ahead of the first request naming it. Default: nothing (workers read
+        it when a request first needs it); raises InvalidAdapterError when it cannot be served."""
 
     def standbys(self) -> list[dict[str, str]]:
         """The warm standby workers and the ones just promoted from them, for /health: id, role,

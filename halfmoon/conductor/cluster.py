@@ -220,7 +220,7 @@ class ClusterBackend(GenerationBackend):
         return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0,
                             dict(self._reruns), depth, self.admission_stats, health, views,
                             None if index is None else index.healthy, 0 if index is None else index.stats.redis_errors,
-                            self._reprefilled)
+                            self._reprefilled, self.adapters.snapshot())
 
     # ------------------------------------------------------------------ requests
 

@@ -34,6 +34,7 @@ from halfmoon.conductor.ledger import DecodeLedger, PrefillLedger
 from halfmoon.conductor.profile_cache import cached_cost_model, profile_key
 from halfmoon.conductor.request_names import RequestNames
 from halfmoon.conductor import spans
+from halfmoon.core.adapters import AdapterRef
 from halfmoon.core.messages import Timings, TokenChunk
 from halfmoon.core.tracing import NO_TRACER, Span, Tracer, now_ns
 from halfmoon.engine.engine import Engine
@@ -118,13 +119,19 @@ class ColocatedBackend(GenerationBackend):
     def ready(self) -> bool:
         return self._started and self.loop.alive
 
+    async def prepare_adapter(self, adapter: AdapterRef) -> None:
+        """Read it into the engine's host cache now, off the event loop: the first request naming
+        it would otherwise read the files on the event loop (the engine's validation loads it)."""
+        await asyncio.to_thread(self.engine.load_adapter, adapter)
+
     def stats(self) -> BackendStats:
         waiting = self.pending.depth
         pool = self.engine.pool
         view = WorkerView("engine", "colocated", self.ready(), 0, waiting, engine_load(self.engine, self.loop),
                           time.monotonic())
         return BackendStats(len(self._streams) - waiting, waiting, pool.num_free(), pool.num_blocks, self.steps,
-                            {}, {"engine": waiting}, self.admission_stats, workers=(view,))
+                            {}, {"engine": waiting}, self.admission_stats, workers=(view,),
+                            lora=self.adapters.snapshot())
 
     # ------------------------------------------------------------------ requests
 

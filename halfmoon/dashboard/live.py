@@ -59,7 +59,28 @@ class LiveView:
                         "prefix_hits": self._hits(stats, backend.block_size)},
             "series": {"bin_s": s.bin_s, "t": s.t, "request_rate": s.request_rate, "goodput_rps": s.goodput_rps,
                        "rejected_rps": s.rejected_rps, "ttft_ms": s.ttft_ms, "tbt_ms": s.tbt_ms},
+            "lora": self._lora(stats),
         })
+
+    def _lora(self, stats: BackendStats) -> dict[str, Any] | None:
+        """The adapters served (or once served): requests, rank, and the workers holding each
+        (in a slot or their host cache); None when the server serves none and never did."""
+        if stats.lora is None or not (stats.lora.loaded or stats.lora.requests):
+            return None
+        registry = self.door.backend.adapters
+        if registry is None:
+            return None
+        requests = dict(stats.lora.requests)
+        held: dict[str, list[str]] = {}
+        for w in stats.workers:
+            for digest in (w.load.adapters if w.load is not None else ()):
+                held.setdefault(digest, []).append(w.worker_id)
+        loaded = {a.name: a for a in registry.list()}
+        names = sorted(set(loaded) | set(requests))
+        rows = [{"name": n, "loaded": n in loaded, "requests": requests.get(n, 0),
+                 "rank": loaded[n].rank if n in loaded else None,
+                 "held_by": held.get(loaded[n].digest, []) if n in loaded else []} for n in names]
+        return {"adapters": rows, "loads": stats.lora.loads, "unloads": stats.lora.unloads}
 
     # ------------------------------------------------------------------ workers
 
@@ -93,7 +114,7 @@ class LiveView:
                                "queue_depth": w.queue_depth, "running": 0, "steps": 0, "steps_per_s": 0.0,
                                "kv": {"device": None, "host": None, "disk": None}, "transfer_bytes_per_s": 0.0,
                                "prompt_tokens_computed": 0, "prompt_tokens_cached": 0,
-                               "speculation": None, "tp": 1, "kv_rank_bytes": []}
+                               "speculation": None, "tp": 1, "kv_rank_bytes": [], "lora": None}
         if load is None:
             return out
         used = load.total_blocks - load.free_blocks
@@ -104,6 +125,10 @@ class LiveView:
             out["speculation"] = {"acceptance": round(load.spec_accepted / max(load.spec_proposed, 1), 4),
                                   "tokens_per_step": round(load.spec_emitted / load.spec_verifications, 3),
                                   "proposed": load.spec_proposed, "accepted": load.spec_accepted}
+        if load.lora is not None:  # its LoRA slots since start
+            c = load.lora
+            out["lora"] = {"disk_loads": c.disk_loads, "page_ins": c.page_ins, "evictions": c.evictions,
+                           "hits": c.hits, "hit_rate": round(c.hits / max(c.hits + c.page_ins, 1), 4)}
         out["kv"] = {"device": {"used": used, "free": load.free_blocks, "reserved": load.reserved_blocks,
                                 "total": load.total_blocks},
                      "host": _tier(load.host_blocks_used, load.host_blocks_total),

@@ -125,6 +125,7 @@ function renderLive(d) {
   }
 
   renderWorkers(Array.isArray(d.workers) ? d.workers : []);
+  renderAdapters(d.lora);
 
   const base = {t: s.t, now: d.now, binS: s.bin_s, span: 600};
   const pct = (o) => ['p50', 'p90', 'p99'].map((p, i) => ({name: p, values: (o || {})[p], color: ['#2b6cb0', '#b35309', '#7b2d8e'][i]}));
@@ -136,6 +137,21 @@ function renderLive(d) {
     {name: 'requests', values: s.request_rate, color: '#2b6cb0'},
     {name: 'goodput', values: s.goodput_rps, color: '#2f855a'},
     {name: 'rejected', values: s.rejected_rps, color: '#c53030', dash: '2 3'}]});
+}
+
+// == LoRA adapters: one row each (requests since start, the workers holding it), hidden when none
+function renderAdapters(lora) {
+  const panel = $('#lora-panel'), rows = lora && Array.isArray(lora.adapters) ? lora.adapters : [];
+  panel.hidden = !rows.length;
+  if (!rows.length) return;
+  const key = JSON.stringify(rows), body = $('#lora-table tbody');
+  if (body.dataset.key !== key) {
+    body.dataset.key = key;
+    body.replaceChildren(...rows.map((a) => h('tr', {class: a.loaded ? '' : 'muted'},
+      h('td', {}, String(a.name), a.loaded ? '' : ' (unloaded)'), h('td', {}, a.rank == null ? DASH : int(a.rank)),
+      h('td', {}, int(a.requests)), h('td', {}, (a.held_by || []).join(', ') || 'none yet'))));
+  }
+  put('lora_changes', `${int(lora.loads)} loaded, ${int(lora.unloads)} unloaded since start`);
 }
 
 // == worker cards
@@ -163,7 +179,7 @@ function makeCard(w) {
     h('h3', {}, h('span', {}, w.id), ' ', fld('span', 'alive', {class: 'health'})), f.role,
     h('dl', {class: 'stats'}, stat('restarts', 'restarts'), stat('tensor parallel', 'tp'), stat('queue depth', 'queue_depth'),
       stat('running batch', 'running'), stat('steps', 'steps'), stat('steps/s', 'steps_per_s'),
-      stat('KV transfer', 'transfer_bytes_per_s'), stat('speculation', 'speculation')),
+      stat('KV transfer', 'transfer_bytes_per_s'), stat('speculation', 'speculation'), stat('LoRA slots', 'lora')),
     h('p', {class: 'prompt'}, 'prompt tokens: ', fld('b', 'prompt_tokens_computed'), ' computed, ',
       fld('b', 'prompt_tokens_cached'), ' cached'),
     kv);
@@ -200,6 +216,8 @@ function updateCard({root, f, tiers}, w) {
   setText(f.tp, int(w.tp) > 1 ? `${int(w.tp)} ranks${ranks.length > 1 ? ` (KV in by rank: ${ranks.map(bytes).join(' / ')})` : ''}` : '1 rank');
   setText(f.steps_per_s, num(w.steps_per_s, F1));
   setText(f.transfer_bytes_per_s, bytesPerS(w.transfer_bytes_per_s));
+  const lo = w.lora;
+  setText(f.lora, lo ? `${num(100 * lo.hit_rate, F1)}% hits, ${int(lo.page_ins)} page-ins, ${int(lo.evictions)} evictions` : 'none');
   const sp = w.speculation;
   setText(f.speculation, sp ? `${num(100 * sp.acceptance, F1)}% accepted, ${num(sp.tokens_per_step, F1)} tok/verify` : 'off');
   for (const tier of TIERS) {
