@@ -17,6 +17,10 @@ only while it has not delivered anything (tokens are never asked for twice). A r
 priority class with `priority_class=` ("interactive", "standard", "batch"); an admitted one's
 result carries what admission predicted for it (`result.prediction`).
 
+The admin API (LoRA adapters while serving: `load_adapter`, `unload_adapter`, `adapters`) takes an
+admin token: `admin_token` / `admin_token_file` / $HALFMOON_ADMIN_TOKEN, else the API token. A
+loaded adapter is a model like the base: `generate(..., model="my-adapter")`.
+
 Both clients share everything but the I/O (`_ClientBase`): requests are built and responses read
 in `halfmoon.messages`, the retry policy is `halfmoon.retry`; results and errors are in
 `halfmoon.results` and `halfmoon.errors`, all re-exported here.
@@ -37,11 +41,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Self
 import grpc
 
 from halfmoon.core.errors import ConfigError
-from halfmoon.errors import (ERRORS, APIError, CancelledError, DeadlineExceededError, InternalError,
-                             InvalidArgumentError, NotFoundError, ResourceExhaustedError,
-                             UnauthenticatedError, UnavailableError, api_error, error_from_rpc)
-from halfmoon.messages import Collector, GenerateOptions, generate_request, model_info, tokenize_request
-from halfmoon.results import GenerationResult, ModelInfo, SloPrediction, StreamChunk, Timings, ToolCall, Usage
+from halfmoon.errors import (ERRORS, APIError, CancelledError, DeadlineExceededError, FailedPreconditionError,
+                             InternalError, InvalidArgumentError, NotFoundError, PermissionDeniedError,
+                             ResourceExhaustedError, UnauthenticatedError, UnavailableError, api_error,
+                             error_from_rpc)
+from halfmoon.messages import (Collector, GenerateOptions, adapter_info, generate_request, model_info,
+                               tokenize_request)
+from halfmoon.results import (AdapterInfo, GenerationResult, ModelInfo, SloPrediction, StreamChunk, Timings,
+                              ToolCall, Usage)
 from halfmoon.retry import MAX_BACKOFF_S, Attempts, RetryEvent, RetryHook, RetryPolicy
 from halfmoon.v1 import generation_pb2 as pb
 from halfmoon.v1 import generation_pb2_grpc
@@ -50,9 +57,11 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack
 
 __all__ = [
-    "DEFAULT_TARGET", "ERRORS", "MAX_BACKOFF_S", "TOKEN_ENV", "APIError", "AsyncClient",
-    "CancelledError", "Client", "DeadlineExceededError", "GenerateOptions", "GenerationResult",
-    "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError", "ResourceExhaustedError",
+    "ADMIN_TOKEN_ENV", "DEFAULT_TARGET", "ERRORS", "MAX_BACKOFF_S", "TOKEN_ENV", "APIError", "AdapterInfo",
+    "AsyncClient",
+    "CancelledError", "Client", "DeadlineExceededError", "FailedPreconditionError", "GenerateOptions",
+    "GenerationResult", "InternalError", "InvalidArgumentError", "ModelInfo", "NotFoundError",
+    "PermissionDeniedError", "ResourceExhaustedError",
     "RetryEvent", "RetryHook", "RetryPolicy", "SloPrediction", "StreamChunk", "Timings", "ToolCall",
     "UnauthenticatedError",
     "UnavailableError", "Usage", "api_error", "error_from_rpc", "generate_request", "resolve_token",
@@ -60,6 +69,7 @@ __all__ = [
 ]
 
 TOKEN_ENV = "HALFMOON_API_TOKEN"
+ADMIN_TOKEN_ENV = "HALFMOON_ADMIN_TOKEN"
 DEFAULT_TARGET = "localhost:50051"
 
 
@@ -71,28 +81,37 @@ class _Connection:
     credentials: grpc.ChannelCredentials | None
     metadata: tuple[tuple[str, str], ...]
     options: tuple[tuple[str, Any], ...]
+    admin_metadata: tuple[tuple[str, str], ...] = ()  # the admin API's calls
 
 
-def resolve_token(token: str | None, token_file: str | os.PathLike[str] | None) -> str | None:
-    """`token`, else the first non-empty, non-comment line of `token_file`, else $HALFMOON_API_TOKEN."""
+def resolve_token(token: str | None, token_file: str | os.PathLike[str] | None, env: str = TOKEN_ENV,
+                  what: str = "API") -> str | None:
+    """`token`, else the first non-empty, non-comment line of `token_file`, else $`env`
+    ($HALFMOON_API_TOKEN); `what` names the token in errors."""
     if token:
         return token.strip()
     if token_file is not None:
         try:
             lines = Path(token_file).read_text().splitlines()
         except OSError as e:
-            raise ConfigError(f"cannot read the API token file {token_file}: {e}") from e
+            raise ConfigError(f"cannot read the {what} token file {token_file}: {e}") from e
         for line in lines:
             if line.strip() and not line.strip().startswith("#"):
                 return line.strip()
-        raise ConfigError(f"the API token file {token_file} holds no token")
-    return os.environ.get(TOKEN_ENV, "").strip() or None
+        raise ConfigError(f"the {what} token file {token_file} holds no token")
+    return os.environ.get(env, "").strip() or None
+
+
+def _bearer(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def _connection(target: str, token: str | None, token_file: str | os.PathLike[str] | None, tls: bool,
-                root_certificates: bytes | None, policy: RetryPolicy) -> _Connection:
+                root_certificates: bytes | None, policy: RetryPolicy, admin_token: str | None = None,
+                admin_token_file: str | os.PathLike[str] | None = None) -> _Connection:
     bearer = resolve_token(token, token_file)
-    metadata = (("authorization", f"Bearer {bearer}"),) if bearer else ()
+    admin = resolve_token(admin_token, admin_token_file, ADMIN_TOKEN_ENV, "admin") or bearer
+    metadata = _bearer(bearer)
     credentials = grpc.ssl_channel_credentials(root_certificates) if tls or root_certificates else None
     # Reconnect at least as often as we retry: with grpc's default (1 s, growing), a retry
     # sooner than that fails at once (channel in TRANSIENT_FAILURE) without trying to connect.
@@ -100,7 +119,7 @@ def _connection(target: str, token: str | None, token_file: str | os.PathLike[st
     options = (("grpc.initial_reconnect_backoff_ms", max(1, int(policy.backoff_s * 500))),
                ("grpc.max_reconnect_backoff_ms", max(1, int(policy.max_backoff_s * 1e3))),
                ("grpc.max_receive_message_length", 64 * 2**20))
-    return _Connection(target, credentials, metadata, options)
+    return _Connection(target, credentials, metadata, options, _bearer(admin))
 
 
 class _Unary(NamedTuple):
@@ -110,6 +129,7 @@ class _Unary(NamedTuple):
     method: Any
     request: Any
     parse: Callable[[Any], Any]
+    admin: bool = False  # an admin RPC: sent with the admin token
 
 
 class _ClientBase:
@@ -122,13 +142,15 @@ class _ClientBase:
                  token_file: str | os.PathLike[str] | None = None, tls: bool = False,
                  root_certificates: bytes | None = None, timeout: float | None = None,
                  max_retries: int = 3, backoff_s: float = 0.2, retry_rejected: int = 0,
-                 on_retry: RetryHook | None = None) -> None:
+                 on_retry: RetryHook | None = None, admin_token: str | None = None,
+                 admin_token_file: str | os.PathLike[str] | None = None) -> None:
         self.target = target
         self.timeout = timeout
         self.policy = RetryPolicy(max_retries, backoff_s, retry_rejected=retry_rejected)
         self.on_retry = on_retry
         self._rng = random.Random()
-        c = self._conn = _connection(target, token, token_file, tls, root_certificates, self.policy)
+        c = self._conn = _connection(target, token, token_file, tls, root_certificates, self.policy,
+                                     admin_token, admin_token_file)
         self._channel = (self._channels.insecure_channel(c.target, c.options) if c.credentials is None
                          else self._channels.secure_channel(c.target, c.credentials, c.options))
         self._stub = generation_pb2_grpc.GenerationStub(self._channel)
@@ -142,7 +164,8 @@ class _ClientBase:
 
     def _call(self, unary: _Unary, attempts: Attempts) -> Any:
         """One attempt of a unary call (its response, or an awaitable of it)."""
-        return unary.method(unary.request, timeout=attempts.timeout(), metadata=self._conn.metadata)
+        metadata = self._conn.admin_metadata if unary.admin else self._conn.metadata
+        return unary.method(unary.request, timeout=attempts.timeout(), metadata=metadata)
 
     def _tokenize(self, text: str | None, messages: Sequence[Mapping[str, str]] | None, model: str) -> _Unary:
         request = tokenize_request(text, messages=messages, model=model)
@@ -152,11 +175,23 @@ class _ClientBase:
         return _Unary(self._stub.ListModels, pb.ListModelsRequest(),
                       lambda response: [model_info(m) for m in response.models])
 
+    def _load_adapter(self, name: str, path: str | os.PathLike[str]) -> _Unary:
+        return _Unary(self._stub.LoadAdapter, pb.LoadAdapterRequest(name=name, path=os.fspath(path)),
+                      adapter_info, admin=True)
+
+    def _unload_adapter(self, name: str) -> _Unary:
+        return _Unary(self._stub.UnloadAdapter, pb.UnloadAdapterRequest(name=name), adapter_info, admin=True)
+
+    def _adapters(self) -> _Unary:
+        return _Unary(self._stub.ListAdapters, pb.ListAdaptersRequest(),
+                      lambda response: [adapter_info(a) for a in response.adapters], admin=True)
+
 
 class Client(_ClientBase):
     """A blocking client; thread-safe, one HTTP/2 connection. Use as a context manager or `close()`.
 
     target: "host:port". token / token_file / $HALFMOON_API_TOKEN: the bearer token (first found).
+    admin_token / admin_token_file / $HALFMOON_ADMIN_TOKEN: the admin API's (default: the bearer token).
     tls: connect with TLS; root_certificates: PEM CA bundle (None = the system's; implies TLS).
     timeout: default deadline of every call in seconds (None = none); a call's `timeout` wins.
     max_retries / backoff_s: retries on UNAVAILABLE (see `RetryPolicy`); retry_rejected: retries
@@ -212,8 +247,21 @@ class Client(_ClientBase):
         return self._unary(self._tokenize(text, messages, model), timeout)
 
     def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        """The models this endpoint serves."""
+        """The models this endpoint serves: the base model, then each LoRA adapter (`parent` set)."""
         return self._unary(self._models(), timeout)
+
+    def load_adapter(self, name: str, path: str | os.PathLike[str], *, timeout: float | None = None) -> AdapterInfo:
+        """Serve the PEFT LoRA adapter in folder `path` (as the server sees it) as model `name`
+        (admin). InvalidArgumentError names why it cannot be served."""
+        return self._unary(self._load_adapter(name, path), timeout)
+
+    def unload_adapter(self, name: str, *, timeout: float | None = None) -> AdapterInfo:
+        """Stop serving adapter `name` (admin); NotFoundError when it is not loaded."""
+        return self._unary(self._unload_adapter(name), timeout)
+
+    def adapters(self, *, timeout: float | None = None) -> list[AdapterInfo]:
+        """The loaded LoRA adapters, by name (admin)."""
+        return self._unary(self._adapters(), timeout)
 
     def _unary(self, unary: _Unary, timeout: float | None) -> Any:
         attempts = self._attempts(timeout)
@@ -227,7 +275,7 @@ class Client(_ClientBase):
 
 class AsyncClient(_ClientBase):
     """`Client` on grpc.aio: create it in the event loop that uses it (`async with AsyncClient(...)`).
-    `generate`, `tokenize`, `models` and `close` are coroutines; `stream` is an async iterator
+    `generate`, `tokenize`, `models`, the adapter calls and `close` are coroutines; `stream` is an async iterator
     (`async for`; wrap it in `contextlib.aclosing` to cancel promptly when leaving early)."""
 
     _channels = grpc.aio
@@ -277,8 +325,21 @@ class AsyncClient(_ClientBase):
         return await self._unary(self._tokenize(text, messages, model), timeout)
 
     async def models(self, *, timeout: float | None = None) -> list[ModelInfo]:
-        """The models this endpoint serves."""
+        """The models this endpoint serves: the base model, then each LoRA adapter (`parent` set)."""
         return await self._unary(self._models(), timeout)
+
+    async def load_adapter(self, name: str, path: str | os.PathLike[str], *,
+                           timeout: float | None = None) -> AdapterInfo:
+        """Serve the PEFT LoRA adapter in folder `path` as model `name` (admin)."""
+        return await self._unary(self._load_adapter(name, path), timeout)
+
+    async def unload_adapter(self, name: str, *, timeout: float | None = None) -> AdapterInfo:
+        """Stop serving adapter `name` (admin)."""
+        return await self._unary(self._unload_adapter(name), timeout)
+
+    async def adapters(self, *, timeout: float | None = None) -> list[AdapterInfo]:
+        """The loaded LoRA adapters, by name (admin)."""
+        return await self._unary(self._adapters(), timeout)
 
     async def _unary(self, unary: _Unary, timeout: float | None) -> Any:
         attempts = self._attempts(timeout)

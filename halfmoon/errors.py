@@ -49,7 +49,7 @@ class InvalidArgumentError(APIError):
 
 
 class NotFoundError(APIError):
-    """The model is not served by this endpoint."""
+    """The model (or, unloading, the LoRA adapter) is not served by this endpoint."""
 
 
 class ResourceExhaustedError(APIError):
@@ -73,6 +73,15 @@ class UnauthenticatedError(APIError):
     """Missing or wrong bearer token."""
 
 
+class PermissionDeniedError(APIError):
+    """An admin call on a server whose admin API is off (it has no admin tokens)."""
+
+
+class FailedPreconditionError(APIError):
+    """The call conflicts with the server's state (e.g. other weights are loaded under an
+    adapter's name: unload it first)."""
+
+
 class InternalError(APIError):
     """A bug in the server (or a reply that breaks the protocol)."""
 
@@ -85,6 +94,8 @@ ERRORS: Mapping[grpc.StatusCode, type[APIError]] = MappingProxyType({
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.CANCELLED: CancelledError,
     grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
     grpc.StatusCode.INTERNAL: InternalError,
 })
 

@@ -13,7 +13,8 @@ import grpc
 
 from halfmoon.core.errors import InvalidRequestError
 from halfmoon.errors import InternalError, slo_prediction
-from halfmoon.results import GenerationResult, ModelInfo, StreamChunk, Timings, TokenLogprobs, ToolCall, Usage
+from halfmoon.results import (AdapterInfo, GenerationResult, ModelInfo, StreamChunk, Timings, TokenLogprobs, ToolCall,
+                              Usage)
 from halfmoon.v1 import generation_pb2 as pb
 
 _FINISH = MappingProxyType({pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
@@ -259,4 +260,9 @@ def _finish(reason: int) -> str:
 
 
 def model_info(m: pb.ModelInfo) -> ModelInfo:
-    return ModelInfo(m.id, m.max_model_len, m.vocab_size, m.owned_by, m.architecture, m.dtype)
+    return ModelInfo(m.id, m.max_model_len, m.vocab_size, m.owned_by, m.architecture, m.dtype, m.parent)
+
+
+def adapter_info(a: pb.AdapterInfo) -> AdapterInfo:
+    return AdapterInfo(a.name, a.path, a.digest, a.rank, tuple(a.target_modules), a.base_model, a.load_ms,
+                       a.loaded_at)

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 # sides of the API: the server's own (core.messages), re-exported here.
 from halfmoon.core.messages import SloPrediction, Timings, TokenLogprobs, Usage
 
-__all__ = ["GenerationResult", "ModelInfo", "SloPrediction", "StreamChunk", "Timings", "TokenLogprobs", "Usage"]
+__all__ = ["AdapterInfo", "GenerationResult", "ModelInfo", "SloPrediction", "StreamChunk", "Timings", "TokenLogprobs",
+           "Usage"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,3 +68,20 @@ class ModelInfo:
     owned_by: str = "halfmoon"
     architecture: str = ""  # the model family: llama, mistral, qwen2, qwen3, gemma3
     dtype: str = ""  # compute / KV dtype, `+int8` / `+int4` with quantized weights
+    parent: str = ""  # a LoRA adapter: its base model's id ("" for the base model)
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    """A loaded LoRA adapter (the admin API: `load_adapter`, `unload_adapter`, `adapters`):
+    requests name it as their `model`. `digest` identifies its weights; `load_ms` is what reading
+    and checking it took the server; `loaded_at` is Unix seconds."""
+
+    name: str
+    path: str
+    digest: str
+    rank: int
+    target_modules: tuple[str, ...]
+    base_model: str
+    load_ms: float
+    loaded_at: float

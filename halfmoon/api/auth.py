@@ -2,6 +2,10 @@
 
 Tokens come from a file (one per line, `#` comments; e.g. a mounted Kubernetes Secret) or from
 `HALFMOON_API_TOKENS` (comma-separated) — never from a command line. No tokens = auth off.
+
+Admin tokens (the admin API: loading and unloading LoRA adapters) are a second, separate set:
+`--admin-token-file` or `HALFMOON_ADMIN_TOKENS`. No admin tokens = the admin API is closed (403),
+never open: changing what a server serves is not a default.
 """
 
 from __future__ import annotations
@@ -14,24 +18,33 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from halfmoon.conductor.errors import TooManyStreamsError, UnauthenticatedError
+from halfmoon.conductor.errors import PermissionDeniedError, TooManyStreamsError, UnauthenticatedError
 from halfmoon.core.errors import ConfigError
 
 TOKENS_ENV = "HALFMOON_API_TOKENS"
+ADMIN_TOKENS_ENV = "HALFMOON_ADMIN_TOKENS"
+ADMIN_OFF = ("the admin API is off: start the server with --admin-token-file FILE (admin bearer tokens, one "
+             f"a line) or {ADMIN_TOKENS_ENV}=TOKEN[,TOKEN...], then send 'authorization: Bearer <admin token>'")
 
 
-def load_tokens(token_file: str | None) -> list[str]:
-    """Tokens from `token_file` if given, else from HALFMOON_API_TOKENS; [] = auth off."""
+def load_tokens(token_file: str | None, env: str = TOKENS_ENV, what: str = "API") -> list[str]:
+    """Tokens from `token_file` if given, else from the variable `env` (HALFMOON_API_TOKENS);
+    [] = none. `what` names the tokens in errors (API, admin)."""
     if token_file is not None:
         try:
             lines = Path(token_file).read_text().splitlines()
         except OSError as e:
-            raise ConfigError(f"cannot read the API token file {token_file}: {e}") from e
+            raise ConfigError(f"cannot read the {what} token file {token_file}: {e}") from e
         tokens = [t.strip() for t in lines if t.strip() and not t.strip().startswith("#")]
         if not tokens:
-            raise ConfigError(f"the API token file {token_file} holds no token")
+            raise ConfigError(f"the {what} token file {token_file} holds no token")
         return tokens
-    return [t.strip() for t in os.environ.get(TOKENS_ENV, "").split(",") if t.strip()]
+    return [t.strip() for t in os.environ.get(env, "").split(",") if t.strip()]
+
+
+def load_admin_tokens(token_file: str | None) -> list[str]:
+    """Admin tokens from `token_file` if given, else from HALFMOON_ADMIN_TOKENS; [] = admin API off."""
+    return load_tokens(token_file, ADMIN_TOKENS_ENV, "admin")
 
 
 class Authenticator:
@@ -60,6 +73,13 @@ class Authenticator:
         if not any(matched):
             raise UnauthenticatedError("invalid bearer token")
         return "token:" + hashlib.sha256(given).hexdigest()[:16]
+
+    def check_admin(self, authorization: str | None) -> None:
+        """As `check`, for the admin API: with no tokens it is closed (PermissionDeniedError
+        saying how to open it), not open."""
+        if not self._tokens:
+            raise PermissionDeniedError(ADMIN_OFF)
+        self.check(authorization)
 
 
 class StreamLimiter:

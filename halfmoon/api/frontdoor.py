@@ -48,11 +48,13 @@ class Call:
 
 class FrontDoor:
     def __init__(self, backend: GenerationBackend, limits: Limits, auth: Authenticator,
-                 tool_parser: str = AUTO) -> None:
+                 tool_parser: str = AUTO, admin: Authenticator | None = None) -> None:
+        """`auth`: the API tokens; `admin`: the admin API's (api/admin.py; None: none, it is closed)."""
         self.backend = backend
         self.tool_parser = tool_parser
         self.limits = limits
         self.auth = auth
+        self.admin = admin if admin is not None else Authenticator([])
         self.limiter = StreamLimiter(limits.max_streams_per_client)
         self.metrics = Metrics(backend.stats)
         self.live = LiveWindow()

@@ -1,4 +1,5 @@
 """The gRPC front door: service `halfmoon.v1.Generation`, plus standard health and reflection.
+Its admin RPCs (LoadAdapter, UnloadAdapter, ListAdapters) are api/admin.py's verbs.
 
 Requests are decoded by our own deserializer so a malformed message (e.g. a string field that
 is not UTF-8) is INVALID_ARGUMENT with a message, not grpc's generic INTERNAL. Every error
@@ -25,6 +26,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
+from halfmoon.api.admin import GRPC_FIELDS, AdapterAdmin
+from halfmoon.conductor.adapters import AdapterInfo
 from halfmoon.conductor.errors import RetryableRejection, client_message, field_of, status_of
 from halfmoon.api.structured import from_proto
 from halfmoon.api.tool_formats import ToolFormat
@@ -165,6 +168,12 @@ def tool_call_proto(call: ToolCall) -> pb.ToolCall:
     return pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
 
 
+def adapter_proto(info: AdapterInfo) -> pb.AdapterInfo:
+    return pb.AdapterInfo(name=info.name, path=info.path, digest=info.digest, rank=info.rank,
+                          target_modules=list(info.targets), base_model=info.base_model, load_ms=info.load_ms,
+                          loaded_at=info.loaded_at)
+
+
 def prediction_proto(p: SloPrediction) -> pb.SloPrediction:
     return pb.SloPrediction(predicted_ttft_ms=p.predicted_ttft_ms, predicted_tbt_ms=p.predicted_tbt_ms,
                             ttft_slo_ms=p.ttft_slo_ms, tbt_slo_ms=p.tbt_slo_ms)
@@ -206,6 +215,7 @@ class GenerationService:
 
     def __init__(self, door: FrontDoor) -> None:
         self.door = door
+        self.admin = AdapterAdmin(door.backend, door.admin)
 
     def _client(self, context: grpc.aio.ServicerContext) -> str:
         metadata = dict(context.invocation_metadata() or ())
@@ -276,10 +286,50 @@ class GenerationService:
             self.door.client(dict(context.invocation_metadata() or ()).get("authorization"), "")
             if isinstance(request, Undecodable):  # an empty message, but garbage is still no request
                 raise InvalidRequestError("request", request.error)
-            m = self.door.backend.model
-            return pb.ListModelsResponse(models=[pb.ModelInfo(
-                id=m.id, max_model_len=m.max_model_len, vocab_size=m.vocab_size, owned_by=m.owned_by,
-                architecture=m.architecture, dtype=m.dtype)])
+            b = self.door.backend
+            m = b.model
+            base = pb.ModelInfo(id=m.id, max_model_len=m.max_model_len, vocab_size=m.vocab_size,
+                                owned_by=m.owned_by, architecture=m.architecture, dtype=m.dtype)
+            adapters = b.adapters.list() if b.adapters is not None else []
+            return pb.ListModelsResponse(models=[base, *(pb.ModelInfo(
+                id=a.name, max_model_len=m.max_model_len, vocab_size=m.vocab_size, owned_by=m.owned_by,
+                architecture=m.architecture, dtype=m.dtype, parent=m.id) for a in adapters)])
+        except Exception as e:
+            await self._fail(context, e)
+            raise AssertionError("unreachable: abort raises") from e
+
+    async def _admin(self, request: Message | Undecodable, context: grpc.aio.ServicerContext) -> Message:
+        """The admin token checked and the request decoded (api/admin.py)."""
+        self.admin.check(dict(context.invocation_metadata() or ()).get("authorization"))
+        if isinstance(request, Undecodable):
+            raise InvalidRequestError("request", request.error)
+        return request
+
+    async def load_adapter(self, request: pb.LoadAdapterRequest | Undecodable,
+                           context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
+        try:
+            req = await self._admin(request, context)
+            return adapter_proto(await self.admin.load(req.name, req.path, GRPC_FIELDS))
+        except Exception as e:
+            await self._fail(context, e)
+            raise AssertionError("unreachable: abort raises") from e
+
+    async def unload_adapter(self, request: pb.UnloadAdapterRequest | Undecodable,
+                             context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
+        try:
+            req = await self._admin(request, context)
+            if not req.name:
+                raise InvalidRequestError("name", "is required: the adapter's name")
+            return adapter_proto(self.admin.unload(req.name))
+        except Exception as e:
+            await self._fail(context, e)
+            raise AssertionError("unreachable: abort raises") from e
+
+    async def list_adapters(self, request: pb.ListAdaptersRequest | Undecodable,
+                            context: grpc.aio.ServicerContext) -> pb.ListAdaptersResponse:
+        try:
+            await self._admin(request, context)
+            return pb.ListAdaptersResponse(adapters=[adapter_proto(a) for a in self.admin.list()])
         except Exception as e:
             await self._fail(context, e)
             raise AssertionError("unreachable: abort raises") from e
@@ -293,6 +343,12 @@ class GenerationService:
                 self.tokenize, request_deserializer=_decoder(pb.TokenizeRequest), response_serializer=ser),
             "ListModels": grpc.unary_unary_rpc_method_handler(
                 self.list_models, request_deserializer=_decoder(pb.ListModelsRequest), response_serializer=ser),
+            "LoadAdapter": grpc.unary_unary_rpc_method_handler(
+                self.load_adapter, request_deserializer=_decoder(pb.LoadAdapterRequest), response_serializer=ser),
+            "UnloadAdapter": grpc.unary_unary_rpc_method_handler(
+                self.unload_adapter, request_deserializer=_decoder(pb.UnloadAdapterRequest), response_serializer=ser),
+            "ListAdapters": grpc.unary_unary_rpc_method_handler(
+                self.list_adapters, request_deserializer=_decoder(pb.ListAdaptersRequest), response_serializer=ser),
         })
 
 

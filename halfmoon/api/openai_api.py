@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (SSE with "stream": true)
     GET  /v1/models, /health, /metrics
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter; GET /v1/lora_adapters   (admin: api/admin.py)
 
 `/v1/*` needs the bearer token when auth is on; `/health` and `/metrics` never do (probes and
 scrapers). A streamed request is validated and admitted before the response starts, so every
@@ -27,8 +28,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from halfmoon.api import openai_schema as oa
+from halfmoon.api.admin import AdapterAdmin, adapter_json, parse_load, parse_unload
 from halfmoon.api.openapi import answer, json_body, operation, publish
 from halfmoon.api.openapi_bodies import ref
+from halfmoon.conductor.backend import GenerationBackend
 from halfmoon.conductor.errors import RequestTooLargeError, RetryableRejection, status_of
 from halfmoon.api.frontdoor import Call, FrontDoor
 from halfmoon.api.logprobs_json import echo_logprobs, logprobs_json
@@ -137,14 +140,13 @@ def build_app(door: FrontDoor) -> FastAPI:
         body, content_type = door.metrics.render(request.headers.get("accept"))
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models", openapi_extra=operation("The served model", {
-        200: answer("the one model this server serves", json_body(ref("ModelList")))}, auth=True))
+    @app.get("/v1/models", openapi_extra=operation("The served model and its LoRA adapters", {
+        200: answer("the base model, then each loaded LoRA adapter", json_body(ref("ModelList")))}, auth=True))
     async def models(request: Request) -> Response:
         await client_of(request)
-        model = door.backend.model
-        return JSONResponse({"object": "list", "data": [{
-            "id": model.id, "object": "model", "created": 0, "owned_by": model.owned_by,
-            "max_model_len": model.max_model_len, "architecture": model.architecture, "dtype": model.dtype}]})
+        return JSONResponse({"object": "list", "data": model_cards(door.backend)})
+
+    _admin_routes(app, door)
 
     @app.post("/v1/chat/completions", openapi_extra=operation(
         "A chat completion (SSE with stream: true)", {200: _generated("ChatCompletion")}, _GENERATION_ERRORS,
@@ -159,6 +161,44 @@ def build_app(door: FrontDoor) -> FastAPI:
         return await _serve(door, request, await client_of(request), oa.parse_completion, chat=False)
 
     return app
+
+
+def model_cards(backend: GenerationBackend) -> list[dict[str, Any]]:
+    """/v1/models' entries: the base model, then each LoRA adapter (vLLM's: `root` its folder,
+    `parent` the base model's id)."""
+    m = backend.model
+    base = {"id": m.id, "object": "model", "created": 0, "owned_by": m.owned_by, "max_model_len": m.max_model_len,
+            "architecture": m.architecture, "dtype": m.dtype, "root": m.id, "parent": None}
+    adapters = backend.adapters.list() if backend.adapters is not None else []
+    return [base, *({**base, "id": a.name, "created": int(a.loaded_at), "root": a.path, "parent": m.id}
+                    for a in adapters)]
+
+
+def _admin_routes(app: FastAPI, door: FrontDoor) -> None:
+    """The admin API's routes (api/admin.py): an admin token each, vLLM's paths and bodies."""
+    admin = AdapterAdmin(door.backend, door.admin)
+    adapter = answer("the adapter", json_body(ref("LoraAdapter")))
+
+    @app.post("/v1/load_lora_adapter", openapi_extra=operation(
+        "Serve a LoRA adapter (admin)", {200: adapter}, (400, 409),
+        body=json_body(ref("LoadLoraAdapterRequest")), admin=True))
+    async def load_lora_adapter(request: Request) -> Response:
+        admin.check(request.headers.get("authorization"))
+        name, path = parse_load(await _json_body(request))
+        return JSONResponse(adapter_json(await admin.load(name, path)))
+
+    @app.post("/v1/unload_lora_adapter", openapi_extra=operation(
+        "Stop serving a LoRA adapter (admin)", {200: adapter}, (400, 404),
+        body=json_body(ref("UnloadLoraAdapterRequest")), admin=True))
+    async def unload_lora_adapter(request: Request) -> Response:
+        admin.check(request.headers.get("authorization"))
+        return JSONResponse(adapter_json(admin.unload(parse_unload(await _json_body(request)))))
+
+    @app.get("/v1/lora_adapters", openapi_extra=operation("The loaded LoRA adapters (admin)", {
+        200: answer("every loaded adapter, by name", json_body(ref("LoraAdapterList")))}, admin=True))
+    async def lora_adapters(request: Request) -> Response:
+        admin.check(request.headers.get("authorization"))
+        return JSONResponse({"object": "list", "data": [adapter_json(a) for a in admin.list()]})
 
 
 async def _json_body(request: Request) -> Any:
@@ -180,7 +220,8 @@ async def _serve(door: FrontDoor, request: Request, client: str,
     call = Call(f"POST {path}", {"http.request.method": "POST", "url.path": path, "halfmoon.api": "http"},
                 request.headers.get(TRACEPARENT))
     items = door.generate(spec, client, "http", call)
-    model, tokenizer = door.backend.model.id, door.backend.tokenizer
+    # the model the answer names: the request's (a LoRA adapter's name, as vLLM answers), else the base
+    model, tokenizer = spec.model or door.backend.model.id, door.backend.tokenizer
     fmt = door.tool_format if chat and spec.tools is not None and spec.tools.active else None
     if not stream:
         return await _until_disconnect(request, lambda: _collect(items, model, chat, tokenizer, spec, fmt))

@@ -8,7 +8,9 @@ first asked for, after every extension (the dashboard) has added its routes; a r
 operation is a `ValueError` there, so nothing the app serves goes undocumented.
 
 Auth: when the server has API tokens, the operations that need one carry the `bearer` security
-scheme and a 401; without tokens, neither (the document describes the running server).
+scheme and a 401; without tokens, neither (the document describes the running server). The
+admin API's operations (api/admin.py) carry the `admin` scheme and a 401 when the server has
+admin tokens, else a 403 (the admin API is off).
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from halfmoon.api.frontdoor import FrontDoor
 
 Schema = dict[str, Any]
 AUTH_KEY = "x-halfmoon-auth"  # marks an operation that needs a token when auth is on
+ADMIN_KEY = "x-halfmoon-admin"  # marks an operation of the admin API (an admin token)
 _ERRORS = {
     400: "invalid request: `error.param` names the field",
     401: "missing or wrong bearer token",
+    403: "the admin API is off on this server (it has no admin tokens); the message says how to turn it on",
     404: "not found (e.g. a model this server does not serve)",
     409: "conflicts with the server's state",
     413: "request body over the server's limit",
@@ -49,13 +53,14 @@ def error(status: int) -> Schema:
 
 
 def operation(summary: str, ok: dict[int, Schema], errors: Iterable[int] = (), *, body: Schema | None = None,
-              auth: bool = False, parameters: list[Schema] | None = None) -> Schema:
+              auth: bool = False, parameters: list[Schema] | None = None, admin: bool = False) -> Schema:
     """A route's operation: `ok` maps its success statuses to their answers; `errors` lists the
-    error statuses it returns (413 is added for a body, 401 by `publish` when auth is on)."""
+    error statuses it returns (413 is added for a body, 401 by `publish` when auth is on; for
+    `admin`, 401 or 403 as the server has admin tokens or not)."""
     responses = {str(code): answer for code, answer in ok.items()}
     codes = set(errors) | ({413} if body is not None else set())
     responses |= {str(code): error(code) for code in sorted(codes)}
-    out: Schema = {"summary": summary, "responses": responses, AUTH_KEY: auth}
+    out: Schema = {"summary": summary, "responses": responses, AUTH_KEY: auth, ADMIN_KEY: admin}
     if body is not None:
         out["requestBody"] = {"required": True, **body}
     if parameters:
@@ -75,9 +80,15 @@ def components(door: FrontDoor) -> Schema:
         "ChatCompletionRequest": bodies.chat_request(*args),
         "Completion": bodies.COMPLETION, "ChatCompletion": bodies.CHAT_COMPLETION, "Usage": bodies.USAGE,
         "Prediction": bodies.PREDICTION, "ModelList": bodies.MODEL_LIST, "Health": bodies.HEALTH,
-        "Error": bodies.ERROR, "RateLimitError": bodies.REJECTION},
-        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",
-                                       "description": "an API token (--api-token-file / HALFMOON_API_TOKENS)"}}}
+        "Error": bodies.ERROR, "RateLimitError": bodies.REJECTION,
+        "LoadLoraAdapterRequest": bodies.load_adapter_request(b.model.id),
+        "UnloadLoraAdapterRequest": bodies.UNLOAD_ADAPTER_REQUEST, "LoraAdapter": bodies.ADAPTER,
+        "LoraAdapterList": bodies.ADAPTER_LIST},
+        "securitySchemes": {
+            "bearer": {"type": "http", "scheme": "bearer",
+                       "description": "an API token (--api-token-file / HALFMOON_API_TOKENS)"},
+            "admin": {"type": "http", "scheme": "bearer",
+                      "description": "an admin token (--admin-token-file / HALFMOON_ADMIN_TOKENS)"}}}
 
 
 def document(app: FastAPI, door: FrontDoor) -> Schema:
@@ -90,16 +101,20 @@ def document(app: FastAPI, door: FrontDoor) -> Schema:
             raise ValueError(f"route {sorted(route.methods)} {route.path} has no OpenAPI operation")
         for method in sorted(route.methods):
             paths.setdefault(route.path, {})[method.lower()] = _secured(
-                {"operationId": route.name, **route.openapi_extra}, door.auth.enabled)
+                {"operationId": route.name, **route.openapi_extra}, door.auth.enabled, door.admin.enabled)
     return {"openapi": "3.1.0", "info": {"title": "Halfmoon", "version": app.version,
                                          "description": "OpenAI-compatible front door of a Halfmoon cluster"},
             "paths": paths, "components": components(door)}
 
 
-def _secured(op: Schema, auth_on: bool) -> Schema:
+def _secured(op: Schema, auth_on: bool, admin_on: bool) -> Schema:
     op = dict(op)
-    needs_token = op.pop(AUTH_KEY, False)
-    if needs_token and auth_on:
+    needs_token, needs_admin = op.pop(AUTH_KEY, False), op.pop(ADMIN_KEY, False)
+    if needs_admin:
+        op["responses"] = {**op["responses"], **({"401": error(401)} if admin_on else {"403": error(403)})}
+        if admin_on:
+            op["security"] = [{"admin": []}]
+    elif needs_token and auth_on:
         op["security"] = [{"bearer": []}]
         op["responses"] = {**op["responses"], "401": error(401)}
     return op

@@ -14,6 +14,7 @@ from typing import Any
 
 from halfmoon.api.requests import MAX_LOGIT_BIAS, Limits
 from halfmoon.api.tools import MAX_TOOLS, TOOL_NAME
+from halfmoon.conductor.adapters import NAME
 from halfmoon.core.params import BIAS_LIMIT, MAX_CHOICES, MAX_LOGPROBS, PENALTY_LIMIT
 from halfmoon.engine.tokenizer import Tokenizer
 from halfmoon.results import ModelInfo
@@ -57,11 +58,19 @@ def prompt_bound(limits: Limits, model: ModelInfo, kv_capacity_tokens: int | Non
     return max(1, min(bounds))
 
 
+def model_field(base_id: str) -> Schema:
+    """A request's `model`: the base model, or any name (LoRA adapters come and go while the
+    server runs). The base model's id is its own branch, so generated requests name it often."""
+    return {"anyOf": [{"const": base_id}, {"type": "string"}],
+            "description": "the served model, or a loaded LoRA adapter's name (GET /v1/models); empty = the "
+                           "served model; any other name is a 404"}
+
+
 def _common(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int | None) -> dict[str, Schema]:
     stop = {"type": "string", "minLength": 1, "maxLength": limits.max_stop_chars}
     short_id = {"type": "string", "maxLength": limits.max_id_chars, "pattern": ID_PATTERN}
     return {
-        "model": {"type": "string", "enum": [model.id], "description": "the served model (GET /v1/models)"},
+        "model": model_field(model.id),
         "max_tokens": nullable({"type": "integer", "minimum": 1, "maximum": max_tokens_bound(limits, model, kv),
                                 "description": "default min(16, the room left); prompt + max_tokens must fit "
                                                "the context and a decode worker's KV cache (400 otherwise)"}),
@@ -323,11 +332,46 @@ CHAT_COMPLETION = _answer("chat.completion", {"message": {
     "properties": {"role": {"const": "assistant"}, "content": nullable({"type": "string"}),
                    "tool_calls": {"type": "array", "items": _ANSWERED_CALL}}}}, CHAT_LOGPROBS)
 MODEL_LIST: Schema = {"type": "object", "required": ["object", "data"], "properties": {
-    "object": {"const": "list"}, "data": {"type": "array", "items": {
-        "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len"], "properties": {
+    "object": {"const": "list"}, "data": {"type": "array", "description": "the base model, then each LoRA adapter",
+                                          "items": {
+        "type": "object", "required": ["id", "object", "created", "owned_by", "max_model_len", "root", "parent"],
+        "properties": {
             "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
             "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
-            "architecture": {"type": "string"}, "dtype": {"type": "string"}}}}}}
+            "architecture": {"type": "string"}, "dtype": {"type": "string"},
+            "root": {"type": "string", "description": "the base model's id; an adapter's folder"},
+            "parent": nullable({"type": "string", "description": "an adapter's base model; null for the base"})}}}}}
+
+# ---------------------------------------------------------------------- the admin API (api/admin.py)
+
+
+def load_adapter_request(base_id: str) -> Schema:
+    """`POST /v1/load_lora_adapter`'s body (vLLM's): a name requests will use, a PEFT folder."""
+    return {"type": "object", "required": ["lora_name", "lora_path"], "additionalProperties": False, "properties": {
+        "lora_name": {"type": "string", "pattern": NAME.pattern, "not": {"const": base_id}, "description":
+                      "the `model` requests name it by; the same name and files again: a no-op; other files "
+                      "under a loaded name: 409 (unload it first)"},
+        "lora_path": {"type": "string", "minLength": 1, "description":
+                      "a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) the Conductor and "
+                      "every worker can read; one this base model cannot serve (missing files, shapes, rank over "
+                      "--max-lora-rank, target modules, another base model) is a 400 naming the reason"},
+        "load_inplace": _neutral(None, False)}}
+
+
+UNLOAD_ADAPTER_REQUEST: Schema = {"type": "object", "required": ["lora_name"], "additionalProperties": False,
+                                  "properties": {"lora_name": {"type": "string", "minLength": 1,
+                                                               "description": "a loaded adapter (404 otherwise)"},
+                                                 "lora_int_id": {"description": "vLLM's; accepted, not used"}}}
+ADAPTER: Schema = {"type": "object", "required": ["name", "path", "digest", "rank", "target_modules", "base_model",
+                                                  "load_ms", "loaded_at"], "properties": {
+    "name": {"type": "string"}, "path": {"type": "string"},
+    "digest": {"type": "string", "description": "of its two files: new weights under one name are a new digest"},
+    "rank": {"type": "integer", "minimum": 1}, "target_modules": {"type": "array", "items": {"type": "string"}},
+    "base_model": {"type": "string", "description": "its base_model_name_or_path (empty: not said)"},
+    "load_ms": {"type": "number", "minimum": 0, "description": "reading and checking it at the Conductor"},
+    "loaded_at": {"type": "integer", "description": "Unix seconds"}}}
+ADAPTER_LIST: Schema = {"type": "object", "required": ["object", "data"], "properties": {
+    "object": {"const": "list"}, "data": {"type": "array", "items": ref("LoraAdapter")}}}
 HEALTH: Schema = {"type": "object", "required": ["status"], "properties": {
     "status": {"enum": ["ok", "degraded", "unavailable"]},
     "reasons": {"type": "array", "items": {"type": "string"}, "description": "why degraded"}}}

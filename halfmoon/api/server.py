@@ -21,14 +21,15 @@ import uvicorn
 from fastapi import FastAPI
 from grpc_health.v1 import health
 
-from halfmoon.api.auth import Authenticator, load_tokens
+from halfmoon.api.admin import AdapterAdmin
+from halfmoon.api.auth import Authenticator, load_admin_tokens, load_tokens
 from halfmoon.conductor.backend import GenerationBackend
 from halfmoon.api.tool_formats import AUTO, PARSERS
 from halfmoon.api.frontdoor import FrontDoor
 from halfmoon.api.grpc_api import GrpcTls, bind, build_server, set_serving
 from halfmoon.api.openai_api import BodyLimit, build_app
 from halfmoon.api.requests import Limits
-from halfmoon.core.errors import ConfigError
+from halfmoon.core.errors import ConfigError, HalfmoonError, InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +40,10 @@ class ServerConfig:
     grpc_port / http_port: 0 = any free port (the announced ports are the real ones).
     tls_cert / tls_key: PEM files; both or neither. TLS applies to gRPC and HTTP.
     api_token_file: bearer tokens, one per line; None = HALFMOON_API_TOKENS, else auth off.
+    admin_token_file: admin bearer tokens (loading and unloading LoRA adapters), one per line;
+        None = HALFMOON_ADMIN_TOKENS, else the admin API is off (403).
+    lora_adapters: (name, path) of the LoRA adapters served from the start (`--lora NAME=PATH`),
+        loaded once the backend has started; one that cannot be served stops the server.
     limits: per-request limits (see `Limits`).
     dashboard: serve the operator dashboard at /dashboard (docs/DASHBOARD.md).
     tool_call_parser: how the model's answers are read for tool calls (api/tool_formats.py):
@@ -51,6 +56,8 @@ class ServerConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     api_token_file: str | None = None
+    admin_token_file: str | None = None
+    lora_adapters: tuple[tuple[str, str], ...] = ()
     limits: Limits = field(default_factory=Limits)
     dashboard: bool = True
     tool_call_parser: str = AUTO
@@ -133,6 +140,16 @@ async def _watch_health(backend: GenerationBackend, health_servicer: health.aio.
             await set_serving(health_servicer, serving)
 
 
+async def load_adapters(admin: AdapterAdmin, adapters: Sequence[tuple[str, str]]) -> None:
+    """The adapters served from the start, in order; the first that cannot be served raises,
+    naming it (`--lora` of `halfmoon serve`: the server exits with the reason)."""
+    for name, path in adapters:
+        try:
+            await admin.load(name, path)
+        except HalfmoonError as e:
+            raise ConfigError(f"--lora {name}={path}: {e.message if isinstance(e, InvalidRequestError) else e}") from e
+
+
 Extension = Callable[[FastAPI, FrontDoor], object]  # adds routes to the HTTP app (e.g. dashboard.routes.mount)
 
 
@@ -141,8 +158,9 @@ async def serve(backend: GenerationBackend, config: ServerConfig, stop: asyncio.
     """Serve until `stop` is set, then shut down cleanly (health first, backend last).
     `extensions` add their routes to the HTTP app (the layers above the Conductor: the dashboard)."""
     auth = Authenticator(load_tokens(config.api_token_file))
+    admin = Authenticator(load_admin_tokens(config.admin_token_file))
     tls = config.tls
-    door = FrontDoor(backend, config.limits, auth, config.tool_call_parser)
+    door = FrontDoor(backend, config.limits, auth, config.tool_call_parser, admin)
     health_servicer = health.aio.HealthServicer()
     grpc_server = build_server(door, health_servicer)
     grpc_port = bind(grpc_server, f"{_bracket(config.host)}:{config.grpc_port}", tls)
@@ -154,6 +172,13 @@ async def serve(backend: GenerationBackend, config: ServerConfig, stop: asyncio.
                                    log_level="warning", lifespan="off", timeout_graceful_shutdown=5,
                                    ssl_certfile=config.tls_cert, ssl_keyfile=config.tls_key))
     await backend.start()
+    try:
+        await load_adapters(AdapterAdmin(backend, admin), config.lora_adapters)
+    except BaseException:  # nothing served yet: release the ports and the backend
+        sock.close()
+        await grpc_server.stop(None)
+        await backend.stop()
+        raise
     await grpc_server.start()
     http_task = asyncio.create_task(http.serve(sockets=[sock]))
     try:

@@ -1,7 +1,9 @@
-"""`halfmoon client`: call a running server over gRPC (generate, chat, models, tokenize).
+"""`halfmoon client`: call a running server over gRPC (generate, chat, models, tokenize, adapters).
 
     halfmoon client generate --target localhost:50051 'The capital of France is'
     halfmoon client chat --target HOST:PORT --tls --ca-cert ca.pem --token-file TOKENS 'Hi!'
+    halfmoon client adapters load sql-lora /adapters/sql --admin-token-file ADMIN_TOKENS
+    halfmoon client adapters list | unload sql-lora
 
 Text streams to stdout as it arrives and a summary goes to stderr (`--json`: one JSON object).
 An API error prints `halfmoon: error: STATUS: message` and exits 2 (3 when UNAVAILABLE: the
@@ -57,6 +59,23 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     t = calls.add_parser("tokenize", parents=[conn], help="print the token ids of a text")
     t.add_argument("text")
     t.add_argument("--json", action="store_true", help="print a JSON list instead of 1,2,3")
+    _add_adapters_parser(calls, conn)
+
+
+def _add_adapters_parser(calls: argparse._SubParsersAction, conn: argparse.ArgumentParser) -> None:
+    """`adapters list|load NAME PATH|unload NAME`: the admin API (an admin token)."""
+    admin = argparse.ArgumentParser(add_help=False)
+    admin.add_argument("--admin-token-file", default=None,
+                       help="file holding the admin token (default: $HALFMOON_ADMIN_TOKEN, else the API token)")
+    admin.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    a = calls.add_parser("adapters", help="LoRA adapters: list, load, unload (admin)")
+    verbs = a.add_subparsers(dest="verb", required=True)
+    verbs.add_parser("list", parents=[conn, admin], help="the loaded adapters")
+    load = verbs.add_parser("load", parents=[conn, admin], help="serve the PEFT adapter in PATH as model NAME")
+    load.add_argument("name", metavar="NAME", help="the model name requests will use")
+    load.add_argument("path", metavar="PATH", help="the adapter's folder, as the server sees it")
+    unload = verbs.add_parser("unload", parents=[conn, admin], help="stop serving adapter NAME")
+    unload.add_argument("name", metavar="NAME")
 
 
 def _connection_parser() -> argparse.ArgumentParser:
@@ -166,9 +185,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         with Client(args.target, token_file=args.token_file, tls=args.tls,
                     root_certificates=_read_ca(args.ca_cert), timeout=args.timeout,
-                    retry_rejected=getattr(args, "retry_rejected", 0), on_retry=_announce_retry) as client:
+                    retry_rejected=getattr(args, "retry_rejected", 0), on_retry=_announce_retry,
+                    admin_token_file=getattr(args, "admin_token_file", None)) as client:
             if args.call == "models":
                 return _models(args, client)
+            if args.call == "adapters":
+                return _adapters(args, client)
             if args.call == "tokenize":
                 return _tokenize(args, client)
             return _generate(args, client)
@@ -278,12 +300,35 @@ def _models(args: argparse.Namespace, client: Client) -> int:
     if args.json:
         print(json.dumps([dataclasses.asdict(m) for m in models]))
         return 0
-    rows = [("ID", "MAX_MODEL_LEN", "VOCAB_SIZE", "OWNED_BY")]
-    rows += [(m.id, str(m.max_model_len), str(m.vocab_size), m.owned_by) for m in models]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    rows = [("ID", "MAX_MODEL_LEN", "VOCAB_SIZE", "OWNED_BY", "PARENT")]
+    rows += [(m.id, str(m.max_model_len), str(m.vocab_size), m.owned_by, m.parent or "-") for m in models]
+    _table(rows)
+    return 0
+
+
+def _adapters(args: argparse.Namespace, client: Client) -> int:
+    if args.verb == "load":
+        adapters = [client.load_adapter(args.name, args.path)]
+    elif args.verb == "unload":
+        adapters = [client.unload_adapter(args.name)]
+    else:
+        adapters = client.adapters()
+    if args.json:
+        print(json.dumps([dataclasses.asdict(a) for a in adapters]))
+        return 0
+    if args.verb != "list":
+        a = adapters[0]
+        print(f"{args.verb}ed {a.name} (rank {a.rank}, {', '.join(a.target_modules)}) from {a.path}")
+        return 0
+    _table([("NAME", "RANK", "TARGETS", "PATH")] +
+           [(a.name, str(a.rank), ",".join(a.target_modules), a.path) for a in adapters])
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
-    return 0
 
 
 def _tokenize(args: argparse.Namespace, client: Client) -> int:

@@ -117,8 +117,12 @@ SERVER = Component(
         "tool_call_parser": Flag(choices=PARSERS, help="how answers are read for tool calls: auto (the chat "
                                  "template's markers, else the family: Gemma 3 pythonic, else hermes), hermes, "
                                  "llama3_json, mistral, pythonic"),
+        "admin_token_file": Flag(help="admin bearer tokens, one per line: they open the admin API (LoRA adapters "
+                                      "loaded and unloaded while serving); None = HALFMOON_ADMIN_TOKENS, else the "
+                                      "admin API answers 403"),
     },
-    nested={"limits": LIMITS})
+    nested={"limits": LIMITS},
+    excluded={"lora_adapters": "serve's --lora NAME=PATH (repeatable; env HALFMOON_LORA=NAME=PATH,...)"})
 
 ADMISSION = Component(
     AdmissionConfig, "admission and priority classes (conductor/admission.py)",

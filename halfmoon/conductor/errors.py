@@ -14,6 +14,7 @@ client sees. Each class maps to exactly one (gRPC status, HTTP code, OpenAI erro
 | DeadlineExceededError              | DEADLINE_EXCEEDED   | 504  | timeout_error          |
 | RequestAbortedError                | CANCELLED           | 499  | cancelled              |
 | UnauthenticatedError               | UNAUTHENTICATED     | 401  | authentication_error   |
+| PermissionDeniedError              | PERMISSION_DENIED   | 403  | permission_error       |
 | anything else                      | INTERNAL            | 500  | internal_error         |
 
 The rejections (TooManyStreamsError, OverloadedError, SloMissError, ...) are one row: load is
@@ -103,6 +104,11 @@ class UnauthenticatedError(HalfmoonError):
     """Missing or wrong bearer token."""
 
 
+class PermissionDeniedError(HalfmoonError):
+    """The call is not open to this server's clients at all (e.g. the admin API of a server
+    started without admin tokens); the message says how to open it. No token changes the answer."""
+
+
 @dataclass(frozen=True, slots=True)
 class ErrorStatus:
     grpc: grpc.StatusCode
@@ -124,6 +130,7 @@ _STATUS: list[tuple[type[BaseException], ErrorStatus]] = [
     (DeadlineExceededError, ErrorStatus(grpc.StatusCode.DEADLINE_EXCEEDED, 504, "timeout_error")),
     (RequestAbortedError, ErrorStatus(grpc.StatusCode.CANCELLED, 499, "cancelled")),
     (UnauthenticatedError, ErrorStatus(grpc.StatusCode.UNAUTHENTICATED, 401, "authentication_error")),
+    (PermissionDeniedError, ErrorStatus(grpc.StatusCode.PERMISSION_DENIED, 403, "permission_error")),
 ]
 INTERNAL = ErrorStatus(grpc.StatusCode.INTERNAL, 500, "internal_error")
 
@@ -140,6 +147,8 @@ def field_of(error: BaseException) -> str | None:
     """The request field an error is about, when there is one."""
     if isinstance(error, ChatTemplateError):
         return "messages"
+    if isinstance(error, InvalidAdapterError):  # an adapter a request names (the admin API names its own field)
+        return getattr(error, "field", "model")
     return getattr(error, "field", None)
 
 

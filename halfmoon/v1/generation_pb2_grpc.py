@@ -49,6 +49,21 @@ class GenerationStub:
                 request_serializer=halfmoon_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=halfmoon_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/halfmoon.v1.Generation/LoadAdapter',
+                request_serializer=halfmoon_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=halfmoon_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/halfmoon.v1.Generation/UnloadAdapter',
+                request_serializer=halfmoon_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=halfmoon_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/halfmoon.v1.Generation/ListAdapters',
+                request_serializer=halfmoon_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=halfmoon_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -76,6 +91,32 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """The admin API (LoRA adapters while serving): each call needs an admin token
+        (`--admin-token-file` / HALFMOON_ADMIN_TOKENS), not an API token.
+        Serves the PEFT LoRA adapter in folder `path` as model `name` (the same
+        name and folder again: a no-op). INVALID_ARGUMENT names the reason it
+        cannot be served on this base model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Stops serving an adapter: requests naming it are NOT_FOUND from now on
+        (running ones finish).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListAdapters(self, request, context):
+        """The loaded adapters, by name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -93,6 +134,21 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=halfmoon_dot_v1_dot_generation__pb2.ListModelsRequest.FromString,
                     response_serializer=halfmoon_dot_v1_dot_generation__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=halfmoon_dot_v1_dot_generation__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=halfmoon_dot_v1_dot_generation__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=halfmoon_dot_v1_dot_generation__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=halfmoon_dot_v1_dot_generation__pb2.AdapterInfo.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=halfmoon_dot_v1_dot_generation__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=halfmoon_dot_v1_dot_generation__pb2.ListAdaptersResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +232,87 @@ class Generation:
             '/halfmoon.v1.Generation/ListModels',
             halfmoon_dot_v1_dot_generation__pb2.ListModelsRequest.SerializeToString,
             halfmoon_dot_v1_dot_generation__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.v1.Generation/LoadAdapter',
+            halfmoon_dot_v1_dot_generation__pb2.LoadAdapterRequest.SerializeToString,
+            halfmoon_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.v1.Generation/UnloadAdapter',
+            halfmoon_dot_v1_dot_generation__pb2.UnloadAdapterRequest.SerializeToString,
+            halfmoon_dot_v1_dot_generation__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/halfmoon.v1.Generation/ListAdapters',
+            halfmoon_dot_v1_dot_generation__pb2.ListAdaptersRequest.SerializeToString,
+            halfmoon_dot_v1_dot_generation__pb2.ListAdaptersResponse.FromString,
             options,
             channel_credentials,
             insecure,
