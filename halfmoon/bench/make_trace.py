@@ -33,6 +33,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="Poisson session starts per second")
     p.add_argument("--turns", default="1,1,2,3,4", help="a session's turn count is drawn from these")
     p.add_argument("--think-s", default="5,30", help="LO,HI: seconds between a session's turns (uniform)")
+    p.add_argument("--adapters", type=int, default=0,
+                   help="spread sessions over this many LoRA adapters (an `adapter` key per request; 0: none)")
+    p.add_argument("--adapter-skew", type=float, default=1.0, help="Zipf exponent of the adapters' popularity")
     p.add_argument("--out", default=None, help="the JSONL file to write (default: stdout)")
     args = p.parse_args(argv)
     try:
@@ -44,7 +47,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    rows = conversation_trace(args.requests, args.seed, args.shape)
+    rows = conversation_trace(args.requests, args.seed, args.shape, args.adapters, args.adapter_skew)
     if args.out is None:
         sys.stdout.write(trace_text(rows))
     else:

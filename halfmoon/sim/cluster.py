@@ -31,13 +31,17 @@ from halfmoon.conductor.ledger import DecodeLedger, PrefillLedger
 from halfmoon.conductor.prefill_steps import PrefillSteps
 from halfmoon.conductor.serve_defaults import serve_admission, serve_shape, tier_tokens
 from halfmoon.core.errors import ConfigError, check_positive
-from halfmoon.sim.engines import KV_TAIL, Clock, ColocatedWorker, DecodeBatch, DecodeWorker, Flight, PrefillWorker
+from halfmoon.sim.engines import (KV_TAIL, AdapterSlots, Clock, ColocatedWorker, DecodeBatch, DecodeWorker, Flight,
+                                  PrefillWorker)
 from halfmoon.sim.tiers import Capacity, TieredCache
 from halfmoon.sim.trace import HASH_BLOCK_TOKENS
 from halfmoon.sim.workload import SimRequest, Workload
 
 
 TICK = 256  # arrivals per progress tick
+# reading + checking + laying out a rank-16 SmolLM2 adapter, then its slot copy: `halfmoon bench
+# lora` on CPU (docs/BENCHMARKS.md); a simulated worker pays it for an adapter it does not hold
+ADAPTER_LOAD_MS = 80.0
 
 
 _SERVE = serve_shape()  # the shape and engine `halfmoon serve` starts with no flags
@@ -75,6 +79,10 @@ class SimConfig:
     prefill_tp, decode_tp: each worker's tensor-parallel size (devices it holds); the cost
         model is the layout's (`CostModel.with_decode_of`: prefill from a TP=prefill_tp profile,
         decode steps from a TP=decode_tp one). Co-located: prefill_tp is the engine's.
+    max_loras, adapter_load_ms: each prefill (or co-located) worker's LoRA slots and what
+        reading an adapter it does not hold costs (a trace's `adapter` key): paid before its
+        prefill, priced by the router as the Conductor prices it. The default is `halfmoon bench
+        lora`'s SmolLM2 rank-16 figure on CPU (docs/BENCHMARKS.md).
     """
 
     prefill: int = _SERVE.prefill
@@ -94,14 +102,16 @@ class SimConfig:
     tokens_per_step: float = 1.0
     prefill_tp: int = 1
     decode_tp: int = 1
+    max_loras: int = _SERVE.engine.max_loras
+    adapter_load_ms: float = ADAPTER_LOAD_MS
 
     def __post_init__(self) -> None:
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
             raise ConfigError(f"a cluster needs >= 1 prefill and >= 1 decode worker, got {self.prefill}P{self.decode}D")
-        check_positive(self, "device_tokens", "block_size", "chunk", "max_seqs", "prefill_tp", "decode_tp")
+        check_positive(self, "device_tokens", "block_size", "chunk", "max_seqs", "prefill_tp", "decode_tp", "max_loras")
         if self.tokens_per_step < 1.0:
             raise ConfigError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}")
-        for name in ("host_tokens", "disk_tokens", "overhead_ms"):
+        for name in ("host_tokens", "disk_tokens", "overhead_ms", "adapter_load_ms"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
@@ -156,6 +166,7 @@ class Record:
     predicted_ttft_ms: float | None = None
     predicted_tbt_ms: float | None = None
     end_s: float | None = None
+    adapter: str = ""  # its LoRA adapter ("" = the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +177,7 @@ class SimResult:
     busy_s: dict[str, float]  # per worker
     makespan_s: float
     wall_s: float
+    adapter_loads: dict[str, tuple[int, int]] = field(default_factory=dict)  # per worker: LoRA loads, evictions
 
 
 class SpeculativeCost:
@@ -210,14 +222,15 @@ class Simulator:
         blocks = config.device_tokens // config.block_size
         if config.colocated:
             self.engine = ColocatedWorker("engine", cost, self.clock, self._cache(), config.chunk,
-                                          config.max_seqs, self._first, self._finished)
+                                          config.max_seqs, self._first, self._finished, self._slots())
             self.pending, self.bound = PrefillLedger(), DecodeLedger(blocks, tokens_per_step=config.tokens_per_step)
             self.prefill: dict[str, PrefillWorker] = {}
             self.decode: dict[str, DecodeWorker] = {}
         else:
             self.prefill = {f"prefill-{i}": PrefillWorker(f"prefill-{i}", cost, self.clock, self._cache(),
                                                           config.kv_tail, self._pushed,
-                                                          PrefillSteps(cost, config.chunk, config.prefill_max_seqs))
+                                                          PrefillSteps(cost, config.chunk, config.prefill_max_seqs),
+                                                          self._slots())
                             for i in range(config.prefill)}
             self.decode = {f"decode-{i}": DecodeWorker(f"decode-{i}", cost, self.clock, config.max_seqs,
                                                        self._first, self._finished)
@@ -237,6 +250,9 @@ class Simulator:
     def _overhead_s(self) -> float:
         return (self.config.overhead_ms or 0.0) / 1e3
 
+    def _slots(self) -> AdapterSlots:
+        return AdapterSlots(self.config.max_loras, self.config.adapter_load_ms)
+
     def _cache(self) -> TieredCache:
         return TieredCache(self.config.capacity(), HASH_BLOCK_TOKENS, engine_block=self.config.block_size)
 
@@ -247,7 +263,8 @@ class Simulator:
         start = time.perf_counter()
         self._tick = tick
         for request in workload.requests:
-            record = Record(request.index, request.arrival_s, request.prompt_len, request.output_len)
+            record = Record(request.index, request.arrival_s, request.prompt_len, request.output_len,
+                            adapter=request.adapter)
             self.records.append(record)
             self.clock.at(self.start_s + request.arrival_s, lambda r=request: self._arrive(r))
         self.clock.run()
@@ -255,8 +272,10 @@ class Simulator:
         self.check_integrity()
         workers = [*self.prefill.values(), *self.decode.values()] or [self.engine]
         makespan = max((r.end_s for r in self.records if r.end_s is not None), default=0.0)
+        slotted = [*self.prefill.values()] or [self.engine]
         return SimResult(self.config, workload, tuple(self.records), {w.worker_id: w.busy_s for w in workers},
-                         makespan, time.perf_counter() - start)
+                         makespan, time.perf_counter() - start,
+                         {w.worker_id: (w.adapters.loads, w.adapters.evictions) for w in slotted})
 
     def _cut(self, workload: Workload) -> None:
         """Requests finishing after window + drain count as cut off, as the live replay's deadline."""
@@ -320,7 +339,8 @@ class Simulator:
     def _prefix(self, request: SimRequest) -> PrefixMatch:
         per_worker = {wid: self._cached_tokens(w.cache, request) for wid, w in self.prefill.items()}
         best = max(per_worker.items(), key=lambda kv: kv[1], default=("", 0))
-        return PrefixMatch(per_worker, best[1], best[0] if best[1] else "")
+        adapter_ms = {wid: w.adapters.load_ms for wid, w in self.prefill.items() if not w.adapters.holds(request.adapter)}
+        return PrefixMatch(per_worker, best[1], best[0] if best[1] else "", adapter_ms)
 
     @staticmethod
     def _cached_tokens(cache: TieredCache, request: SimRequest) -> int:

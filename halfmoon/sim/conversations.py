@@ -48,11 +48,18 @@ class ConversationShape:
             raise ValueError("user_tokens and system_prompts must be >= 1")
 
 
-def conversation_trace(n_requests: int, seed: int = 0,
-                       shape: ConversationShape = ConversationShape()) -> list[dict[str, Any]]:
-    """`n_requests` Mooncake rows in timestamp order (module doc), the same for the same seed."""
+def conversation_trace(n_requests: int, seed: int = 0, shape: ConversationShape = ConversationShape(),
+                       adapters: int = 0, adapter_skew: float = 1.0) -> list[dict[str, Any]]:
+    """`n_requests` Mooncake rows in timestamp order (module doc), the same for the same seed.
+    `adapters` > 0: each session runs under one of that many LoRA adapters (`"adapter":
+    "adapter-K"`), K drawn Zipf(`adapter_skew`) from its own generator (the rows are otherwise
+    those of `adapters=0`)."""
     if n_requests < 0:
         raise ValueError(f"n_requests must be >= 0, got {n_requests}")
+    if adapters < 0 or adapter_skew < 0:
+        raise ValueError(f"adapters must be >= 0 and adapter_skew >= 0, got {adapters}, {adapter_skew}")
+    pick = random.Random(seed + 1)
+    weights = [1.0 / (k + 1) ** adapter_skew for k in range(adapters)]
     rng = random.Random(seed)
     counter = iter(range(1 << 62))
     systems = [[next(counter) for _ in range(rng.choice((1, 2)))] for _ in range(shape.system_prompts)]
@@ -62,13 +69,14 @@ def conversation_trace(n_requests: int, seed: int = 0,
         t += rng.expovariate(shape.sessions_per_s)
         ids, at = list(rng.choice(systems)), t
         length = len(ids) * HASH_BLOCK_TOKENS
+        extra = {"adapter": f"adapter-{pick.choices(range(adapters), weights)[0]}"} if adapters else {}
         for _ in range(rng.choice(shape.turns)):
             total = length + rng.randint(*shape.user_tokens)
             ids = ids[: length // HASH_BLOCK_TOKENS]
             ids += [next(counter) for _ in range(-(-total // HASH_BLOCK_TOKENS) - len(ids))]
             output = rng.randint(*shape.output_tokens)
             rows.append({"timestamp": int(at * 1000), "input_length": total, "output_length": output,
-                         "hash_ids": list(ids)})
+                         "hash_ids": list(ids), **extra})
             length = total + output
             at += rng.uniform(*shape.think_s)
     rows.sort(key=lambda r: r["timestamp"])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -210,6 +211,34 @@ class Stepper(Worker):
         raise NotImplementedError
 
 
+class AdapterSlots:
+    """A worker's LoRA slots as the simulator keeps them: the `size` adapters used last (LRU, as
+    engine/lora_pool.py evicts); a request under an adapter not held pays `load_ms` first."""
+
+    def __init__(self, size: int, load_ms: float) -> None:
+        self.size, self.load_ms = size, load_ms
+        self._held: OrderedDict[str, None] = OrderedDict()
+        self.loads = 0
+        self.evictions = 0
+
+    def holds(self, adapter: str) -> bool:
+        return not adapter or adapter in self._held
+
+    def use(self, adapter: str) -> float:
+        """`adapter` made resident (the LRU's newest); the ms its load took (0: it was held)."""
+        if not adapter:
+            return 0.0
+        if adapter in self._held:
+            self._held.move_to_end(adapter)
+            return 0.0
+        if len(self._held) >= self.size:
+            self._held.popitem(last=False)
+            self.evictions += 1
+        self._held[adapter] = None
+        self.loads += 1
+        return self.load_ms
+
+
 class PrefillWorker(Worker):
     """A prefill engine: steps of up to `steps.budget` prompt tokens, packed as the real scheduler packs
     them (conductor/prefill_steps.py `pack`: its unfinished prefills first, then the queue in
@@ -219,9 +248,11 @@ class PrefillWorker(Worker):
     the next (as `PrefillLedger` predicts)."""
 
     def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cache: TieredCache,
-                 kv_tail: float, on_done: Callable[[Flight], None], steps: PrefillSteps) -> None:
+                 kv_tail: float, on_done: Callable[[Flight], None], steps: PrefillSteps,
+                 adapters: AdapterSlots | None = None) -> None:
         super().__init__(worker_id, cost, clock)
         self.cache = cache
+        self.adapters = adapters or AdapterSlots(4, 0.0)
         self.kv_tail = kv_tail
         self.on_done = on_done
         self.steps = steps  # the engine's budget (and prompts a step); timed by `cost`, not steps.cost
@@ -278,7 +309,8 @@ class PrefillWorker(Worker):
         if self.cache.can_acquire(r.blocks, r.prompt_len):
             table, _ = self.cache.acquire(r.blocks, r.prompt_len)
             self.cache.release(table)  # its blocks stay cached (evictable) once pushed
-        return self.cost.est_transfer_ms(flight.prefix_tokens - own) if flight.prefix_tokens > own else 0.0
+        fetch = self.cost.est_transfer_ms(flight.prefix_tokens - own) if flight.prefix_tokens > own else 0.0
+        return fetch + self.adapters.use(r.adapter)
 
     def _end(self, chunks: list[tuple[Flight, int]]) -> None:
         for flight, take in chunks:
@@ -332,9 +364,11 @@ class ColocatedWorker(Stepper):
 
     def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cache: TieredCache, chunk: int,
                  max_seqs: int, on_first: Callable[[Flight], None],
-                 on_finish: Callable[[Flight, DecodeBatch], None]) -> None:
+                 on_finish: Callable[[Flight, DecodeBatch], None], adapters: AdapterSlots | None = None) -> None:
         super().__init__(worker_id, cost, clock, max_seqs)
         self.cache = cache
+        self.adapters = adapters or AdapterSlots(4, 0.0)
+        self._loading_ms = 0.0  # adapters the next step reads first
         self.chunk = chunk
         self.on_first = on_first
         self.on_finish = on_finish
@@ -359,6 +393,7 @@ class ColocatedWorker(Stepper):
             flight.table, flight.hits = self.cache.acquire(r.blocks, r.prompt_len)
             flight.prefix_tokens = flight.hits.reused
             flight.done_tokens = flight.prefix_tokens
+            self._loading_ms += self.adapters.use(r.adapter)
             self._prefilling.append(flight)
 
     def _step(self) -> None:
@@ -376,7 +411,8 @@ class ColocatedWorker(Stepper):
             if b.running:
                 self.run_steps(self.decode_stretch(), pieces)
             return
-        seconds = self.cost.est_decode_step_ms(len(b.running), b.context) / 1e3
+        seconds = (self.cost.est_decode_step_ms(len(b.running), b.context) + self._loading_ms) / 1e3
+        self._loading_ms = 0.0
         for flight, take in pieces:
             seconds += self.cost.est_prefill_ms(take, flight.done_tokens) / 1e3
         self.run_steps([seconds], pieces)

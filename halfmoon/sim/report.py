@@ -73,10 +73,27 @@ def summarize(result: SimResult, optimum: Optimum | None = None) -> dict[str, An
         "utilisation_by_pool": _by_pool(busy),
         "window_s": round(window, 3), "makespan_s": round(result.makespan_s, 3), "wall_s": round(result.wall_s, 3),
     }
+    if any(r.adapter for r in records):
+        summary["adapters"] = _adapters(result, ttft_slo, tbt_slo)
     if optimum is not None:
         outcomes = [outcome(r, met(r, ttft_slo, tbt_slo), ttft_slo, tbt_slo) for r in records]
         summary["optimum"] = optimum_summary(optimum, good, window, outcomes, exact_hint(optimum))
     return summary
+
+
+def _adapters(result: SimResult, ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
+    """Per LoRA adapter (and the base model, ""): requests and how many met both SLOs; the
+    workers' adapter loads and evictions in all."""
+    per: dict[str, dict[str, int]] = {}
+    for r in result.records:
+        row = per.setdefault(r.adapter, {"requests": 0, "slo_met": 0})
+        row["requests"] += 1
+        row["slo_met"] += met(r, ttft_slo, tbt_slo)
+    loads = sum(n for n, _ in result.adapter_loads.values())
+    evictions = sum(n for _, n in result.adapter_loads.values())
+    ordered = sorted(per.items(), key=lambda kv: (-kv[1]["requests"], kv[0]))  # busiest first
+    return {"per_adapter": dict(ordered), "loads": loads, "evictions": evictions,
+            "max_loras": result.config.max_loras, "load_ms": result.config.adapter_load_ms}
 
 
 def exact_hint(optimum: Optimum) -> str:
@@ -106,8 +123,17 @@ def render(s: dict[str, Any]) -> str:
         "  prefix hits: " + ", ".join(f"{k} {100 * v:.1f}%" for k, v in s["hit_rate"].items())
         + f" (all tiers {100 * s['prefix_hit_rate']:.1f}% of prompt tokens)",
         "  utilisation: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in s["utilisation_by_pool"].items()),
+        *([adapters_line(s["adapters"])] if "adapters" in s else []),
         *([optimum_line(s)] if "optimum" in s else []),
     ])
+
+
+def adapters_line(a: dict[str, Any]) -> str:
+    per = a["per_adapter"]
+    shown = ", ".join(f"{name or 'base'} {row['slo_met']}/{row['requests']}" for name, row in list(per.items())[:8])
+    more = f" (+{len(per) - 8} more)" if len(per) > 8 else ""
+    return (f"  LoRA: {len(per) - ('' in per)} adapters; met/requests {shown}{more}; {a['loads']} loads, "
+            f"{a['evictions']} evictions ({a['max_loras']} slots a worker, {a['load_ms']:g} ms a load)")
 
 
 def optimum_line(s: dict[str, Any]) -> str:

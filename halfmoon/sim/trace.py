@@ -5,7 +5,8 @@ ignored):
 
 `timestamp` is in ms; `hash_ids` names the prompt's 512-token blocks, so there are exactly
 ceil(input_length / 512) of them, and two requests whose hash_ids agree on a prefix share that
-prefix of tokens. A bad line raises `TraceError` naming the file and line number. The simulator
+prefix of tokens. Halfmoon's own optional key `"adapter": "NAME"` names the LoRA adapter a
+request runs under (absent or null: the base model); prefixes are never shared across adapters. A bad line raises `TraceError` naming the file and line number. The simulator
 reads traces here; `bench/trace.py` adds the token synthesizer the live benchmarks send.
 """
 
@@ -37,6 +38,7 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    adapter: str = ""  # the LoRA adapter it names ("" = the base model)
 
 
 def read_trace(path: str | Path) -> Iterator[TraceRequest]:
@@ -66,7 +68,10 @@ def parse_line(text: str, line: int, source: str = "<trace>") -> TraceRequest:
     input_length = _int_field(obj, "input_length", 1, where)
     output_length = _int_field(obj, "output_length", 0, where)
     hash_ids = _hash_ids(obj["hash_ids"], input_length, where)
-    return TraceRequest(line, float(timestamp), input_length, output_length, hash_ids)
+    adapter = obj.get("adapter") or ""
+    if not isinstance(adapter, str):
+        raise TraceError(f"{where}: adapter must be a string (a LoRA adapter's name) or null, got {adapter!r}")
+    return TraceRequest(line, float(timestamp), input_length, output_length, hash_ids, adapter)
 
 
 def _is_number(value: Any) -> bool:

@@ -9,6 +9,9 @@ kvpool/block_hash.py's), computed once per distinct (parent, hash id):
     hash_ids      [    7    |    8    |  21 ]         input_length 1300
     block ids     d(root,7)  d(b0, 8)  d(b1, 21)       (the last: 276 tokens of id 21)
 
+A LoRA adapter roots its own chain (as live, kvpool/block_hash.py): the same hash ids under two
+adapters, or an adapter and the base model, are different blocks.
+
 A partial last block has the identity of its hash id's chain whatever its length: the live
 replay's tokens of a hash id are the same at every length (bench/trace.py), so a prompt that
 ends inside a block shares that block's first tokens with every prompt carrying the same chain.
@@ -43,6 +46,7 @@ class SimRequest:
     prompt_len: int
     output_len: int
     blocks: tuple[bytes, ...]
+    adapter: str = ""  # the LoRA adapter it runs under ("" = the base model)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +67,10 @@ class BlockIds:
     def __len__(self) -> int:
         return len(self._ids)
 
-    def of(self, hash_ids: Sequence[int], prompt_len: int) -> tuple[bytes, ...]:
-        """The ids of a `prompt_len`-token prompt's blocks (a partial last one included)."""
-        parent, out = ROOT, []
+    def of(self, hash_ids: Sequence[int], prompt_len: int, adapter: str = "") -> tuple[bytes, ...]:
+        """The ids of a `prompt_len`-token prompt's blocks (a partial last one included), under
+        `adapter`'s root ("" = the base model's)."""
+        parent, out = _root(adapter), []
         for hash_id in hash_ids[:cdiv(prompt_len, HASH_BLOCK_TOKENS)]:
             parent = self._id(parent, hash_id)
             out.append(parent)
@@ -78,6 +83,10 @@ class BlockIds:
             data = parent + hash_id.to_bytes(8, "little")
             block = self._ids[key] = hashlib.blake2b(data, digest_size=HASH_BYTES).digest()
         return block
+
+
+def _root(adapter: str) -> bytes:
+    return ROOT if not adapter else hashlib.blake2b(ROOT + adapter.encode(), digest_size=HASH_BYTES).digest()
 
 
 def build(trace: Iterable[TraceRequest], speed: float = 1.0, window_s: float | None = None,
@@ -102,7 +111,7 @@ def build(trace: Iterable[TraceRequest], speed: float = 1.0, window_s: float | N
         prompt = min(r.input_length, max_input_tokens or r.input_length)
         output = max(1, min(r.output_length, max_output_tokens or r.output_length))
         requests.append(SimRequest(len(requests), arrival, prompt, output,
-                                   ids.of(r.hash_ids, prompt)))
+                                   ids.of(r.hash_ids, prompt, r.adapter), r.adapter))
     full = entries[-1].timestamp / 1e3 / speed if entries else 0.0
     duration = full if window_s is None or window_s >= full else window_s  # bench's `windowed`
     return Workload(tuple(requests), duration, source)
