@@ -7,7 +7,7 @@ last N minutes" through the simulator.
     window.rejected(reason)            admission said no (429)
     window.failed()                    any other error a client received
     window.snapshot()                  -> LiveSnapshot (series, last-minute figures, totals)
-    traffic.record(arrival, prompt_ids, output_tokens, cache_salt)
+    traffic.record(arrival, prompt_ids, output_tokens, cache_salt, adapter)
     traffic.rows(since)                -> [TraceEntry] (Mooncake lines: ms from the first, lengths, hash ids)
 
 Both are fed on the server's event loop; the sizing job reads the traffic from a thread, so each
@@ -197,21 +197,27 @@ class TrafficRow:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    adapter: str = ""
 
 
 @dataclass(frozen=True, slots=True)
 class TraceEntry:
     """A recorded request as a Mooncake trace line: `{"timestamp": ..., "input_length": ...,
-    "output_length": ..., "hash_ids": [...]}` (`as_json`)."""
+    "output_length": ..., "hash_ids": [...]}` (`as_json`), and `"adapter"` for a request under a
+    LoRA adapter (sim/trace.py reads it)."""
 
     timestamp_ms: float
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    adapter: str = ""
 
     def as_json(self) -> dict[str, object]:
-        return {"timestamp": self.timestamp_ms, "input_length": self.input_length,
-                "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
+        row: dict[str, object] = {"timestamp": self.timestamp_ms, "input_length": self.input_length,
+                                  "output_length": self.output_length, "hash_ids": list(self.hash_ids)}
+        if self.adapter:
+            row["adapter"] = self.adapter
+        return row
 
 
 class TrafficRecorder:
@@ -226,13 +232,14 @@ class TrafficRecorder:
         self._lock = threading.Lock()
 
     def record(self, arrival: float, prompt_ids: Sequence[int], output_tokens: int,
-               cache_salt: str | None = None) -> None:
-        digests = _block_digests(prompt_ids, cache_salt)
+               cache_salt: str | None = None, adapter: str = "") -> None:
+        """`adapter`: the LoRA adapter's name ("" = the base model); it roots the hash ids too."""
+        digests = _block_digests(prompt_ids, f"{cache_salt or ''}\0{adapter}" if adapter else cache_salt)
         with self._lock:
             if len(self._ids) + len(digests) > self._max_ids:
                 self._ids.clear()  # older rows keep their ids; new prefixes count as new
             ids = tuple(self._ids.setdefault(d, len(self._ids)) for d in digests)
-            self._rows.append(TrafficRow(arrival, len(prompt_ids), output_tokens, ids))
+            self._rows.append(TrafficRow(arrival, len(prompt_ids), output_tokens, ids, adapter))
 
     def rows(self, since: float) -> list[TraceEntry]:
         """Requests that arrived at or after `since` (Unix s), oldest first, timed from the first
@@ -240,8 +247,8 @@ class TrafficRecorder:
         with self._lock:
             chosen = sorted((r for r in self._rows if r.arrival >= since), key=lambda r: r.arrival)
         t0 = chosen[0].arrival if chosen else 0.0
-        return [TraceEntry(round((r.arrival - t0) * 1e3, 3), r.input_length, r.output_length, r.hash_ids)
-                for r in chosen]
+        return [TraceEntry(round((r.arrival - t0) * 1e3, 3), r.input_length, r.output_length, r.hash_ids,
+                           r.adapter) for r in chosen]
 
     def __len__(self) -> int:
         with self._lock:

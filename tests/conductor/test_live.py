@@ -111,3 +111,16 @@ def test_traffic_is_bounded() -> None:
         traffic.record(float(i), [i], 1)
     assert len(traffic) == 3 and [r.input_length for r in traffic.rows(0.0)] == [1, 1, 1]
 
+
+
+def test_the_traffic_log_names_each_requests_adapter_and_never_shares_a_prefix_across_adapters() -> None:
+    traffic = TrafficRecorder()
+    prompt = list(range(1200))
+    for adapter in ("a", "a", "b", ""):
+        traffic.record(100.0, prompt, 4, None, adapter)
+    rows = [r.as_json() for r in traffic.rows(0.0)]
+    assert [r.get("adapter") for r in rows] == ["a", "a", "b", None]
+    assert rows[0]["hash_ids"] == rows[1]["hash_ids"]
+    assert not set(rows[0]["hash_ids"]) & set(rows[2]["hash_ids"])
+    assert not set(rows[0]["hash_ids"]) & set(rows[3]["hash_ids"])
+    assert parse_line(json.dumps(rows[2]), 1).adapter == "b"  # the simulator reads it back
