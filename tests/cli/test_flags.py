@@ -169,3 +169,33 @@ def test_env_var_names_and_docstring_lines() -> None:
     assert build(Component(Demo, "demo", flags={"gamma": Flag("g")}, excluded={"hidden": "why"}),
                  args) == Demo(2, 0.5, "y")
     assert "100% documented." in parser.format_help()
+
+
+def test_lora_flags_reach_every_engine_and_the_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--max-loras, --max-lora-rank, --max-cpu-loras, --lora-skip-base-check are EngineConfig's,
+    the same for the co-located engine and every cluster worker; --lora NAME=PATH is the server's
+    (repeatable; HALFMOON_LORA=NAME=PATH,... when no flag gives one)."""
+    from halfmoon.cli.serve import cluster_config, lora_adapters
+
+    monkeypatch.delenv("HALFMOON_LORA", raising=False)
+    args = parse_args(["serve", "--max-loras", "2", "--max-lora-rank", "8", "--max-cpu-loras", "3",
+                       "--lora-skip-base-check", "--lora", "a=/adapters/a", "--lora", "b=/adapters/b"])
+    engine = build(SERVE_ENGINE, args)
+    lora = ("max_loras", "max_lora_rank", "max_cpu_loras", "lora_base_check")
+    assert tuple(getattr(engine, f) for f in lora) == (2, 8, 3, False)
+    worker = cluster_config(args, engine).engine
+    assert tuple(getattr(worker, f) for f in lora) == (2, 8, 3, False)
+    assert lora_adapters(args.lora) == (("a", "/adapters/a"), ("b", "/adapters/b"))
+    assert build(SERVER, args, lora_adapters=lora_adapters(args.lora)).lora_adapters == lora_adapters(args.lora)
+    defaults = parse_args(["serve"])
+    assert build(SERVE_ENGINE, defaults).lora_base_check and lora_adapters(defaults.lora) == ()
+    assert not build(SERVE_ENGINE, parse_args(["serve", "--no-lora-base-check"])).lora_base_check
+    monkeypatch.setenv("HALFMOON_MAX_LORA_RANK", "32")
+    monkeypatch.setenv("HALFMOON_LORA", "a=/x, b=/y")
+    assert build(SERVE_ENGINE, parse_args(["serve"])).max_lora_rank == 32
+    assert lora_adapters(parse_args(["serve"]).lora) == (("a", "/x"), ("b", "/y"))
+    assert lora_adapters(["c=/z"]) == (("c", "/z"),)  # a flag wins over the variable
+    with pytest.raises(ConfigError, match="expected NAME=PATH"):
+        lora_adapters(["just-a-name"])
+    with pytest.raises(ConfigError, match="max_cpu_loras"):
+        build(SERVE_ENGINE, parse_args(["serve", "--max-loras", "8", "--max-cpu-loras", "4"]))

@@ -708,6 +708,10 @@ BAD_VALUES = {
     "unknown role placement": ({"placement": {"separateRoles": "sometimes"}}, "/placement/separateRoles"),
     "negative class objective": ({"admission": {"classes": {"batch": {"tbtMs": -1}}}},
                                  "/admission/classes/batch/tbtMs"),
+    "an adapter without a path": ({"lora": {"adapters": [{"name": "a"}]}}, "/lora/adapters/0"),
+    "an adapter name with a space": ({"lora": {"adapters": [{"name": "a b", "path": "/a"}]}},
+                                     "/lora/adapters/0/name"),
+    "zero LoRA slots": ({"lora": {"maxLoras": 0}}, "/lora/maxLoras"),
 }
 
 
@@ -733,6 +737,42 @@ def test_bundled_redis_off_with_an_url_renders(renderer: Renderer) -> None:
     head = next(d for d in yaml.safe_load_all(files["halfmoon/templates/head.yaml"]) if d["kind"] == "Deployment")
     args = head["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--redis-url") + 1] == "rediss://r.example:6380/1"
+
+
+@pytest.mark.parametrize("kuberay", [False, True])
+def test_lora_adapters_come_from_a_read_only_volume_with_admin_tokens(renderer: Renderer, kuberay: bool) -> None:
+    """lora.adapters give one --lora each (a relative path inside lora.volume's mount), the
+    adapters' PVC is mounted read-only in the head (the Conductor checks them) and in every
+    worker pod (each reads an adapter when a request first names it); auth.admin's Secret gives
+    --admin-token-file, mounted read-only in the head only."""
+    values = {"kuberay": {"enabled": kuberay}, "auth": {"admin": {"existingSecret": "hm-admin"}},
+              "lora": {"adapters": [{"name": "sql-lora", "path": "sql"}, {"name": "chat", "path": "/models/chat"}],
+                       "volume": {"claimName": "adapters-pvc", "mountPath": "/adapters"}, "maxRank": 32}}
+    rel = renderer.release_with(values)
+    head, pod = head_container(rel), head_pod(rel)
+    args = parse_serve(head["args"])
+    assert args.lora == ["sql-lora=/adapters/sql", "chat=/models/chat"]
+    assert (args.max_lora_rank, args.max_loras, args.lora_base_check) == (32, 4, True)
+    assert args.admin_token_file == "/etc/halfmoon/admin-tokens/tokens"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["admin-tokens"]["secret"]["secretName"] == "hm-admin"
+    assert {"name": "admin-tokens", "mountPath": "/etc/halfmoon/admin-tokens", "readOnly": True} in head["volumeMounts"]
+    mount = {"name": "lora-adapters", "mountPath": "/adapters", "readOnly": True}
+    for name, spec, ctr in [("head", pod, head),
+                            *((role, worker_template(rel, role)["spec"], worker_container(rel, role)) for role in ROLES)]:
+        claim = {v["name"]: v for v in spec["volumes"]}["lora-adapters"]["persistentVolumeClaim"]
+        assert claim == {"claimName": "adapters-pvc", "readOnly": True}, name
+        assert mount in ctr["volumeMounts"], name
+        if name != "head":
+            assert "admin-tokens" not in {v["name"] for v in spec["volumes"]}
+    default = renderer.release("default")
+    assert "lora-adapters" not in {v["name"] for v in head_pod(default)["volumes"]}
+    assert parse_serve(head_container(default)["args"]).lora is None
+
+
+def test_a_relative_adapter_path_without_a_volume_fails_with_a_message(renderer: Renderer) -> None:
+    with pytest.raises(helm.HelmRenderError, match="lora.volume.claimName is empty"):
+        renderer.render({"lora": {"adapters": [{"name": "a", "path": "a"}]}})
 
 
 def test_notes_tell_how_to_connect(renderer: Renderer) -> None:
@@ -826,6 +866,12 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--disk-cache-gb": HelmValue("kvTiers.disk.sizeGb", 4, "4"),
     "--disk-cache-dir": HelmValue("kvTiers.disk.mountPath", "/var/lib/probe", "/var/lib/probe"),
     "--api-token-file": HelmValue("auth.existingSecret", "probe-tokens", None),
+    "--admin-token-file": HelmValue("auth.admin.existingSecret", "probe-admin", None),
+    "--lora": HelmValue("lora.adapters", [{"name": "probe", "path": "/models/probe-lora"}], "probe=/models/probe-lora"),
+    "--max-loras": HelmValue("lora.maxLoras", 2, "2"),
+    "--max-lora-rank": HelmValue("lora.maxRank", 32, "32"),
+    "--max-cpu-loras": HelmValue("lora.maxCpuLoras", 8, "8"),
+    "--lora-skip-base-check": HelmValue("lora.baseCheck", False, None),
     "--tls-cert": HelmValue("tls.existingSecret", "probe-tls", None),
     "--tls-key": HelmValue("tls.existingSecret", "probe-tls", None),
     "--no-dashboard": HelmValue("conductor.dashboard", False, None),
@@ -858,6 +904,8 @@ SERVE_FLAGS_WITHOUT_VALUE: dict[str, str] = {
     "--remote-fetch": "on by default; kvTiers.remoteFetch=false gives --no-remote-fetch",
     "--cuda-graphs": "on by default; engine.cudaGraphs=false gives --no-cuda-graphs",
     "--second-look": "on by default; admission.secondLook=false gives --no-second-look",
+    "--lora-base-check": "on by default; lora.baseCheck=false gives --lora-skip-base-check",
+    "--no-lora-base-check": "the same as --lora-skip-base-check, which lora.baseCheck=false gives",
 }
 # What the samples need besides themselves: an external Redis instead of the bundled one.
 SAMPLE_EXTRAS = {"redis": {"bundled": {"enabled": False}}}

@@ -433,9 +433,9 @@ def test_cli_models_and_tokenize(api: RunningApi) -> None:
     proc = run_cli("models", "--target", api.grpc_target)
     assert proc.returncode == 0, proc.stderr
     header, row = proc.stdout.splitlines()
-    assert header.split() == ["ID", "MAX_MODEL_LEN", "VOCAB_SIZE", "OWNED_BY"]
+    assert header.split() == ["ID", "MAX_MODEL_LEN", "VOCAB_SIZE", "OWNED_BY", "PARENT"]
     assert row.split() == ["smollm2", str(api.engine.max_model_len), str(api.engine.model_config.vocab_size),
-                           "halfmoon"]
+                           "halfmoon", "-"]
     proc = run_cli("tokenize", PROMPT, "--target", api.grpc_target)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == ",".join(map(str, api.engine.tokenizer.encode(PROMPT)))

@@ -287,6 +287,24 @@ argparse parser, so a flag that does not exist fails the tests).
 - --api-token-file
 - {{ printf "/etc/halfmoon/tokens/%s" $v.auth.key | quote }}
 {{- end }}
+{{- if $v.auth.admin.existingSecret }}
+- --admin-token-file
+- {{ printf "/etc/halfmoon/admin-tokens/%s" $v.auth.admin.key | quote }}
+{{- end }}
+{{- $lora := $v.lora }}
+{{- range $lora.adapters }}
+- --lora
+- {{ printf "%s=%s" .name (ternary .path (printf "%s/%s" (trimSuffix "/" $lora.volume.mountPath) .path) (hasPrefix "/" .path)) | quote }}
+{{- end }}
+{{- range $flag, $value := dict "--max-loras" $lora.maxLoras "--max-lora-rank" $lora.maxRank "--max-cpu-loras" $lora.maxCpuLoras }}
+{{- if not (kindIs "invalid" $value) }}
+- {{ $flag }}
+- {{ include "halfmoon.num" $value | quote }}
+{{- end }}
+{{- end }}
+{{- if not $lora.baseCheck }}
+- --lora-skip-base-check
+{{- end }}
 {{- if $v.tls.existingSecret }}
 - --tls-cert
 - /etc/halfmoon/tls/tls.crt
@@ -331,6 +349,24 @@ argparse parser, so a flag that does not exist fails the tests).
 - name: model
   emptyDir:
     sizeLimit: {{ $m.image.sizeLimit }}
+{{- end }}
+{{- end }}
+
+{{/* lora.volume: the adapters' PVC, read-only in the head and every worker pod. */}}
+{{- define "halfmoon.loraVolume" -}}
+{{- with .Values.lora.volume.claimName }}
+- name: lora-adapters
+  persistentVolumeClaim:
+    claimName: {{ . }}
+    readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "halfmoon.loraMount" -}}
+{{- if .Values.lora.volume.claimName }}
+- name: lora-adapters
+  mountPath: {{ .Values.lora.volume.mountPath }}
+  readOnly: true
 {{- end }}
 {{- end }}
 
@@ -500,9 +536,15 @@ containers:
       - name: shm
         mountPath: /dev/shm
       {{- with (include "halfmoon.modelMount" . | trim) }}{{ . | nindent 6 }}{{- end }}
+      {{- with (include "halfmoon.loraMount" . | trim) }}{{ . | nindent 6 }}{{- end }}
       {{- if $v.auth.existingSecret }}
       - name: api-tokens
         mountPath: /etc/halfmoon/tokens
+        readOnly: true
+      {{- end }}
+      {{- if $v.auth.admin.existingSecret }}
+      - name: admin-tokens
+        mountPath: /etc/halfmoon/admin-tokens
         readOnly: true
       {{- end }}
       {{- if $tls }}
@@ -516,10 +558,17 @@ volumes:
       medium: Memory
       sizeLimit: {{ printf "%dMi" (addf $v.head.objectStoreMemoryGb 1.0 | mulf 1024.0 | ceil | int64) }}
   {{- with (include "halfmoon.modelVolume" . | trim) }}{{ . | nindent 2 }}{{- end }}
+  {{- with (include "halfmoon.loraVolume" . | trim) }}{{ . | nindent 2 }}{{- end }}
   {{- if $v.auth.existingSecret }}
   - name: api-tokens
     secret:
       secretName: {{ $v.auth.existingSecret }}
+      defaultMode: 0440
+  {{- end }}
+  {{- if $v.auth.admin.existingSecret }}
+  - name: admin-tokens
+    secret:
+      secretName: {{ $v.auth.admin.existingSecret }}
       defaultMode: 0440
   {{- end }}
   {{- if $tls }}
@@ -717,6 +766,7 @@ containers:
       - name: shm
         mountPath: /dev/shm
       {{- with (include "halfmoon.modelMount" $root | trim) }}{{ . | nindent 6 }}{{- end }}
+      {{- with (include "halfmoon.loraMount" $root | trim) }}{{ . | nindent 6 }}{{- end }}
       {{- if $v.model.weightsCache.enabled }}
       - name: weights-cache
         mountPath: /var/cache/halfmoon
@@ -734,6 +784,7 @@ volumes:
       medium: Memory
       sizeLimit: {{ printf "%sMi" (include "halfmoon.workerShmMi" $root) }}
   {{- with (include "halfmoon.modelVolume" $root | trim) }}{{ . | nindent 2 }}{{- end }}
+  {{- with (include "halfmoon.loraVolume" $root | trim) }}{{ . | nindent 2 }}{{- end }}
   {{- if $v.model.weightsCache.enabled }}
   - name: weights-cache
     emptyDir:
