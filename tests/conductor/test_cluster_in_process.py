@@ -170,3 +170,31 @@ def test_a_request_that_cannot_meet_its_slo_is_refused_before_any_worker_works(i
 
     assert [(w.steps, w.free_blocks, w.reserved, w.prompt_tokens_computed) for w in after] == \
         [(w.steps, w.free_blocks, w.reserved, w.prompt_tokens_computed) for w in before]
+
+
+def test_a_lora_adapter_runs_on_its_prefill_and_its_decode_worker(idle: Running, engine: Engine,
+                                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """1P1D through the Conductor: the adapter named at the door (the registry) is read by both
+    workers, the tokens are the co-located engine's under the same adapter, not the base model's;
+    the workers then report holding it, so the router no longer prices reading it."""
+    from halfmoon.bench.lora_bench import write_adapter
+
+    folder = write_adapter(tmp_path_factory.mktemp("lora") / "tuned", engine.info().lora, rank=8, seed=3)
+    info = idle.backend.adapters.load("tuned", str(folder))
+    prompt = engine.tokenizer.encode("The capital of France is")
+    params = SamplingParams(max_tokens=12, ignore_eos=True, adapter=info.ref)
+    expected = engine.generate([prompt], params)[0].output_ids
+    assert expected != engine.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0].output_ids
+
+    async def collect() -> list[int]:
+        out: list[int] = []
+        async for chunk in idle.backend.generate(GenerationInput(prompt, params, request_id="lora")):
+            out += chunk.token_ids
+        return out
+
+    assert idle.run(collect()) == expected
+    for worker in (idle.workers.prefill, idle.workers.decode):
+        assert worker.engine.lora is not None and worker.engine.lora.stats.requests == {"tuned": 1}
+    idle.run(idle.backend.manager.check_health())
+    assert idle.backend.prefix_match(prompt, None, info.ref).adapter_ms == {}  # the prefill worker holds it
+    idle.backend.adapters.unload("tuned")
