@@ -121,10 +121,10 @@ class FrontDoor:
                         self.metrics.used(inp.params)
                         self.live.finished(item.end, objective)
                         self.traffic.record(arrival, inp.prompt_ids, item.end.usage.completion_tokens,
-                                            inp.cache_salt)
+                                            inp.cache_salt, _adapter_name(inp))
                     yield item
         except RetryableRejection:
-            self.traffic.record(arrival, inp.prompt_ids, inp.params.max_tokens, inp.cache_salt)
+            self.traffic.record(arrival, inp.prompt_ids, inp.params.max_tokens, inp.cache_salt, _adapter_name(inp))
             raise
 
     def count_error(self, api: str, error: BaseException) -> None:
@@ -170,3 +170,8 @@ def _trace_id(span: Span) -> str | None:
     """The request's trace id (the exemplar of its latency samples), when it is traced."""
     parent = span.traceparent
     return parent.split("-")[1] if parent else None
+
+
+def _adapter_name(inp: GenerationInput) -> str:
+    """The LoRA adapter a request ran under, as the traffic log names it ("" = the base model)."""
+    return inp.params.adapter.name if inp.params.adapter is not None else ""
