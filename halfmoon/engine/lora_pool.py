@@ -195,16 +195,21 @@ class LoraPool:
         if not refs:
             return None
         slot_of = dict(zip(refs, self.activate(refs)))
-        groups: list[list[int]] = [[] for _ in range(max(slot_of.values()) + 1)]
+        spans: list[list[tuple[int, int]]] = [[] for _ in range(max(slot_of.values()) + 1)]  # (first row, rows)
         row = 0
         for ref, count in order:
             if ref is not None:
-                groups[slot_of[ref]].extend(range(row, row + count))
+                spans[slot_of[ref]].append((row, count))
             row += count
-        n, m = len(groups), max(len(g) for g in groups)
-        flat = [g[i] if i < len(g) else 0 for g in groups for i in range(m)]
-        keep = torch.tensor([[float(i < len(g))] for g in groups for i in range(m)], dtype=self.dtype)
-        return LoraStep(self, torch.tensor(flat, device=self.device), keep.view(n, m, 1).to(self.device), n, m)
+        counts = [sum(c for _, c in s) for s in spans]
+        n, m = len(spans), max(counts)
+        rows = torch.zeros(n, m, dtype=torch.long)  # padding reads row 0; `keep` zeroes its delta
+        keep = torch.zeros(n, m, 1, dtype=self.dtype)
+        for slot, slot_spans in enumerate(spans):
+            if slot_spans:
+                rows[slot, : counts[slot]] = torch.cat([torch.arange(first, first + c) for first, c in slot_spans])
+                keep[slot, : counts[slot]] = 1
+        return LoraStep(self, rows.view(-1).to(self.device), keep.to(self.device), n, m)
 
     def check(self) -> None:
         """Invariants: each resident digest in exactly one slot and no slot twice, sizes bounded."""
