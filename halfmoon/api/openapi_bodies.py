@@ -61,9 +61,9 @@ def prompt_bound(limits: Limits, model: ModelInfo, kv_capacity_tokens: int | Non
 def model_field(base_id: str) -> Schema:
     """A request's `model`: the base model, or any name (LoRA adapters come and go while the
     server runs). The base model's id is its own branch, so generated requests name it often."""
-    return {"anyOf": [{"const": base_id}, {"type": "string"}],
-            "description": "the served model, or a loaded LoRA adapter's name (GET /v1/models); empty = the "
-                           "served model; any other name is a 404"}
+    return {"anyOf": [{"const": base_id}, {"type": "string", "minLength": 1}],
+            "description": "the served model, or a loaded LoRA adapter's name (GET /v1/models); any other name "
+                           "is a 404"}
 
 
 def _common(limits: Limits, model: ModelInfo, classes: frozenset[str], kv: int | None) -> dict[str, Schema]:

@@ -42,7 +42,7 @@ def test_the_document_carries_the_servers_limits_and_model(scripted: RunningApi)
     doc = httpx.get(f"{scripted.http_url}/openapi.json", timeout=10).json()
     request = doc["components"]["schemas"]["CompletionRequest"]["properties"]
     # the base model's id, or any name: LoRA adapters are loaded and unloaded while serving
-    assert request["model"]["anyOf"] == [{"const": MODEL}, {"type": "string"}]
+    assert request["model"]["anyOf"] == [{"const": MODEL}, {"type": "string", "minLength": 1}]
     limit = Limits().max_tokens
     kv = scripted.backend.kv_capacity_tokens
     assert request["max_tokens"]["anyOf"][0]["maximum"] == min(limit, kv - 1)

@@ -1,5 +1,7 @@
 """The fuzzers' target: a real front door (gRPC + HTTP with the dashboard, bearer auth on) over a
-real co-located SmolLM2 engine, with limits small enough that every generation is quick.
+real co-located SmolLM2 engine, with limits small enough that every generation is quick. The
+token opens the admin API too, and `fuzz_adapter` is a LoRA adapter it can serve: the folder the
+fuzzers' valid loads name (a random path is never a PEFT folder, so it is only ever refused).
 
 `FUZZ` is the run's size: the normal suite runs a short seeded pass; `make fuzz` sets
 HALFMOON_FUZZ_MINUTES / HALFMOON_FUZZ_CASES / HALFMOON_FUZZ_SEED for a long one.
@@ -20,6 +22,7 @@ from halfmoon.api.server import ServerConfig
 from halfmoon.dashboard.routes import mount
 from tests.conductor.conftest import CLIENT_SLOS_ONLY, MODEL, RunningApi, run_api
 from tests.conftest import EngineFactory
+from tests.lora_support import write_adapter
 
 TOKEN = "fuzz-token"
 # A generation is a few engine steps (max_tokens); the schema states these bounds. The prompt
@@ -60,10 +63,18 @@ def fuzz_api(make_engine: EngineFactory, tmp_path_factory: pytest.TempPathFactor
     tokens = tmp_path_factory.mktemp("fuzz") / "tokens"
     tokens.write_text(TOKEN + "\n")
     backend = ColocatedBackend(make_engine(num_blocks=NUM_BLOCKS), MODEL, max_waiting=64, admission=CLIENT_SLOS_ONLY)
-    config = ServerConfig(grpc_port=0, http_port=0, api_token_file=str(tokens), limits=LIMITS)
+    config = ServerConfig(grpc_port=0, http_port=0, api_token_file=str(tokens), admin_token_file=str(tokens),
+                          limits=LIMITS)
     running = run_api(backend, config, [mount])
     yield running
     running.stop()
+
+
+@pytest.fixture(scope="session")
+def fuzz_adapter(fuzz_api: RunningApi, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A rank-2 LoRA adapter of the fuzzed model's shapes (tests/lora_support.py)."""
+    assert fuzz_api.backend.adapters is not None and fuzz_api.backend.adapters.shapes is not None
+    return write_adapter(fuzz_api.backend.adapters.shapes, tmp_path_factory.mktemp("fuzz-lora") / "adapter", seed=5)
 
 
 def report_dir(tmp: Path) -> Path:

@@ -9,6 +9,11 @@ two rules of the chat API a JSON Schema cannot state.
 
 The server's refusal of both is tested where it is a feature (tests/conductor/test_tools_api.py,
 test_http_api.py).
+
+And one rule of the admin API: a LoRA adapter's `lora_path` must be a PEFT folder the base model
+can serve (400 naming the reason otherwise). `map_body` makes a generated non-empty path the
+fixture's adapter (HALFMOON_FUZZ_ADAPTER), so valid loads are served; a refused path is
+tests/conductor/test_lora_api.py's.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import json
+import os
 
 import schemathesis
 
@@ -36,6 +42,9 @@ def filter_body(context: Any, body: Any) -> bool:
 def map_body(context: Any, body: Any) -> Any:
     if not isinstance(body, dict):
         return body
+    path = body.get("lora_path")
+    if isinstance(path, str) and path and os.environ.get("HALFMOON_FUZZ_ADAPTER"):
+        body["lora_path"] = os.environ["HALFMOON_FUZZ_ADAPTER"]
     choice, tools = body.get("tool_choice"), body.get("tools")
     if not (isinstance(choice, dict) and isinstance(choice.get("function"), dict) and "name" in choice["function"]):
         return body

@@ -7,6 +7,8 @@ shrunk request), every RPC was called and answered OK at least once, and the eng
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 from hypothesis import strategies as st
 
@@ -41,9 +43,17 @@ HINTS: Hints = {
 }
 
 
-def test_every_rpc_keeps_the_contract(fuzz_api: RunningApi, fuzz_budget: FuzzBudget) -> None:
+def adapter_hints(adapter: Path) -> Hints:
+    """The admin RPCs: half of the valid requests load the fixture's adapter under one of two
+    names, or unload one of them (every RPC must be answered OK at least once)."""
+    names = st.sampled_from(["fuzz-a", "fuzz-b"])
+    return {"halfmoon.v1.LoadAdapterRequest": st.builds(pb.LoadAdapterRequest, name=names, path=st.just(str(adapter))),
+            "halfmoon.v1.UnloadAdapterRequest": st.builds(pb.UnloadAdapterRequest, name=names)}
+
+
+def test_every_rpc_keeps_the_contract(fuzz_api: RunningApi, fuzz_budget: FuzzBudget, fuzz_adapter: Path) -> None:
     with grpc.insecure_channel(fuzz_api.grpc_target) as channel:
-        fuzzer = GrpcFuzzer(channel, SERVICE, TOKEN, HINTS)
+        fuzzer = GrpcFuzzer(channel, SERVICE, TOKEN, {**HINTS, **adapter_hints(fuzz_adapter)})
         if fuzz_budget.long:
             rounds = fuzzer.run_for(fuzz_budget.minutes * 60, fuzz_budget.seed)
         else:

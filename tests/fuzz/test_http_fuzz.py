@@ -31,7 +31,7 @@ SIZING_JOBS = "/dashboard/api/sizing/jobs"
 
 
 def schemathesis(api: RunningApi, budget: FuzzBudget, reports: Path, *extra: str,
-                 timed: bool = True) -> tuple[int, str]:
+                 timed: bool = True, adapter: Path | None = None) -> tuple[int, str]:
     """Run the Schemathesis CLI; (cases generated, its output). Fails the test on any failure."""
     args = [sys.executable, "-m", "schemathesis.cli", "run", f"{api.http_url}/openapi.json", "--checks", "all",
             "-H", f"Authorization: Bearer {TOKEN}", "--seed", str(budget.seed), "--workers", "1",
@@ -42,7 +42,7 @@ def schemathesis(api: RunningApi, budget: FuzzBudget, reports: Path, *extra: str
         args += ["--max-time", str(max(1, int(budget.minutes * 60)))]
     if not budget.long:  # the normal suite's pass: random cases only (the coverage phase's
         args += ["--phases", "examples,fuzzing"]  # boundary cases take minutes: `make fuzz`)
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS)}
+    env = {**os.environ, "SCHEMATHESIS_HOOKS": str(HOOKS), "HALFMOON_FUZZ_ADAPTER": str(adapter or "")}
     done = subprocess.run(args, capture_output=True, text=True, timeout=budget.minutes * 60 + 1200, env=env)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-20000:]
@@ -55,7 +55,9 @@ def test_the_document_lists_every_route(fuzz_api: RunningApi) -> None:
     doc = httpx.get(f"{fuzz_api.http_url}/openapi.json", timeout=10).json()
     assert doc["openapi"] == "3.1.0"
     assert set(doc["paths"]) >= {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                                 "/dashboard", "/dashboard/api/live", "/dashboard/api/sizing/jobs/{job_id}"}
+                                 "/dashboard", "/dashboard/api/live", "/dashboard/api/sizing/jobs/{job_id}",
+                                 "/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/v1/lora_adapters"}
+    assert doc["paths"]["/v1/load_lora_adapter"]["post"]["security"] == [{"admin": []}]
     completions = doc["paths"]["/v1/completions"]["post"]
     assert completions["security"] == [{"bearer": []}]
     assert set(completions["responses"]) == {"200", "400", "401", "404", "413", "429", "503"}
@@ -64,9 +66,11 @@ def test_the_document_lists_every_route(fuzz_api: RunningApi) -> None:
                                                               "type": "http", "scheme": "bearer"}
 
 
-def test_schemathesis_finds_nothing(fuzz_api: RunningApi, fuzz_budget: FuzzBudget, tmp_path: Path) -> None:
+def test_schemathesis_finds_nothing(fuzz_api: RunningApi, fuzz_budget: FuzzBudget, fuzz_adapter: Path,
+                                    tmp_path: Path) -> None:
     reports = report_dir(tmp_path)
-    cases, output = schemathesis(fuzz_api, fuzz_budget, reports / "all", "--exclude-path", SIZING_JOBS)
+    cases, output = schemathesis(fuzz_api, fuzz_budget, reports / "all", "--exclude-path", SIZING_JOBS,
+                                 adapter=fuzz_adapter)
     negative, _ = schemathesis(fuzz_api, fuzz_budget, reports / "sizing", "--include-name", f"POST {SIZING_JOBS}",
                                "--mode", "negative", "--suppress-health-check", "filter_too_much", timed=False)
     print(f"Schemathesis: {cases} cases over every other operation, {negative} negative on POST {SIZING_JOBS}")
