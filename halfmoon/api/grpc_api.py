@@ -298,7 +298,7 @@ class GenerationService:
             await self._fail(context, e)
             raise AssertionError("unreachable: abort raises") from e
 
-    async def _admin(self, request: Message | Undecodable, context: grpc.aio.ServicerContext) -> Message:
+    def _admin(self, request: Message | Undecodable, context: grpc.aio.ServicerContext) -> Message:
         """The admin token checked and the request decoded (api/admin.py)."""
         self.admin.check(dict(context.invocation_metadata() or ()).get("authorization"))
         if isinstance(request, Undecodable):
@@ -308,7 +308,7 @@ class GenerationService:
     async def load_adapter(self, request: pb.LoadAdapterRequest | Undecodable,
                            context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
         try:
-            req = await self._admin(request, context)
+            req = self._admin(request, context)
             return adapter_proto(await self.admin.load(req.name, req.path, GRPC_FIELDS))
         except Exception as e:
             await self._fail(context, e)
@@ -317,7 +317,7 @@ class GenerationService:
     async def unload_adapter(self, request: pb.UnloadAdapterRequest | Undecodable,
                              context: grpc.aio.ServicerContext) -> pb.AdapterInfo:
         try:
-            req = await self._admin(request, context)
+            req = self._admin(request, context)
             if not req.name:
                 raise InvalidRequestError("name", "is required: the adapter's name")
             return adapter_proto(self.admin.unload(req.name))
@@ -328,7 +328,7 @@ class GenerationService:
     async def list_adapters(self, request: pb.ListAdaptersRequest | Undecodable,
                             context: grpc.aio.ServicerContext) -> pb.ListAdaptersResponse:
         try:
-            await self._admin(request, context)
+            self._admin(request, context)
             return pb.ListAdaptersResponse(adapters=[adapter_proto(a) for a in self.admin.list()])
         except Exception as e:
             await self._fail(context, e)

@@ -90,6 +90,13 @@ def _config_only(source: Path, folder: Path) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True)
+def no_token_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK's tokens come from the tests' arguments only."""
+    for name in ("HALFMOON_API_TOKEN", "HALFMOON_ADMIN_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
     return Files(tmp_path_factory.mktemp("lora-api"))

@@ -27,7 +27,7 @@ from halfmoon.engine.outputs import CompletionResult
 from halfmoon.core.params import SamplingParams
 from halfmoon.client import (TOKEN_ENV, APIError, AsyncClient, Client, DeadlineExceededError,
                              GenerationResult, InvalidArgumentError, ModelInfo, NotFoundError,
-                             ResourceExhaustedError, RetryEvent, RetryPolicy, StreamChunk,
+                             PermissionDeniedError, ResourceExhaustedError, RetryEvent, RetryPolicy, StreamChunk,
                              UnauthenticatedError, UnavailableError, api_error)
 from tests.conductor.conftest import RunningApi
 from tests.conftest import assert_engine_idle
@@ -318,10 +318,11 @@ def test_too_many_streams_is_resource_exhausted_with_retry_after(start_api: Call
 def test_error_class_per_status() -> None:
     for code, cls in [(grpc.StatusCode.INVALID_ARGUMENT, InvalidArgumentError),
                       (grpc.StatusCode.UNAVAILABLE, UnavailableError),
-                      (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceededError)]:
+                      (grpc.StatusCode.DEADLINE_EXCEEDED, DeadlineExceededError),
+                      (grpc.StatusCode.PERMISSION_DENIED, PermissionDeniedError)]:
         assert type(api_error(code, "m")) is cls
-    other = api_error(grpc.StatusCode.PERMISSION_DENIED, "m")
-    assert type(other) is APIError and other.code is grpc.StatusCode.PERMISSION_DENIED
+    other = api_error(grpc.StatusCode.DATA_LOSS, "m")  # a status the server never sends
+    assert type(other) is APIError and other.code is grpc.StatusCode.DATA_LOSS
 
 
 # ---------------------------------------------------------------------------------- deadlines
