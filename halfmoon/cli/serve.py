@@ -212,8 +212,15 @@ async def _main(backend, config) -> None:
         from halfmoon.dashboard.routes import mount
 
         extensions.append(mount)
-    await serve(backend, config, stop, lambda ep: announce(ep, backend.model.id, config, overhead_note(backend)),
+    await serve(backend, config, stop,
+                lambda ep: announce(ep, backend.model.id, config, overhead_note(backend) + lora_note(backend)),
                 extensions)
+
+
+def lora_note(backend) -> list[str]:
+    """The LoRA adapters served from the start (`--lora`), by the names requests use."""
+    names = backend.adapters.names() if getattr(backend, "adapters", None) is not None else []
+    return [f"halfmoon: LoRA adapters (request `model`): {', '.join(names)}"] if names else []
 
 
 def _stopper(stop: asyncio.Event):

@@ -349,8 +349,12 @@ def _serve(files: Files, *args: str, log: Path) -> subprocess.Popen[str]:
 
 
 def test_serve_loads_lora_flags_at_start(files: Files, tmp_path: Path) -> None:
+    """Each --lora is served from the start; --lora-skip-base-check reaches the engine (an adapter
+    trained on another base model, refused by default, is served)."""
     log = tmp_path / "serve.log"
-    proc = _serve(files, "--lora", f"good={files.good}", "--lora", f"second={files.second}", log=log)
+    other = files.bad["another base model"][0]
+    proc = _serve(files, "--lora", f"good={files.good}", "--lora", f"second={files.second}",
+                  "--lora", f"other={other}", "--lora-skip-base-check", log=log)
     try:
         def listening() -> re.Match[str] | None:
             assert proc.poll() is None, log.read_text()
@@ -359,8 +363,10 @@ def test_serve_loads_lora_flags_at_start(files: Files, tmp_path: Path) -> None:
         match = poll(listening, 180)
         assert match, log.read_text()
         url = match.group(1)
+        assert "LoRA adapters (request `model`): good, other, second" in log.read_text()
         cards = httpx.get(url + "/v1/models", timeout=10).json()["data"]
-        assert [(m["id"], m["parent"]) for m in cards] == [(BASE, None), ("good", BASE), ("second", BASE)]
+        assert [(m["id"], m["parent"]) for m in cards] == [(BASE, None), ("good", BASE), ("other", BASE),
+                                                            ("second", BASE)]
         body = {"model": "good", "prompt": files.prompt, "max_tokens": 4, "ignore_eos": True}
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 4
         assert httpx.get(url + "/v1/lora_adapters", timeout=10).status_code == 403  # no admin tokens given
