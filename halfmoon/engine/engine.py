@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import operator
 import os
 import threading
 import time
@@ -34,6 +33,7 @@ from halfmoon.engine.logits import take_logprobs, take_prompt_logprobs
 from halfmoon.engine.outputs import CompletionResult, Family, TextState, completion_result, request_end
 from halfmoon.core.params import FinishReason
 from halfmoon.engine.request import Request, RequestStatus
+from halfmoon.engine.request_checks import as_token_ids, check_prefilled_blocks, check_push, check_request
 from halfmoon.engine.runner import ModelRunner
 from halfmoon.core.params import SamplingParams, check_token_ids
 from halfmoon.engine.scheduler import Scheduler
@@ -66,14 +66,6 @@ def load_tokenizer(lw: LoadedWeights) -> Tokenizer:
     if lw.fmt == "hf":
         return Tokenizer.from_hf_folder(lw.path)
     return Tokenizer.from_gguf_reader(lw.gguf_reader)
-
-
-def as_token_ids(ids: Sequence[int]) -> list[int]:
-    """A list of Python ints (numpy/torch integers accepted); anything else is a clear error."""
-    try:
-        return [operator.index(t) for t in ids]
-    except TypeError as e:
-        raise InvalidRequestError("prompt_ids", f"token ids must be integers ({e})") from e
 
 
 class Engine:
@@ -175,7 +167,7 @@ class Engine:
         prompt_ids = as_token_ids(prompt_ids)
         self.validate(prompt_ids, params)
         if kv_push is not None:
-            self._check_push(prompt_ids, kv_push)
+            check_push(len(prompt_ids), len(kv_push.dst_block_ids), self.config.block_size)
         if params.adapter is not None and self.lora is not None:
             self.lora.count_request(params.adapter)
         req = self._new_request(prompt_ids, params, cache_salt)
@@ -209,7 +201,7 @@ class Engine:
         its other `choices`' first tokens: they fork from its prompt blocks as it joins."""
         prompt_ids = as_token_ids(prompt_ids)
         self.validate(prompt_ids, params)
-        self._check_prefilled_blocks(len(prompt_ids), params.max_tokens, len(block_ids))
+        check_prefilled_blocks(len(prompt_ids), params.max_tokens, len(block_ids), self.config.block_size)
         if len(choices) != params.n - 1:
             raise InvalidRequestError("choices", f"{len(choices)} choices' first tokens for n = {params.n}")
         if params.adapter is not None and self.lora is not None:
@@ -335,19 +327,6 @@ class Engine:
         return root_hash(self.model_config.fingerprint, self.config.kv_tag, self.config.block_size, cache_salt,
                          adapter.cache_key if adapter is not None else "")
 
-    def _check_prefilled_blocks(self, num_prompt_tokens: int, max_tokens: int, num_blocks: int) -> None:
-        least = cdiv(num_prompt_tokens, self.config.block_size)
-        most = cdiv(num_prompt_tokens + max_tokens, self.config.block_size)
-        if not least <= num_blocks <= most:
-            raise InvalidRequestError("block_ids", f"{num_blocks} blocks for a prompt of {num_prompt_tokens} "
-                                      f"tokens and {max_tokens} new ones: {least} to {most}")
-
-    def _check_push(self, prompt_ids: list[int], stream: PushStream) -> None:
-        need = cdiv(len(prompt_ids), self.config.block_size)
-        if len(stream.dst_block_ids) != need:
-            raise InvalidRequestError("kv_push", f"the stream reserved {len(stream.dst_block_ids)} blocks; "
-                                      f"a prompt of {len(prompt_ids)} tokens needs {need}")
-
     def _claim_id(self, request_id: str | None) -> str:
         """Reserve a request id that no live request uses (caller holds the lock)."""
         if request_id is None:
@@ -366,25 +345,8 @@ class Engine:
 
     def validate(self, prompt_ids: Sequence[int], params: SamplingParams) -> None:
         """Raise `InvalidRequestError` naming the field when the request cannot run."""
-        vocab = self.model_config.vocab_size
-        prompt_ids = as_token_ids(prompt_ids)
-        if len(prompt_ids) == 0:
-            raise InvalidRequestError("prompt", "is empty")
-        check_token_ids("prompt_ids", prompt_ids, vocab)
-        params.validate(vocab)
-        if len(prompt_ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                "prompt", f"{len(prompt_ids)} tokens; the context holds {self.max_model_len} "
-                f"(prompt + output), so at most {self.max_model_len - 1} prompt tokens")
-        if len(prompt_ids) + params.max_tokens > self.max_model_len:
-            raise InvalidRequestError(
-                "max_tokens", f"{params.max_tokens} + {len(prompt_ids)} prompt tokens exceeds the "
-                f"context of {self.max_model_len}; at most {self.max_model_len - len(prompt_ids)}")
-        capacity = self.pool.num_blocks * self.config.block_size
-        if len(prompt_ids) + params.max_tokens > capacity:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt + max_tokens = {len(prompt_ids) + params.max_tokens} tokens "
-                f"exceeds the whole KV cache ({capacity} tokens); raise --kv-cache-gb")
+        check_request(as_token_ids(prompt_ids), params, self.model_config.vocab_size, self.max_model_len,
+                      self.pool.num_blocks * self.config.block_size)
         if params.adapter is not None:
             self.load_adapter(params.adapter)
 
