@@ -44,28 +44,3 @@ def peft_greedy(model: Any, prompt: list[int], new: int) -> list[int]:
                          min_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
-
-def write_adapter(shapes: Any, folder: Path, seed: int, rank: int = 2,
-                  targets: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
-    """A PEFT-format LoRA folder for any served model, from its `LoraShapes` (the engine's
-    `info().lora`): what `save_pretrained` writes, without building the model in transformers
-    (for SmolLM2, whose HF model the tests do not have). Small random weights; no base named."""
-    import json
-
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(shapes.num_layers):
-        for module in targets:
-            fan_in, fan_out = shapes.features(module)
-            group = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            key = f"base_model.model.model.layers.{layer}.{group}.{module}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * fan_in ** -0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.05
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(targets),
-        "bias": "none", "base_model_name_or_path": None}))
-    return folder

@@ -58,7 +58,7 @@ from halfmoon.core.messages import (
     TokenChunk,
     WorkerLostError,
 )
-from halfmoon.core.adapters import AdapterRef
+from halfmoon.core.adapters import AdapterRef, InvalidAdapterError
 from halfmoon.core.tracing import now_ns, start_tracing
 from halfmoon.engine.worker import tokenizer_for_model
 from halfmoon.results import ModelInfo
@@ -221,6 +221,18 @@ class ClusterBackend(GenerationBackend):
                             dict(self._reruns), depth, self.admission_stats, health, views,
                             None if index is None else index.healthy, 0 if index is None else index.stats.redis_errors,
                             self._reprefilled, self.adapters.snapshot())
+
+    async def prepare_adapter(self, adapter: AdapterRef) -> None:
+        """Every live worker reads `adapter` now (its first request then reads nothing); a worker
+        that cannot (the folder is not on its node, say) refuses the load, named."""
+        live = [w for w in self.manager.workers.values() if w.alive]
+        results = await asyncio.gather(*(w.api.load_adapter(adapter) for w in live), return_exceptions=True)
+        for worker, result in zip(live, results):
+            if isinstance(result, InvalidAdapterError):
+                raise InvalidAdapterError(adapter.name, f"worker {worker.worker_id}: {result.reason}")
+            if isinstance(result, BaseException):
+                log.warning("worker %s did not read adapter %s ahead (%s): it reads it at its first request",
+                            worker.worker_id, adapter.name, result)
 
     # ------------------------------------------------------------------ requests
 

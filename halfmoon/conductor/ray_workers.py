@@ -25,6 +25,7 @@ from typing import Any
 
 from halfmoon.conductor.cluster_config import ClusterConfig
 from halfmoon.conductor.workers import Worker, WorkerGroup
+from halfmoon.core.adapters import AdapterRef
 from halfmoon.core.errors import ConfigError, HalfmoonError
 from halfmoon.core.messages import (DecodeTask, EngineInfo, IntegrityReport, KVHandoff, PrefillResult,
                            PrefillTask, Profile, TokenChunk, WorkerError, WorkerLoad, WorkerLostError)
@@ -101,6 +102,9 @@ class RayWorker:
 
     async def warm_up(self) -> float:
         return await self._call("warm_up")
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        await self._call("load_adapter", adapter)
 
 
 class RayPrefill(RayWorker):

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
-from halfmoon.core.adapters import LoraShapes
+from halfmoon.core.adapters import AdapterRef, LoraShapes
 from halfmoon.core.errors import HalfmoonError, StructuredError
 from halfmoon.core.params import FinishReason, SamplingParams
 
@@ -454,6 +454,11 @@ class WorkerApi(Protocol):
 
     async def check_integrity(self) -> IntegrityReport:
         """Check the worker's KV bookkeeping; raises IntegrityError naming what is broken."""
+        ...
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        """Read a LoRA adapter into the engine's host cache ahead of its first request; raises
+        InvalidAdapterError when this worker cannot read or serve it."""
         ...
 
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 from tqdm import tqdm
 
+from halfmoon.core.adapters import AdapterRef
 from halfmoon.core.logs import configure_logging
 from halfmoon.core.messages import EngineInfo, IntegrityError, IntegrityReport, Profile, WorkerLoad
 from halfmoon.core.params import SamplingParams
@@ -258,6 +259,10 @@ class EngineWorker:
     async def engine_info(self) -> EngineInfo:
         """What the Conductor needs to tokenize, hash blocks and size requests like this worker."""
         return self.engine.info()
+
+    async def load_adapter(self, adapter: AdapterRef) -> None:
+        """Read `adapter` into the engine's host cache (off the engine's thread and the event loop)."""
+        await asyncio.to_thread(self.engine.load_adapter, adapter)
 
     async def warm_up(self) -> float:
         """A short greedy request through this engine (salted: no one's prefix), so a standby's

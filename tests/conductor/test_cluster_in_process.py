@@ -178,9 +178,13 @@ def test_a_lora_adapter_runs_on_its_prefill_and_its_decode_worker(idle: Running,
     workers, the tokens are the co-located engine's under the same adapter, not the base model's;
     the workers then report holding it, so the router no longer prices reading it."""
     from halfmoon.bench.lora_bench import write_adapter
+    from halfmoon.core.adapters import AdapterRef, InvalidAdapterError
 
     folder = write_adapter(tmp_path_factory.mktemp("lora") / "tuned", engine.info().lora, rank=8, seed=3)
     info = idle.backend.adapters.load("tuned", str(folder))
+    idle.run(idle.backend.prepare_adapter(info.ref))  # as the admin API does: every worker reads it now
+    for worker in (idle.workers.prefill, idle.workers.decode):
+        assert worker.engine.lora is not None and worker.engine.lora.stats.disk_loads == 1
     prompt = engine.tokenizer.encode("The capital of France is")
     params = SamplingParams(max_tokens=12, ignore_eos=True, adapter=info.ref)
     expected = engine.generate([prompt], params)[0].output_ids
@@ -198,3 +202,6 @@ def test_a_lora_adapter_runs_on_its_prefill_and_its_decode_worker(idle: Running,
     idle.run(idle.backend.manager.check_health())
     assert idle.backend.prefix_match(prompt, None, info.ref).adapter_ms == {}  # the prefill worker holds it
     idle.backend.adapters.unload("tuned")
+    missing = AdapterRef("gone", str(tmp_path_factory.mktemp("lora-gone") / "nowhere"), "0" * 32)
+    with pytest.raises(InvalidAdapterError, match=r"worker (prefill|decode)-0: .* is not a folder"):
+        idle.run(idle.backend.prepare_adapter(missing))  # a path no worker can read is refused, named

@@ -22,7 +22,7 @@ from halfmoon.api.server import ServerConfig
 from halfmoon.dashboard.routes import mount
 from tests.conductor.conftest import CLIENT_SLOS_ONLY, MODEL, RunningApi, run_api
 from tests.conftest import EngineFactory
-from tests.lora_support import write_adapter
+from halfmoon.bench.lora_bench import write_adapter
 
 TOKEN = "fuzz-token"
 # A generation is a few engine steps (max_tokens); the schema states these bounds. The prompt
@@ -74,7 +74,8 @@ def fuzz_api(make_engine: EngineFactory, tmp_path_factory: pytest.TempPathFactor
 def fuzz_adapter(fuzz_api: RunningApi, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A rank-2 LoRA adapter of the fuzzed model's shapes (tests/lora_support.py)."""
     assert fuzz_api.backend.adapters is not None and fuzz_api.backend.adapters.shapes is not None
-    return write_adapter(fuzz_api.backend.adapters.shapes, tmp_path_factory.mktemp("fuzz-lora") / "adapter", seed=5)
+    return write_adapter(tmp_path_factory.mktemp("fuzz-lora") / "adapter", fuzz_api.backend.adapters.shapes, rank=2,
+                         seed=5, targets=("q_proj", "v_proj"), base_name="")
 
 
 def report_dir(tmp: Path) -> Path:
