@@ -17,7 +17,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import httpx
@@ -70,7 +70,7 @@ class Files:
             "rank over the maximum": (_adapter(case, root / "rank32", rank=32), "rank 32"),
             "another family's shapes": (_adapter(BY_NAME["qwen3"], root / "qwen3"), "do not fit the base model's"),
             "lm_head": (_adapter(case, root / "lm-head", targets=("lm_head",)), "['lm_head'] are not served"),
-            "another base model": (_adapter(case, root / "other-base", base_name="meta-llama/Llama-3.1-8B"),
+            "another base model": (_rebased(_adapter(case, root / "other-base"), "meta-llama/Llama-3.1-8B"),
                                    "it was trained on 'meta-llama/Llama-3.1-8B'"),
         }
 
@@ -81,6 +81,14 @@ class Files:
 
 def _adapter(case: Any, folder: Path, **kw: Any) -> Path:
     make_adapter(case, folder, seed=13, **kw)
+    return folder
+
+
+def _rebased(folder: Path, base: str) -> Path:
+    """The adapter's config naming another base model (written after saving: peft looks a named
+    base up on the Hub when it saves)."""
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
     return folder
 
 
@@ -252,6 +260,106 @@ def test_without_admin_tokens_the_admin_api_is_closed(scripted: RunningApi) -> N
     assert "--admin-token-file" in denied.value.message
     op = httpx.get(f"{scripted.http_url}/openapi.json", timeout=10).json()["paths"]["/v1/lora_adapters"]["get"]
     assert "security" not in op and "403" in op["responses"] and "401" not in op["responses"]
+
+
+# ---------------------------------------------------------------------------- under traffic
+
+LONG = 150  # tokens of the streams that must outlive the unload
+
+
+def test_load_and_unload_under_traffic_fail_no_request(api: RunningApi, files: Files) -> None:
+    """Clients stream requests for the base model, adapter `good` and adapter `second` while an
+    admin loads `second` and unloads `good`. No request fails: each is answered in full (its
+    model's tokens) or, for an adapter not loaded when it was sent, with a 404 naming it; a
+    `good` stream running when `good` is unloaded finishes with all its tokens."""
+    assert load(api, "good", files.good).status_code == 200
+    expected = {"good": _text(api, "good", LONG), BASE: _text(api, BASE, LONG)}
+    assert load(api, "second", files.second).status_code == 200
+    expected["second"] = _text(api, "second", LONG)
+    assert admin_post(api, "/v1/unload_lora_adapter", {"lora_name": "second"}).status_code == 200
+    outcomes = asyncio.run(_traffic(api, files))
+    assert len(outcomes) == 3 * 8 + 1
+    for o in outcomes:
+        assert o.status in (200, 404), o
+        if o.status == 200:
+            assert o.text == expected[o.model], o
+        else:  # a 404 only for an adapter not loaded when it was sent, naming it
+            assert o.model != BASE and not o.loaded_at_send and f"'{o.model}' is not served here" in o.text, o
+    loaded_while_sent = [o for o in outcomes if o.loaded_at_send]
+    assert loaded_while_sent and all(o.status == 200 for o in loaded_while_sent)
+    assert any(o.model == "good" and o.status == 404 for o in outcomes)  # after the unload
+    assert any(o.model == "second" and o.status == 200 for o in outcomes)  # after the load
+    held = [o for o in outcomes if o.held_over_unload]
+    assert len(held) == 1 and held[0].status == 200 and held[0].text == expected["good"]
+
+
+class _Outcome(NamedTuple):
+    model: str
+    loaded_at_send: bool  # its adapter was loaded (and not unloading) when it was sent
+    status: int
+    text: str
+    held_over_unload: bool = False
+
+
+def _text(api: RunningApi, model: str, max_tokens: int) -> str:
+    body = {"model": model, "prompt": prompts(1)[0], "max_tokens": max_tokens, "ignore_eos": True}
+    got = httpx.post(f"{api.http_url}/v1/completions", json=body, headers=bearer(API_TOKEN), timeout=120)
+    assert got.status_code == 200, got.text
+    return got.json()["choices"][0]["text"]
+
+
+async def _traffic(api: RunningApi, files: Files) -> list[_Outcome]:
+    """3 clients x 8 requests (base, good, second in turn) + one `good` stream held open across
+    the unload; the admin acts once enough requests have finished (events, never sleeps)."""
+    loaded = {BASE: True, "good": True, "second": False}
+    done: list[_Outcome] = []
+    enough = {n: asyncio.Event() for n in (4, 10)}
+    streaming, unloaded = asyncio.Event(), asyncio.Event()
+    headers = bearer(API_TOKEN)
+    async with httpx.AsyncClient(base_url=api.http_url, headers=headers, timeout=120) as client:
+
+        async def one(model: str) -> None:
+            sent_loaded = loaded[model]
+            body = {"model": model, "prompt": prompts(1)[0], "max_tokens": LONG, "ignore_eos": True}
+            r = await client.post("/v1/completions", json=body)
+            text = r.json()["choices"][0]["text"] if r.status_code == 200 else r.text
+            done.append(_Outcome(model, sent_loaded, r.status_code, text))
+            for n, event in enough.items():
+                if len(done) >= n:
+                    event.set()
+
+        async def user(k: int) -> None:
+            for i in range(8):
+                await one([BASE, "good", "second"][(i + k) % 3])
+
+        async def held() -> None:  # a `good` stream whose first token came before the unload
+            body = {"model": "good", "prompt": prompts(1)[0], "max_tokens": LONG, "ignore_eos": True, "stream": True}
+            parts: list[str] = []
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                lines = r.aiter_lines()
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        parts.append(json.loads(line[6:])["choices"][0]["text"])
+                        break
+                streaming.set()
+                await asyncio.wait_for(unloaded.wait(), 60)
+                async for line in lines:
+                    if line.startswith("data: {"):
+                        parts.append(json.loads(line[6:])["choices"][0]["text"])
+            done.append(_Outcome("good", True, r.status_code, "".join(parts), held_over_unload=True))
+
+        async def admin() -> None:
+            await asyncio.wait_for(enough[4].wait(), 120)
+            assert (await asyncio.to_thread(load, api, "second", files.second)).status_code == 200
+            loaded["second"] = True
+            await asyncio.wait_for(asyncio.gather(enough[10].wait(), streaming.wait()), 120)
+            loaded["good"] = False  # from here a `good` request may meet the unload
+            assert (await asyncio.to_thread(admin_post, api, "/v1/unload_lora_adapter",
+                                            {"lora_name": "good"})).status_code == 200
+            unloaded.set()
+
+        await asyncio.wait_for(asyncio.gather(admin(), held(), *(user(k) for k in range(3))), 300)
+    return done
 
 
 # ---------------------------------------------------------------------------- gRPC, SDK, CLI
