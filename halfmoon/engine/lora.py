@@ -5,18 +5,19 @@ module, `...layers.{i}.{self_attn|mlp}.{module}.lora_A.weight` [r, in] and `lora
 [out, r]; the module's output gains `scaling * B @ A @ x`, scaling = alpha / r (alpha / sqrt(r)
 with `use_rslora`; `alpha_pattern` / `rank_pattern` per module as PEFT matches them).
 
-The engine fuses q/k/v and gate/up (engine/model.py), so an adapter is stored per fused
-projection, as one shrink and one expand per layer:
+The engine fuses q/k/v and gate/up (engine/model.py), so an adapter is stored as one shrink per
+fused projection and one expand per module, per layer:
 
-    qkv:     A [in, 3R] = [A_q^T | A_k^T | A_v^T]      B [3R, q+k+v] block-diagonal (scaling in)
-    o:       A [in, R]                                 B [R, hidden]
-    gate_up: A [in, 2R] = [A_gate^T | A_up^T]          B [2R, 2 * intermediate] block-diagonal
-    down:    A [in, R]                                 B [R, hidden]
+    qkv:     A [in, 3R] = [A_q^T | A_k^T | A_v^T]      B_q [R, q], B_k [R, kv], B_v [R, kv]
+    o:       A [in, R]                                 B_o [R, hidden]
+    gate_up: A [in, 2R] = [A_gate^T | A_up^T]          B_gate [R, inter], B_up [R, inter]
+    down:    A [in, R]                                 B_down [R, hidden]
 
-R is the engine's `max_lora_rank`: a module of rank r < R fills r of its R columns (the rest are
-zeros), a module the adapter leaves alone is all zeros. So every adapter has the same shapes and
-a mixed batch multiplies each projection's rows by their own adapter in two batched matmuls
-(engine/lora_pool.py).
+(scaling folded into B). R is the engine's `max_lora_rank`: a module of rank r < R fills r of its
+R rows (the rest are zeros), a module the adapter leaves alone is all zeros. So every adapter has
+the same shapes and a mixed batch multiplies each projection's rows by their own adapter in one
+batched shrink and one batched expand per module (engine/lora_pool.py). A decode step reads each
+adapter's A and B once: no block-diagonal zeros (they were 1/3 of what a step read).
 """
 
 from __future__ import annotations
@@ -267,8 +268,8 @@ def _pattern(patterns: Mapping[str, Any] | None, layer: int, module: str, defaul
 
 @dataclass(frozen=True, slots=True)
 class StackedLora:
-    """An adapter in the pool's layout (module docstring): per projection A [L, in, k*R] and
-    B [L, k*R, out], k = the modules it stacks, R = the pool's rank; scaling folded into B."""
+    """An adapter in the pool's layout (module docstring): per fused projection A [L, in, k*R],
+    per module B [L, R, out] (k = the projection's modules, R = the pool's rank; scaling in B)."""
 
     spec: AdapterSpec
     a: dict[str, torch.Tensor]
@@ -278,30 +279,32 @@ class StackedLora:
         return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
 
 
-def projection_dims(shapes: LoraShapes) -> dict[str, tuple[int, int, int]]:
-    """(in, out, stacked modules) of each fused projection."""
-    dims = {}
+def projection_dims(shapes: LoraShapes) -> dict[str, tuple[int, int]]:
+    """(in features, stacked modules) of each fused projection."""
+    return {proj: (shapes.features(modules[0])[0], len(modules)) for proj, modules in PROJECTIONS.items()}
+
+
+def module_columns(shapes: LoraShapes) -> dict[str, tuple[tuple[str, int, int], ...]]:
+    """Per fused projection, each module's output columns in it: (module, first, end)."""
+    out = {}
     for proj, modules in PROJECTIONS.items():
-        fan_in = shapes.features(modules[0])[0]
-        dims[proj] = (fan_in, sum(shapes.features(m)[1] for m in modules), len(modules))
-    return dims
+        cols, start = [], 0
+        for module in modules:
+            end = start + shapes.features(module)[1]
+            cols.append((module, start, end))
+            start = end
+        out[proj] = tuple(cols)
+    return out
 
 
 def stack(spec: AdapterSpec, shapes: LoraShapes, rank: int, dtype: torch.dtype) -> StackedLora:
     """`spec` laid out for a pool of rank `rank` (module docstring)."""
-    dims = projection_dims(shapes)
     n = shapes.num_layers
-    a = {p: torch.zeros(n, d[0], d[2] * rank) for p, d in dims.items()}
-    b = {p: torch.zeros(n, d[2] * rank, d[1]) for p, d in dims.items()}
-    where = {}  # module -> (projection, position in the stack, first output row)
-    for proj, modules in PROJECTIONS.items():
-        row = 0
-        for k, module in enumerate(modules):
-            where[module] = (proj, k, row)
-            row += shapes.features(module)[1]
+    a = {p: torch.zeros(n, fan_in, k * rank) for p, (fan_in, k) in projection_dims(shapes).items()}
+    b = {m: torch.zeros(n, rank, shapes.features(m)[1]) for m in TARGET_MODULES}
+    where = {m: (proj, k) for proj, modules in PROJECTIONS.items() for k, m in enumerate(modules)}
     for m in spec.modules:
-        proj, k, row = where[m.module]
-        cols = slice(k * rank, k * rank + m.rank)
-        a[proj][m.layer, :, cols] = m.a.T
-        b[proj][m.layer, cols, row : row + m.b.shape[0]] = m.b.T * m.scaling
-    return StackedLora(spec, {p: t.to(dtype) for p, t in a.items()}, {p: t.to(dtype) for p, t in b.items()})
+        proj, k = where[m.module]
+        a[proj][m.layer, :, k * rank : k * rank + m.rank] = m.a.T
+        b[m.module][m.layer, : m.rank] = m.b.T * m.scaling
+    return StackedLora(spec, {p: t.to(dtype) for p, t in a.items()}, {m: t.to(dtype) for m, t in b.items()})

@@ -2,8 +2,8 @@
 
     disk (the adapter folder) --read + check--> host cache (LRU, max_cpu_loras) --copy--> slot (LRU, max_loras)
 
-Each projection has one stack per kind, [layers, slots, in, k*R] and [layers, slots, k*R, out]
-(engine/lora.py's layout), allocated at the first adapter. A step names the adapters its rows
+Each fused projection has a shrink stack [layers, slots, in, k*R] and each module an expand stack
+[layers, slots, R, out] (engine/lora.py's layout), allocated at the first adapter. A step names the adapters its rows
 use (the scheduler lets at most `max_loras` distinct ones into a step); `activate` gives each a
 slot, paging in what is not resident and evicting the least recently used adapter that this
 step does not use. An evicted adapter's running requests lose nothing: their next step pages
@@ -11,9 +11,14 @@ it back in (from the host cache, or the folder again).
 
 A step's LoRA (`LoraStep`): the rows of each slot gathered into [slots, m, in] (m = the most
 rows any slot has this step; a slot's other rows are padding, zeroed after the shrink), then
-per projection
+per fused projection
 
-    y[rows] += ((x[rows] @ A[slot]) * keep) @ B[slot]          two bmm's for every adapter at once
+    s = (x[rows] @ A[slot]) * keep                              one bmm for every adapter at once
+    d = s[..., module's R] @ B_module[slot]                     one bmm per module, [slots, m, out]
+    y[:, module's columns] += d[place]                         one gather: each row's own delta
+
+`place` is each row's position in the padded layout (a row without an adapter reads a padding
+position, whose delta is zero): a gather and an add, ~3x faster than scattering with index_add_.
 
 Slots are taken lowest first and a step multiplies slots [0, n) (a view, no copy): a slot no row
 of the step uses is all padding.
@@ -30,9 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from halfmoon.core.adapters import AdapterRef, InvalidAdapterError, LoraShapes
+from halfmoon.core.adapters import TARGET_MODULES, AdapterRef, InvalidAdapterError, LoraShapes
 from halfmoon.core.messages import LoraCounters
-from halfmoon.engine.lora import StackedLora, check_adapter, projection_dims, read_files, stack
+from halfmoon.engine.lora import StackedLora, check_adapter, module_columns, projection_dims, read_files, stack
 
 log = logging.getLogger(__name__)
 
@@ -52,18 +57,31 @@ class LoraPoolStats:
 class LoraStep:
     """One step's LoRA: which rows use which slot (module docstring)."""
 
-    __slots__ = ("rows", "keep", "n", "m", "pool")
+    __slots__ = ("rows", "place", "keep", "n", "m", "pool")
 
-    def __init__(self, pool: LoraPool, rows: torch.Tensor, keep: torch.Tensor, n: int, m: int) -> None:
-        self.pool, self.rows, self.keep, self.n, self.m = pool, rows, keep, n, m
+    def __init__(self, pool: LoraPool, rows: torch.Tensor | None, place: torch.Tensor | None,
+                 keep: torch.Tensor | None, n: int, m: int) -> None:
+        """`rows` / `place` / `keep` None: dense, the step's first n*m rows are slot 0's m rows,
+        then slot 1's, ... (an all-decode step grouped by slot, equal groups): no gather."""
+        self.pool, self.rows, self.place, self.keep, self.n, self.m = pool, rows, place, keep, n, m
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
         """y (= the base projection of x) plus each row's adapter delta, in place."""
-        a = self.pool.a[proj][layer, : self.n]
-        xs = x.index_select(0, self.rows).view(self.n, self.m, x.shape[1])
-        shrunk = torch.bmm(xs, a).mul_(self.keep)
-        delta = torch.bmm(shrunk, self.pool.b[proj][layer, : self.n])
-        return y.index_add_(0, self.rows, delta.view(-1, y.shape[1]))
+        pool, n, nm = self.pool, self.n, self.n * self.m
+        if self.rows is None:
+            shrunk = torch.bmm(x[:nm].view(n, self.m, x.shape[1]), pool.a[proj][layer, :n])
+        else:
+            xs = x.index_select(0, self.rows).view(n, self.m, x.shape[1])
+            shrunk = torch.bmm(xs, pool.a[proj][layer, :n]).mul_(self.keep)
+        r = pool.max_rank
+        for k, (module, start, end) in enumerate(pool.columns[proj]):
+            part = shrunk if k == 0 and len(pool.columns[proj]) == 1 else shrunk[:, :, k * r : (k + 1) * r]
+            delta = torch.bmm(part, pool.b[module][layer, :n]).view(nm, end - start)
+            if self.place is None:
+                y[:nm, start:end].add_(delta)
+            else:
+                y[:, start:end].add_(delta.index_select(0, self.place))
+        return y
 
 
 class LoraPool:
@@ -78,6 +96,7 @@ class LoraPool:
         self.shapes = shapes if check_base else LoraShapes(shapes.num_layers, shapes.modules)
         self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
         self.dtype, self.device = dtype, torch.device(device)
+        self.columns = module_columns(self.shapes)
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
         self.slots: list[str | None] = [None] * max_loras  # digest resident in each slot
@@ -141,7 +160,8 @@ class LoraPool:
         slot = self._free_slot(keep)
         for proj in self.a:
             self.a[proj][:, slot].copy_(stacked.a[proj])
-            self.b[proj][:, slot].copy_(stacked.b[proj])
+        for module in self.b:
+            self.b[module][:, slot].copy_(stacked.b[module])
         self.slots[slot] = ref.digest
         self._used[ref.digest] = slot
         self.stats.page_ins += 1
@@ -157,11 +177,12 @@ class LoraPool:
         return slot
 
     def _allocate(self) -> None:
-        dims = projection_dims(self.shapes)
         n, s, r = self.shapes.num_layers, self.max_loras, self.max_rank
-        for proj, (fan_in, fan_out, k) in dims.items():
+        for proj, (fan_in, k) in projection_dims(self.shapes).items():
             self.a[proj] = torch.zeros(n, s, fan_in, k * r, dtype=self.dtype, device=self.device)
-            self.b[proj] = torch.zeros(n, s, k * r, fan_out, dtype=self.dtype, device=self.device)
+        for module in TARGET_MODULES:
+            fan_out = self.shapes.features(module)[1]
+            self.b[module] = torch.zeros(n, s, r, fan_out, dtype=self.dtype, device=self.device)
         log.info("LoRA slots allocated: %d slots of rank %d, %.1f MiB", s, r, self.nbytes() / 2**20)
 
     def nbytes(self) -> int:
@@ -188,28 +209,47 @@ class LoraPool:
 
     # ------------------------------------------------------------------ steps
 
-    def step(self, order: Sequence[tuple[AdapterRef | None, int]]) -> LoraStep | None:
+    def activate_step(self, adapters: Sequence[AdapterRef | None]) -> dict[AdapterRef, int]:
+        """Slots for a step's adapters (`activate` of the distinct ones)."""
+        refs = list(dict.fromkeys(ref for ref in adapters if ref is not None))
+        return dict(zip(refs, self.activate(refs)))
+
+    def step(self, order: Sequence[tuple[AdapterRef | None, int]],
+             slot_of: dict[AdapterRef, int] | None = None) -> LoraStep | None:
         """The step's LoRA for its flat rows: `order` is (adapter or None, rows) per request in
-        the step's flat order. None when no row uses an adapter."""
-        refs = list(dict.fromkeys(ref for ref, _ in order if ref is not None))
-        if not refs:
+        the step's flat order; `slot_of`: their slots (`activate_step`, done here when None).
+        None when no row uses an adapter."""
+        if slot_of is None:
+            slot_of = self.activate_step([ref for ref, _ in order])
+        if not slot_of:
             return None
-        slot_of = dict(zip(refs, self.activate(refs)))
         spans: list[list[tuple[int, int]]] = [[] for _ in range(max(slot_of.values()) + 1)]  # (first row, rows)
         row = 0
         for ref, count in order:
             if ref is not None:
-                spans[slot_of[ref]].append((row, count))
+                mine = spans[slot_of[ref]]
+                if mine and sum(mine[-1]) == row:  # adjacent rows of one slot: one span
+                    mine[-1] = (mine[-1][0], mine[-1][1] + count)
+                else:
+                    mine.append((row, count))
             row += count
         counts = [sum(c for _, c in s) for s in spans]
         n, m = len(spans), max(counts)
+        if all(s == [(slot * m, m)] for slot, s in enumerate(spans)):  # grouped, equal: dense
+            return LoraStep(self, None, None, None, n, m)
+        if sum(counts) < row and n * m == sum(counts):
+            m += 1  # rows without an adapter read a padding position: have one
         rows = torch.zeros(n, m, dtype=torch.long)  # padding reads row 0; `keep` zeroes its delta
         keep = torch.zeros(n, m, 1, dtype=self.dtype)
+        zero = next(slot * m + counts[slot] for slot in range(n) if counts[slot] < m) if sum(counts) < row else 0
+        place = torch.full((row,), zero, dtype=torch.long)
         for slot, slot_spans in enumerate(spans):
             if slot_spans:
-                rows[slot, : counts[slot]] = torch.cat([torch.arange(first, first + c) for first, c in slot_spans])
+                taken = torch.cat([torch.arange(first, first + c) for first, c in slot_spans])
+                rows[slot, : counts[slot]] = taken
                 keep[slot, : counts[slot]] = 1
-        return LoraStep(self, rows.view(-1).to(self.device), keep.to(self.device), n, m)
+                place[taken] = torch.arange(slot * m, slot * m + counts[slot])
+        return LoraStep(self, rows.view(-1).to(self.device), place.to(self.device), keep.to(self.device), n, m)
 
     def check(self) -> None:
         """Invariants: each resident digest in exactly one slot and no slot twice, sizes bounded."""

@@ -242,28 +242,35 @@ class ModelRunner:
         follow `scheduled`, not the flat layout.
         """
         decodes_only = all(s.num_tokens == 1 and s.sample and not s.draft for s in scheduled)
-        inputs = self._prepare_decodes(scheduled) if decodes_only else self._prepare_mixed(scheduled)
+        flat = _flat_order(scheduled, decodes_only)
+        slot_of = None
         if self.lora is not None and any(s.request.params.adapter is not None for s in scheduled):
-            inputs.lora = self.lora.step([(s.request.params.adapter, s.num_tokens)
-                                          for s in _flat_order(scheduled, decodes_only)])
+            slot_of = self.lora.activate_step([s.request.params.adapter for s in flat])
+            if decodes_only:  # rows grouped by slot: equal groups need no gather (engine/lora_pool.py)
+                flat = sorted(flat, key=lambda s: slot_of.get(s.request.params.adapter, len(slot_of)))
+        inputs = self._prepare_decodes(scheduled, flat) if decodes_only else self._prepare_mixed(scheduled)
+        if slot_of is not None:
+            assert self.lora is not None
+            inputs.lora = self.lora.step([(s.request.params.adapter, s.num_tokens) for s in flat], slot_of)
         if self.model.needs_rope_lens:
-            inputs.rope_lens = self._rope_lens(scheduled, inputs.positions)
+            inputs.rope_lens = self._rope_lens(flat, inputs.positions)
         return inputs
 
     @staticmethod
-    def _rope_lens(scheduled: Sequence[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
+    def _rope_lens(flat: Sequence[ScheduledRequest], positions: torch.Tensor) -> torch.Tensor:
         """HF's dynamic-NTK sequence length per token (engine/rope.py): a prompt token's is the
-        prompt's length, a decoded token's its position + 1. Flat order: decodes, then prefills."""
-        order = _flat_order(scheduled, all(s.num_tokens == 1 and s.sample and not s.draft for s in scheduled))
-        prompt = torch.cat([torch.full((s.num_tokens,), s.request.num_prompt_tokens) for s in order])
+        prompt's length, a decoded token's its position + 1; `flat`: the step's entries in flat order."""
+        prompt = torch.cat([torch.full((s.num_tokens,), s.request.num_prompt_tokens) for s in flat])
         return torch.maximum(positions.cpu() + 1, prompt)
 
-    def _prepare_decodes(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
+    def _prepare_decodes(self, scheduled: Sequence[ScheduledRequest],
+                         flat: Sequence[ScheduledRequest] | None = None) -> StepInputs:
         """The all-decode step (one token each, every one sampled): one pass over the batch, flat
-        order = scheduler order. A one-token prompt chunk that samples nothing (the budget's
-        last token) takes the general path."""
+        order = scheduler order, or `flat` (LoRA rows grouped by slot), the logits rows then
+        mapping each scheduled entry to its row. A one-token prompt chunk that samples nothing
+        (the budget's last token) takes the general path."""
         bs = self.block_size
-        requests = [s.request for s in scheduled]
+        requests = [s.request for s in (flat if flat is not None else scheduled)]
         positions = [r.num_computed_tokens for r in requests]
         ids = [r.token_ids[p] for r, p in zip(requests, positions)]
         slots = [r.block_table[p // bs] * bs + p % bs for r, p in zip(requests, positions)]
@@ -271,8 +278,13 @@ class ModelRunner:
         buf = self.buffers
         decode = self._decode_batch(requests, [p + 1 for p in positions])
         meta = AttentionMetadata(slot_mapping=buf.fill("slots", slots), decode=decode, prefills=[], num_tokens=b)
-        rows = buf.fill("rows", list(range(b)))
-        return StepInputs(buf.fill("ids", ids), buf.fill("positions", positions), meta, rows, requests)
+        if flat is None or all(a is b for a, b in zip(flat, scheduled)):
+            rows = buf.fill("rows", list(range(b)))
+        else:
+            at = {id(s): i for i, s in enumerate(flat)}
+            rows = buf.fill("rows", [at[id(s)] for s in scheduled])
+        return StepInputs(buf.fill("ids", ids), buf.fill("positions", positions), meta, rows,
+                          [s.request for s in scheduled])
 
     def _prepare_mixed(self, scheduled: Sequence[ScheduledRequest]) -> StepInputs:
         # a verification (1 + len(draft) rows of one decoding request) is a multi-row decode entry
