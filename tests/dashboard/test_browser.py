@@ -41,6 +41,20 @@ PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def
            "List three colours:", "Once upon a time"]
 
 
+ADAPTER = "tuned"  # a LoRA adapter the cluster serves: every third request of the load names it
+
+
+def smollm2_adapter(folder: Path) -> Path:
+    """A random rank-8 LoRA adapter of SmolLM2's shapes, in PEFT's files."""
+    from halfmoon.bench.lora_bench import write_adapter
+    from halfmoon.engine.gguf_header import read_header
+    from halfmoon.engine.loader import gguf_config, resolve_model_path
+    from halfmoon.engine.lora import lora_shapes
+
+    path = resolve_model_path("smollm2")
+    return write_adapter(folder, lora_shapes(gguf_config(read_header(path), path)), rank=8, seed=1)
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`halfmoon serve` (1 prefill + 1 decode worker, auth on); yields its HTTP URL."""
@@ -49,6 +63,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     args = [sys.executable, "-m", "halfmoon.cli.main", "serve", "--prefill", "1", "--decode", "1", "--worker-threads", "1",
             "--kv-transport", "tcp", "--grpc-port", "0", "--http-port", "0", "--num-blocks", "256",
             "--object-store-mb", "128", "--cost-model", cost_model_file(tmp / "cost.json"),
+            "--lora", f"{ADAPTER}={smollm2_adapter(tmp / ADAPTER)}",
             *EXACT_FLAGS]  # the cost model's KV bytes are fp32's
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HALFMOON_API_TOKENS": TOKEN}
     with open(log, "w") as out:
@@ -73,8 +88,8 @@ def load(cluster: str) -> Iterator[None]:
 
     def one(i: int) -> None:
         try:
-            client.completions.create(model="smollm2", prompt=PROMPTS[i % len(PROMPTS)], max_tokens=12,
-                                      extra_body={"ignore_eos": True})
+            client.completions.create(model=ADAPTER if i % 3 == 2 else "smollm2", prompt=PROMPTS[i % len(PROMPTS)],
+                                      max_tokens=12, extra_body={"ignore_eos": True})
         except openai.APIError:  # a 429 under load is the server's answer, not the test's failure
             pass
 
@@ -187,6 +202,14 @@ def test_live_view_shows_both_workers_changing_and_the_slo_chart_has_data(cluste
                         timeout=60_000)
     assert int(p.locator("#tbt-chart svg").get_attribute("data-points") or 0) > 0
     assert int(p.locator("#rate-chart svg").get_attribute("data-points") or 0) > 0
+    # the LoRA adapter's row: its requests counted, held by both workers; their cards show the slots
+    p.wait_for_function(f"""() => [...document.querySelectorAll('#lora-table tbody tr')].some(tr =>
+        tr.cells[0].textContent === '{ADAPTER}' && Number(tr.cells[2].textContent) > 0
+        && tr.cells[3].textContent.includes('prefill-0') && tr.cells[3].textContent.includes('decode-0'))""",
+                        timeout=60_000)
+    assert p.locator("#lora-panel").is_visible()
+    for worker in ("prefill-0", "decode-0"):
+        assert "% hits" in field(page, worker, "lora")
     page.no_horizontal_scroll()
     keep(page.shot("live.png"), "dashboard-live.png")
     assert not page.errors, page.errors

@@ -217,7 +217,8 @@ function updateCard({root, f, tiers}, w) {
   setText(f.steps_per_s, num(w.steps_per_s, F1));
   setText(f.transfer_bytes_per_s, bytesPerS(w.transfer_bytes_per_s));
   const lo = w.lora;
-  setText(f.lora, lo ? `${num(100 * lo.hit_rate, F1)}% hits, ${int(lo.page_ins)} page-ins, ${int(lo.evictions)} evictions` : 'none');
+  setText(f.lora, lo ? `${num(100 * lo.hit_rate, F1)}% hits, ${int(lo.evictions)} evicted` : 'none');
+  if (lo) f.lora.title = `${int(lo.page_ins)} page-ins, ${int(lo.disk_loads)} folder reads, ${int(lo.evictions)} evictions`;
   const sp = w.speculation;
   setText(f.speculation, sp ? `${num(100 * sp.acceptance, F1)}% accepted, ${num(sp.tokens_per_step, F1)} tok/verify` : 'off');
   for (const tier of TIERS) {
