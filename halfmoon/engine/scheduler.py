@@ -7,6 +7,10 @@ tokens in a step; a prefill worker's is 1 at serve's defaults) last. When a runn
 free, the most recently admitted running request is preempted: its blocks are freed and it goes
 back to the head of the queue to be recomputed (prompt + outputs so far) later.
 
+LoRA adapters: a step serves at most `lora_limit` distinct adapters (the engine's slots,
+engine/lora_pool.py); a running request whose adapter has no room this step sits the step out, a
+waiting one waits at the head of the queue, so an adapter is never evicted from under a step.
+
 A waiting request whose prefix another worker holds (the cluster index) leaves the queue while
 the blocks are pulled on a thread of the tiers (`fetching`); the engine keeps stepping the
 others. When the pull ends (all, some or none of the blocks verified), the request rejoins the
