@@ -307,3 +307,13 @@ def test_base_model_names_match_across_hub_ids_and_gguf_files() -> None:
     assert same_model("google/gemma-3-270m-it", "gemma-3-270m")
     assert same_model("HuggingFaceTB/SmolLM2-135M", "SmolLM2-135M-Instruct.Q4_1.gguf")
     assert not same_model("Qwen/Qwen2.5-0.5B", "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_speculative_decoding_under_adapters_keeps_their_tokens(llama: Adapted) -> None:
+    """ngram speculation: verification steps run the adapters on every drafted row (the drafts
+    come from the text, not the adapter): the outputs stay transformers + peft's."""
+    engine = llama.engine(speculative="ngram")
+    params = [SamplingParams(max_tokens=NEW, ignore_eos=True, adapter=ref) for ref in llama.refs for _ in llama.prompts]
+    got = [r.output_ids for r in engine.generate(llama.prompts * 4, params)]
+    assert got == [exp[i] for exp in llama.expected for i in range(len(llama.prompts))]
+    assert engine.speculator is not None and engine.speculator.stats.proposed > 0  # drafts were verified
