@@ -275,9 +275,6 @@ class StackedLora:
     a: dict[str, torch.Tensor]
     b: dict[str, torch.Tensor]
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
-
 
 def projection_dims(shapes: LoraShapes) -> dict[str, tuple[int, int]]:
     """(in features, stacked modules) of each fused projection."""

@@ -75,8 +75,7 @@ class LoraStep:
             shrunk = torch.bmm(xs, pool.a[proj][layer, :n]).mul_(self.keep)
         r = pool.max_rank
         for k, (module, start, end) in enumerate(pool.columns[proj]):
-            part = shrunk if k == 0 and len(pool.columns[proj]) == 1 else shrunk[:, :, k * r : (k + 1) * r]
-            delta = torch.bmm(part, pool.b[module][layer, :n]).view(nm, end - start)
+            delta = torch.bmm(shrunk[:, :, k * r : (k + 1) * r], pool.b[module][layer, :n]).view(nm, end - start)
             if self.place is None:
                 y[:nm, start:end].add_(delta)
             else:
