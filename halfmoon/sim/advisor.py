@@ -1,0 +1,77 @@
+"""The planner's advisor (conductor/planner.py's `Advisor`): the last window's requests replayed
+through each candidate split by the simulator, the same replay as the sizing page's sweep.
+
+    SimAdvisor(base, cost).score(window, window_s, splits) -> {split: goodput req/s}
+
+The window is what the Conductor saw (arrival, prompt length, output length: the tokens a
+finished request generated, else the max_tokens it asked for). Live prompts carry no trace
+hash ids, so the replay shares no prefix between them: a cache hit the live cluster had is
+a full prefill here (the advice is conservative for prefix-heavy traffic; docs/ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.planner import Seen, Split
+from halfmoon.sim.cluster import SimConfig, SimResult, simulate
+from halfmoon.sim.report import met, objectives
+from halfmoon.sim.trace import HASH_BLOCK_TOKENS, TraceRequest
+from halfmoon.sim.workload import Workload, build
+
+MAX_REQUESTS = 600  # per replay: ~1 s of simulation per split on one core
+
+
+class SimAdvisor:
+    """Scores splits by simulating the window on `base` (its shape replaced per split).
+
+    Two economies keep a tick cheap enough to run beside serving: the replay holds at most
+    `max_requests` (the most recent; the window shrinks to their span, goodput stays per
+    second), and it decides each request once (no second looks: the advice is about
+    capacity, a second look moves a few requests within one split)."""
+
+    def __init__(self, base: SimConfig, cost: CostModel, max_requests: int = MAX_REQUESTS) -> None:
+        self.base = dataclasses.replace(base, admission=dataclasses.replace(base.admission, second_look=False))
+        self.cost = cost
+        self.max_requests = max_requests
+        self.replays = 0  # simulations run (the dashboard and tests read it)
+
+    def score(self, window: Sequence[Seen], window_s: float, splits: Sequence[Split]) -> dict[Split, float]:
+        window, window_s = recent(window, window_s, self.max_requests)
+        workload = window_workload(window, window_s)
+        scores = {}
+        for split in splits:
+            config = dataclasses.replace(self.base, prefill=split.prefill, decode=split.decode, colocated=False)
+            scores[split] = goodput(simulate(workload, config, self.cost), window_s)
+            self.replays += 1
+        return scores
+
+
+def recent(window: Sequence[Seen], window_s: float, most: int) -> tuple[Sequence[Seen], float]:
+    """The last `most` requests of the window and the span they arrived over."""
+    if len(window) <= most:
+        return window, window_s
+    kept = sorted(window, key=lambda s: s.arrival)[-most:]
+    return kept, max(kept[-1].arrival - kept[0].arrival, 1e-3)
+
+
+def window_workload(window: Sequence[Seen], window_s: float) -> Workload:
+    """The window as a workload arriving over [0, window_s] (its last arrival at the end at
+    the latest), every prompt's blocks its own."""
+    if not window:
+        return Workload((), window_s, "planner window")
+    start = max(s.arrival for s in window) - window_s
+    ids = itertools.count()
+    trace = [TraceRequest(n, max(0.0, s.arrival - start) * 1e3, s.prompt_len, s.output_len,
+                          tuple(next(ids) for _ in range(-(-s.prompt_len // HASH_BLOCK_TOKENS))))
+             for n, s in enumerate(sorted(window, key=lambda s: s.arrival), start=1)]
+    return dataclasses.replace(build(trace, source="planner window"), duration_s=window_s)
+
+
+def goodput(result: SimResult, window_s: float) -> float:
+    """Requests/s that met both objectives of the default class."""
+    ttft_ms, tbt_ms = objectives(result)
+    return sum(met(r, ttft_ms, tbt_ms) for r in result.records) / window_s
