@@ -25,6 +25,7 @@ from halfmoon.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # conductor.admission imports this module
     from halfmoon.conductor.adapters import AdapterRegistry, LoraStats
+    from halfmoon.conductor.planner_loop import PlannerSnapshot
     from halfmoon.core.adapters import AdapterRef
     from halfmoon.conductor.admission import AdmissionConfig
     from halfmoon.conductor.cost_model import CostModel
@@ -95,6 +96,7 @@ class BackendStats:
     index_errors: int = 0  # failed Redis calls of the Conductor's index since start
     tokens_reprefilled: int = 0  # prompt tokens re-sent to prefill by re-runs and moves (conductor/migration.py)
     lora: LoraStats | None = None  # the LoRA adapters served and their traffic (conductor/adapters.py)
+    planner: PlannerSnapshot | None = None  # the planner's split, desired split and decisions (None: off)
 
 
 class GenerationBackend(abc.ABC):

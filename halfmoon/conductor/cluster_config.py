@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field
 
 from halfmoon.conductor.gpu_plan import GpuShare, plan_gpus, visible_gpus
+from halfmoon.conductor.planner import PlannerConfig
 from halfmoon.core.errors import ConfigError, check_positive
 from halfmoon.core.logs import LogConfig
 from halfmoon.core.tracing import TracingConfig
@@ -62,6 +63,8 @@ class ClusterConfig:
         (not counted in capacity, admission or the router); when a worker dies the Conductor
         promotes one in its place at once (conductor/workers.py). Each needs one more unit of
         its role's Ray resource and costs one worker's memory.
+    planner: the planner that re-balances the pools at run time (conductor/planner.py; mode
+        `act` starts every worker able to serve either role: conductor/rebalance.py).
     """
 
     prefill: int = 1
@@ -87,6 +90,7 @@ class ClusterConfig:
     decode_tp: int = 1
     standby: int = 0
     prefill_max_seqs: int | None = None
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def __post_init__(self) -> None:
         check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",

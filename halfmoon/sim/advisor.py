@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import multiprocessing
+import os
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 
 from halfmoon.conductor.cost_model import CostModel
 from halfmoon.conductor.planner import Seen, Split
@@ -23,6 +26,7 @@ from halfmoon.sim.trace import HASH_BLOCK_TOKENS, TraceRequest
 from halfmoon.sim.workload import Workload, build
 
 MAX_REQUESTS = 600  # per replay: ~1 s of simulation per split on one core
+NICE = 10  # the child advisor's niceness: serving first
 
 
 class SimAdvisor:
@@ -48,6 +52,27 @@ class SimAdvisor:
             scores[split] = goodput(simulate(workload, config, self.cost), window_s)
             self.replays += 1
         return scores
+
+
+class ChildAdvisor:
+    """A `SimAdvisor` in a child process at low priority (the Conductor's: serving keeps its
+    CPU and the GIL); `score` blocks its caller's thread until the child answers."""
+
+    def __init__(self, base: SimConfig, cost: CostModel, max_requests: int = MAX_REQUESTS) -> None:
+        self.advisor = SimAdvisor(base, cost, max_requests)
+        self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_lower)
+
+    def score(self, window: Sequence[Seen], window_s: float, splits: Sequence[Split]) -> dict[Split, float]:
+        scores = self._pool.submit(self.advisor.score, list(window), window_s, list(splits)).result()
+        self.advisor.replays += len(splits)
+        return scores
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _lower() -> None:
+    os.nice(NICE)
 
 
 def recent(window: Sequence[Seen], window_s: float, most: int) -> tuple[Sequence[Seen], float]:
