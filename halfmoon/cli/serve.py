@@ -185,6 +185,7 @@ def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission, obse
     from halfmoon.conductor.cluster import ClusterBackend
     from halfmoon.conductor.serve_defaults import precision_line
     from halfmoon.conductor.startup_probe import PROBE_PROMPTS
+    from halfmoon.sim.advisor import live_advisor
 
     cluster = cluster_config(args, engine_cfg, observability)
     print(f"halfmoon: starting {cluster.prefill} prefill + {cluster.decode} decode workers "
@@ -192,7 +193,8 @@ def _serve_cluster(args: argparse.Namespace, config, engine_cfg, admission, obse
           f"{precision_line(args.dtype, args.quantization, args.device)} ...",
           file=sys.stderr, flush=True)
     # lone probes at start measure the per-request overhead admission predicts with
-    backend = ClusterBackend(cluster, engine_cfg.redis_url, admission=admission, overhead_probes=PROBE_PROMPTS)
+    backend = ClusterBackend(cluster, engine_cfg.redis_url, admission=admission, overhead_probes=PROBE_PROMPTS,
+                             advisor=live_advisor)
     backend.manager.init_ray()  # on the main thread, before the servers' threads exist
     asyncio.run(_main(backend, config))
     print("halfmoon: stopped", file=sys.stderr, flush=True)

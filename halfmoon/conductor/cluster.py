@@ -36,11 +36,14 @@ from halfmoon.conductor.admission_window import AdmissionWindow, SecondLook
 from halfmoon.conductor.admission_stats import AdmissionStats, TopGaps
 from halfmoon.conductor.backend import BackendStats, WorkerView, GenerationBackend, GenerationInput
 from halfmoon.conductor.cluster_config import ClusterConfig
-from halfmoon.conductor.cost_model import CostModel, fit_profile
+from halfmoon.conductor.cost_model import CostModel
 from halfmoon.conductor.dispatch import Ask, Booking, DecodeSide, Dispatcher, PrefillSide, PrefixMatch
 from halfmoon.conductor.errors import OverloadedError, RetryableRejection, ServiceUnavailableError
 from halfmoon.conductor.migration import Progress
-from halfmoon.conductor.profile_cache import cached_cost_model, profile_key
+from halfmoon.conductor.planner import Traffic, met_slo
+from halfmoon.conductor.planner_loop import AdvisorFactory, PlannerLoop, start_planner
+from halfmoon.conductor.rebalance import Rebalancer, WorkerDrainedError
+from halfmoon.conductor.profile_cache import worker_cost_model
 from halfmoon.conductor.request_names import RequestNames
 from halfmoon.conductor.startup_probe import measured_overhead
 from halfmoon.conductor.router import NoWorkerAvailableError
@@ -68,6 +71,7 @@ from halfmoon.kvpool.cluster_index import ClusterIndex, HolderId
 log = logging.getLogger(__name__)
 
 HEALTH_INTERVAL_S = 1.0
+TRAFFIC_KEEP_S = 900.0  # the requests the planner may replay (its window is at most this)
 MIGRATION_POLL_S = 0.1  # how often a moving request looks for live workers
 
 
@@ -84,10 +88,13 @@ class ClusterBackend(GenerationBackend):
     """The Conductor's backend over the prefill and decode workers (see the module docstring)."""
 
     def __init__(self, config: ClusterConfig, redis_url: str | None, workers: WorkerGroup | None = None,
-                 admission: AdmissionConfig | None = None, overhead_probes: Sequence[int] = ()) -> None:
+                 admission: AdmissionConfig | None = None, overhead_probes: Sequence[int] = (),
+                 advisor: AdvisorFactory | None = None) -> None:
         """`overhead_probes`: prompt lengths of lone requests sent at start to measure the
         per-request overhead (conductor/startup_probe.py; `halfmoon serve` sends PROBE_PROMPTS;
-        none: the cost model's own, 0 unless its file sets it)."""
+        none: the cost model's own, 0 unless its file sets it). `advisor`: makes the planner's
+        advisor once the cost model is known (the simulator's: sim/advisor.py; needed unless
+        `config.planner.mode` is off)."""
         from halfmoon.conductor.ray_workers import RayWorkers
 
         self.config = config
@@ -104,6 +111,10 @@ class ClusterBackend(GenerationBackend):
         self.tracer = start_tracing(config.tracing, "conductor", "conductor")
         self.tokenizer = tokenizer_for_model(config.engine.model)
         self.cost: CostModel | None = None
+        self.advisor = advisor
+        self.planner: PlannerLoop | None = None  # conductor/planner_loop.py, once started
+        self.rebalancer = Rebalancer(self)  # the planner's moves (conductor/rebalance.py)
+        self.traffic = Traffic(TRAFFIC_KEEP_S)  # what the planner replays
         self.index: ClusterIndex | None = None
         self.info: EngineInfo | None = None
         self._health: asyncio.Task | None = None
@@ -136,7 +147,7 @@ class ClusterBackend(GenerationBackend):
             # Started: a holder that never beats expires and re-registers on its next lookup.
             self.index = ClusterIndex(self.redis_url, HolderId("conductor", "conductor")).start()
         await self.manager.check_health()
-        self._learn_capacity()
+        self.learn_capacity()
         if self.overhead_probes and not self.cost.overhead_ms:
             # the probes decide on a Conductor of their own: counted nowhere, calibrating nothing
             self._dispatch_with(self.cost, AdmissionStats())
@@ -144,6 +155,7 @@ class ClusterBackend(GenerationBackend):
                                                 self.admission_config.admit_window_ms, self.overhead_probes)
             self._dispatch_with(self.cost, self.admission_stats)
         self._health = asyncio.create_task(self._health_loop())
+        self.planner = start_planner(self, self.advisor) if self.config.planner.mode != "off" else None
 
     def _dispatch_with(self, cost: CostModel, stats: AdmissionStats) -> None:
         assert self.info is not None
@@ -151,7 +163,7 @@ class ClusterBackend(GenerationBackend):
                                      prefill_budget=self.config.engine.max_num_batched_tokens,
                                      prefill_max_seqs=self.config.prefill_seqs("prefill"))
 
-    def _learn_capacity(self) -> None:
+    def learn_capacity(self) -> None:
         """The largest request (prompt + max_tokens) a decode worker's KV holds: more is a 400."""
         assert self.info is not None
         blocks = max((w.total_blocks for w in self.manager.role("decode")), default=0)
@@ -165,12 +177,12 @@ class ClusterBackend(GenerationBackend):
         if self.config.cost_model is not None:
             return CostModel.load(self.config.cost_model)
         assert self.info is not None
-        prefill = await _profiled(first, self.info)
+        prefill = await worker_cost_model(first, self.info)
         if self.config.prefill_tp == self.config.decode_tp:
             return prefill
         # tensor-parallel layouts that differ: decode steps as the decode workers take them
         decode = self.manager.role("decode")[0]
-        return prefill.with_decode_of(await _profiled(decode, await decode.api.engine_info()))
+        return prefill.with_decode_of(await worker_cost_model(decode, await decode.api.engine_info()))
 
     async def _health_loop(self) -> None:
         while True:
@@ -178,6 +190,8 @@ class ClusterBackend(GenerationBackend):
             await self.manager.check_health()
 
     async def stop(self) -> None:
+        if self.planner is not None:
+            await self.planner.stop()
         if self._health is not None:
             self._health.cancel()
         self.manager.stop_warm_ups()
@@ -220,7 +234,8 @@ class ClusterBackend(GenerationBackend):
         return BackendStats(self._streaming, self._requests - self._streaming, free, total, 0,
                             dict(self._reruns), depth, self.admission_stats, health, views,
                             None if index is None else index.healthy, 0 if index is None else index.stats.redis_errors,
-                            self._reprefilled, self.adapters.snapshot())
+                            self._reprefilled, self.adapters.snapshot(),
+                            None if self.planner is None else self.planner.snapshot())
 
     async def prepare_adapter(self, adapter: AdapterRef) -> None:
         """Every live worker reads `adapter` now (its first request then reads nothing); a worker
@@ -245,6 +260,7 @@ class ClusterBackend(GenerationBackend):
         (a new request finding every worker of a role down waits the same way); past either,
         UNAVAILABLE naming the cause."""
         rid = self.names.claim(inp.request_id)
+        self.traffic.arrived(rid, time.monotonic(), len(inp.prompt_ids), inp.params.max_tokens)
         try:
             async with aclosing(self._moves(inp, rid)) as chunks:
                 async for chunk in chunks:
@@ -419,6 +435,8 @@ class ClusterBackend(GenerationBackend):
                 except StopAsyncIteration:
                     return
                 yield chunk
+                if worker.worker_id in self.rebalancer.evicting:  # leaving its pool: the request moves
+                    raise WorkerDrainedError(worker.worker_id)
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
@@ -466,6 +484,8 @@ class ClusterBackend(GenerationBackend):
         assert last.end is not None and self.dispatcher is not None
         self.dispatcher.finished(route.booking, last.end.usage.completion_tokens // inp.params.n, inp.params.max_tokens,
                                  last.end.timings.ttft_ms / 1e3, gaps.mean_s())
+        self.traffic.ended(last.request_id, last.end.usage.completion_tokens // inp.params.n,
+                           met_slo(route.booking.objective, last.end.timings.ttft_ms, gaps.mean_s()))
 
     # ------------------------------------------------------------------ routing
 
@@ -480,6 +500,7 @@ class ClusterBackend(GenerationBackend):
             route = await self._held(inp, wid, prefix, resumed, arrival)  # decision + booking at once
         except RetryableRejection as e:
             spans.admission(self.tracer, inp.span, started, policy, e)
+            self.traffic.ended(wid.rsplit("@", 1)[0], 0, met=False, rejected=True)
             raise
         spans.admission(self.tracer, inp.span, started, policy, route.booking)
         return route
@@ -567,11 +588,3 @@ class ClusterBackend(GenerationBackend):
         return {w.worker_id: cost for w in self.manager.role("prefill")
                 if w.load is None or adapter.digest not in w.load.adapters}
 
-
-async def _profiled(worker: Worker, info: EngineInfo) -> CostModel:
-    """`worker`'s cost model: the cached profile of its shape, else its quick profile (cached)."""
-
-    async def measure() -> CostModel:
-        return fit_profile(await worker.api.profile(True))
-
-    return await cached_cost_model(profile_key(info, worker.spec.engine_config()), measure)

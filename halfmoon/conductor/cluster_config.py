@@ -145,16 +145,17 @@ class ClusterConfig:
         """Every worker's spec, standbys included (a role's last `standby`: `is_standby`), its
         engine on the index at `redis_url` (None: no index); local workers get consecutive cores
         of their own."""
-        engine = dataclasses.replace(self.engine, redis_url=redis_url,
-                                     gpu_memory_fraction=self.gpu_share().memory_fraction)
-        cores = os.cpu_count() or 1
-        specs = []
         n_prefill = self.count("prefill")
-        for i, role in enumerate(["prefill"] * n_prefill + ["decode"] * self.count("decode")):
-            index = i if role == "prefill" else i - n_prefill
-            first = (i * self.worker_threads) % cores
-            cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
-            role_engine = dataclasses.replace(engine, tp=self.tp(role), max_prefill_seqs=self.prefill_seqs(role))
-            specs.append(WorkerSpec(f"{role}-{index}", role, role_engine, self.transport, cpus,
-                                    tracing=self.tracing, log=self.log))
-        return specs
+        roles = ["prefill"] * n_prefill + ["decode"] * self.count("decode")
+        return [self.spec(role, i if role == "prefill" else i - n_prefill, i, redis_url)
+                for i, role in enumerate(roles)]
+
+    def spec(self, role: str, index: int, slot: int, redis_url: str | None) -> WorkerSpec:
+        """The spec of worker `<role>-<index>`, the `slot`-th worker started (its cores, locally)."""
+        engine = dataclasses.replace(self.engine, redis_url=redis_url, tp=self.tp(role),
+                                     gpu_memory_fraction=self.gpu_share().memory_fraction,
+                                     max_prefill_seqs=self.prefill_seqs(role))
+        cores = os.cpu_count() or 1
+        first = (slot * self.worker_threads) % cores
+        cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
+        return WorkerSpec(f"{role}-{index}", role, engine, self.transport, cpus, tracing=self.tracing, log=self.log)

@@ -32,6 +32,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, NamedTuple, Protocol
 
+from halfmoon.conductor.admission import Objective
 from halfmoon.core.errors import ConfigError
 
 PlannerMode = Literal["off", "advise", "act"]
@@ -163,6 +164,11 @@ class Traffic:
     def _forget(self, now: float) -> None:
         while self._seen and self._seen[0][1].arrival < now - self.keep_s:
             self._seen.popleft()
+
+
+def met_slo(objective: Objective, ttft_ms: float, tbt_s: float | None) -> bool:
+    """Whether a finished request met both of its objectives (inf: none)."""
+    return ttft_ms <= objective.ttft_ms and (tbt_s is None or tbt_s * 1e3 <= objective.tbt_ms)
 
 
 def attainment(seen: Iterable[Seen]) -> float | None:

@@ -17,14 +17,20 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from halfmoon.conductor.planner import Decision, Planner, PlannerConfig, Split, Traffic
+from halfmoon.conductor.planner import Advisor, Decision, Planner, PlannerConfig, Split, Traffic
+from halfmoon.core.errors import ConfigError
 from halfmoon.core.tracing import NO_TRACER, Tracer, now_ns
 
 log = logging.getLogger(__name__)
 
 TIMELINE = 200  # decisions kept for the dashboard
+
+if TYPE_CHECKING:  # the backend starts its planner
+    from halfmoon.conductor.cluster import ClusterBackend
+
+AdvisorFactory = Callable[["ClusterBackend"], Advisor]  # the backend's advisor, once its cost model is known
 
 
 class Actuator(Protocol):
@@ -142,3 +148,22 @@ def _attributes(decision: Decision, mode: str) -> dict[str, str | float | bool]:
             "halfmoon.planner.target": str(decision.target), "halfmoon.planner.next": str(decision.next_split),
             "halfmoon.planner.gain": decision.gain, "halfmoon.planner.applied": decision.applied,
             "halfmoon.planner.reason": decision.reason}
+
+
+def start_planner(backend: ClusterBackend, advisor: AdvisorFactory | None) -> PlannerLoop:
+    """The backend's planner, ticking: bounded by the split it started with, advised by
+    `advisor(backend)`, acting through its rebalancer."""
+    config = backend.config.planner
+    if advisor is None:
+        raise ConfigError(f"--planner {config.mode} needs an advisor (the simulator's, which `halfmoon serve` "
+                          "gives the Conductor); use --planner off")
+    start = backend.rebalancer.split()
+    bounded = config.bounded(start)
+    if config.mode == "act" and backend.config.prefill_tp != backend.config.decode_tp:
+        raise ConfigError(f"--planner act flips workers between pools, which needs one tensor-parallel size "
+                          f"(--prefill-tp {backend.config.prefill_tp}, --decode-tp {backend.config.decode_tp})")
+    loop = PlannerLoop(bounded, Planner(bounded, advisor(backend)), backend.rebalancer, backend.traffic,
+                       backend.tracer)
+    log.info("planner (%s): every %g s over the last %g s of traffic, split %s within %d..%d workers",
+             config.mode, config.interval_s, config.window_s, start, bounded.min_workers, bounded.max_workers)
+    return loop.start()

@@ -19,13 +19,17 @@ import time
 import platform
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from halfmoon.conductor.cost_model import CostModel
+from halfmoon.conductor.cost_model import CostModel, fit_profile
 from halfmoon.core.cache_dir import cache_key, cache_root
 from halfmoon.core.errors import ConfigError
 from halfmoon.core.messages import EngineInfo
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.profiling import QUICK_GRID, ProfileGrid
+
+if TYPE_CHECKING:
+    from halfmoon.conductor.workers import Worker as ProfiledWorker
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,15 @@ async def cached_cost_model(key: str, measure: Callable[[], Awaitable[CostModel]
     except OSError as e:
         log.warning("could not cache the profile at %s: %s", path, e)
     return model
+
+
+async def worker_cost_model(worker: ProfiledWorker, info: EngineInfo) -> CostModel:
+    """A worker's cost model: the cached profile of its shape, else its quick profile (cached)."""
+
+    async def measure() -> CostModel:
+        return fit_profile(await worker.api.profile(True))
+
+    return await cached_cost_model(profile_key(info, worker.spec.engine_config()), measure)
 
 
 def _cpu_model() -> str:

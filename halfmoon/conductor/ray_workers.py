@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.conductor.flex_worker import FlexWorker
 from halfmoon.conductor.workers import Worker, WorkerGroup
 from halfmoon.core.adapters import AdapterRef
 from halfmoon.core.errors import ConfigError, HalfmoonError
@@ -138,6 +139,20 @@ class RayDecode(RayWorker):
         await self._call("cancel", request_id)
 
 
+class RayFlex(RayPrefill, RayDecode):
+    """Both protocols over a worker that serves either role (conductor/flex_worker.py)."""
+
+    async def become(self, role: str, max_prefill_seqs: int | None) -> None:
+        await self._call("become", role, max_prefill_seqs)
+
+
+def worker_api(config: ClusterConfig, spec: WorkerSpec, handle: Any) -> RayWorker:
+    """The handle as its role's protocol (both, when the planner may flip it)."""
+    if config.planner.mode == "act":
+        return RayFlex(spec.worker_id, handle)
+    return RayPrefill(spec.worker_id, handle) if spec.role == "prefill" else RayDecode(spec.worker_id, handle)
+
+
 class RayWorkers(WorkerGroup):
     """The workers of `config` as Ray actors."""
 
@@ -155,8 +170,7 @@ class RayWorkers(WorkerGroup):
         self.await_resources(self.config.ray_wait_s)
         for spec in self.config.specs(redis_url):
             handle = self._actor(spec)
-            api = RayPrefill(spec.worker_id, handle) if spec.role == "prefill" else RayDecode(spec.worker_id, handle)
-            self.place(Worker(spec, api), self.config.is_standby(spec))
+            self.place(Worker(spec, worker_api(self.config, spec, handle)), self.config.is_standby(spec))
         pings = {w.worker_id: (w, w.api.handle.pid.remote()) for w in self.everyone()}  # type: ignore[union-attr]
         for w, ref in pings.values():
             w.pid = ray.get(ref, timeout=300)
@@ -236,8 +250,33 @@ class RayWorkers(WorkerGroup):
     def _actor(self, spec: WorkerSpec) -> Any:
         import ray
 
-        cls = RayPrefillWorker if spec.role == "prefill" else RayDecodeWorker
+        if self.config.planner.mode == "act":
+            cls: type = RayFlexWorker
+        else:
+            cls = RayPrefillWorker if spec.role == "prefill" else RayDecodeWorker
         return ray.remote(cls).options(**actor_options(self.config, spec)).remote(spec)
+
+    def _launch(self, spec: WorkerSpec) -> Worker:
+        """One more actor (the planner's add): started, answered and warmed up."""
+        import ray
+
+        handle = self._actor(spec)
+        worker = Worker(spec, worker_api(self.config, spec, handle))
+        worker.pid = ray.get(handle.pid.remote(), timeout=300)
+        log.info("worker %s started and warmed up in %.2f s", spec.worker_id,
+                 ray.get(handle.warm_up.remote(), timeout=300))
+        return worker
+
+    def _shut(self, worker: Worker) -> None:
+        """Close the worker's engine (its tiers and index entries), then kill its actor."""
+        import ray
+
+        handle = worker.api.handle  # type: ignore[union-attr]
+        try:
+            ray.get(handle.close.remote(), timeout=10)
+        except Exception as e:  # a dead or hung worker holds nothing worth waiting for
+            log.warning("worker %s: did not close cleanly before removal: %s", worker.worker_id, e)
+        ray.kill(handle)
 
     def stop(self) -> None:
         import ray
@@ -332,6 +371,19 @@ class RayPrefillWorker(PrefillWorker):
     """A prefill worker as a Ray actor: its spec completed where Ray placed it."""
 
     progress_bar = staticmethod(ray_progress_bar)  # the start-up profile's bar, drawn by the driver
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        super().__init__(on_this_ray_node(spec))
+
+    def rank_lost(self, error: Exception) -> None:
+        exit_as_one(self.spec.worker_id, error)
+
+
+class RayFlexWorker(FlexWorker):
+    """A worker of either role as a Ray actor (`--planner act`): its spec completed where Ray
+    placed it."""
+
+    progress_bar = staticmethod(ray_progress_bar)
 
     def __init__(self, spec: WorkerSpec) -> None:
         super().__init__(on_this_ray_node(spec))

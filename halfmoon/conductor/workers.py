@@ -16,6 +16,12 @@ is warmed up and becomes the new standby. So a role always has its serving count
 
     state of a spare:    warming --(answers, warm-up ran)--> standby --(promoted)--> promoting
     state of a server:   promoting --(its next health answer)--> ready --(dies)--> warming
+    the planner's moves: ready --(leaving its pool)--> draining --(flipped)--> ready in the other
+                         pool, or --(removed)--> gone (conductor/rebalance.py)
+
+A draining worker stays in `workers` (its requests finish there) but is not in `role()`: the
+router, admission and capacity no longer see it. `add_worker` / `remove_worker` start and stop
+one worker (the planner's adds and removes; each group knows how: `_launch`, `_shut`).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from halfmoon.engine.config import WorkerSpec
 
 log = logging.getLogger(__name__)
 
-State = Literal["ready", "promoting", "standby", "warming"]
+State = Literal["ready", "promoting", "standby", "warming", "draining"]
 
 PING_TIMEOUT_S = 5.0
 WARM_UP_TIMEOUT_S = 120.0  # a warm-up request on a fresh engine (kernels compile on first use)
@@ -88,8 +94,28 @@ class WorkerGroup(abc.ABC):
         """Stop every worker (and what runs them, if the group started it)."""
 
     def role(self, role: str) -> list[Worker]:
-        """The serving workers of `role` (standbys are not among them)."""
-        return [w for w in self.workers.values() if w.spec.role == role]
+        """The serving workers of `role` (standbys and draining workers are not among them)."""
+        return [w for w in self.workers.values() if w.spec.role == role and w.state != "draining"]
+
+    def add_worker(self, spec: WorkerSpec) -> Worker:
+        """Start the worker of `spec`, wait until it answers and ran a warm-up request, and
+        serve it (blocking: call it off the event loop)."""
+        if spec.worker_id in self.workers or spec.worker_id in self.standbys:
+            raise ValueError(f"worker {spec.worker_id} exists already")
+        worker = self._launch(spec)
+        self.place(worker, standby=False)
+        return worker
+
+    def remove_worker(self, worker: Worker) -> None:
+        """Stop a worker that serves nothing any more (drained first: conductor/rebalance.py)."""
+        self.workers.pop(worker.worker_id, None)
+        self._shut(worker)
+
+    def _launch(self, spec: WorkerSpec) -> Worker:
+        raise NotImplementedError(f"{type(self).__name__} cannot start workers at run time")
+
+    def _shut(self, worker: Worker) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot stop workers at run time")
 
     def place(self, worker: Worker, standby: bool) -> None:
         """Add a started worker: serving, or a spare (`start` warmed it up: state standby)."""

@@ -18,6 +18,7 @@ import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 
+from halfmoon.conductor.cluster import ClusterBackend
 from halfmoon.conductor.cost_model import CostModel
 from halfmoon.conductor.planner import Seen, Split
 from halfmoon.sim.cluster import SimConfig, SimResult, simulate
@@ -69,6 +70,24 @@ class ChildAdvisor:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def live_advisor(backend: ClusterBackend) -> ChildAdvisor:
+    """The Conductor's advisor: its cluster's engines, ledgers and admission as a SimConfig,
+    priced by the cost model it admits with (`ClusterBackend(advisor=live_advisor)`)."""
+    assert backend.cost is not None, "started backends only"
+    return ChildAdvisor(live_config(backend), backend.cost)
+
+
+def live_config(backend: ClusterBackend) -> SimConfig:
+    """The running cluster as the simulator's config: each decode worker's KV, the engines'
+    block, chunk and batch, the prefill workers' prompt slots, the admission in force."""
+    config = backend.config
+    device = backend.kv_capacity_tokens or SimConfig().device_tokens
+    return SimConfig(prefill=config.prefill, decode=config.decode, device_tokens=device,
+                     block_size=backend.block_size, chunk=config.engine.max_num_batched_tokens,
+                     max_seqs=config.engine.max_num_seqs, prefill_max_seqs=config.prefill_max_seqs,
+                     admission=backend.admission_config)
 
 
 def _lower() -> None:
