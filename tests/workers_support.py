@@ -24,6 +24,7 @@ import pytest
 
 import halfmoon.engine.engine as engine_module
 from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.conductor.flex_worker import FlexWorker
 from halfmoon.conductor.workers import Worker, WorkerGroup
 from halfmoon.core.messages import (DecodeTask, IntegrityError, PrefillResult, PrefillTask, TokenChunk,
                            WorkerLoad)
@@ -63,14 +64,29 @@ class InProcessWorkers(WorkerGroup):
         super().__init__()
         self.config = config
         self.weights = weights
+        self.removed: list[Worker] = []  # workers stopped at run time (the planner's removes)
 
     def start(self, redis_url: str | None) -> None:
         """Every worker of the config; standbys (`--standby`) warmed up, as `RayWorkers` does."""
         for spec in self.config.specs(redis_url):
-            api = start_worker(dataclasses.replace(spec, cpus=None), self.weights)
+            api = start_worker(dataclasses.replace(spec, cpus=None), self.weights, self.flex)
             self.place(Worker(spec, api, pid=os.getpid()), self.config.is_standby(spec))  # type: ignore[arg-type]
         for w in self.standbys.values():
             asyncio.run(w.api.warm_up())
+
+    @property
+    def flex(self) -> bool:
+        """Workers that serve either role (the planner acts: conductor/flex_worker.py)."""
+        return self.config.planner.mode == "act"
+
+    def _launch(self, spec: WorkerSpec) -> Worker:
+        api = start_worker(dataclasses.replace(spec, cpus=None), self.weights, self.flex)
+        asyncio.run(api.warm_up())
+        return Worker(spec, api, pid=os.getpid())  # type: ignore[arg-type]
+
+    def _shut(self, worker: Worker) -> None:
+        self.removed.append(worker)
+        worker.api.close()  # type: ignore[union-attr]
 
     def stop(self) -> None:
         for w in self.everyone():
@@ -87,9 +103,10 @@ class InProcessWorkers(WorkerGroup):
         return self.role("decode")[0].api  # type: ignore[return-value]
 
 
-def start_worker(spec: WorkerSpec, weights: LoadedWeights) -> PrefillWorker | DecodeWorker:
-    """The worker of `spec`, its engine on `weights` (no second load of the model)."""
-    cls = PrefillWorker if spec.role == "prefill" else DecodeWorker
+def start_worker(spec: WorkerSpec, weights: LoadedWeights, flex: bool = False) -> PrefillWorker | DecodeWorker:
+    """The worker of `spec`, its engine on `weights` (no second load of the model); `flex`: one
+    that serves either role."""
+    cls = FlexWorker if flex else PrefillWorker if spec.role == "prefill" else DecodeWorker
     with mock.patch.object(engine_module, "load_weights", return_value=weights):
         return cls(spec)
 
