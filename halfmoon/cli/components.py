@@ -21,6 +21,7 @@ from halfmoon.engine.config import AUTO, QUANTIZATIONS, EngineConfig
 from halfmoon.transport.config import TransportConfig
 
 from halfmoon.cli.flags import Component, Flag
+from halfmoon.cli.planner_flags import PLANNER
 
 ENGINE = Component(
     EngineConfig, "engine",
@@ -84,7 +85,7 @@ TRANSPORT = Component(
 
 CLUSTER = Component(
     ClusterConfig, "cluster (default: 1 prefill + 1 decode worker as Ray actors)",
-    nested={"transport": TRANSPORT},
+    nested={"transport": TRANSPORT, "planner": PLANNER},
     flags={
         "prefill_max_seqs": Flag(default=SERVE_PREFILL_MAX_SEQS,
                                  help=f"prompts a prefill worker's engine steps at once (default "

@@ -141,9 +141,11 @@ def field_docs(cls: type) -> dict[str, str]:
 
 
 def _scalar(hint: Any) -> type:
-    """`int | None` -> int; a flag's value is one str, int, float or bool."""
+    """`int | None` -> int, `Literal["a", "b"]` -> str; a flag's value is one str, int, float or bool."""
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Literal and all(isinstance(a, str) for a in typing.get_args(hint)):
+        hint = str  # the table gives the choices
     if hint not in (str, int, float, bool):
         raise TypeError(f"no flag type for {hint!r}: make it a nested component or exclude it")
     return hint

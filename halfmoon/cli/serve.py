@@ -110,18 +110,21 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
 def run(args: argparse.Namespace) -> int:
     from halfmoon.cli.components import ADMISSION, LOGGING, SERVE_ENGINE, SERVER, TRACING
     from halfmoon.cli.flags import build
+    from halfmoon.cli.planner_flags import planner_config
     from halfmoon.core.logs import configure_logging
 
     limit_malloc_arenas()
     config = build(SERVER, args, lora_adapters=lora_adapters(args.lora))  # every flag checked before anything starts
     admission = build(ADMISSION, args)
+    planner = planner_config(args)
     log = build(LOGGING, args)
     tracing = build(TRACING, args).resolve(os.environ)
     configure_logging(log)
     announce_tracing(tracing)
     redis_url, redis_server = start_index(args)
     try:
-        return _serve(args, config, build(SERVE_ENGINE, args, redis_url=redis_url), admission, (tracing, log))
+        return _serve(args, config, build(SERVE_ENGINE, args, redis_url=redis_url), admission, (tracing, log),
+                      planner)
     finally:
         if redis_server is not None:
             redis_server.stop()
@@ -139,12 +142,11 @@ def announce_tracing(tracing) -> None:
               file=sys.stderr, flush=True)
 
 
-def _serve(args: argparse.Namespace, config, engine_cfg, admission, observability) -> int:
+def _serve(args: argparse.Namespace, config, engine_cfg, admission, observability, planner) -> int:
     if not args.colocated:
         return _serve_cluster(args, config, engine_cfg, admission, observability)
-    if args.standby:
-        print("halfmoon: --standby is unused with --colocated (one engine in this process, no worker "
-              "to replace)", file=sys.stderr, flush=True)
+    for note in colocated_notes(args, planner):
+        print(note, file=sys.stderr, flush=True)
     from halfmoon.conductor.colocated import ColocatedBackend
     from halfmoon.conductor.cost_model import CostModel
     from halfmoon.conductor.serve_defaults import precision_line
@@ -164,6 +166,20 @@ def _serve(args: argparse.Namespace, config, engine_cfg, admission, observabilit
         engine.close()
     print("halfmoon: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+def colocated_notes(args: argparse.Namespace, planner) -> list[str]:
+    """The cluster's options given to `--colocated`, which has no use for them (one line each)."""
+    from halfmoon.conductor.planner import PlannerConfig
+
+    notes = []
+    if args.standby:
+        notes.append("halfmoon: --standby is unused with --colocated (one engine in this process, no worker "
+                     "to replace)")
+    if planner != PlannerConfig():  # the default (advise) belongs to the cluster: said only when asked for more
+        notes.append(f"halfmoon: --planner {planner.mode} and its options are unused with --colocated (one "
+                     "engine, no prefill and decode pools to re-balance)")
+    return notes
 
 
 def cluster_config(args: argparse.Namespace, engine_cfg, observability=None):  # -> ClusterConfig

@@ -13,9 +13,11 @@ import pytest
 from halfmoon.cli.components import (ADMISSION, CLUSTER, ENGINE, LIMITS, LOGGING, SERVE, SERVE_ENGINE,
                             SERVER, TRACING, TRANSPORT)
 from halfmoon.cli.flags import Component, Flag, add_flags, build, env_var, field_docs
+from halfmoon.cli.planner_flags import PLANNER, add_planner_flags, planner_config
 from halfmoon.cli.main import build_parser, parse_args, subparser
 from halfmoon.conductor.admission import AdmissionConfig
 from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.conductor.planner import PlannerConfig
 from halfmoon.api.requests import Limits
 from halfmoon.conductor.serve_defaults import SERVE_PREFILL_MAX_SEQS, serve_cluster, serve_engine
 from halfmoon.api.server import ServerConfig
@@ -25,7 +27,7 @@ from halfmoon.core.tracing import TracingConfig
 from halfmoon.engine.config import EngineConfig
 from halfmoon.transport.config import TransportConfig
 
-COMPONENTS = (ENGINE, TRANSPORT, CLUSTER, LIMITS, SERVER, ADMISSION, TRACING, LOGGING)
+COMPONENTS = (ENGINE, TRANSPORT, CLUSTER, PLANNER, LIMITS, SERVER, ADMISSION, TRACING, LOGGING)
 
 
 def options(command: str) -> dict[str, argparse.Action]:
@@ -54,8 +56,8 @@ def test_every_field_is_a_flag_or_excluded_with_a_reason(component: Component) -
 
 def test_the_serve_components_cover_every_config_class() -> None:
     covered = {c.cls for c in SERVE} | {c.cls for top in SERVE for c in top.nested.values()}
-    assert covered == {EngineConfig, TransportConfig, ClusterConfig, Limits, ServerConfig, AdmissionConfig,
-                       TracingConfig, LogConfig}
+    assert covered == {EngineConfig, TransportConfig, ClusterConfig, PlannerConfig, Limits, ServerConfig,
+                       AdmissionConfig, TracingConfig, LogConfig}
 
 
 def test_existing_flag_names_keep_working() -> None:
@@ -199,3 +201,59 @@ def test_lora_flags_reach_every_engine_and_the_server(monkeypatch: pytest.Monkey
         lora_adapters(["just-a-name"])
     with pytest.raises(ConfigError, match="max_cpu_loras"):
         build(SERVE_ENGINE, parse_args(["serve", "--max-loras", "8", "--max-cpu-loras", "4"]))
+
+
+def test_planner_flags_env_and_bounds_build_the_cluster_planner(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--planner and its options (HALFMOON_* twins) build ClusterConfig.planner; advise by default."""
+    from halfmoon.cli.serve import cluster_config
+
+    assert cluster_config(parse_args(["serve"]), EngineConfig()).planner == PlannerConfig()
+    assert PlannerConfig().mode == "advise"
+    monkeypatch.setenv("HALFMOON_PLANNER_WINDOW_S", "45")
+    monkeypatch.setenv("HALFMOON_MAX_DECODE", "3")
+    args = parse_args(["serve", "--prefill", "2", "--decode", "2", "--planner", "act", "--planner-interval-s", "2",
+                       "--min-prefill", "1", "--max-prefill", "3", "--min-decode", "1", "--planner-min-workers", "3",
+                       "--planner-max-workers", "5", "--planner-min-gain", "0.2", "--planner-confirm", "3",
+                       "--planner-judge-s", "20", "--planner-rollback-margin", "0.1", "--planner-cooldown-s", "60",
+                       "--planner-drain-s", "4"])
+    planner = cluster_config(args, EngineConfig()).planner
+    assert planner == PlannerConfig("act", 2.0, 45.0, 1, 3, 1, 3, 3, 5, 0.2, 3, 20.0, 0.1, 60.0, 4.0)
+    assert planner_config(args) == planner  # the same table `halfmoon sim` adds
+    assert options("serve")["--planner"].choices == ("off", "advise", "act")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--planner-interval-s", "0"], "interval_s must be > 0"),
+    (["--min-decode", "3", "--max-decode", "2"], "bounds of the decode pool"),
+    (["--planner-min-workers", "4", "--planner-max-workers", "2"], "max_workers 2 < min_workers 4"),
+    (["--planner-confirm", "0"], "confirm must be >= 1"),
+])
+def test_a_bad_planner_value_exits_2_with_the_reason(argv: list[str], message: str,
+                                                     capsys: pytest.CaptureFixture) -> None:
+    from halfmoon.cli.main import main
+
+    assert main(["serve", *argv]) == 2  # refused before anything starts (no Redis, no Ray)
+    assert message in capsys.readouterr().err
+
+
+def test_a_bad_planner_env_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HALFMOON_PLANNER", "autopilot")
+    with pytest.raises(ConfigError, match="HALFMOON_PLANNER='autopilot': choose one of off, advise, act"):
+        parse_args(["serve"])
+
+
+def test_planner_flags_stand_alone_for_sim() -> None:
+    """`halfmoon sim` adds the same flags to its own parser (no engine, no cluster flags)."""
+    parser = argparse.ArgumentParser()
+    add_planner_flags(parser)
+    config = planner_config(parser.parse_args(["--planner", "off", "--max-prefill", "40"]))
+    assert (config.mode, config.max_prefill, config.max_decode) == ("off", 40, None)
+
+
+def test_colocated_notes_the_unused_planner_only_when_asked() -> None:
+    from halfmoon.cli.serve import colocated_notes
+
+    assert colocated_notes(parse_args(["serve", "--colocated"]), PlannerConfig()) == []
+    args = parse_args(["serve", "--colocated", "--planner", "act"])
+    (note,) = colocated_notes(args, planner_config(args))
+    assert "--planner act and its options are unused with --colocated" in note
