@@ -4,6 +4,7 @@ bench/prefix_bench.py and bench/admission_bench.py share them)."""
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +27,26 @@ def add_replay_flags(p: argparse.ArgumentParser, json_name: str) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bars")
     r.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     r.add_argument("--out", default=None, help=f"write {json_name} and PNG plots here")
+
+
+# A CPU-sized shifting day for SmolLM2 on single-thread workers: documents (long prompts, a few
+# tokens out), then chat (short prompts, longer answers), then documents again.
+PLANNER_PHASES = json.dumps([
+    {"name": "prefill", "duration_s": 80, "rate": 1.0, "input_tokens": [300, 500], "output_tokens": [4, 8]},
+    {"name": "decode", "duration_s": 80, "rate": 1.2, "input_tokens": [16, 48], "output_tokens": [40, 80]},
+    {"name": "prefill", "duration_s": 80, "rate": 1.0, "input_tokens": [300, 500], "output_tokens": [4, 8]},
+])
+PLANNER_SERVE_ARGS = "--model smollm2 --worker-threads 1 --kv-cache-gb 0.03 --admission predictive"
+
+def add_planner_compare_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("planner vs static splits (--planner-compare; bench/planner_bench.py)")
+    g.add_argument("--planner-compare", action="store_true",
+                   help="replay a shifting trace through every static split of --workers and the planner")
+    g.add_argument("--phases", default=PLANNER_PHASES, help="the trace's phases (sim/phases.py: presets or JSON)")
+    g.add_argument("--workers", type=int, default=4, help="the worker budget every system gets")
+    g.add_argument("--start-split", default="2:2", help="the planner's split at start (P:D)")
+    g.add_argument("--planner-serve-args", default=PLANNER_SERVE_ARGS, help="serve flags of every system")
+
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -91,6 +112,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     n.add_argument("--spill", action="store_true",
                    help="instead: serve's default tiers (the host tier the device tier spills to) vs the "
                         "device tier alone, on one node (--prefill/--decode: workers, default 1 each)")
+    add_planner_compare_flags(p)
     add_replay_flags(p, "serve_bench.json")
     args = p.parse_args(argv)
     if args.compare and args.target:
@@ -114,10 +136,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             args.shape = conversation_shape(args)
         except ValueError as e:
             p.error(str(e))
+    if args.planner_compare and (args.compare or args.target or args.rates or args.prefill or args.decode):
+        p.error("--planner-compare starts its own servers on --nodes raylets (default 2): no --compare, "
+                "--target, --rates, --prefill or --decode")
     shape = (args.nodes, args.prefill, args.decode)
     if args.spill and (args.nodes is not None or args.compare or args.target or args.rates):
         p.error("--spill starts its own one-node servers: no --nodes, --compare, --target or --rates")
-    if any(x is not None for x in shape) and not args.spill and (None in shape or args.compare or args.target
+    if any(x is not None for x in shape) and not args.spill and not args.planner_compare and (None in shape or args.compare or args.target
                                                                  or args.rates):
         p.error("--nodes, --prefill and --decode go together (the cluster-wide prefix bench starts its "
                 "own servers), without --compare, --target or --rates")

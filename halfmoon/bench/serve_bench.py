@@ -482,6 +482,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from halfmoon.bench import precision_bench
 
         return precision_bench.run(args, words)
+    if args.planner_compare:
+        from halfmoon.bench import planner_bench
+
+        return planner_bench.run(args, argv)
     if args.nodes is not None or args.spill:
         from halfmoon.bench import prefix_bench
 
