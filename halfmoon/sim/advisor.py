@@ -62,6 +62,7 @@ class ChildAdvisor:
     def __init__(self, base: SimConfig, cost: CostModel, max_requests: int = MAX_REQUESTS) -> None:
         self.advisor = SimAdvisor(base, cost, max_requests)
         self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_lower)
+        self._pool.submit(int)  # the child starts now (importing the simulator takes seconds), not at the first tick
 
     def score(self, window: Sequence[Seen], window_s: float, splits: Sequence[Split]) -> dict[Split, float]:
         scores = self._pool.submit(self.advisor.score, list(window), window_s, list(splits)).result()
