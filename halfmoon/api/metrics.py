@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram,
@@ -13,6 +14,8 @@ from prometheus_client.registry import Collector
 from halfmoon.conductor.adapters import LoraStats
 from halfmoon.conductor.admission_stats import AdmissionStats
 from halfmoon.conductor.backend import BackendStats, WorkerView
+from halfmoon.conductor.planner import MODES, Action
+from halfmoon.conductor.planner_loop import PlannerSnapshot
 from halfmoon.core.params import FEATURES, SamplingParams
 from halfmoon.core.messages import RequestEnd
 
@@ -59,6 +62,8 @@ class _BackendCollector(Collector):
             yield from _worker_metrics(s.workers)
         if s.lora is not None:
             yield from _lora_metrics(s.lora, s.workers)
+        if s.planner is not None:
+            yield from _planner_metrics(s.planner)
         if s.index_up is not None:
             yield GaugeMetricFamily("halfmoon_index_up", "1 while the Conductor's cluster index reaches its Redis, "
                                     "0 while it serves from local caches only.", float(s.index_up))
@@ -162,6 +167,39 @@ def _lora_metrics(lora: LoraStats, workers: tuple[WorkerView, ...]) -> Iterator[
                          ("hit", c.hits)):
             events.add_metric([w.worker_id, event], n)
     yield events
+
+
+def _planner_metrics(p: PlannerSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The planner (conductor/planner_loop.py): its mode, the split serving now and the one it
+    wants (`desired_workers`: what a Kubernetes autoscaler reads, Helm `planner.autoscaler`), its
+    decisions by action, the moves that failed and the last decision's predicted gain."""
+    mode = GaugeMetricFamily("halfmoon_planner_mode", "1 for the planner's mode (off, advise: decisions shown, "
+                             "nothing changes; act: the Conductor applies them), 0 for the others.",
+                             labels=["mode"])
+    for name in MODES:
+        mode.add_metric([name], float(p.mode == name))
+    yield mode
+    now = GaugeMetricFamily("halfmoon_planner_workers", "Workers serving each role now (a draining one not "
+                            "counted).", labels=["role"])
+    desired = GaugeMetricFamily("halfmoon_planner_desired_workers", "Workers the planner wants in each role: "
+                                "the target of its last decision (the split now when it holds).", labels=["role"])
+    for role in ("prefill", "decode"):
+        now.add_metric([role], getattr(p.split, role))
+        desired.add_metric([role], getattr(p.desired, role))
+    yield from (now, desired)
+    decisions = CounterMetricFamily("halfmoon_planner_decisions", "The planner's decisions by action (hold, "
+                                    "flip, add, remove, rollback), applied (act) or only advised.",
+                                    labels=["action"])
+    for action in typing.get_args(Action):  # every action's series exists, at zero until it happens
+        decisions.add_metric([action], p.counts.get(action, 0))
+    yield decisions
+    yield CounterMetricFamily("halfmoon_planner_moves_failed", "Moves the Conductor could not apply (the split "
+                              "stayed; the timeline says why).", p.failed)
+    last = p.decisions[-1].gain if p.decisions else 0.0
+    yield GaugeMetricFamily("halfmoon_planner_last_gain", "Predicted goodput gain (relative: 0.1 = 10%) of the "
+                            "planner's last decision toward its target (0 before the first).", last)
+    yield GaugeMetricFamily("halfmoon_planner_busy", "1 while the planner applies a move (a worker drains).",
+                            float(p.busy))
 
 
 def _standby_metric(workers: tuple[WorkerView, ...]) -> GaugeMetricFamily:

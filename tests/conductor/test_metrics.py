@@ -40,3 +40,36 @@ def test_goodput_counts_requests_meeting_both_objectives_by_class() -> None:
     text = metrics.render(None)[0].decode()
     assert 'halfmoon_requests_slo_total{class="standard",outcome="met"} 2.0' in text
     assert 'halfmoon_requests_slo_total{class="standard",outcome="missed"} 1.0' in text
+
+
+def planner_snapshot(mode: str = "act"):
+    """A planner that moved once (a flip toward 1P3D), held twice and failed one move."""
+    from halfmoon.conductor.planner import Decision, Split
+    from halfmoon.conductor.planner_loop import PlannerSnapshot
+
+    hold = Decision(10.0, "hold", Split(2, 2), Split(2, 2), "2P2D serves the last window best")
+    flip = Decision(40.0, "flip", Split(2, 2), Split(1, 3), "1P3D is predicted to serve +35% goodput", "decode",
+                    0.35, applied=True)
+    return PlannerSnapshot(mode, 30.0, Split(1, 3), Split(1, 3), (hold, hold, flip),
+                           {"hold": 2, "flip": 1}, failed=1, busy=True)
+
+
+def test_planner_metrics_show_the_split_the_desired_one_and_the_decisions() -> None:
+    metrics = Metrics(lambda: BackendStats(0, 0, 0, 0, 0, planner=planner_snapshot()))
+    lines = set(metrics.render(None)[0].decode().splitlines())
+    for line in ('halfmoon_planner_mode{mode="act"} 1.0', 'halfmoon_planner_mode{mode="advise"} 0.0',
+                 'halfmoon_planner_workers{role="prefill"} 1.0', 'halfmoon_planner_workers{role="decode"} 3.0',
+                 'halfmoon_planner_desired_workers{role="prefill"} 1.0',
+                 'halfmoon_planner_desired_workers{role="decode"} 3.0',
+                 'halfmoon_planner_decisions_total{action="hold"} 2.0',
+                 'halfmoon_planner_decisions_total{action="flip"} 1.0',
+                 'halfmoon_planner_decisions_total{action="rollback"} 0.0',
+                 "halfmoon_planner_moves_failed_total 1.0", "halfmoon_planner_last_gain 0.35",
+                 "halfmoon_planner_busy 1.0"):
+        assert line in lines, line
+
+
+def test_no_planner_series_when_the_planner_is_off() -> None:
+    """Off (or co-located) the backend reports no snapshot and /metrics has no planner series."""
+    text = Metrics(lambda: BackendStats(0, 0, 0, 0, 0)).render(None)[0].decode()
+    assert "halfmoon_requests_running" in text and "halfmoon_planner_" not in text
