@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import tempfile
 import urllib.request
 from collections.abc import Sequence
@@ -139,8 +140,10 @@ def simulated(trace: Path, planner_run: dict[str, Any], phases: list[Phase], slo
     cost = CostModel.from_json(json.dumps(planner_run["cost_model"]))
     start = tuple(int(x) for x in args.start_split.split(":"))
     blocks = planner_run["kv_blocks"] or 0
+    seqs = re.search(r"--max-num-seqs[= ](\d+)", planner_run["serve_args"])
+    admission = replace(SimConfig().admission, standard_ttft_ms=slo.ttft_ms, standard_tbt_ms=slo.tbt_ms)
     config = SimConfig(prefill=start[0], decode=start[1], device_tokens=max(blocks * 16, 16), drain_s=None,
-                       admission=replace(SimConfig().admission, default_class="standard"))
+                       admission=admission, max_seqs=int(seqs.group(1)) if seqs else SimConfig().max_seqs)
     planned = simulate_planned(load(trace), config, cost, PLANNER)
     good = sum(met(r, slo.ttft_ms, slo.tbt_ms) for r in planned.result.records)
     predicted = good / planned.result.workload.duration_s

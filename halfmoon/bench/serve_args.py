@@ -33,10 +33,12 @@ def add_replay_flags(p: argparse.ArgumentParser, json_name: str) -> None:
 # tokens out), then chat (short prompts, longer answers), then documents again.
 PLANNER_PHASES = json.dumps([
     {"name": "prefill", "duration_s": 80, "rate": 1.0, "input_tokens": [300, 500], "output_tokens": [4, 8]},
-    {"name": "decode", "duration_s": 80, "rate": 1.2, "input_tokens": [16, 48], "output_tokens": [40, 80]},
+    {"name": "decode", "duration_s": 80, "rate": 2.0, "input_tokens": [16, 48], "output_tokens": [40, 80]},
     {"name": "prefill", "duration_s": 80, "rate": 1.0, "input_tokens": [300, 500], "output_tokens": [4, 8]},
 ])
-PLANNER_SERVE_ARGS = "--model smollm2 --worker-threads 1 --kv-cache-gb 0.03 --admission predictive"
+# Four sequences a decode worker (as a GPU's KV bounds its batch): the chat phase needs the
+# decode pool's slots, the document phase the prefill workers' cores.
+PLANNER_SERVE_ARGS = "--model smollm2 --worker-threads 1 --max-num-seqs 4 --admission predictive"
 
 def add_planner_compare_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner vs static splits (--planner-compare; bench/planner_bench.py)")
