@@ -220,24 +220,20 @@ class Simulator:
                                       prefill_max_seqs=config.prefill_max_seqs))
         self.records: list[Record] = []
         blocks = config.device_tokens // config.block_size
+        self.prefill: dict[str, PrefillWorker] = {}
+        self.decode: dict[str, DecodeWorker] = {}
+        self._worker_cost = cost  # the workers' (per token-time when speculating)
         if config.colocated:
             self.engine = ColocatedWorker("engine", cost, self.clock, self._cache(), config.chunk,
                                           config.max_seqs, self._first, self._finished, self._slots())
             self.pending, self.bound = PrefillLedger(), DecodeLedger(blocks, tokens_per_step=config.tokens_per_step)
-            self.prefill: dict[str, PrefillWorker] = {}
-            self.decode: dict[str, DecodeWorker] = {}
         else:
-            self.prefill = {f"prefill-{i}": PrefillWorker(f"prefill-{i}", cost, self.clock, self._cache(),
-                                                          config.kv_tail, self._pushed,
-                                                          PrefillSteps(cost, config.chunk, config.prefill_max_seqs),
-                                                          self._slots())
-                            for i in range(config.prefill)}
-            self.decode = {f"decode-{i}": DecodeWorker(f"decode-{i}", cost, self.clock, config.max_seqs,
-                                                       self._first, self._finished)
-                           for i in range(config.decode)}
-            self.prefill_ledgers = {wid: PrefillLedger() for wid in self.prefill}
-            self.decode_ledgers = {wid: DecodeLedger(blocks, tokens_per_step=config.tokens_per_step)
-                                   for wid in self.decode}
+            self.prefill_ledgers: dict[str, PrefillLedger] = {}
+            self.decode_ledgers: dict[str, DecodeLedger] = {}
+            for i in range(config.prefill):
+                self.add_prefill(f"prefill-{i}")
+            for i in range(config.decode):
+                self.add_decode(f"decode-{i}")
         self._flights: dict[int, tuple[Flight, str]] = {}  # running: request index -> (flight, decode id)
         self._tick: Callable[[int], None] | None = None
         # equal deadlines are served in admission order, as the ledger's and the engine's queues
@@ -245,6 +241,20 @@ class Simulator:
         # the cluster backend's admission window; co-located decides each request as it arrives
         self.window = AdmissionWindow(0.0 if config.colocated else config.admission.admit_window_ms,
                                       lambda delay, fn: clock.at(clock.now + delay, fn))
+
+    def add_prefill(self, wid: str) -> None:
+        """A fresh prefill worker (empty caches) and the Conductor's ledger of it."""
+        cost, config = self._worker_cost, self.config
+        self.prefill[wid] = PrefillWorker(wid, cost, self.clock, self._cache(), config.kv_tail, self._pushed,
+                                          PrefillSteps(cost, config.chunk, config.prefill_max_seqs), self._slots())
+        self.prefill_ledgers[wid] = PrefillLedger()
+
+    def add_decode(self, wid: str) -> None:
+        """A fresh decode worker and the Conductor's ledger of it."""
+        config = self.config
+        self.decode[wid] = DecodeWorker(wid, self._worker_cost, self.clock, config.max_seqs, self._first, self._finished)
+        self.decode_ledgers[wid] = DecodeLedger(config.device_tokens // config.block_size,
+                                                tokens_per_step=config.tokens_per_step)
 
     @property
     def _overhead_s(self) -> float:

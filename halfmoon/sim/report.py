@@ -14,14 +14,19 @@ from typing import Any
 
 import numpy as np
 
-from halfmoon.sim.cluster import Record, SimResult
+from halfmoon.sim.cluster import Record, SimConfig, SimResult
 from halfmoon.sim.optimum import Optimum
 from halfmoon.sim.optimum_jobs import optimum_cell, optimum_summary, outcome
 
 
 def objectives(result: SimResult) -> tuple[float, float]:
     """The default class's TTFT / TBT objectives in ms (inf = none)."""
-    cfg = result.config.admission
+    return config_objectives(result.config)
+
+
+def config_objectives(config: SimConfig) -> tuple[float, float]:
+    """`objectives` of a replay of `config` (before it has run)."""
+    cfg = config.admission
     cls = cfg.classes()[cfg.default_class]
     return (cls.ttft_ms or math.inf, cls.tbt_ms or math.inf)
 
