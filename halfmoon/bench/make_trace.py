@@ -7,6 +7,10 @@ The bundled bench/data/sample_trace.jsonl is this command's output at its defaul
 
     python -m halfmoon.bench.make_trace --requests 147 --seed 7 --sessions-per-s 0.5 --out bench/data/sample_trace.jsonl
 
+A day whose mix shifts (issue 49's planner): `--phases prefill:600,decode:600,prefill:600` (or a
+JSON list; sim/phases.py: each phase its own rate, prompt and output lengths and duration, Poisson
+arrivals, no shared prefix), `--phase-scale 8` multiplying every rate (the presets load 8 H100s).
+
 Other shapes: more requests (`--requests 886 --seed 11`: BENCHMARKS.md's synth400.jsonl), denser
 sessions, other turn counts or think times. Replay one with `halfmoon bench serve --trace FILE`
 or `halfmoon sim --trace FILE`.
@@ -20,6 +24,7 @@ from collections.abc import Sequence
 
 from halfmoon.bench.serve_args import conversation_shape
 from halfmoon.sim.conversations import conversation_trace, trace_text, write_trace
+from halfmoon.sim.phases import parse_phases, phased_trace
 
 SAMPLE_REQUESTS, SAMPLE_SEED, SAMPLE_SESSIONS_PER_S = 147, 7, 0.5  # bench/data/sample_trace.jsonl
 
@@ -36,8 +41,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--adapters", type=int, default=0,
                    help="spread sessions over this many LoRA adapters (an `adapter` key per request; 0: none)")
     p.add_argument("--adapter-skew", type=float, default=1.0, help="Zipf exponent of the adapters' popularity")
+    p.add_argument("--phases", default=None,
+                   help="NAME:SECONDS[:RATE],... (presets: prefill, decode, mixed) or a JSON list of phases: a "
+                        "day whose mix shifts instead of conversations (sim/phases.py; --requests is ignored)")
+    p.add_argument("--phase-scale", type=float, default=1.0, help="multiply every phase's rate")
     p.add_argument("--out", default=None, help="the JSONL file to write (default: stdout)")
     args = p.parse_args(argv)
+    if args.phases is not None:
+        try:
+            args.phase_list = parse_phases(args.phases, args.phase_scale)
+        except ValueError as e:
+            p.error(str(e))
     try:
         args.shape = conversation_shape(args)
     except ValueError as e:
@@ -47,7 +61,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    rows = conversation_trace(args.requests, args.seed, args.shape, args.adapters, args.adapter_skew)
+    if args.phases is not None:
+        rows = phased_trace(args.phase_list, args.seed)
+    else:
+        rows = conversation_trace(args.requests, args.seed, args.shape, args.adapters, args.adapter_skew)
     if args.out is None:
         sys.stdout.write(trace_text(rows))
     else:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the command's modules load when it runs, not when `halfmoon --help` is built
+    from halfmoon.cli.flags import Component
     from halfmoon.conductor.cost_model import CostModel
     from halfmoon.sim.cluster import SimConfig, SimResult
     from halfmoon.sim.optimum import Optimum
@@ -44,7 +45,7 @@ def profile_names() -> list[str]:
 def env_dests() -> set[str]:
     from halfmoon.cli.components import ADMISSION
 
-    return ADMISSION.dests()
+    return ADMISSION.dests() | sim_planner().dests()
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
@@ -131,6 +132,23 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="write the JSON and a PNG into this directory")
     p.add_argument("--no-progress", action="store_true")
     add_flags(p, ADMISSION)
+    add_flags(p, sim_planner())
+
+
+def sim_planner() -> Component:
+    """The planner's flags (cli/planner_flags.py, serve's) with `off` the default: a replay with
+    `--planner act` changes its split as the planner decides (sim/planned.py), `advise` records
+    what it would do."""
+    import dataclasses
+
+    from halfmoon.cli.flags import Flag
+    from halfmoon.cli.planner_flags import PLANNER
+    from halfmoon.conductor.planner import MODES
+
+    mode = Flag("planner", choices=MODES, default="off",
+                help="off (default: the split stays); advise (the decisions it would make, printed; nothing "
+                     "changes); act (the simulated workers flip, start and leave as it decides, sim/planned.py)")
+    return dataclasses.replace(PLANNER, flags={**PLANNER.flags, "mode": mode})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -149,7 +167,31 @@ def run(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     if args.action == "sweep":
         return _sweep(args, workload, base, cost, device, host, out)
+    if args.planner != "off":
+        return _run_planned(args, workload, base, cost, out)
     return _run_one(args, workload, base, cost, out)
+
+
+def _run_planned(args: argparse.Namespace, workload: Workload, base: SimConfig, cost: CostModel,
+                 out: Path | None) -> int:
+    """One replay with the planner deciding every --planner-interval-s (sim/planned.py)."""
+    from halfmoon.cli.flags import build
+    from halfmoon.core.errors import ConfigError
+    from halfmoon.sim.planned import simulate_planned
+    from halfmoon.sim.planned_report import planned_summary, plot_splits, render_planned
+    from halfmoon.sim.report import render, summarize
+
+    if base.colocated or args.policies:
+        raise ConfigError("--planner splits prefill and decode pools: not with --colocated or --policies")
+    planned = simulate_planned(workload, base, cost, build(sim_planner(), args))
+    summary = summarize(planned.result) | {"planner": planned_summary(planned)}
+    if out is not None:
+        (out / "sim.json").write_text(json.dumps(summary, indent=1) + "\n")
+        end = max(workload.duration_s, planned.splits[-1][0])
+        summary["files"] = [str(out / "sim.json"),
+                            plot_splits({"planner": planned.splits}, out / "splits.png", end or 1.0)]
+    print(json.dumps(summary) if args.json else render(summary) + "\n" + render_planned(planned, args.planner))
+    return 0
 
 
 def sim_config(args: argparse.Namespace, kv_bytes_per_token: int) -> tuple[SimConfig, Grids]:
