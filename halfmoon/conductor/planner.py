@@ -283,23 +283,31 @@ class Planner:
         return None
 
     def _judge(self, now: float, current: Split, window: Sequence[Seen]) -> Decision | None:
-        """Roll the last move back when what arrived since did worse than what came before."""
+        """Roll the last move back when what arrived since did worse than what came before and
+        the traffic since does not explain it: the advisor, replaying the requests that arrived
+        since the move, does not find the new split better than the old one (a mix that shifted
+        right after a good move lowers attainment too; that is no reason to undo it)."""
         move = self._last
         if move is None or now - move.at < self.config.judge_s:
             return None
         self._last = None
         if current != move.after:  # not applied (advise), or the split changed since
             return None
-        since = attainment(s for s in window if s.arrival >= move.at)
+        arrived = [s for s in window if s.arrival >= move.at]
+        since = attainment(arrived)
         if since is None or move.attainment_before is None or \
                 since >= move.attainment_before - self.config.rollback_margin:
+            return None
+        scores = self.advisor.score(arrived, now - move.at, [move.before, current])
+        if scores[current] > scores[move.before]:
             return None
         self._blocked[move.after] = self._blocked[move.target] = now + self.config.cooldown_s
         action, role = step_toward(current, move.before)
         return Decision(now, "rollback", current, move.before,
                         f"since the move to {current} SLO attainment fell to {since:.0%} from "
-                        f"{move.attainment_before:.0%}: rolled back, {move.after} kept out for "
-                        f"{self.config.cooldown_s:g} s", role)
+                        f"{move.attainment_before:.0%} and {move.before} would have served the same traffic "
+                        f"as well: rolled back, {move.after} kept out for {self.config.cooldown_s:g} s", role,
+                        scores={str(k): v for k, v in scores.items()})
 
 
 def best_split(scores: dict[Split, float], current: Split) -> Split:

@@ -118,9 +118,9 @@ def test_a_noisy_steady_load_does_not_flap(advisor: SimAdvisor) -> None:
     assert len(set(directions)) <= 1, "flipped one way, then back"
 
 
-class OneWay:
-    """An advisor that always scores one split best (a scripted stand-in for the simulator:
-    the rollback rule judges what was measured, whatever advised the move)."""
+class Scripted:
+    """An advisor whose scores a test sets (a stand-in for the simulator: the rollback rule
+    judges what was measured and what the advisor says of the traffic since the move)."""
 
     def __init__(self, best: Split) -> None:
         self.best = best
@@ -130,28 +130,41 @@ class OneWay:
 
 
 def test_a_move_that_made_things_worse_is_rolled_back_and_kept_out() -> None:
+    advisor = Scripted(Split(3, 1))
     plan = Planner(PlannerConfig(mode="act", confirm=1, judge_s=30.0, cooldown_s=600.0).bounded(Split(2, 2)),
-                   OneWay(Split(3, 1)))
+                   advisor)
     before = [Seen(t, 100, 100, met=True) for t in range(0, 60, 2)]
     move = plan.tick(60.0, Split(2, 2), before)
     assert move.action == "flip" and move.next_split == Split(3, 1)
     after = before + [Seen(60.0 + t, 100, 100, met=t % 3 == 0) for t in range(0, 30, 2)]
+    advisor.best = Split(2, 2)  # replayed, the traffic since the move is served better by the old split
     back = plan.tick(91.0, Split(3, 1), after)
     assert back.action == "rollback" and back.next_split == Split(2, 2) and back.role == "decode"
-    assert "fell to" in back.reason
+    assert "fell to" in back.reason and back.scores == {"2P2D": 10.0, "3P1D": 1.0}
+    advisor.best = Split(3, 1)  # advised again: it stays out
     again = plan.tick(120.0, Split(2, 2), after)
     assert again.action == "hold" and "rolled back" in again.reason
 
 
+def test_a_fall_the_traffic_explains_is_no_reason_to_roll_back() -> None:
+    """Attainment fell after the move, but the mix shifted: replayed, the traffic since is still
+    served better by the new split."""
+    plan = Planner(PlannerConfig(mode="act", confirm=1, judge_s=30.0).bounded(Split(2, 2)), Scripted(Split(3, 1)))
+    before = [Seen(t, 100, 100, met=True) for t in range(0, 60, 2)]
+    assert plan.tick(60.0, Split(2, 2), before).action == "flip"
+    after = before + [Seen(60.0 + t, 100, 100, met=False) for t in range(0, 30, 2)]
+    assert plan.tick(91.0, Split(3, 1), after).action == "hold"
+
+
 def test_a_move_that_held_up_stays() -> None:
-    plan = Planner(PlannerConfig(mode="act", confirm=1, judge_s=30.0).bounded(Split(2, 2)), OneWay(Split(3, 1)))
+    plan = Planner(PlannerConfig(mode="act", confirm=1, judge_s=30.0).bounded(Split(2, 2)), Scripted(Split(3, 1)))
     window = [Seen(t, 100, 100, met=True) for t in range(0, 100, 2)]
     assert plan.tick(60.0, Split(2, 2), window).action == "flip"
     assert plan.tick(91.0, Split(3, 1), window).action == "hold"
 
 
 def test_advise_mode_never_judges_a_move_it_did_not_make() -> None:
-    plan = Planner(PlannerConfig(confirm=1, judge_s=30.0).bounded(Split(2, 2)), OneWay(Split(3, 1)))
+    plan = Planner(PlannerConfig(confirm=1, judge_s=30.0).bounded(Split(2, 2)), Scripted(Split(3, 1)))
     assert plan.tick(60.0, Split(2, 2), [Seen(1.0, 10, 10, met=True)]).action == "flip"
     worse = [Seen(70.0, 10, 10, met=False)]
     assert plan.tick(91.0, Split(2, 2), worse).action == "flip"  # advised again, nothing rolled back
