@@ -23,6 +23,7 @@ BENCHMARKS = {
     "choices": "halfmoon.bench.choices_bench",
     "constraints": "halfmoon.bench.constraints_bench",
     "lora": "halfmoon.bench.lora_bench",
+    "planner-sim": "halfmoon.bench.planner_sim",
     "make-trace": "halfmoon.bench.make_trace",  # not a benchmark: writes a synthetic Mooncake trace to replay
 }
 
