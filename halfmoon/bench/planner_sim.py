@@ -48,12 +48,12 @@ from halfmoon.sim.trace import parse_line
 from halfmoon.sim.workload import Workload, build
 
 PROFILE = "llama3-8b-h100"
-DOCS = Phase("documents", 48.0, 20.0, (24000, 32000), (10, 30))
-CHAT = Phase("long chat", 48.0, 20.0, (4000, 8000), (1000, 2000))
+DOCS = Phase("documents", 36.0, 20.0, (24000, 32000), (10, 30))
+CHAT = Phase("chat", 36.0, 80.0, (4000, 8000), (300, 600))
 PHASES = (DOCS, CHAT, DOCS, CHAT)
 GRID = 8  # the static grid: this many splits (prefill = workers / GRID x 1..GRID-1)
 STEPS = (4, 2)  # the hill-climb's steps (flips) around the grid's best
-OFFSETS = (2, 4, 8, 16)  # the splits the bench's advisor scores, flips away from the split now
+OFFSETS = (4, 8)  # the splits the bench's advisor scores, flips away from the split now
 
 
 class Thinned:
@@ -77,11 +77,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="halfmoon bench planner-sim", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, default=64)
-    p.add_argument("--phase-s", type=float, default=48.0, help="seconds a phase lasts")
+    p.add_argument("--phase-s", type=float, default=36.0, help="seconds a phase lasts")
     p.add_argument("--rate-scale", type=float, default=1.0, help="multiply every phase's rate")
     p.add_argument("--interval-s", type=float, default=3.0, help="the planner's interval")
-    p.add_argument("--window-s", type=float, default=15.0, help="the traffic each decision replays")
-    p.add_argument("--advisor-requests", type=int, default=300, help="most requests an advisor replay holds")
+    p.add_argument("--window-s", type=float, default=10.0, help="the traffic each decision replays")
+    p.add_argument("--advisor-requests", type=int, default=600, help="most requests an advisor replay holds")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="8 workers, 10 s phases at 1/8 the rate (tests)")
     p.add_argument("--out", default="bench-planner-sim", help="directory for the JSON and the PNG")
