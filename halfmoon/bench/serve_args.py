@@ -33,12 +33,15 @@ def add_replay_flags(p: argparse.ArgumentParser, json_name: str) -> None:
 # tokens out), then chat (short prompts, longer answers), then documents again.
 PLANNER_PHASES = json.dumps([
     {"name": "prefill", "duration_s": 80, "rate": 1.0, "input_tokens": [300, 500], "output_tokens": [4, 8]},
-    {"name": "decode", "duration_s": 80, "rate": 2.0, "input_tokens": [16, 48], "output_tokens": [40, 80]},
+    {"name": "decode", "duration_s": 80, "rate": 2.4, "input_tokens": [16, 48], "output_tokens": [40, 80]},
     {"name": "prefill", "duration_s": 80, "rate": 1.0, "input_tokens": [300, 500], "output_tokens": [4, 8]},
 ])
-# Four sequences a decode worker (as a GPU's KV bounds its batch): the chat phase needs the
-# decode pool's slots, the document phase the prefill workers' cores.
-PLANNER_SERVE_ARGS = "--model smollm2 --worker-threads 1 --max-num-seqs 4 --admission predictive"
+# 43 KV blocks a worker (bf16 SmolLM2: 0.015 GiB), as a GPU's memory bounds its KV: a decode
+# worker holds five chat requests (prompt + max_tokens) or one document; the chat phase needs the
+# decode pool's KV, the document phase the prefill workers' cores. KV is what admission books
+# exactly (a batch-slot limit it does not model would poison its calibration across the shift).
+PLANNER_SERVE_ARGS = ("--model smollm2 --dtype bfloat16 --worker-threads 1 --kv-cache-gb 0.015 "
+                      "--admission predictive")
 
 def add_planner_compare_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("planner vs static splits (--planner-compare; bench/planner_bench.py)")
