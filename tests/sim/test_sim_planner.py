@@ -125,3 +125,53 @@ def test_a_bad_move_is_rolled_back_on_the_simulated_workers(cost) -> None:
     whole = [s for _, s in planned.splits if s.total == START.total]  # a draining worker counts in neither pool
     assert whole[:3] == [START, Split(3, 1), START]
     assert any("rolled back" in d.reason for d in planned.decisions if d.action == "hold")
+
+
+def test_phases_make_a_shifting_mooncake_trace(tmp_path) -> None:
+    from halfmoon.bench.make_trace import main as make_trace
+    from halfmoon.sim.phases import boundaries
+
+    phases = parse_phases("prefill:10,decode:10:5", scale=2.0)
+    assert [(p.name, p.rate) for p in phases] == [("prefill", 40.0), ("decode", 10.0)]
+    assert boundaries(phases) == [("prefill", 0.0, 10.0), ("decode", 10.0, 20.0)]
+    rows = phased_trace(phases, seed=1)
+    assert rows == phased_trace(phases, seed=1) and rows == sorted(rows, key=lambda r: r["timestamp"])
+    early = [r for r in rows if r["timestamp"] < 10_000]
+    assert early and all(r["input_length"] >= 6000 for r in early)
+    assert all(r["input_length"] <= 300 for r in rows if r["timestamp"] >= 10_000)
+    assert all(len(r["hash_ids"]) == -(-r["input_length"] // 512) for r in rows)
+    json_spec = '[{"name": "x", "duration_s": 2, "rate": 3, "input_tokens": [5, 9], "output_tokens": [1, 2]}]'
+    assert parse_phases(json_spec)[0].input_tokens == (5, 9)
+    with pytest.raises(ValueError, match="NAME:SECONDS"):
+        parse_phases("lunch:10")
+    out = tmp_path / "day.jsonl"
+    assert make_trace(["--phases", "prefill:3,decode:3", "--phase-scale", "0.5", "--out", str(out)]) == 0
+    assert len(out.read_text().splitlines()) > 10
+
+
+def test_sim_cli_runs_the_planner(tmp_path, capsys) -> None:
+    from halfmoon.cli.main import main
+
+    trace = tmp_path / "day.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in phased_trace(parse_phases("prefill:12,decode:12", 0.5), 1)))
+    args = ["sim", "--trace", str(trace), "--profile", "llama3-8b-h100", "--prefill", "1", "--decode", "3",
+            "--device-tokens", "65536", "--chunk", "8192", "--planner", "act", "--planner-interval-s", "3",
+            "--planner-window-s", "12", "--planner-confirm", "1", "--optimum-nodes", "0", "--no-progress",
+            "--out", str(tmp_path)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "planner (act):" in text and "halfmoon sim: 1P3D" in text and "flip prefill 1P3D -> 2P2D" in text
+    summary = json.loads((tmp_path / "sim.json").read_text())
+    assert summary["planner"]["moves"] >= 1 and summary["planner"]["decisions"]
+    assert (tmp_path / "splits.png").stat().st_size > 0
+
+
+def test_the_planner_bench_runs_quick(tmp_path, capsys) -> None:
+    from halfmoon.bench.planner_sim import main as bench
+
+    assert bench(["--quick", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "best static" in text and "oracle per phase" in text and "x the oracle" in text
+    summary = json.loads((tmp_path / "planner_sim.json").read_text())
+    assert set(summary["goodput_rps"]) == {"static", "oracle", "planner"}
+    assert (tmp_path / "planner_sim.png").stat().st_size > 0
