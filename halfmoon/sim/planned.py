@@ -29,6 +29,7 @@ from typing import NamedTuple
 from halfmoon.conductor.cost_model import CostModel
 from halfmoon.conductor.dispatch import Ask, DecodeSide, PrefillSide
 from halfmoon.conductor.planner import Advisor, Decision, Planner, PlannerConfig, Split, Traffic, step_toward
+from halfmoon.core.errors import ConfigError
 from halfmoon.sim.advisor import SimAdvisor
 from halfmoon.sim.cluster import SimConfig, Simulator, SimResult
 from halfmoon.sim.engines import DecodeBatch, Flight
@@ -79,7 +80,7 @@ class PlannedSimulator(Simulator):
     def __init__(self, config: SimConfig, cost: CostModel, planner: PlannerConfig,
                  advisor: Advisor | None = None, start_s: float = WORKER_START_S) -> None:
         if config.colocated:
-            raise ValueError("the planner splits prefill and decode pools: not a co-located engine")
+            raise ConfigError("the planner splits prefill and decode pools: not a co-located engine")
         super().__init__(config, cost)
         start = Split(config.prefill, config.decode)
         self.plan = planner.bounded(start)

@@ -175,3 +175,31 @@ def test_the_planner_bench_runs_quick(tmp_path, capsys) -> None:
     summary = json.loads((tmp_path / "planner_sim.json").read_text())
     assert set(summary["goodput_rps"]) == {"static", "oracle", "planner"}
     assert (tmp_path / "planner_sim.png").stat().st_size > 0
+
+
+class Wants:
+    """A scripted advisor: `best` scores best whatever the window."""
+
+    def __init__(self, best: Split) -> None:
+        self.best = best
+
+    def score(self, window, window_s, splits):
+        return {s: (10.0 if s == self.best else 1.0) for s in splits}
+
+
+def test_an_added_worker_serves_after_its_start_and_a_removed_one_drains_first(cost) -> None:
+    workload = shifting("decode:20", 0.5)
+    grow = dataclasses.replace(PLAN, max_workers=5)
+    added = PlannedSimulator(config(START), cost, grow, Wants(Split(2, 3)), start_s=5.0).run_planned(workload)
+    first = added.moves[0]
+    assert (first.action, first.role, first.worker) == ("add", "decode", "decode-4")
+    assert first.done_at == pytest.approx(first.at + 5.0)  # not routed before it started
+    assert added.splits[:2] == ((0.0, START), (first.done_at, Split(2, 3)))
+    assert "decode-4" in added.result.busy_s
+    shrink = dataclasses.replace(PLAN, min_workers=3)
+    removed = PlannedSimulator(config(START), cost, shrink, Wants(Split(1, 2))).run_planned(workload)
+    (move,) = removed.moves
+    assert (move.action, move.role) == ("remove", "prefill") and removed.final_split == Split(1, 2)
+    assert move.done_at >= move.at and move.worker in removed.result.busy_s  # drained, its busy time kept
+    statuses = Counter(r.status for r in removed.result.records)
+    assert sum(statuses.values()) == len(workload.requests) and set(statuses) <= {"ok", "rejected"}
