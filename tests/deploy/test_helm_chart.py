@@ -35,7 +35,8 @@ from tests.deploy.values import drop_nulls, merge
 
 # CRD kinds: kubernetes-validate ships only the built-in API's schemas, so these are skipped
 # there (explicitly, by this list) and asserted on by the tests of this file instead.
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("ray.io/v1", "RayCluster")}
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("ray.io/v1", "RayCluster"),
+             ("keda.sh/v1alpha1", "ScaledObject")}
 GPU_VARIANTS = {"gpu-1p1d", "gpu-4p4d-external-redis", "gpu-1p1d+kuberay"}
 ROLES = ("prefill", "decode")
 
@@ -712,6 +713,9 @@ BAD_VALUES = {
     "an adapter name with a space": ({"lora": {"adapters": [{"name": "a b", "path": "/a"}]}},
                                      "/lora/adapters/0/name"),
     "zero LoRA slots": ({"lora": {"maxLoras": 0}}, "/lora/maxLoras"),
+    "unknown planner mode": ({"planner": {"mode": "autopilot"}}, "/planner/mode"),
+    "a planner interval of zero": ({"planner": {"intervalS": 0}}, "/planner/intervalS"),
+    "an empty decode pool": ({"planner": {"minDecode": 0}}, "/planner/minDecode"),
 }
 
 
@@ -839,6 +843,21 @@ SERVE_FLAG_VALUES: dict[str, HelmValue] = {
     "--admit-quantile": HelmValue("admission.admitQuantile", 0.95, "0.95"),
     "--admit-window-ms": HelmValue("admission.admitWindowMs", 40, "40"),
     "--no-second-look": HelmValue("admission.secondLook", False, None),
+    "--planner": HelmValue("planner.mode", "act", "act"),
+    "--planner-interval-s": HelmValue("planner.intervalS", 15, "15"),
+    "--planner-window-s": HelmValue("planner.windowS", 45.5, "45.5"),
+    "--min-prefill": HelmValue("planner.minPrefill", 2, "2"),
+    "--max-prefill": HelmValue("planner.maxPrefill", 6, "6"),
+    "--min-decode": HelmValue("planner.minDecode", 1, "1"),
+    "--max-decode": HelmValue("planner.maxDecode", 7, "7"),
+    "--planner-min-workers": HelmValue("planner.minWorkers", 3, "3"),
+    "--planner-max-workers": HelmValue("planner.maxWorkers", 9, "9"),
+    "--planner-min-gain": HelmValue("planner.minGain", 0.2, "0.2"),
+    "--planner-confirm": HelmValue("planner.confirm", 3, "3"),
+    "--planner-judge-s": HelmValue("planner.judgeS", 90, "90"),
+    "--planner-rollback-margin": HelmValue("planner.rollbackMargin", 0.1, "0.1"),
+    "--planner-cooldown-s": HelmValue("planner.cooldownS", 600, "600"),
+    "--planner-drain-s": HelmValue("planner.drainS", 20, "20"),
     "--kv-transport": HelmValue("kvTransport.backend", "ucxx", "ucxx"),
     "--kv-port": HelmValue("kvTransport.port", 5601, "5601"),
     "--ucx-tls": HelmValue("kvTransport.ucxTls", "sm,self", "sm,self"),

@@ -251,6 +251,17 @@ argparse parser, so a flag that does not exist fails the tests).
 {{- if eq $a.secondLook false }}
 - --no-second-look
 {{- end }}
+{{- $p := $v.planner }}
+{{- with $p.mode }}
+- --planner
+- {{ . | quote }}
+{{- end }}
+{{- range $flag, $value := dict "--planner-interval-s" $p.intervalS "--planner-window-s" $p.windowS "--min-prefill" $p.minPrefill "--max-prefill" $p.maxPrefill "--min-decode" $p.minDecode "--max-decode" $p.maxDecode "--planner-min-workers" $p.minWorkers "--planner-max-workers" $p.maxWorkers "--planner-min-gain" $p.minGain "--planner-confirm" $p.confirm "--planner-judge-s" $p.judgeS "--planner-rollback-margin" $p.rollbackMargin "--planner-cooldown-s" $p.cooldownS "--planner-drain-s" $p.drainS }}
+{{- if not (kindIs "invalid" $value) }}
+- {{ $flag }}
+- {{ include "halfmoon.num" $value | quote }}
+{{- end }}
+{{- end }}
 {{- with $v.engine.attentionBackend }}
 - --attention-backend
 - {{ . | quote }}
