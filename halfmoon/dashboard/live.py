@@ -60,6 +60,7 @@ class LiveView:
             "series": {"bin_s": s.bin_s, "t": s.t, "request_rate": s.request_rate, "goodput_rps": s.goodput_rps,
                        "rejected_rps": s.rejected_rps, "ttft_ms": s.ttft_ms, "tbt_ms": s.tbt_ms},
             "lora": self._lora(stats),
+            "planner": _planner(stats),
         })
 
     def _lora(self, stats: BackendStats) -> dict[str, Any] | None:
@@ -162,6 +163,23 @@ class LiveView:
             return {**dict.fromkeys(TIERS), "total": None}
         shares = {tier: round(tokens / prompt, 4) for tier, tokens in got.items()}
         return {**shares, "total": round(sum(got.values()) / prompt, 4)}
+
+
+def _planner(stats: BackendStats) -> dict[str, Any] | None:
+    """The planner's mode, split now and desired, counts, and its decisions (oldest first) each
+    with `time` (Unix s) besides `at` (the planner's clock: the Conductor's monotonic one); each
+    split's scores are left out but the newest decision's (the timeline shows no more)."""
+    if stats.planner is None:
+        return None
+    out = stats.planner.view()
+    offset = time.time() - time.monotonic()
+    decisions = out["decisions"]
+    assert isinstance(decisions, list)
+    for i, d in enumerate(decisions):
+        d["time"] = d["at"] + offset
+        if i < len(decisions) - 1:
+            del d["scores"]
+    return out
 
 
 def _tier(used: int, total: int) -> dict[str, int] | None:

@@ -80,6 +80,7 @@ def test_live_document_counts_finished_requests_and_the_engine(http: httpx.Clien
                >= before["cluster"]["finished"] + 2 and d, 10)
     assert doc, "the live document did not count the two requests"
     assert doc["mode"] == "colocated" and doc["model"] == MODEL and doc["ready"] is True
+    assert doc["planner"] is None  # one engine: no pools to re-balance, the page hides the panel
     assert doc["slo"] == {"ttft_ms": 2000.0, "tbt_ms": 150.0}
     assert doc["admission"]["classes"]["batch"] == {"ttft_ms": None, "tbt_ms": None}
     (engine,) = doc["workers"]

@@ -5,6 +5,7 @@ test_browser.py run the real ones."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +13,8 @@ import pytest
 from halfmoon.conductor.admission import AdmissionConfig
 from halfmoon.conductor.backend import BackendStats, WorkerView
 from halfmoon.conductor.live import LiveWindow
+from halfmoon.conductor.planner import Decision, Split
+from halfmoon.conductor.planner_loop import PlannerSnapshot
 from halfmoon.core.messages import WorkerLoad
 from halfmoon.dashboard.live import LiveView
 
@@ -30,21 +33,22 @@ def view(wid: str, role: str, history: list[tuple[float, WorkerLoad]]) -> Worker
 class StandInBackend:
     """Only what LiveView reads: the snapshot and the backend's descriptors."""
 
-    def __init__(self, workers: tuple[WorkerView, ...]) -> None:
+    def __init__(self, workers: tuple[WorkerView, ...], planner: PlannerSnapshot | None = None) -> None:
         self.workers = workers
+        self.planner = planner
         self.admission_config = AdmissionConfig()
         self.model = SimpleNamespace(id="m", architecture="llama", dtype="float32", max_model_len=128)
         self.mode, self.block_size = "cluster", 16
 
     def stats(self) -> BackendStats:
-        return BackendStats(1, 0, 90, 100, 0, workers=self.workers)
+        return BackendStats(1, 0, 90, 100, 0, workers=self.workers, planner=self.planner)
 
     def ready(self) -> bool:
         return True
 
 
-def document(workers: tuple[WorkerView, ...]) -> dict:
-    door = SimpleNamespace(backend=StandInBackend(workers), live=LiveWindow())
+def document(workers: tuple[WorkerView, ...], planner: PlannerSnapshot | None = None) -> dict:
+    door = SimpleNamespace(backend=StandInBackend(workers, planner), live=LiveWindow())
     return LiveView(door).document()  # type: ignore[arg-type]
 
 
@@ -70,3 +74,23 @@ def test_no_history_yet_gives_zero_rates_and_no_hit_shares() -> None:
     doc = document((only,))
     assert doc["workers"][0]["steps_per_s"] == 0.0
     assert doc["cluster"]["prefix_hits"]["total"] is None
+
+
+def test_the_planner_timeline_has_wall_clock_times_and_only_the_newest_scores() -> None:
+    """Decisions carry `time` (Unix s) from the planner's monotonic `at`; the split now, the desired
+    one and the counts pass through; `planner` is null without a planner (off, co-located)."""
+    assert document(())["planner"] is None
+    now = time.monotonic()
+    hold = Decision(now - 60, "hold", Split(1, 1), Split(1, 1), "1P1D serves the last window best",
+                    scores={"1P1D": 2.0})
+    flip = Decision(now - 30, "flip", Split(2, 2), Split(1, 3), "1P3D is predicted to serve +40% goodput",
+                    "decode", 0.4, {"2P2D": 1.0, "1P3D": 1.4}, applied=True)
+    doc = document((), PlannerSnapshot("act", 30.0, Split(1, 3), Split(1, 3), (hold, flip), {"hold": 1, "flip": 1}))
+    p = doc["planner"]
+    assert (p["mode"], p["split"], p["prefill"], p["decode"]) == ("act", "1P3D", 1, 3)
+    assert p["desired"] == {"prefill": 1, "decode": 3} and p["counts"] == {"hold": 1, "flip": 1}
+    first, last = p["decisions"]
+    assert doc["now"] - last["time"] == pytest.approx(30, abs=1) and last["time"] - first["time"] == pytest.approx(30)
+    assert (last["action"], last["current"], last["next"], last["gain"], last["applied"]) == \
+        ("flip", "2P2D", "1P3D", 0.4, True)
+    assert "scores" not in first and last["scores"] == {"2P2D": 1.0, "1P3D": 1.4}

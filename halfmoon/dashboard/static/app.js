@@ -126,6 +126,7 @@ function renderLive(d) {
 
   renderWorkers(Array.isArray(d.workers) ? d.workers : []);
   renderAdapters(d.lora);
+  renderPlanner(d.planner, d.now);
 
   const base = {t: s.t, now: d.now, binS: s.bin_s, span: 600};
   const pct = (o) => ['p50', 'p90', 'p99'].map((p, i) => ({name: p, values: (o || {})[p], color: ['#2b6cb0', '#b35309', '#7b2d8e'][i]}));
@@ -152,6 +153,53 @@ function renderAdapters(lora) {
       h('td', {}, int(a.requests)), h('td', {}, (a.held_by || []).join(', ') || 'none yet'))));
   }
   put('lora_changes', `${int(lora.loads)} loaded, ${int(lora.unloads)} unloaded since start`);
+}
+
+// == planner: mode, split now vs desired, the pools over time (a step plot), the decisions newest
+// first (moves highlighted, holds dimmed); hidden when the server runs none (off, co-located)
+const PLANNER_ROWS = 50;
+const splitOf = (text) => (String(text).match(/^(\d+)P(\d+)D$/) || []).slice(1).map(Number);
+const splitText = (p, d) => (isNum(p) && isNum(d) ? `${p}P${d}D` : DASH);
+const signed = (v) => (isNum(v) && v ? `${v > 0 ? '+' : ''}${num(v, PCT)}` : DASH);
+
+function renderPlanner(p, now) {
+  const panel = $('#planner-panel');
+  panel.hidden = !p;
+  if (!p) return;
+  const ds = Array.isArray(p.decisions) ? p.decisions : [], want = p.desired || {};
+  put('planner_mode', `${p.mode || DASH}${p.busy ? ' · moving a worker' : ''}`);
+  put('planner_split', splitText(p.prefill, p.decode));
+  put('planner_desired', splitText(want.prefill, want.decode));
+  $('[data-field="planner_desired"]', live).classList.toggle('differs', want.prefill !== p.prefill || want.decode !== p.decode);
+  put('planner_counts', Object.entries(p.counts || {}).map(([a, n]) => `${a} ${int(n)}`).join(', ') || 'none yet');
+  put('planner_failed', int(p.failed));
+  const rows = ds.slice(-PLANNER_ROWS).reverse(), body = $('#planner-table tbody');
+  const key = JSON.stringify(rows.map((x) => [x.at, x.action, x.applied, x.reason]));
+  if (body.dataset.key !== key) {
+    body.dataset.key = key;
+    body.replaceChildren(...(rows.length ? rows.map((x) => decisionRow(x, p.mode))
+      : [h('tr', {class: 'hold'}, h('td', {colspan: 5}, `no decision yet (one every ${num(p.interval_s, F1, ' s')})`))]));
+  }
+  const t = [], pre = [], dec = [], at = (time, [a, b]) => { t.push(time); pre.push(a); dec.push(b); };
+  for (const x of ds) {
+    const cur = splitOf(x.current), next = splitOf(x.next);
+    if (!isNum(x.time) || cur.length !== 2) continue;
+    at(x.time, cur);
+    if (x.applied && next.length === 2) at(x.time + 0.001, next); // the step
+  }
+  if (isNum(now)) at(now, [p.prefill, p.decode]);
+  Plot.line($('#planner-chart'), {t, now, binS: 0, height: 170, fmt: (v) => num(v, F0), label: 'Workers per pool',
+    series: [{name: 'prefill workers', values: pre, color: '#4a6f9c'},
+      {name: 'decode workers', values: dec, color: '#7b2d8e', dash: '5 3'}]});
+}
+
+function decisionRow(x, mode) {
+  const move = x.action !== 'hold', role = x.role ? ` ${x.role}` : '';
+  const how = !move || x.applied ? '' : mode === 'act' ? ' (not applied)' : ' (advised)';
+  return h('tr', {class: move ? `move ${x.action}` : 'hold', 'data-action': x.action},
+    h('td', {}, isNum(x.time) ? TIME.format(x.time * 1000) : DASH), h('td', {}, `${x.action}${role}${how}`),
+    h('td', {}, move ? `${x.current} → ${x.next}` : String(x.current)), h('td', {}, signed(x.gain)),
+    h('td', {class: 'reason'}, String(x.reason || '')));
 }
 
 // == worker cards
