@@ -48,7 +48,7 @@ from halfmoon.sim.trace import parse_line
 from halfmoon.sim.workload import Workload, build
 
 PROFILE = "llama3-8b-h100"
-DOCS = Phase("documents", 36.0, 20.0, (24000, 32000), (10, 30))
+DOCS = Phase("documents", 36.0, 28.0, (24000, 32000), (10, 30))
 CHAT = Phase("chat", 36.0, 80.0, (4000, 8000), (300, 600))
 PHASES = (DOCS, CHAT, DOCS, CHAT)
 GRID = 8  # the static grid: this many splits (prefill = workers / GRID x 1..GRID-1)
@@ -57,19 +57,21 @@ OFFSETS = (4, 8)  # the splits the bench's advisor scores, flips away from the s
 
 
 class Thinned:
-    """An advisor scoring only some of the planner's candidates: the current split (`current`:
-    the simulated cluster's, read when scoring) and the splits `offsets` flips from it."""
+    """An advisor scoring a few splits of the total now instead of the planner's candidates: the
+    current split (`current`: the simulated cluster's, read when scoring) and the splits
+    `offsets` flips from it (the planner moves toward whichever scores best)."""
 
     def __init__(self, advisor: Advisor, offsets: Sequence[int] = OFFSETS) -> None:
-        self.advisor, self.offsets = advisor, {0, *offsets}
+        self.advisor, self.offsets = advisor, offsets
         self.current: Callable[[], Split] | None = None
 
     def score(self, window: Sequence[Seen], window_s: float, splits: Sequence[Split]) -> dict[Split, float]:
+        if len(splits) <= 2:  # a move judged: the two splits it asks about
+            return self.advisor.score(window, window_s, splits)
         assert self.current is not None, "Thinned.current: the simulator's split()"
         now = self.current()
-        kept = [s for s in splits if abs(s.prefill - now.prefill) in self.offsets]
-        if len(splits) <= 2 * len(self.offsets) - 1:  # a few asked (a move judged): all of them
-            kept = list(splits)
+        near = {now.prefill + sign * o for o in self.offsets for sign in (1, -1)} | {now.prefill}
+        kept = [Split(p, now.total - p) for p in sorted(near) if 1 <= p < now.total]
         return self.advisor.score(window, window_s, kept)
 
 
