@@ -53,7 +53,7 @@ CHAT = Phase("chat", 36.0, 80.0, (4000, 8000), (300, 600))
 PHASES = (DOCS, CHAT, DOCS, CHAT)
 GRID = 8  # the static grid: this many splits (prefill = workers / GRID x 1..GRID-1)
 STEPS = (4, 2)  # the hill-climb's steps (flips) around the grid's best
-OFFSETS = (4, 8)  # the splits the bench's advisor scores, flips away from the split now
+OFFSETS = (4, 8)  # at 64 workers (scaled with --workers): the splits the bench's advisor scores, flips away from the split now
 
 
 class Thinned:
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          judge_s=3 * args.interval_s, cooldown_s=args.phase_s, drain_s=10.0)
     start_split = dataclasses.replace(base, prefill=best, decode=args.workers - best)
     advisor = SimAdvisor(start_split, cost, max_requests=args.advisor_requests)
-    thinned = Thinned(advisor)
+    thinned = Thinned(advisor, tuple(max(o * args.workers // 64, 1) for o in OFFSETS))  # 64 workers: OFFSETS
     simulator = PlannedSimulator(start_split, cost, plan, thinned)
     thinned.current = simulator.split
     planned = simulator.run_planned(whole)
