@@ -38,9 +38,9 @@ def test_the_autoscaler_sizes_each_group_to_the_planners_desired_workers(rendere
             in query
         replicas = values[role]["replicas"]
         assert query.endswith(f"or vector({replicas})) + 1"), query  # no series yet: keep the replicas; + standby
-    # bounds: the pool's own (+ standby), else 1 and the total's bound
+    # bounds (+ 1 standby): the pool's own; else 1, and the total's bound less the other pool's least
     assert (objects[f"{FULLNAME}-decode"]["minReplicaCount"], objects[f"{FULLNAME}-decode"]["maxReplicaCount"]) == (3, 6)
-    assert (objects[f"{FULLNAME}-prefill"]["minReplicaCount"], objects[f"{FULLNAME}-prefill"]["maxReplicaCount"]) == (2, 9)
+    assert (objects[f"{FULLNAME}-prefill"]["minReplicaCount"], objects[f"{FULLNAME}-prefill"]["maxReplicaCount"]) == (2, 7)
 
 
 def test_the_autoscaler_takes_custom_matchers_and_prometheus(renderer: Renderer) -> None:
