@@ -38,9 +38,10 @@ def test_the_autoscaler_sizes_each_group_to_the_planners_desired_workers(rendere
             in query
         replicas = values[role]["replicas"]
         assert query.endswith(f"or vector({replicas})) + 1"), query  # no series yet: keep the replicas; + standby
-    # bounds (+ 1 standby): the pool's own; else 1, and the total's bound less the other pool's least
-    assert (objects[f"{FULLNAME}-decode"]["minReplicaCount"], objects[f"{FULLNAME}-decode"]["maxReplicaCount"]) == (3, 6)
-    assert (objects[f"{FULLNAME}-prefill"]["minReplicaCount"], objects[f"{FULLNAME}-prefill"]["maxReplicaCount"]) == (2, 7)
+    # bounds (+ 1 standby): never below the replicas it started with (a flipped actor stays on its
+    # pod); at most the pool's own bound, else the total's less the other pool's least
+    assert (objects[f"{FULLNAME}-decode"]["minReplicaCount"], objects[f"{FULLNAME}-decode"]["maxReplicaCount"]) == (4, 6)
+    assert (objects[f"{FULLNAME}-prefill"]["minReplicaCount"], objects[f"{FULLNAME}-prefill"]["maxReplicaCount"]) == (3, 7)
 
 
 def test_the_autoscaler_takes_custom_matchers_and_prometheus(renderer: Renderer) -> None:
