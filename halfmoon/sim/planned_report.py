@@ -59,6 +59,7 @@ def plot_splits(series: dict[str, Sequence[tuple[float, Split]]], path: str | Pa
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     fig, ax = plt.subplots(figsize=(11, 4))
     for i, (name, start, end) in enumerate(phases):
@@ -70,6 +71,7 @@ def plot_splits(series: dict[str, Sequence[tuple[float, Split]]], path: str | Pa
         ax.step(times, prefill, where="post", label=name)
     ax.set_xlabel("simulated time (s)")
     ax.set_ylabel("prefill workers (the rest decode)")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlim(0, end_s)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
