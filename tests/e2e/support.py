@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from halfmoon.conductor.cluster import ClusterBackend
+from halfmoon.conductor.planner_loop import AdvisorFactory
 from halfmoon.conductor.cluster_config import ClusterConfig
 from halfmoon.core.messages import WorkerLoad
 from halfmoon.core.tracing import TracingConfig
@@ -42,16 +43,17 @@ def cost_model_file(path: Path) -> str:
 
 def start_cluster(tmp: Path, prefill: int, decode: int, redis: EmbeddedRedis | None,
                   kv_transport: str = "tcp", tracing: TracingConfig | None = None, standby: int = 0,
-                  **cluster: object) -> RunningApi:
-    """`redis` None: no block index; `cluster`: more `ClusterConfig` fields (e.g. decode_tp)."""
+                  advisor: AdvisorFactory | None = None, **cluster: object) -> RunningApi:
+    """`redis` None: no block index; `cluster`: more `ClusterConfig` fields (e.g. decode_tp,
+    planner: then `advisor` makes its advisor)."""
     config = ClusterConfig(prefill=prefill, decode=decode, **cluster,  # type: ignore[arg-type]
                            engine=EngineConfig(num_blocks=256, max_num_batched_tokens=256),
                            transport=TransportConfig(backend=kv_transport, timeout_s=20.0), worker_threads=1,
                            object_store_mb=128, cost_model=cost_model_file(tmp / "cost.json"),
                            request_timeout_s=30.0, tracing=tracing or TracingConfig(), standby=standby)
     # Admission on the objectives a request sends only: these tests are about the request path.
-    return run_api(ClusterBackend(config, redis.url if redis is not None else None, admission=CLIENT_SLOS_ONLY),
-                   ServerConfig(grpc_port=0, http_port=0))
+    return run_api(ClusterBackend(config, redis.url if redis is not None else None, admission=CLIENT_SLOS_ONLY,
+                                  advisor=advisor), ServerConfig(grpc_port=0, http_port=0))
 
 
 def prompts(engine: Engine) -> list[list[int]]:
