@@ -4,25 +4,28 @@ A compressed "day" whose mix shifts three times replayed through 64 workers of t
 `llama3-8b-h100` profile three ways, goodput (requests/s meeting both SLOs) of each:
 
     static   every split of a coarse grid (prefill = 8, 16, ..., 56) over the whole day, then a
-             hill-climb around the best (steps of 4, 2, 1): the best static split
+             hill-climb around the best (steps of 4 and 2 flips): the best static split
     oracle   each phase replayed alone (a fresh cluster), its best split found the same way
              (starting from the grid split that served that phase best in the whole-day
-             replays, steps of 4, 2, 1): the phases' goodputs summed over the day's length
+             replays, the same steps): the phases' goodputs summed over the day's length
     planner  the whole day from the best static split with `--planner act` (sim/planned.py)
 
 and the ratios planner / best static and planner / oracle, a PNG timeline of the planner's split
 with the phases shaded and the static and oracle splits drawn beside it.
 
-The day (PHASES, rates for 64 workers): documents (prompts 24-32k, answers 10-30: prefill-bound),
-chat with long answers (prompts 4-8k, answers 1000-2000: decode-bound, KV-bound at 65,536
-tokens a decode worker), twice each, `--phase-s` seconds a phase. The requests are long so a
-phase holds few of them (a 64-worker replay costs ~2-4 ms of this CPU per request). The planner
-ticks every `--interval-s` and moves one worker a tick (`confirm` 1: a move is made the first tick
-it is advised; the default 2 would halve the moves a phase), so a phase of 60 s at 3 s gives it
-20 ticks, room for ~15-20 flips. Its advisor is the simulator's (`SimAdvisor`) with two economies
-for this bench, so the day's ~80 ticks fit in minutes on one core: at most `--advisor-requests`
-(400) per replay, and of the planner's ~24 candidate splits only the current one, its neighbours
-at 1, 2 and 4 flips and the grid of 8 are scored (~12). `--quick` shrinks everything for tests.
+The day (PHASES, rates for 64 workers): documents (prompts 24-32k, answers 10-30, 28 req/s:
+prefill-bound), chat (prompts 4-8k, answers 300-600, 80 req/s: decode-bound, KV-bound at 8-10
+requests a decode worker of 65,536 tokens: batch slots would not show in a 10 s window), twice each,
+`--phase-s` (36) seconds a phase. The requests are long so a phase holds few of them (a 64-worker
+replay costs ~2-4 ms of this CPU a request). The engines step 8192 tokens (an H100 engine's
+budget; serve's CPU default of 512 would slice a 28k prompt into 56 steps). The planner ticks
+every `--interval-s` (3) on the last `--window-s` (10) and moves one worker a tick (`confirm` 1:
+a move is made the first tick it is advised; the default 2 would halve the moves a phase), so a
+36 s phase gives it 12 ticks. Its advisor is the simulator's (`SimAdvisor`) with two economies
+for this bench, so the day's 48 ticks fit in minutes on one core: at most `--advisor-requests`
+(600) a replay, and instead of the planner's ~24 candidate splits only the split now and those 4
+and 8 flips away are scored (`Thinned`). `--quick` shrinks everything for tests. Figures and what
+they say: docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
