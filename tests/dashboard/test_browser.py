@@ -57,13 +57,15 @@ def smollm2_adapter(folder: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """`halfmoon serve` (1 prefill + 1 decode worker, auth on); yields its HTTP URL."""
+    """`halfmoon serve` (1 prefill + 1 decode worker, auth on, the planner advising every 3 s); yields
+    its HTTP URL."""
     tmp = tmp_path_factory.mktemp("dashboard-cluster")
     log = tmp / "serve.log"
     args = [sys.executable, "-m", "halfmoon.cli.main", "serve", "--prefill", "1", "--decode", "1", "--worker-threads", "1",
             "--kv-transport", "tcp", "--grpc-port", "0", "--http-port", "0", "--num-blocks", "256",
             "--object-store-mb", "128", "--cost-model", cost_model_file(tmp / "cost.json"),
             "--lora", f"{ADAPTER}={smollm2_adapter(tmp / ADAPTER)}",
+            "--planner", "advise", "--planner-interval-s", "3", "--planner-window-s", "30",
             *EXACT_FLAGS]  # the cost model's KV bytes are fp32's
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HALFMOON_API_TOKENS": TOKEN}
     with open(log, "w") as out:
@@ -210,6 +212,12 @@ def test_live_view_shows_both_workers_changing_and_the_slo_chart_has_data(cluste
     assert p.locator("#lora-panel").is_visible()
     for worker in ("prefill-0", "decode-0"):
         assert "% hits" in field(page, worker, "lora")
+    # the planner (advise, a decision every 3 s): its timeline has rows, its step plot has points
+    p.wait_for_selector("#planner-table tbody tr[data-action]", timeout=60_000)
+    assert p.locator("#planner-panel").is_visible()
+    assert p.locator('#planner-panel [data-field="planner_mode"]').inner_text().startswith("advise")
+    assert p.locator('#planner-panel [data-field="planner_split"]').inner_text() == "1P1D"
+    assert int(p.locator("#planner-chart svg").get_attribute("data-points") or 0) > 0
     page.no_horizontal_scroll()
     keep(page.shot("live.png"), "dashboard-live.png")
     assert not page.errors, page.errors
@@ -222,7 +230,8 @@ def test_narrow_screen_keyboard_and_contrast(cluster: str, load: None, browser: 
         p = page.page
         p.wait_for_function("() => Number(document.querySelector('#ttft-chart svg')?.getAttribute('data-points') || 0) > 0",
                             timeout=60_000)
-        page.no_horizontal_scroll()
+        p.wait_for_selector("#planner-table tbody tr[data-action]", timeout=60_000)
+        page.no_horizontal_scroll()  # the timeline's long reasons wrap; its table scrolls in its own box
         page.shot("live-narrow.png")
         # Keyboard: Tab reaches the Sizing link, Enter opens it.
         reached = []
