@@ -24,6 +24,7 @@ import pytest
 import yaml
 
 from halfmoon.conductor.serve_defaults import EXACT_FLAGS
+from tests.dashboard.browser_support import NARROW, TOKEN, WIDE, Page
 from tests.deploy.values import drop_nulls, merge
 from tests.e2e.support import cost_model_file, wait_for_log
 
@@ -31,12 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "halfmoon"
-ARTIFACTS = Path(os.environ.get("HALFMOON_TEST_ARTIFACTS", ROOT / "test-artifacts")) / "dashboard"
-TOKEN = "browser-test-token"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 UPDATE_DOCS = os.environ.get("HALFMOON_UPDATE_DOCS_FIGURES") == "1"
-WIDE, NARROW = {"width": 1280, "height": 800}, {"width": 390, "height": 844}
 PROMPTS = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
            "List three colours:", "Once upon a time"]
 
@@ -106,52 +102,6 @@ def load(cluster: str) -> Iterator[None]:
     yield
     stop.set()
     sender.join(10)
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[object]:
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.fail("chromium is not installed: the dashboard's browser tests need it "
-                    "(`make test` installs it as root via deploy/install_browser.sh; or apt-get install chromium)")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
-
-
-class Page:
-    """A browser page that records console errors and uncaught exceptions."""
-
-    def __init__(self, browser: object, viewport: dict[str, int]) -> None:
-        self.context = browser.new_context(viewport=viewport)  # type: ignore[attr-defined]
-        self.page = self.context.new_page()
-        self.errors: list[str] = []
-        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
-        self.page.on("pageerror", lambda e: self.errors.append(f"uncaught: {e}"))
-
-    def sign_in(self, url: str) -> None:
-        response = self.page.goto(url + "/dashboard")
-        assert response is not None and response.status == 401
-        self.errors.clear()  # the 401 itself is logged by Chromium as a failed resource load
-        self.page.fill("#token", TOKEN)
-        self.page.press("#token", "Enter")
-        self.page.wait_for_selector('[data-worker="prefill-0"]', timeout=30_000)
-
-    def shot(self, name: str) -> Path:
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        path = ARTIFACTS / name
-        self.page.screenshot(path=str(path), full_page=True)
-        return path
-
-    def no_horizontal_scroll(self) -> None:
-        widths = self.page.evaluate("[document.documentElement.scrollWidth, window.innerWidth]")
-        assert widths[0] <= widths[1], f"the page scrolls sideways: {widths[0]} px wide in a {widths[1]} px window"
-
-    def close(self) -> None:
-        self.context.close()
 
 
 @pytest.fixture

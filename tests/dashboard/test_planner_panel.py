@@ -18,7 +18,7 @@ import pytest
 
 from halfmoon.conductor.planner import Decision, Split
 from halfmoon.conductor.planner_loop import PlannerSnapshot
-from tests.dashboard.test_browser import NARROW, WIDE, Page, browser  # noqa: F401 (the fixture)
+from tests.dashboard.browser_support import NARROW, WIDE, Page
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -50,7 +50,7 @@ def planner_view() -> dict:
     return view
 
 
-def open_page(browser: object, viewport: dict[str, int], doc: dict) -> Page:  # noqa: F811
+def open_page(browser: object, viewport: dict[str, int], doc: dict) -> Page:
     """A page whose `/dashboard` and static files are the shipped ones and whose
     `/dashboard/api/live` answers `doc["live"]` (the test may change it)."""
     page = Page(browser, viewport)
@@ -72,7 +72,7 @@ def open_page(browser: object, viewport: dict[str, int], doc: dict) -> Page:  # 
 
 
 @pytest.fixture
-def serve_page(browser: object) -> Iterator[tuple[Page, dict]]:  # noqa: F811 (the imported fixture)
+def serve_page(browser: object) -> Iterator[tuple[Page, dict]]:
     doc = {"live": live_document(planner_view())}
     page = open_page(browser, WIDE, doc)
     yield page, doc
@@ -115,7 +115,7 @@ def test_desired_split_differs_and_the_panel_hides_without_a_planner(serve_page:
     assert not page.errors, page.errors
 
 
-def test_the_panel_does_not_scroll_sideways_on_a_phone(browser: object) -> None:  # noqa: F811
+def test_the_panel_does_not_scroll_sideways_on_a_phone(browser: object) -> None:
     page = open_page(browser, NARROW, {"live": live_document(planner_view())})
     try:
         page.page.goto(f"{ORIGIN}/dashboard")
