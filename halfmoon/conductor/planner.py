@@ -197,6 +197,7 @@ class Decision:
     gain: float = 0.0
     scores: dict[str, float] = field(default_factory=dict)
     applied: bool = False
+    waiting: bool = False  # a hold only until the move is confirmed (the target is where it heads)
 
     @property
     def moves(self) -> bool:
@@ -257,7 +258,8 @@ class Planner:
         gain = _gain(scores[target], scores[current], self.config.window_s)
         held = self._held(now, current, target, gain)
         if held is not None:
-            return Decision(now, "hold", current, target, held, gain=gain, scores=labels)
+            waiting = self._streak[0] == target
+            return Decision(now, "hold", current, target, held, gain=gain, scores=labels, waiting=waiting)
         action, role = step_toward(current, target)
         self._streak = (None, 0)
         decision = Decision(now, action, current, target,
@@ -271,6 +273,7 @@ class Planner:
         """Why a better `target` is not moved toward yet (None: move)."""
         until = self._blocked.get(target, -math.inf)
         if now < until:
+            self._streak = (None, 0)
             return f"{target} was rolled back; not tried again for {until - now:.0f} s"
         if gain < self.config.min_gain and target.total >= current.total:
             self._streak = (None, 0)

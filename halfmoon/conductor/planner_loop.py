@@ -137,8 +137,11 @@ class PlannerLoop:
     def snapshot(self) -> PlannerSnapshot:
         split = self.actuator.split()
         last = self.decisions[-1] if self.decisions else None
+        # where it heads: a move's target, or one waiting for confirmation; a hold for too small a
+        # gain or a cooldown heads nowhere (an autoscaler reading it must not chase that target)
+        heading = last is not None and (last.moves or last.waiting)
         return PlannerSnapshot(self.config.mode, self.config.interval_s, split,
-                               last.target if last is not None else split, tuple(self.decisions),
+                               last.target if heading else split, tuple(self.decisions),
                                dict(self.counts), self.failed, self.busy)
 
 

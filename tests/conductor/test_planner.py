@@ -94,7 +94,7 @@ def test_a_prefill_heavy_window_moves_toward_prefill_one_step_after_confirming(a
     rng = random.Random(2)
     plan = planner(advisor)
     first = plan.tick(WINDOW_S, Split(4, 4), mix("prefill", rng, 0.0))
-    assert first.action == "hold" and "1 of 2" in first.reason
+    assert first.action == "hold" and "1 of 2" in first.reason and first.waiting
     assert first.target.prefill > 4 and first.scores[str(first.target)] > first.scores["4P4D"]
     second = plan.tick(2 * WINDOW_S, Split(4, 4), mix("prefill", rng, WINDOW_S))
     assert second.action == "flip" and second.role == "prefill" and second.next_split == Split(5, 3)
@@ -143,7 +143,7 @@ def test_a_move_that_made_things_worse_is_rolled_back_and_kept_out() -> None:
     assert "fell to" in back.reason and back.scores == {"2P2D": 10.0, "3P1D": 1.0}
     advisor.best = Split(3, 1)  # advised again: it stays out
     again = plan.tick(120.0, Split(2, 2), after)
-    assert again.action == "hold" and "rolled back" in again.reason
+    assert again.action == "hold" and "rolled back" in again.reason and not again.waiting
 
 
 def test_a_fall_the_traffic_explains_is_no_reason_to_roll_back() -> None:
