@@ -64,7 +64,9 @@ class ClusterConfig:
         promotes one in its place at once (conductor/workers.py). Each needs one more unit of
         its role's Ray resource and costs one worker's memory.
     planner: the planner that re-balances the pools at run time (conductor/planner.py; mode
-        `act` starts every worker able to serve either role: conductor/rebalance.py).
+        `act` starts every worker able to serve either role: conductor/rebalance.py). Off here
+        (a ClusterBackend built without an advisor has none); `halfmoon serve`'s default is
+        `advise` (its flags, cli/planner_flags.py, start from PlannerConfig's defaults).
     """
 
     prefill: int = 1
@@ -90,7 +92,7 @@ class ClusterConfig:
     decode_tp: int = 1
     standby: int = 0
     prefill_max_seqs: int | None = None
-    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    planner: PlannerConfig = field(default_factory=lambda: PlannerConfig(mode="off"))
 
     def __post_init__(self) -> None:
         check_positive(self, "prefill", "decode", "worker_threads", "object_store_mb", "request_timeout_s",

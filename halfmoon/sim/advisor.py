@@ -17,14 +17,17 @@ import multiprocessing
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
+from typing import TYPE_CHECKING
 
-from halfmoon.conductor.cluster import ClusterBackend
 from halfmoon.conductor.cost_model import CostModel
 from halfmoon.conductor.planner import Seen, Split
 from halfmoon.sim.cluster import SimConfig, SimResult, simulate
 from halfmoon.sim.report import met, objectives
 from halfmoon.sim.trace import HASH_BLOCK_TOKENS, TraceRequest
 from halfmoon.sim.workload import Workload, build
+
+if TYPE_CHECKING:  # the child process imports this module: nothing of the engine (no torch)
+    from halfmoon.conductor.cluster import ClusterBackend
 
 MAX_REQUESTS = 600  # per replay: ~1 s of simulation per split on one core
 NICE = 10  # the child advisor's niceness: serving first
@@ -62,7 +65,6 @@ class ChildAdvisor:
     def __init__(self, base: SimConfig, cost: CostModel, max_requests: int = MAX_REQUESTS) -> None:
         self.advisor = SimAdvisor(base, cost, max_requests)
         self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_lower)
-        self._pool.submit(int)  # the child starts now (importing the simulator takes seconds), not at the first tick
 
     def score(self, window: Sequence[Seen], window_s: float, splits: Sequence[Split]) -> dict[Split, float]:
         scores = self._pool.submit(self.advisor.score, list(window), window_s, list(splits)).result()
