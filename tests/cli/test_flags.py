@@ -75,9 +75,12 @@ def test_defaults_build_the_default_configs() -> None:
     assert build(SERVER, args) == ServerConfig()
     assert build(ADMISSION, args) == AdmissionConfig()
     assert build(TRANSPORT, args, host="127.0.0.1") == TransportConfig()
-    # serve steps one prompt at a time on a prefill worker (conductor/serve_defaults.py)
+    # serve steps one prompt at a time on a prefill worker (conductor/serve_defaults.py) and its
+    # planner advises; a ClusterConfig built in code has none (its backend has no advisor)
+    assert ClusterConfig().planner.mode == "off"
     assert build(CLUSTER, args, transport=TransportConfig(), engine=EngineConfig(),
-                 model_id="smollm2") == dataclasses.replace(ClusterConfig(), prefill_max_seqs=SERVE_PREFILL_MAX_SEQS)
+                 model_id="smollm2") == dataclasses.replace(ClusterConfig(), prefill_max_seqs=SERVE_PREFILL_MAX_SEQS,
+                                                            planner=PlannerConfig(mode="advise"))
     assert serve_cluster().prefill_max_seqs == SERVE_PREFILL_MAX_SEQS
 
 
