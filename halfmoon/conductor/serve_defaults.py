@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from halfmoon.conductor.admission import AdmissionConfig
 from halfmoon.conductor.cluster_config import ClusterConfig
+from halfmoon.conductor.planner import PlannerConfig
 from halfmoon.engine.config import AUTO, DTYPES, EngineConfig, auto_dtype
 
 # `serve` keeps a host DRAM tier by default (vLLM's --swap-space and SGLang's hierarchical cache
@@ -71,7 +72,8 @@ def precision_line(dtype: str, quantization: str, device: str = "cpu") -> str:
 
 def serve_cluster() -> ClusterConfig:
     """The cluster `serve` starts at the defaults: its shape and each worker's engine."""
-    return dataclasses.replace(ClusterConfig(), engine=serve_engine(), prefill_max_seqs=SERVE_PREFILL_MAX_SEQS)
+    return dataclasses.replace(ClusterConfig(), engine=serve_engine(), prefill_max_seqs=SERVE_PREFILL_MAX_SEQS,
+                               planner=PlannerConfig())  # serve's planner advises (a ClusterConfig's has none)
 
 
 def serve_shape() -> ClusterConfig:
@@ -80,7 +82,8 @@ def serve_shape() -> ClusterConfig:
     precision (a cost model carries it), and resolving it imports torch, seconds before every
     `halfmoon sim` answers (tests/sim/test_serve_defaults.py holds the rest equal)."""
     engine = dataclasses.replace(EngineConfig(), host_cache_gb=HOST_CACHE_GB, quantization=SERVE_QUANTIZATION)
-    return dataclasses.replace(ClusterConfig(), engine=engine, prefill_max_seqs=SERVE_PREFILL_MAX_SEQS)
+    return dataclasses.replace(ClusterConfig(), engine=engine, prefill_max_seqs=SERVE_PREFILL_MAX_SEQS,
+                               planner=PlannerConfig())
 
 
 def serve_admission() -> AdmissionConfig:
