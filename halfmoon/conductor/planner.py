@@ -141,29 +141,32 @@ class Traffic:
 
     def __init__(self, keep_s: float) -> None:
         self.keep_s = keep_s
-        self._seen: deque[tuple[str, Seen]] = deque()
-        self._open: dict[str, int] = {}  # running request -> its position counted from the left
+        self._seen: deque[tuple[str, list[Seen]]] = deque()  # arrival order; each Seen in a cell of its own
+        self._cells: dict[str, list[Seen]] = {}  # key -> its cell: an end is found in O(1)
 
     def arrived(self, key: str, at: float, prompt_len: int, max_tokens: int) -> None:
         self._forget(at)
-        self._seen.append((key, Seen(at, prompt_len, max_tokens)))
+        cell = [Seen(at, prompt_len, max_tokens)]
+        self._seen.append((key, cell))
+        self._cells[key] = cell
 
     def ended(self, key: str, output_len: int, met: bool, rejected: bool = False) -> None:
         """How `key` ended (its output length replaces the max_tokens it asked for)."""
-        for i in range(len(self._seen) - 1, -1, -1):  # recent first: the one ending is near the right
-            k, s = self._seen[i]
-            if k == key:
-                self._seen[i] = (k, replace(s, output_len=max(1, output_len) if output_len else s.output_len,
-                                            met=met, rejected=rejected))
-                return
+        cell = self._cells.get(key)
+        if cell is not None:
+            s = cell[0]
+            cell[0] = replace(s, output_len=max(1, output_len) if output_len else s.output_len, met=met,
+                              rejected=rejected)
 
     def window(self, now: float, window_s: float) -> list[Seen]:
         self._forget(now)
-        return [s for _, s in self._seen if s.arrival >= now - window_s]
+        return [cell[0] for _, cell in self._seen if cell[0].arrival >= now - window_s]
 
     def _forget(self, now: float) -> None:
-        while self._seen and self._seen[0][1].arrival < now - self.keep_s:
-            self._seen.popleft()
+        while self._seen and self._seen[0][1][0].arrival < now - self.keep_s:
+            key, cell = self._seen.popleft()
+            if self._cells.get(key) is cell:
+                del self._cells[key]
 
 
 def met_slo(objective: Objective, ttft_ms: float, tbt_s: float | None) -> bool:

@@ -116,16 +116,14 @@ class Rebalancer:
         """Take `worker` out of its pool and wait until its ledgers are empty (module docstring);
         RebalanceError (and the worker back in its pool) when they do not empty in time."""
         worker.state = "draining"
+        if await self._emptied(worker, drain_s):
+            return
+        if worker.spec.role == "decode":  # a prefill worker's prefills end by themselves
+            log.info("planner: worker %s still runs %d requests after %g s: moving them",
+                     worker.worker_id, len(worker.bound.jobs), drain_s)
+            self.evicting.add(worker.worker_id)
         try:
-            if not await self._emptied(worker, drain_s) and worker.spec.role == "decode":
-                log.info("planner: worker %s still runs %d requests after %g s: moving them",
-                         worker.worker_id, len(worker.bound.jobs), drain_s)
-                self.evicting.add(worker.worker_id)
-                if await self._emptied(worker, MOVE_S):
-                    return
-            elif worker.spec.role == "prefill" and await self._emptied(worker, MOVE_S):
-                return
-            else:
+            if await self._emptied(worker, MOVE_S):
                 return
         finally:
             self.evicting.discard(worker.worker_id)
