@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from halfmoon.conductor.backend import Slo
-from halfmoon.conductor.calibration import Calibration
+from halfmoon.conductor.calibration import Calibration, Fit
 from halfmoon.conductor.cost_model import CostModel
 from halfmoon.conductor.errors import OverloadedError, SloMissError
 from halfmoon.conductor.ledger import DecodeLedger, PendingPrefill, PrefillLedger
@@ -424,26 +424,27 @@ class Admission:
         # objective the request set itself stays strict (it asked to fail fast).
         idle_ttft, idle_tbt = self._idle(c)
         # Tested at the admit quantile of past errors (the floor too), reported at the median.
-        gt, gb = self.calibration.ttft.guard, self.calibration.tbt.guard
+        t, b = self.calibration.ttft, self.calibration.tbt
         # The floor is the time on idle workers, not the admission window's hold: a held request
         # that misses even on idle workers is refused (admitting such requests lowered goodput
         # and admitted-within-SLO on the bundled trace: docs/BENCHMARKS.md, issue 38).
         if not o.own_ttft:
-            ttft_limit = max(ttft_limit, idle_ttft * gt)
+            ttft_limit = max(ttft_limit, t.guarded(idle_ttft))
         if not o.own_tbt:
-            tbt_limit = max(tbt_limit, idle_tbt * gb)
+            tbt_limit = max(tbt_limit, b.guarded(idle_tbt))
         misses: list[tuple[Reason, float, str]] = []
         # the time held already is measured, not predicted: the guard prices what is to come
-        ttft_guarded = c.held_ms + (p.ttft_ms - c.held_ms) * gt
+        ttft_guarded = c.held_ms + t.guarded(p.ttft_ms - c.held_ms)
+        q = self.calibration.quantile
         if ttft_guarded > ttft_limit:
             misses.append((Reason.TTFT, (ttft_guarded - ttft_limit) / 1e3,
-                           f"predicted TTFT {p.ttft_ms:.0f} ms{_guarded(gt, self.calibration.quantile)} "
+                           f"predicted TTFT {p.ttft_ms:.0f} ms{_guarded(ttft_guarded, p.ttft_ms, q)} "
                            f"> {ttft_limit:.4g} ms"))
-        if p.tbt_ms * gb > tbt_limit:
+        if b.guarded(p.tbt_ms) > tbt_limit:
             misses.append((Reason.TBT, p.retry_tbt_s,
-                           f"predicted TBT {p.tbt_ms:.1f} ms{_guarded(gb, self.calibration.quantile)} > "
+                           f"predicted TBT {p.tbt_ms:.1f} ms{_guarded(b.guarded(p.tbt_ms), p.tbt_ms, q)} > "
                            f"{tbt_limit:.4g} ms (the tightest objective of its batch)"))
-        if p.stretched_ms * gb > stretch_limit:
+        if p.stretched_ms > 0 and b.guarded(p.stretched_ms) > stretch_limit:
             misses.append((Reason.TBT, p.retry_tbt_s, "its prefill would stretch the running requests' steps to "
                            f"{p.stretched_ms:.1f} ms > {stretch_limit:.4g} ms (the tightest objective among them)"))
         if not misses and self.policy is Policy.PREDICTIVE:
@@ -453,22 +454,23 @@ class Admission:
                 misses.append((Reason.DEADLINE, c.prefill_ms / 1e3,
                                f"it would push queued request {late.request_id} past its TTFT deadline"))
         if not misses:
-            return self._margin(c, p, prediction, idle_ttft, gt, final)
+            return self._margin(c, p, prediction, idle_ttft, t, final)
         reason = Reason.SHED if shed else misses[0][0]
-        look = self._second_look_s(c, idle_ttft * gt, o.ttft_ms) if {m[0] for m in misses} == {Reason.TTFT} else 0.0
+        look = self._second_look_s(c, t.guarded(idle_ttft), o.ttft_ms) if {m[0] for m in misses} == {Reason.TTFT} else 0.0
         return Decision(reason, prediction, _clamp(max(m[1] for m in misses)), "; ".join(m[2] for m in misses),
                         second_look_s=0.0 if shed else look)
 
-    def _margin(self, c: Candidate, p: Predicted, prediction: SloPrediction, alone_ms: float, gt: float,
+    def _margin(self, c: Candidate, p: Predicted, prediction: SloPrediction, alone_ms: float, fit: Fit,
                 final: bool) -> Decision:
         """Admitted at the guard; while it may get a second look, the wait for the queue ahead
         (what a later look knows better; its own prefill it never will) is priced at
         `SECOND_LOOK_MARGIN`, else it is kept for a look with more of that queue measured. Never
         refused for the margin alone; with nothing ahead, the margin is moot."""
-        look = 0.0 if final else self._second_look_s(c, alone_ms * gt, c.objective.ttft_ms)
+        alone_guarded_ms = fit.guarded(alone_ms)
+        look = 0.0 if final else self._second_look_s(c, alone_guarded_ms, c.objective.ttft_ms)
         ahead_ms = max(0.0, p.ttft_ms - c.held_ms - alone_ms)
-        margin = max(gt, SECOND_LOOK_MARGIN)
-        if look > 0 and c.held_ms + alone_ms * gt + ahead_ms * margin > c.objective.ttft_ms:
+        margin = max(fit.guard, SECOND_LOOK_MARGIN)
+        if look > 0 and c.held_ms + alone_guarded_ms + ahead_ms * margin > c.objective.ttft_ms:
             return Decision(Reason.TTFT, prediction, _clamp(look), f"predicted TTFT {p.ttft_ms:.0f} ms within "
                             f"{margin:.2f}x of {c.objective.ttft_ms:.4g} ms: kept for a second look", second_look_s=look)
         return Decision(None, prediction)
@@ -508,8 +510,9 @@ class Admission:
         return SloPrediction(p.ttft_ms, p.tbt_ms, slo(o.ttft_ms), slo(o.tbt_ms))
 
 
-def _guarded(guard: float, quantile: float) -> str:
-    return f" (x{guard:.2f} at the p{quantile * 100:.0f} of past errors)" if guard > 1.0 else ""
+def _guarded(guarded_ms: float, calibrated_ms: float, quantile: float) -> str:
+    guard = guarded_ms / calibrated_ms if calibrated_ms > 0 else 1.0
+    return f" (x{guard:.2f} at the p{quantile * 100:.0f} of past errors)" if guard > 1.0 + 1e-9 else ""
 
 
 def _clamp(seconds: float) -> float:

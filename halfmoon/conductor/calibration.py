@@ -19,6 +19,15 @@ learned under a bad minute expires even when it then rejects everything.
 live, four first requests of a replay set a 1.54x guard that refused every later one, and no
 admitted request was left to correct it, issue 38). Admission tests the calibrated prediction times the guard; what it
 reports is the calibrated prediction.
+
+Beyond the largest prediction in its window (`Fit.hi_ms`) the TTFT fit is not trusted to multiply:
+there it adds at the profile's own slope (its own when smaller), and the guard adds the margin
+it had at that edge rather than scaling. A ratio learned on short chat prompts (a constant
+overhead, 4x a 50 ms prediction, capped at 2x with a 2x guard) applied to a 1.5 s document
+prefill refused every document of the next phase, and refused requests measure nothing, so the
+fit never saw the range it was wrong on (issue 49). Admitted at the edge's margin, they measure,
+and the next fit covers them. TBT keeps its multiplying fit: its predictions span a few batch
+sizes, not 30x of prompt lengths, and a join it under-predicts slows every request in the batch.
 """
 
 from __future__ import annotations
@@ -34,14 +43,26 @@ import numpy as np
 
 
 class Fit(NamedTuple):
-    """measured ≈ offset_ms + scale × predicted; `guard` as in the module docstring."""
+    """measured ≈ offset_ms + scale × predicted up to `hi_ms`, the largest prediction fitted;
+    `guard` as in the module docstring; past `hi_ms` both add (the module docstring)."""
 
     offset_ms: float = 0.0
     scale: float = 1.0
     guard: float = 1.0
+    hi_ms: float = math.inf
 
     def __call__(self, raw_ms: float) -> float:
-        return self.offset_ms + self.scale * raw_ms
+        if raw_ms <= self.hi_ms:
+            return self.offset_ms + self.scale * raw_ms
+        return self.offset_ms + self.scale * self.hi_ms + min(1.0, self.scale) * (raw_ms - self.hi_ms)
+
+    def guarded(self, calibrated_ms: float) -> float:
+        """`calibrated_ms` (a value of this fit) at the admit quantile: x `guard` up to the
+        fitted range's edge, beyond it plus the margin the edge had."""
+        edge_ms = self(self.hi_ms) if math.isfinite(self.hi_ms) else math.inf
+        if calibrated_ms <= edge_ms:
+            return calibrated_ms * self.guard
+        return calibrated_ms + (self.guard - 1.0) * edge_ms
 
 
 IDENTITY = Fit()
@@ -95,13 +116,14 @@ class Calibration:
         settled = bool(cached_key) and cached_key[1] >= self.MIN_FIT_SAMPLES and now - self._fitted_at[i] < self.REFIT_S
         if cached_key != key and not settled:
             recent = [(raw, measured) for _, raw, measured in samples]
-            fit = fit_samples(recent, self.quantile) if len(recent) >= self.MIN_SAMPLES else IDENTITY
+            fit = fit_samples(recent, self.quantile, adds_beyond=i == 0) if len(recent) >= self.MIN_SAMPLES else IDENTITY
             self._fits[i], self._fitted_at[i] = (key, fit), now
         return fit
 
 
-def fit_samples(samples: list[tuple[float, float]], quantile: float) -> Fit:
-    """The fit of (predicted, measured) pairs (see the module docstring)."""
+def fit_samples(samples: list[tuple[float, float]], quantile: float, adds_beyond: bool = False) -> Fit:
+    """The fit of (predicted, measured) pairs (see the module docstring); `adds_beyond`: past
+    the largest prediction it adds instead of multiplying (TTFT's)."""
     c = Calibration
     raw, measured = np.asarray(samples, dtype=np.float64).reshape(-1, 2).T
     ratio = float(np.median(measured / raw))
@@ -112,12 +134,13 @@ def fit_samples(samples: list[tuple[float, float]], quantile: float) -> Fit:
         if not 0.0 <= offset <= c.OFFSET_MAX_MS or not c.LOW <= scale <= c.HIGH:
             offset, scale = 0.0, ratio  # no sane line: a ratio
     scale = min(c.HIGH, max(c.LOW, scale))
+    hi = float(raw.max()) if adds_beyond else math.inf
     if len(samples) < c.MIN_FIT_SAMPLES:  # the p90 of a handful is their worst: no guard yet
-        return Fit(offset, scale, 1.0)
+        return Fit(offset, scale, 1.0, hi)
     ratios = np.sort(measured / np.maximum(offset + scale * raw, 1e-9))
     upper = ratios[min(len(ratios) - 1, math.ceil(quantile * len(ratios)) - 1)]
     guard = min(c.GUARD_MAX, max(1.0, float(upper / np.median(ratios))))
-    return Fit(offset, scale, guard)
+    return Fit(offset, scale, guard, hi)
 
 
 def _theil_sen_slope(raw: np.ndarray, measured: np.ndarray) -> float:

@@ -430,3 +430,29 @@ def test_joining_a_decoding_batch_waits_half_a_step_in_progress_on_average() -> 
     assert alone.prediction.predicted_ttft_ms == pytest.approx(500 + 60)
     assert joined.prediction.predicted_ttft_ms == pytest.approx(500 + 1.5 * step)
     assert joined.joins_in_ms == pytest.approx(500)  # its prefill's end: the wait is after it
+
+
+def test_a_fit_learned_on_short_prompts_adds_beyond_them_and_does_not_lock_out_long_ones() -> None:
+    """Issue 49, live: chat (predicted ~50 ms, measured ~4x: a constant overhead) set the ratio
+    and the guard at their caps; a 1.5 s document prefill then calibrated to 3 s x 2 and every
+    document of the next phase was refused, measuring nothing to correct it. Beyond the largest
+    prediction fitted, the fit and its guard add what they learned at that edge."""
+    chat = [(50.0 + i, 200.0 + (150.0 if i % 5 == 0 else 0.0)) for i in range(10)]
+    fit = fit_samples(chat, 0.9, adds_beyond=True)
+    assert fit.scale == Calibration.HIGH and fit.guard > 1.2 and fit.hi_ms == pytest.approx(59.0)
+    assert fit(55.0) == pytest.approx(110.0)  # inside: the ratio, as before
+    edge = fit(fit.hi_ms)
+    assert fit(1500.0) == pytest.approx(edge + 1500.0 - fit.hi_ms)  # beyond: the profile's slope
+    assert fit.guarded(fit(55.0)) == pytest.approx(110.0 * fit.guard)
+    assert fit.guarded(fit(1500.0)) == pytest.approx(fit(1500.0) + (fit.guard - 1.0) * edge)
+    # A fit that measured faster than predicted keeps its own (smaller) slope beyond the edge.
+    fast = fit_samples([(100.0, 70.0)] * 10, 0.5, adds_beyond=True)
+    assert fast(1000.0) == pytest.approx(700.0)
+    # Admission: a prompt predicted at 560 ms (10x the chat range) is admitted under 1 s; multiplied
+    # by the chat ratio and guard (1120 ms x guard) it was refused.
+    adm = admission()
+    chat_decision = decide(adm)
+    for raw, measured in chat:
+        adm.calibration.observe(raw, measured, 60.0, 60.0)
+    doc = decide(adm, obj=objective(ttft_ms=1000.0))
+    assert doc.admitted and chat_decision.raw_ttft_ms > fit.hi_ms
