@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import tempfile
 import urllib.request
@@ -131,6 +132,7 @@ def summary(args: argparse.Namespace, argv: Sequence[str] | None, phases: list[P
 def simulated(trace: Path, planner_run: dict[str, Any], phases: list[Phase], slo: Slo,
               args: argparse.Namespace) -> dict[str, Any] | None:
     """The simulator's planner on the same trace, the live server's cost model and KV."""
+    from halfmoon.sim.cluster import simulate
     from halfmoon.sim.planned import simulate_planned
     from halfmoon.sim.report import met
     from halfmoon.sim.workload import load
@@ -142,15 +144,32 @@ def simulated(trace: Path, planner_run: dict[str, Any], phases: list[Phase], slo
     blocks = planner_run["kv_blocks"] or 0
     seqs = re.search(r"--max-num-seqs[= ](\d+)", planner_run["serve_args"])
     admission = replace(SimConfig().admission, standard_ttft_ms=slo.ttft_ms, standard_tbt_ms=slo.tbt_ms)
+    threads = re.search(r"--worker-threads[= ](\d+)", planner_run["serve_args"])
+    cores = len(os.sched_getaffinity(0)) / int(threads.group(1) if threads else 1)  # every raylet on this machine
     config = SimConfig(prefill=start[0], decode=start[1], device_tokens=max(blocks * 16, 16), drain_s=None,
-                       admission=admission, max_seqs=int(seqs.group(1)) if seqs else SimConfig().max_seqs)
-    planned = simulate_planned(load(trace), config, cost, PLANNER)
+                       admission=admission, max_seqs=int(seqs.group(1)) if seqs else SimConfig().max_seqs,
+                       cores=cores if cores < args.workers else None)
+    workload = load(trace)
+    planned = simulate_planned(workload, config, cost, PLANNER)
     good = sum(met(r, slo.ttft_ms, slo.tbt_ms) for r in planned.result.records)
     predicted = good / planned.result.workload.duration_s
     live = planner_run["metrics"]["goodput_rps"]
-    return {"goodput_rps": round(predicted, 4), "live_goodput_rps": live,
+    statics = {}
+    for p in range(1, args.workers):
+        records = simulate(workload, replace(config, prefill=p, decode=args.workers - p), cost).records
+        statics[f"static {p}:{args.workers - p}"] = _sim_phases(records, phases, slo)
+    return {"goodput_rps": round(predicted, 4), "live_goodput_rps": live, "cores": config.cores,
             "error_pct": None if not live else round(100.0 * (predicted - live) / live, 1),
-            "moves": sum(1 for d in planned.decisions if d.action != "hold")}
+            "moves": sum(1 for d in planned.decisions if d.action != "hold"),
+            "per_phase": _sim_phases(planned.result.records, phases, slo), "statics": statics}
+
+
+def _sim_phases(records: Sequence[Any], phases: list[Phase], slo: Slo) -> list[float]:
+    """Simulated requests/s that met both SLOs, by the phase they arrived in."""
+    from halfmoon.sim.report import met
+
+    return [round(sum(met(r, slo.ttft_ms, slo.tbt_ms) for r in records if start <= r.arrival_s < end) / (end - start), 4)
+            for _, start, end in boundaries(phases)]
 
 
 def plot(path: Path, runs: list[dict[str, Any]], phases: list[Phase]) -> str:
@@ -217,7 +236,10 @@ def render(result: dict[str, Any]) -> str:
     sim = result.get("simulated")
     if sim:
         lines.append(f"simulator's planner: {sim['goodput_rps']:.3f} req/s vs live {sim['live_goodput_rps']:.3f} "
-                     f"({sim['error_pct']:+.1f}%, target within 15%), {sim['moves']} moves")
+                     f"({sim['error_pct']:+.1f}%, target within 15%), {sim['moves']} moves, cores shared: "
+                     f"{sim['cores']}; per phase {sim['per_phase']}")
+        for name, per in sim.get("statics", {}).items():
+            lines.append(f"  simulated {name}: per phase {per}")
     for d in result["decisions"]:
         lines.append(f"  {d['action']:<8} {d['current']} -> {d['next']} applied={d['applied']}: {d['reason']}")
     return "\n".join(lines)

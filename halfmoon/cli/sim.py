@@ -111,6 +111,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-step", type=float, default=1.0,
                    help="decode tokens per request per step: > 1 with speculative decoding (a live "
                         "worker's emitted / verifications, or bench engine --speculative); default 1")
+    p.add_argument("--cores", type=float, default=None,
+                   help="CPU workers sharing one machine: how many step at full speed at once (its cores / "
+                        "--worker-threads); more stepping stretch every step by their share. Default: "
+                        "each worker its own device (GPUs)")
     p.add_argument("--max-loras", type=int, default=served.engine.max_loras,
                    help="LoRA adapter slots per prefill worker (a trace's `adapter` key; serve's default)")
     p.add_argument("--adapter-load-ms", type=float, default=None,
@@ -211,7 +215,7 @@ def sim_config(args: argparse.Namespace, kv_bytes_per_token: int) -> tuple[SimCo
                         block_size=args.block_size, chunk=args.chunk, max_seqs=args.max_seqs,
                         prefill_max_seqs=args.prefill_max_seqs,
                         drain_s=args.drain_s, overhead_ms=args.overhead_ms, admission=build(ADMISSION, args),
-                        tokens_per_step=args.tokens_per_step, max_loras=args.max_loras,
+                        tokens_per_step=args.tokens_per_step, max_loras=args.max_loras, cores=args.cores,
                         **({} if args.adapter_load_ms is None else {"adapter_load_ms": args.adapter_load_ms}))
     return base, (device, host)
 

@@ -117,6 +117,7 @@ class ClusterBackend(GenerationBackend):
         self.traffic = Traffic(TRAFFIC_KEEP_S)  # what the planner replays
         self.index: ClusterIndex | None = None
         self.info: EngineInfo | None = None
+        self.worker_infos: tuple[EngineInfo, ...] = ()
         self._health: asyncio.Task | None = None
         self._background: set[asyncio.Task] = set()  # fire-and-forget cancels, kept referenced
         self._requests = 0  # attempts in flight
@@ -135,6 +136,8 @@ class ClusterBackend(GenerationBackend):
         await asyncio.to_thread(self.manager.start, self.redis_url)
         first = self.manager.role("prefill")[0]
         self.info = await first.api.engine_info()
+        everyone = self.manager.role("prefill") + self.manager.role("decode")  # where each computes (the planner's)
+        self.worker_infos = tuple(await asyncio.gather(*(w.api.engine_info() for w in everyone)))
         self.model = ModelInfo(self.config.model_id, self.info.max_model_len, self.info.vocab_size,
                                architecture=self.info.architecture, dtype=self.info.dtype)
         self.block_size = self.info.block_size

@@ -160,4 +160,6 @@ class ClusterConfig:
         cores = os.cpu_count() or 1
         first = (slot * self.worker_threads) % cores
         cpus = tuple((first + k) % cores for k in range(self.worker_threads)) if self.ray_address is None else None
+        if cpus is None and engine.num_threads is None:  # on another node: its threads, unpinned
+            engine = dataclasses.replace(engine, num_threads=self.worker_threads)
         return WorkerSpec(f"{role}-{index}", role, engine, self.transport, cpus, tracing=self.tracing, log=self.log)

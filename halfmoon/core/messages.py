@@ -342,6 +342,12 @@ class EngineInfo:
     # what a LoRA adapter must fit (engine/lora.py); None: this engine serves no adapters
     lora: LoraShapes | None = None
     max_lora_rank: int = 0
+    # where it computes (the planner's simulator shares CPU cores among the workers of one host):
+    # the engine's device, its host's name, the cores this process may run on, its torch threads
+    device: str = "cpu"
+    host: str = ""
+    cores: int = 0
+    threads: int = 0
 
 
 @dataclass(frozen=True, slots=True)

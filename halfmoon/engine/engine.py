@@ -13,6 +13,7 @@ import itertools
 import logging
 import math
 import os
+import socket
 import threading
 import time
 from collections.abc import Sequence
@@ -254,7 +255,8 @@ class Engine:
         return EngineInfo(self.max_model_len, self.model_config.vocab_size, self.model_config.fingerprint,
                           self.config.block_size, self.config.kv_tag, self.kv_bytes_per_token,
                           self.model_config.architecture, self.lora.shapes if self.lora is not None else None,
-                          self.config.max_lora_rank)
+                          self.config.max_lora_rank, self.config.device, socket.gethostname(),
+                          len(os.sched_getaffinity(0)), torch.get_num_threads())
 
     @property
     def kv_bytes_per_token(self) -> int:

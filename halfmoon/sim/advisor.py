@@ -28,6 +28,7 @@ from halfmoon.sim.workload import Workload, build
 
 if TYPE_CHECKING:  # the child process imports this module: nothing of the engine (no torch)
     from halfmoon.conductor.cluster import ClusterBackend
+    from halfmoon.core.messages import EngineInfo
 
 MAX_REQUESTS = 600  # per replay: ~1 s of simulation per split on one core
 NICE = 10  # the child advisor's niceness: serving first
@@ -90,7 +91,21 @@ def live_config(backend: ClusterBackend) -> SimConfig:
     return SimConfig(prefill=config.prefill, decode=config.decode, device_tokens=device,
                      block_size=backend.block_size, chunk=config.engine.max_num_batched_tokens,
                      max_seqs=config.engine.max_num_seqs, prefill_max_seqs=config.prefill_max_seqs,
-                     admission=backend.admission_config)
+                     admission=backend.admission_config, cores=shared_cores(backend.worker_infos))
+
+
+def shared_cores(infos: Sequence[EngineInfo]) -> float | None:
+    """The workers at full speed at once when CPU workers share their hosts' cores (SimConfig's
+    `cores`): per host, its cores over a worker's threads, at most its workers; None when every
+    worker has its own compute (a GPU each, or enough cores on every host)."""
+    if not infos or any(i.device != "cpu" or i.cores < 1 for i in infos):
+        return None
+    hosts: dict[str, list[EngineInfo]] = {}
+    for info in infos:
+        hosts.setdefault(info.host, []).append(info)
+    full = sum(min(float(len(on)), max(i.cores for i in on) / max(1, max(i.threads for i in on)))
+               for on in hosts.values())
+    return None if full >= len(infos) else full
 
 
 def _lower() -> None:

@@ -31,7 +31,7 @@ from halfmoon.conductor.ledger import DecodeLedger, PrefillLedger
 from halfmoon.conductor.prefill_steps import PrefillSteps
 from halfmoon.conductor.serve_defaults import serve_admission, serve_shape, tier_tokens
 from halfmoon.core.errors import ConfigError, check_positive
-from halfmoon.sim.engines import (KV_TAIL, AdapterSlots, Clock, ColocatedWorker, DecodeBatch, DecodeWorker, Flight,
+from halfmoon.sim.engines import (KV_TAIL, AdapterSlots, Clock, ColocatedWorker, Cores, DecodeBatch, DecodeWorker, Flight,
                                   PrefillWorker)
 from halfmoon.sim.tiers import Capacity, TieredCache
 from halfmoon.sim.trace import HASH_BLOCK_TOKENS
@@ -79,6 +79,10 @@ class SimConfig:
     prefill_tp, decode_tp: each worker's tensor-parallel size (devices it holds); the cost
         model is the layout's (`CostModel.with_decode_of`: prefill from a TP=prefill_tp profile,
         decode steps from a TP=decode_tp one). Co-located: prefill_tp is the engine's.
+    cores: the compute the workers share, in workers that step at full speed at once (CPU workers
+        on one machine: its cores / each worker's threads); while more step, each step is
+        stretched by their share (sim/engines.py `Cores`). None (the default): each worker its
+        own device, as GPUs are.
     max_loras, adapter_load_ms: each prefill (or co-located) worker's LoRA slots and what
         reading an adapter it does not hold costs (a trace's `adapter` key): paid before its
         prefill, priced by the router as the Conductor prices it. The default is `halfmoon bench
@@ -104,6 +108,7 @@ class SimConfig:
     decode_tp: int = 1
     max_loras: int = _SERVE.engine.max_loras
     adapter_load_ms: float = ADAPTER_LOAD_MS
+    cores: float | None = None
 
     def __post_init__(self) -> None:
         if not self.colocated and (self.prefill < 1 or self.decode < 1):
@@ -111,6 +116,8 @@ class SimConfig:
         check_positive(self, "device_tokens", "block_size", "chunk", "max_seqs", "prefill_tp", "decode_tp", "max_loras")
         if self.tokens_per_step < 1.0:
             raise ConfigError(f"tokens_per_step must be >= 1, got {self.tokens_per_step}")
+        if self.cores is not None and not self.cores > 0:
+            raise ConfigError(f"cores must be > 0 (or None: a device each), got {self.cores}")
         for name in ("host_tokens", "disk_tokens", "overhead_ms", "adapter_load_ms"):
             if (getattr(self, name) or 0) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -223,9 +230,10 @@ class Simulator:
         self.prefill: dict[str, PrefillWorker] = {}
         self.decode: dict[str, DecodeWorker] = {}
         self._worker_cost = cost  # the workers' (per token-time when speculating)
+        self.cores = Cores(config.cores)
         if config.colocated:
             self.engine = ColocatedWorker("engine", cost, self.clock, self._cache(), config.chunk,
-                                          config.max_seqs, self._first, self._finished, self._slots())
+                                          config.max_seqs, self._first, self._finished, self._slots(), self.cores)
             self.pending, self.bound = PrefillLedger(), DecodeLedger(blocks, tokens_per_step=config.tokens_per_step)
         else:
             self.prefill_ledgers: dict[str, PrefillLedger] = {}
@@ -246,13 +254,15 @@ class Simulator:
         """A fresh prefill worker (empty caches) and the Conductor's ledger of it."""
         cost, config = self._worker_cost, self.config
         self.prefill[wid] = PrefillWorker(wid, cost, self.clock, self._cache(), config.kv_tail, self._pushed,
-                                          PrefillSteps(cost, config.chunk, config.prefill_max_seqs), self._slots())
+                                          PrefillSteps(cost, config.chunk, config.prefill_max_seqs), self._slots(),
+                                          self.cores)
         self.prefill_ledgers[wid] = PrefillLedger()
 
     def add_decode(self, wid: str) -> None:
         """A fresh decode worker and the Conductor's ledger of it."""
         config = self.config
-        self.decode[wid] = DecodeWorker(wid, self._worker_cost, self.clock, config.max_seqs, self._first, self._finished)
+        self.decode[wid] = DecodeWorker(wid, self._worker_cost, self.clock, config.max_seqs, self._first, self._finished,
+                                        self.cores)
         self.decode_ledgers[wid] = DecodeLedger(config.device_tokens // config.block_size,
                                                 tokens_per_step=config.tokens_per_step)
 

@@ -16,6 +16,11 @@ scheduler does (engine/scheduler.py), each step timed by the cost model.
                      decode_step(b, k) + prefill(chunk, done) per chunk; a prefill's last chunk
                      samples its first token, and it decodes from the next step on
 
+Workers sharing cores (`Cores`, SimConfig.cores: CPU workers on one machine) step slower while
+more of them step than there are cores: a step (a decode stretch, until the next worker starts
+or stops) takes max(1, stepping / cores) x the cost model's time, the processor sharing an OS
+gives processes that compute.
+
 Per-request progress is kept as step numbers, not counted per token: a request that joined at
 step s has s' - s + 1 tokens after step s', and its token gaps are the durations of steps s+1..
 """
@@ -142,13 +147,48 @@ class DecodeBatch:
         return sum(top) / len(top)
 
 
-class Worker:
-    """What every simulated worker shares: the clock, the cost model, busy time."""
+class Cores:
+    """`n` cores the workers share (None: each worker its own device, no sharing): while k
+    workers step, each step takes max(1, k / n) x its time (module docstring)."""
 
-    def __init__(self, worker_id: str, cost: CostModel, clock: Clock) -> None:
+    def __init__(self, n: float | None) -> None:
+        if n is not None and not n > 0:
+            raise ValueError(f"cores must be > 0, got {n}")
+        self.n = n
+        self._stepping: dict[int, Worker] = {}  # id(worker) -> worker, in the order they started
+
+    def start(self, worker: Worker) -> float:
+        """`worker` steps now: its steps' stretch factor (the others' decode stretches end with
+        the step they are in, to be timed again with one more sharing)."""
+        if self.n is None:
+            return 1.0
+        if id(worker) not in self._stepping:
+            self._stepping[id(worker)] = worker
+            self._recut(worker)
+        return max(1.0, len(self._stepping) / self.n)
+
+    def stop(self, worker: Worker) -> None:
+        """`worker` is idle: the others' stretches are timed again with one fewer."""
+        if self._stepping.pop(id(worker), None) is not None:
+            self._recut(worker)
+
+    def _recut(self, changed: Worker) -> None:
+        for other in self._stepping.values():
+            if other is not changed and isinstance(other, Stepper):
+                other.cut()
+
+
+NO_SHARING = Cores(None)
+
+
+class Worker:
+    """What every simulated worker shares: the clock, the cost model, busy time, the cores."""
+
+    def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cores: Cores = NO_SHARING) -> None:
         self.worker_id = worker_id
         self.cost = cost
         self.clock = clock
+        self.cores = cores
         self.busy_s = 0.0
 
 
@@ -160,8 +200,9 @@ class Stepper(Worker):
 
     MAX_STRETCH = 4096
 
-    def __init__(self, worker_id: str, cost: CostModel, clock: Clock, max_seqs: int) -> None:
-        super().__init__(worker_id, cost, clock)
+    def __init__(self, worker_id: str, cost: CostModel, clock: Clock, max_seqs: int,
+                 cores: Cores = NO_SHARING) -> None:
+        super().__init__(worker_id, cost, clock, cores)
         self.batch = DecodeBatch(max_seqs)
         self.stepping = False
         self._ends: list[float] = []  # the stretch's step end times
@@ -172,8 +213,9 @@ class Stepper(Worker):
         """Run the steps; `end(durations, work)` when the last has ended (`work`: what the
         first step carried besides decodes, which makes it a stretch of one)."""
         self.stepping = True
-        self._durations = durations
-        self._ends = list(itertools.accumulate(durations, initial=self.clock.now))[1:]
+        share = self.cores.start(self)
+        self._durations = durations if share == 1.0 else [d * share for d in durations]
+        self._ends = list(itertools.accumulate(self._durations, initial=self.clock.now))[1:]
         self._schedule(work)
 
     def decode_stretch(self) -> list[float]:
@@ -206,6 +248,8 @@ class Stepper(Worker):
         self._ends = []
         self.busy_s += sum(durations)
         self.end(durations, work)
+        if not self.stepping:
+            self.cores.stop(self)
 
     def end(self, durations: list[float], work: Any) -> None:
         raise NotImplementedError
@@ -249,8 +293,8 @@ class PrefillWorker(Worker):
 
     def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cache: TieredCache,
                  kv_tail: float, on_done: Callable[[Flight], None], steps: PrefillSteps,
-                 adapters: AdapterSlots | None = None) -> None:
-        super().__init__(worker_id, cost, clock)
+                 adapters: AdapterSlots | None = None, cores: Cores = NO_SHARING) -> None:
+        super().__init__(worker_id, cost, clock, cores)
         self.cache = cache
         self.adapters = adapters or AdapterSlots(4, 0.0)
         self.kv_tail = kv_tail
@@ -283,9 +327,10 @@ class PrefillWorker(Worker):
             chunks.append((flight, take))
         if not chunks:
             self._busy = False
+            self.cores.stop(self)
             return
         ms = self.cost.est_prefill_step_ms((take, f.prefix_tokens + f.done_tokens) for f, take in chunks)
-        seconds = (ms + fetch_ms) / 1e3
+        seconds = self.cores.start(self) * (ms + fetch_ms) / 1e3
         self.busy_s += seconds
         self.clock.at(self.clock.now + seconds, lambda: self._end(chunks))
 
@@ -324,8 +369,9 @@ class PrefillWorker(Worker):
 
 class DecodeWorker(Stepper):
     def __init__(self, worker_id: str, cost: CostModel, clock: Clock, max_seqs: int,
-                 on_first: Callable[[Flight], None], on_finish: Callable[[Flight, DecodeBatch], None]) -> None:
-        super().__init__(worker_id, cost, clock, max_seqs)
+                 on_first: Callable[[Flight], None], on_finish: Callable[[Flight, DecodeBatch], None],
+                 cores: Cores = NO_SHARING) -> None:
+        super().__init__(worker_id, cost, clock, max_seqs, cores)
         self.on_first = on_first
         self.on_finish = on_finish
         self._joining: list[Flight] = []
@@ -364,8 +410,9 @@ class ColocatedWorker(Stepper):
 
     def __init__(self, worker_id: str, cost: CostModel, clock: Clock, cache: TieredCache, chunk: int,
                  max_seqs: int, on_first: Callable[[Flight], None],
-                 on_finish: Callable[[Flight, DecodeBatch], None], adapters: AdapterSlots | None = None) -> None:
-        super().__init__(worker_id, cost, clock, max_seqs)
+                 on_finish: Callable[[Flight, DecodeBatch], None], adapters: AdapterSlots | None = None,
+                 cores: Cores = NO_SHARING) -> None:
+        super().__init__(worker_id, cost, clock, max_seqs, cores)
         self.cache = cache
         self.adapters = adapters or AdapterSlots(4, 0.0)
         self._loading_ms = 0.0  # adapters the next step reads first

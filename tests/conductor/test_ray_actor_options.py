@@ -23,3 +23,14 @@ def test_gpu_workers_ask_ray_for_their_gpus() -> None:
     config = ClusterConfig(prefill=1, decode=1, prefill_gpus=1, decode_gpus=1, ray_address="auto")
     options = {spec.role: actor_options(config, spec) for spec in config.specs(redis_url=None)}
     assert options["prefill"]["num_gpus"] == 1 and options["decode"]["num_gpus"] == 1
+
+
+def test_workers_on_a_joined_ray_cluster_run_their_worker_threads_unpinned() -> None:
+    """Locally each worker is pinned to its cores (torch: one thread per core); on a cluster
+    joined with --ray-address nothing is pinned, and torch's threads were left to the node's
+    environment instead of --worker-threads: now they are --worker-threads."""
+    joined = ClusterConfig(prefill=1, decode=1, worker_threads=1, ray_address="auto")
+    spec = joined.spec("prefill", 0, 0, None)
+    assert spec.cpus is None and spec.engine_config().num_threads == 1
+    local = ClusterConfig(prefill=1, decode=1, worker_threads=1).spec("decode", 0, 1, None)
+    assert local.cpus is not None and local.engine_config().num_threads == 1

@@ -2,7 +2,7 @@
 (lone probes' TTFT outside the window, their measured prefill and the first decode step; the
 first probe dropped, the median of the rest) and the prefill worker's slowdown under load (a
 burst's measured / modelled prefill, its first prefill dropped, the median, clamped to
-[1, MAX_SCALE]); a failed probe leaves the model as it was. The backend here is a function that
+[1, MAX_SCALE]); a failed probe leaves what it measures as it was. The backend here is a function that
 answers with timings (a real cluster is what `halfmoon serve` probes: tests/e2e)."""
 
 from __future__ import annotations
@@ -86,4 +86,27 @@ def test_a_failed_probe_leaves_the_model_as_it_was() -> None:
         raise RuntimeError("no worker")
         yield  # an async generator
 
-    assert asyncio.run(measured_overhead(generate, COST, 49152, 20.0)) is COST
+    assert asyncio.run(measured_overhead(generate, COST, 49152, 20.0)) == COST
+
+
+def test_burst_probes_the_decode_pool_cannot_hold_at_once_leave_the_rest_measured() -> None:
+    """A small decode pool (live: four 0.015 GiB workers, 43 blocks each) holds only some of the
+    burst at once: the refused probes are left out; the overhead the lone probes measured and
+    the scale of the burst probes that ran both stand (they were both dropped, issue 49)."""
+    calls = [0]
+
+    async def generate(inp: GenerationInput) -> AsyncIterator[TokenChunk]:
+        calls[0] += 1
+        n = len(inp.prompt_ids)
+        burst = inp.params.max_tokens == BURST_MAX_TOKENS
+        if burst and n > 128:
+            raise RuntimeError("no live decode worker has 19 free KV blocks")
+        k = calls[0] - 4
+        prefill = n * ((1.0 if k == 0 else 1.5) if burst else 1.0)
+        ttft = 20.0 + prefill + 50.0 + 100.0
+        yield TokenChunk("p", [2], "y", RequestEnd(FinishReason.LENGTH, None, Usage(n, 0, 2),
+                                                   timings(float(k), prefill, ttft)))
+
+    measured = asyncio.run(measured_overhead(generate, COST, 49152, 20.0, (64, 64, 128), (64, 96, 128, 160, 192)))
+    assert measured.overhead_ms == pytest.approx(100.0)
+    assert measured.prefill_scale == pytest.approx(1.5)  # 96 and 128 (64 ran first, unloaded)

@@ -9,8 +9,11 @@ consistent.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 
 import pytest
+import torch
 
 from halfmoon.engine.lora import lora_shapes
 from halfmoon.core.messages import (DecodeTask, KVTransferFailedError, EngineInfo, PrefillFailedError,
@@ -113,7 +116,8 @@ def test_model_info_and_load_describe_the_engine(workers: InProcessWorkers) -> N
     e = p.engine
     assert info == EngineInfo(e.max_model_len, e.model_config.vocab_size, e.model_config.fingerprint,
                              e.config.block_size, "float32", info.kv_bytes_per_token, "llama",
-                             lora_shapes(e.model_config, info.lora.base_names if info.lora else ()), 16)
+                             lora_shapes(e.model_config, info.lora.base_names if info.lora else ()), 16,
+                             "cpu", socket.gethostname(), len(os.sched_getaffinity(0)), torch.get_num_threads())
     assert info.lora is not None and "smollm2" in info.lora.base_names  # what an adapter's base is checked against
     assert info.kv_bytes_per_token == e.model_config.num_layers * 2 * e.model_config.num_kv_heads \
         * e.model_config.head_dim * 4

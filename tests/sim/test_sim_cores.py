@@ -1,0 +1,78 @@
+"""Workers sharing cores in the simulator (sim/engines.py `Cores`, SimConfig.cores): CPU workers
+on one machine step slower while more of them step than it has cores, as processes share an OS's
+cores; the live planner's advisor learns the share from where its workers run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from halfmoon.conductor.admission import AdmissionConfig
+from halfmoon.core.errors import ConfigError
+from halfmoon.core.messages import EngineInfo
+from halfmoon.sim import builtin
+from halfmoon.sim.advisor import shared_cores
+from halfmoon.sim.cluster import SimConfig, simulate
+from halfmoon.sim.trace import parse_line
+from halfmoon.sim.workload import Workload, build
+
+
+def burst(prompts: list[int], output: int = 2, gap_ms: int = 0) -> Workload:
+    rows = [{"timestamp": n * gap_ms, "input_length": p, "output_length": output,
+             "hash_ids": list(range(100 * n, 100 * n + -(-p // 512)))} for n, p in enumerate(prompts)]
+    return build([parse_line(json.dumps(r), n) for n, r in enumerate(rows, start=1)], source="burst")
+
+
+@pytest.fixture(scope="module")
+def cost():
+    return builtin.load("llama3-8b-h100")
+
+
+def ttfts(workload: Workload, config: SimConfig, cost) -> list[float]:
+    records = simulate(workload, config, cost).records
+    assert all(r.status == "ok" for r in records), [r.reason for r in records]
+    return [r.ttft_s for r in records]
+
+
+def test_two_prefill_workers_on_one_core_take_twice_as_long(cost) -> None:
+    two = burst([8000, 8000])
+    base = SimConfig(prefill=2, decode=1, admission=AdmissionConfig(admission="none"))
+    own = ttfts(two, base, cost)
+    shared = ttfts(two, SimConfig(**{**_fields(base), "cores": 1.0}), cost)
+    enough = ttfts(two, SimConfig(**{**_fields(base), "cores": 3.0}), cost)
+    assert own == enough  # as many cores as workers stepping: no sharing
+    for alone, halved in zip(own, shared, strict=True):  # every prefill step took twice as long
+        assert 1.8 * alone < halved < 2.0 * alone         # (the KV handoff and the decode step not)
+
+
+def test_a_decode_stretch_slows_when_a_prefill_starts_beside_it(cost) -> None:
+    """One request decodes 400 tokens alone; a second arrives mid-way and prefills on the other
+    worker: on one core, the decoding request's steps stretch while that prefill runs."""
+    work = burst([200, 30000], output=400, gap_ms=1000)
+    base = SimConfig(prefill=2, decode=1, admission=AdmissionConfig(admission="none"))
+    alone = simulate(work, base, cost).records[0]
+    shared = simulate(work, SimConfig(**{**_fields(base), "cores": 1.0}), cost).records[0]
+    assert shared.end_s > alone.end_s + 0.5 * cost.est_prefill_ms(30000) / 1e3
+
+
+def test_cores_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="cores"):
+        SimConfig(cores=0.0)
+
+
+def info(host: str, cores: int, threads: int = 1, device: str = "cpu") -> EngineInfo:
+    return EngineInfo(2048, 100, "fp", 16, "bfloat16", 1024, device=device, host=host, cores=cores, threads=threads)
+
+
+def test_the_live_share_is_each_hosts_cores_over_its_workers_threads() -> None:
+    assert shared_cores([info("a", 2)] * 4) == 2.0  # the CPU bench: four workers, two cores
+    assert shared_cores([info("a", 2, threads=2)] * 2) == 1.0
+    assert shared_cores([info("a", 1)] * 2 + [info("b", 8)] * 2) == 3.0  # b's two at full speed
+    assert shared_cores([info("a", 16)] * 4) is None  # a core each
+    assert shared_cores([info("a", 2, device="cuda")] * 4) is None  # a GPU each
+    assert shared_cores([]) is None
+
+
+def _fields(config: SimConfig) -> dict:
+    return {f: getattr(config, f) for f in config.__dataclass_fields__}
