@@ -78,6 +78,8 @@ def run(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
             runs.append(run_one(name, serve, workload, replace(opts, label=name), out, say, phases))
     result = summary(args, argv, phases, runs)
     result["simulated"] = simulated(trace, runs[-1], phases, slo, args)
+    if runs[-1]["cost_model"]:  # what `bench planner-sim --cost-model` replays this machine with
+        (out / "cost_model.json").write_text(json.dumps(runs[-1]["cost_model"], indent=1) + "\n")
     (out / "planner_bench.json").write_text(json.dumps({**result, "runs": runs}, indent=1, default=str) + "\n")
     result["files"] = [str(out / "planner_bench.json"), plot(out / "planner_timeline.png", runs, phases)]
     print(json.dumps(result, default=str) if args.json else render(result))

@@ -26,6 +26,12 @@ for this bench, so the day's 48 ticks fit in minutes on one core: at most `--adv
 (600) a replay, and instead of the planner's ~24 candidate splits only the split now and those 4
 and 8 flips away are scored (`Thinned`). `--quick` shrinks everything for tests. Figures and what
 they say: docs/BENCHMARKS.md.
+
+The same comparison for another machine: `--cost-model` (a `halfmoon profile` JSON, or the
+cost model a live server serves at /dashboard/api/cost-model), `--phases` (sim/phases.py's
+spec), `--device-tokens`, `--chunk`, the SLOs, and `--cores` for CPU workers sharing a
+machine's cores (SimConfig.cores). Run with and without `--cores`, it says how much of a
+planner's possible gain (oracle / best static) the shared cores leave.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ from halfmoon.conductor.planner import Advisor, PlannerConfig, Seen, Split
 from halfmoon.sim import builtin
 from halfmoon.sim.advisor import SimAdvisor
 from halfmoon.sim.cluster import SimConfig, simulate
-from halfmoon.sim.phases import Phase, boundaries, phased_trace
+from halfmoon.sim.phases import Phase, boundaries, parse_phases, phased_trace
 from halfmoon.sim.planned import PlannedSimulator
 from halfmoon.sim.planned_report import goodput_between, plot_splits, render_planned
 from halfmoon.sim.trace import parse_line
@@ -88,6 +94,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--window-s", type=float, default=10.0, help="the traffic each decision replays")
     p.add_argument("--advisor-requests", type=int, default=600, help="most requests an advisor replay holds")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--cost-model", default=None, help=f"a cost model JSON (default: the built-in {PROFILE})")
+    p.add_argument("--phases", default=None, help="the day's phases (sim/phases.py spec; default: the H100 day, "
+                   "--phase-s and --rate-scale applied to it alone)")
+    p.add_argument("--cores", type=float, default=None, help="CPU workers sharing this many cores (SimConfig.cores)")
+    p.add_argument("--device-tokens", type=int, default=None, help="each worker's KV tokens (default: the simulator's)")
+    p.add_argument("--chunk", type=int, default=8192, help="prefill tokens an engine step (an H100's: 8192)")
+    p.add_argument("--ttft-slo-ms", type=float, default=None, help="the standard class's TTFT objective")
+    p.add_argument("--tbt-slo-ms", type=float, default=None, help="the standard class's TBT objective")
     p.add_argument("--quick", action="store_true", help="8 workers, 10 s phases at 1/8 the rate (tests)")
     p.add_argument("--out", default="bench-planner-sim", help="directory for the JSON and the PNG")
     p.add_argument("--json", action="store_true")
@@ -100,7 +114,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def day(args: argparse.Namespace) -> tuple[list[Phase], Workload, list[Workload]]:
     """The phases, the whole day and each phase alone (arrivals from its own start)."""
-    phases = [dataclasses.replace(p, duration_s=args.phase_s, rate=p.rate * args.rate_scale) for p in PHASES]
+    if args.phases:
+        phases = parse_phases(args.phases)
+    else:
+        phases = [dataclasses.replace(p, duration_s=args.phase_s, rate=p.rate * args.rate_scale) for p in PHASES]
     rows = phased_trace(phases, args.seed)
     whole = _workload(rows, sum(p.duration_s for p in phases), "the day")
     alone = []
@@ -147,9 +164,20 @@ class Scores:
         return goodput_between(self.result(prefill), 0.0, self.workload.duration_s)
 
 
+def machine(args: argparse.Namespace) -> tuple[CostModel, SimConfig]:
+    """The cost model and the cluster of the flags (module docstring)."""
+    cost = CostModel.load(args.cost_model) if args.cost_model else builtin.load(PROFILE)
+    admission = SimConfig().admission
+    for name, value in (("standard_ttft_ms", args.ttft_slo_ms), ("standard_tbt_ms", args.tbt_slo_ms)):
+        if value is not None:
+            admission = dataclasses.replace(admission, **{name: value})
+    extra = {} if args.device_tokens is None else {"device_tokens": args.device_tokens}
+    return cost, SimConfig(prefill=args.workers // 2, decode=args.workers - args.workers // 2, chunk=args.chunk,
+                           cores=args.cores, admission=admission, **extra)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    cost = builtin.load(PROFILE)
-    base = SimConfig(prefill=args.workers // 2, decode=args.workers - args.workers // 2, chunk=8192)
+    cost, base = machine(args)
     phases, whole, alone = day(args)
     spans = boundaries(phases)
     started = time.perf_counter()
@@ -171,7 +199,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"oracle {name}: {oracle[-1]}", file=sys.stderr, flush=True)
     oracle_s = time.perf_counter() - started - static_s
     plan = PlannerConfig(mode="act", interval_s=args.interval_s, window_s=args.window_s, confirm=1,
-                         judge_s=3 * args.interval_s, cooldown_s=args.phase_s, drain_s=10.0)
+                         judge_s=3 * args.interval_s, cooldown_s=phases[0].duration_s, drain_s=10.0)
     start_split = dataclasses.replace(base, prefill=best, decode=args.workers - best)
     advisor = SimAdvisor(start_split, cost, max_requests=args.advisor_requests)
     thinned = Thinned(advisor, tuple(max(o * args.workers // 64, 1) for o in OFFSETS))  # 64 workers: OFFSETS
@@ -191,10 +219,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     png = plot_splits({"planner (act)": planned.splits, f"best static {Split(best, args.workers - best)}":
                        [(0.0, Split(best, args.workers - best))], "oracle per phase": oracle_series},
                       out / "planner_sim.png", day_s, spans,
-                      f"{args.workers} x {PROFILE}: planner {good['planner']:.2f} req/s, best static "
+                      f"{args.workers} x {Path(args.cost_model).stem if args.cost_model else PROFILE}: planner {good['planner']:.2f} req/s, best static "
                       f"{good['static']:.2f}, oracle {good['oracle']:.2f}")
     summary = {
-        "workers": args.workers, "profile": PROFILE, "requests": len(whole.requests), "day_s": day_s,
+        "workers": args.workers, "profile": args.cost_model or PROFILE, "cores": args.cores, "requests": len(whole.requests), "day_s": day_s,
         "phases": [dataclasses.asdict(p) for p in phases], "interval_s": args.interval_s, "window_s": args.window_s,
         "advisor_requests": args.advisor_requests, "advisor_replays": advisor.replays,
         "goodput_rps": {k: round(v, 4) for k, v in good.items()},
@@ -215,7 +243,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def render(s: dict[str, Any]) -> str:
     g = s["goodput_rps"]
-    rows = [f"halfmoon bench planner-sim: {s['workers']} x {s['profile']}, {s['requests']} requests over "
+    cores = f" sharing {s['cores']:g} cores" if s.get("cores") else ""
+    rows = [f"halfmoon bench planner-sim: {s['workers']} x {s['profile']}{cores}, {s['requests']} requests over "
             f"{s['day_s']:g} s ({len(s['phases'])} phases), planner every {s['interval_s']:g} s on the last "
             f"{s['window_s']:g} s (at most {s['advisor_requests']} requests a replay)",
             f"  best static {s['best_static']}: {g['static']:.3f} req/s",

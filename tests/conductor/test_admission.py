@@ -5,6 +5,7 @@ request arrives, not for now."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
@@ -334,8 +335,9 @@ def test_the_admission_test_uses_a_high_quantile_of_past_errors_and_reports_the_
     (median-calibrated) prediction by the admit quantile's ratio to the median."""
     adm = admission(admit_quantile=0.9)
     base = decide(adm)
-    for ratio in (1.0,) * 8 + (1.5, 1.5):  # the slowest tenth measured 1.5x the median
-        adm.observe(base, ttft_s=0.56 * ratio, tbt_s=0.06 * ratio)
+    for n, ratio in enumerate((1.0,) * 8 + (1.5, 1.5)):  # the slowest tenth measured 1.5x the median
+        raw_tbt = 60.0 if n % 2 else 120.0  # TBT seen up to 120 ms: a 100 ms one is inside the fit
+        adm.calibration.observe(base.raw_ttft_ms, 560.0 * ratio, raw_tbt, raw_tbt * ratio)
     assert adm.calibration.ttft.guard == pytest.approx(1.5) and adm.calibration.tbt.guard == pytest.approx(1.5)
     # TTFT 560 ms x 1.5 = 840 ms: within 1 s, not within 800 ms; reported at the median, 560 ms.
     assert decide(adm, obj=objective(ttft_ms=1000.0)).admitted
@@ -456,3 +458,20 @@ def test_a_fit_learned_on_short_prompts_adds_beyond_them_and_does_not_lock_out_l
         adm.calibration.observe(raw, measured, 60.0, 60.0)
     doc = decide(adm, obj=objective(ttft_ms=1000.0))
     assert doc.admitted and chat_decision.raw_ttft_ms > fit.hi_ms
+
+
+def test_the_guard_is_that_of_the_predictions_nearest_the_request() -> None:
+    """Issue 49, live: after a mix shift one window held chat (50 ms predicted, measured 2-4x
+    under CPU contention) and documents (2 s, within 10%); one guard of both (1.75-1.97x) refused
+    the next phase's documents. Each is guarded by the errors of its own neighbours."""
+    rng = random.Random(5)
+    chat = [(50.0 + rng.random() * 10, (50.0 + rng.random() * 10) * rng.choice((2.0, 2.2, 2.5, 3.5, 4.0)))
+            for _ in range(40)]
+    docs = [(2000.0 + rng.random() * 400, 2000.0 * rng.uniform(1.0, 1.1)) for _ in range(24)]
+    fit = fit_samples(chat + docs, 0.9, adds_beyond=True)
+    assert fit.guard > 1.3  # the window's, what one guard of both made
+    doc = fit(2200.0)
+    assert fit.guarded(doc) < 1.15 * doc  # its neighbours are documents
+    assert fit.guarded(fit(55.0)) > 1.3 * fit(55.0)  # chat keeps its own wide guard
+    plain = fit_samples(chat + docs, 0.9)  # without: one guard for all
+    assert plain.guarded(plain(2200.0)) == pytest.approx(plain.guard * plain(2200.0))

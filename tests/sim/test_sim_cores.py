@@ -76,3 +76,26 @@ def test_the_live_share_is_each_hosts_cores_over_its_workers_threads() -> None:
 
 def _fields(config: SimConfig) -> dict:
     return {f: getattr(config, f) for f in config.__dataclass_fields__}
+
+
+def test_the_planner_bench_compares_a_cpu_machine_with_and_without_shared_cores(tmp_path, cost) -> None:
+    """`bench planner-sim` on another machine's cost model and day: four workers, with and without
+    `--cores 2`; the comparison runs both and the shared run says so."""
+    from halfmoon.bench.planner_sim import main as bench
+
+    model = tmp_path / "cost.json"
+    model.write_text(cost.to_json())
+    phases = json.dumps([{"name": "documents", "duration_s": 6, "rate": 6.0, "input_tokens": [6000, 8000],
+                          "output_tokens": [4, 8]},
+                         {"name": "chat", "duration_s": 6, "rate": 20.0, "input_tokens": [100, 300],
+                          "output_tokens": [200, 400]}])
+    common = ["--workers", "4", "--cost-model", str(model), "--phases", phases, "--interval-s", "2",
+              "--window-s", "4", "--advisor-requests", "60", "--json"]
+    results = {}
+    for name, extra in (("own", []), ("shared", ["--cores", "2"])):
+        assert bench([*common, *extra, "--out", str(tmp_path / name)]) == 0
+        results[name] = json.loads((tmp_path / name / "planner_sim.json").read_text())
+    assert results["shared"]["cores"] == 2.0 and results["own"]["cores"] is None
+    assert len(results["own"]["per_phase"]) == 2 and results["own"]["workers"] == 4
+    own, shared = results["own"]["goodput_rps"], results["shared"]["goodput_rps"]
+    assert shared["static"] <= own["static"]  # sharing two cores serves no more than a core each
