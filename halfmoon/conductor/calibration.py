@@ -20,11 +20,13 @@ live, four first requests of a replay set a 1.54x guard that refused every later
 admitted request was left to correct it, issue 38). Admission tests the calibrated prediction times the guard; what it
 reports is the calibrated prediction.
 
-The guard is local: a request is guarded by the errors of the `NEAR` predictions nearest its
-own (in log scale; all of them under `NEAR`), not of the whole window. Live, chat requests (50 ms
+Fit and guard are local: a prediction is corrected by the median measured / line of the `NEAR`
+predictions nearest its own (log scale; none under `NEAR` samples), and guarded by their errors,
+not the whole window's. Live, chat requests (50 ms
 predicted, measured 2-4x under CPU contention) and documents (2 s predicted, measured within 20%)
-shared one window after a mix shift; one guard of both (1.75-1.97x) refused the documents of the
-next phase (issue 49). `Fit.guard` is the window's, what is reported.
+shared one window after a mix shift; one line through both (no sane slope: the median ratio,
+chat's, 2x) and one guard of both (1.75-1.97x) refused the documents of the next phase, which
+had measured 0.63x their prediction (issue 49). `Fit.guard` is the window's, what is reported.
 
 Beyond the largest prediction in its window (`Fit.hi_ms`) a fit is not trusted to multiply:
 there it adds at the profile's own slope (its own when smaller), and the guard adds the margin
@@ -57,15 +59,28 @@ class Fit(NamedTuple):
     scale: float = 1.0
     guard: float = 1.0
     hi_ms: float = math.inf
-    # the samples as fitted, for the local guard: log(fitted ms) ascending, measured / fitted
-    log_fitted: tuple[float, ...] = ()
-    ratios: tuple[float, ...] = ()
+    # the samples (admission's fits; none in a plain line), in the order of their predictions:
+    log_raw: tuple[float, ...] = ()  # log(predicted ms)
+    line_ratios: tuple[float, ...] = ()  # measured / the line
+    log_fitted: tuple[float, ...] = ()  # log(the line x its local correction)
+    ratios: tuple[float, ...] = ()  # measured / that
     quantile: float = 0.5
 
     def __call__(self, raw_ms: float) -> float:
         if raw_ms <= self.hi_ms:
-            return self.offset_ms + self.scale * raw_ms
-        return self.offset_ms + self.scale * self.hi_ms + min(1.0, self.scale) * (raw_ms - self.hi_ms)
+            return self._line(raw_ms) * self.correction(raw_ms)
+        local = self.correction(self.hi_ms)
+        return self._line(self.hi_ms) * local + min(1.0, self.scale * local) * (raw_ms - self.hi_ms)
+
+    def _line(self, raw_ms: float) -> float:
+        return self.offset_ms + self.scale * raw_ms
+
+    def correction(self, raw_ms: float) -> float:
+        """The median measured / line of the `Calibration.NEAR` predictions nearest `raw_ms`
+        (log scale): 1 when the window holds no more."""
+        if len(self.line_ratios) <= Calibration.NEAR or raw_ms <= 0:
+            return 1.0
+        return float(np.median(np.asarray(self.line_ratios)[_nearest(self.log_raw, math.log(raw_ms))]))
 
     def guarded(self, calibrated_ms: float) -> float:
         """`calibrated_ms` (a value of this fit) at the admit quantile: x the guard of the
@@ -79,14 +94,15 @@ class Fit(NamedTuple):
     def guard_near(self, calibrated_ms: float) -> float:
         """The guard of the `Calibration.NEAR` samples fitted nearest `calibrated_ms` (log
         scale); the window's `guard` when it holds no more."""
-        near = Calibration.NEAR
-        if len(self.ratios) <= near or calibrated_ms <= 0:
+        if len(self.ratios) <= Calibration.NEAR or calibrated_ms <= 0:
             return self.guard
-        logs = np.asarray(self.log_fitted)
-        at = int(np.searchsorted(logs, math.log(calibrated_ms)))
-        lo, hi = max(0, at - near), min(len(logs), at + near)
-        picked = np.argsort(np.abs(logs[lo:hi] - math.log(calibrated_ms)), kind="stable")[:near] + lo
+        picked = _nearest(self.log_fitted, math.log(calibrated_ms))
         return _guard(np.sort(np.asarray(self.ratios)[picked]), self.quantile)
+
+
+def _nearest(logs: tuple[float, ...], at: float) -> np.ndarray:
+    """Indices of the `Calibration.NEAR` values of `logs` nearest `at`."""
+    return np.argsort(np.abs(np.asarray(logs) - at), kind="stable")[:Calibration.NEAR]
 
 
 IDENTITY = Fit()
@@ -162,13 +178,20 @@ def fit_samples(samples: list[tuple[float, float]], quantile: float, adds_beyond
     hi = float(raw.max()) if adds_beyond else math.inf
     if len(samples) < c.MIN_FIT_SAMPLES:  # the p90 of a handful is their worst: no guard yet
         return Fit(offset, scale, 1.0, hi)
-    fitted = np.maximum(offset + scale * raw, 1e-9)
-    ratios = measured / fitted
+    line = np.maximum(offset + scale * raw, 1e-9)
     if not adds_beyond:
-        return Fit(offset, scale, _guard(np.sort(ratios), quantile), hi)
-    order = np.argsort(fitted, kind="stable")
-    return Fit(offset, scale, _guard(np.sort(ratios), quantile), hi, tuple(np.log(fitted[order]).tolist()),
-               tuple(ratios[order].tolist()), quantile)
+        return Fit(offset, scale, _guard(np.sort(measured / line), quantile), hi)
+    order = np.argsort(raw, kind="stable")
+    raw, measured, line = raw[order], measured[order], line[order]
+    log_raw, line_ratios = np.log(raw), measured / line
+    local = np.ones_like(raw)
+    if len(raw) > c.NEAR:  # each sample's local correction: the median of its NEAR nearest
+        nearest = np.argsort(np.abs(log_raw[:, None] - log_raw[None, :]), axis=1, kind="stable")[:, :c.NEAR]
+        local = np.median(line_ratios[nearest], axis=1)
+    fitted = line * local
+    ratios = measured / fitted
+    return Fit(offset, scale, _guard(np.sort(ratios), quantile), hi, tuple(log_raw.tolist()),
+               tuple(line_ratios.tolist()), tuple(np.log(fitted).tolist()), tuple(ratios.tolist()), quantile)
 
 
 def _guard(sorted_ratios: np.ndarray, quantile: float) -> float:

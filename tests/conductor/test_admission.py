@@ -475,3 +475,23 @@ def test_the_guard_is_that_of_the_predictions_nearest_the_request() -> None:
     assert fit.guarded(fit(55.0)) > 1.3 * fit(55.0)  # chat keeps its own wide guard
     plain = fit_samples(chat + docs, 0.9)  # without: one guard for all
     assert plain.guarded(plain(2200.0)) == pytest.approx(plain.guard * plain(2200.0))
+
+
+def test_a_window_of_chat_and_documents_calibrates_each_by_its_own() -> None:
+    """The live 2P2D window at the second documents phase (issue 49): chat predicted ~190 ms
+    measured ~505 ms (2.7x: CPU contention the profile never saw), documents predicted ~1.5 s
+    measured ~0.95 s (0.63x). No sane line runs through both (a slope of 0.34), so the plain fit
+    is the median ratio, chat's, capped at 2x: documents at 3 s, every one refused at 3 s. Each
+    prediction is corrected by its neighbours' ratio instead."""
+    rng = random.Random(7)
+    chat = [(rng.uniform(170.0, 210.0), rng.uniform(420.0, 600.0)) for _ in range(40)]
+    docs = [(rng.uniform(1300.0, 1700.0), rng.uniform(850.0, 1100.0)) for _ in range(20)]
+    plain = fit_samples(chat + docs, 0.9)
+    assert plain.scale == Calibration.HIGH and plain(1500.0) == pytest.approx(3000.0)
+    fit = fit_samples(chat + docs, 0.9, adds_beyond=True)
+    assert 850.0 < fit(1500.0) < 1100.0 and 420.0 < fit(190.0) < 600.0
+    assert fit.guarded(fit(1500.0)) < 1500.0  # a document is admitted well within 3 s
+    adm = admission()
+    for raw, measured in chat + docs:
+        adm.calibration.observe(raw, measured, 60.0, 60.0)
+    assert 850.0 < adm.calibration.ttft(1500.0) < 1100.0
