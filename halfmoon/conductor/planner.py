@@ -281,12 +281,23 @@ class Planner:
         if gain < self.config.min_gain and target.total >= current.total:
             self._streak = (None, 0)
             return f"{target} would gain {gain:+.0%}, under the {self.config.min_gain:.0%} a move needs"
+        move = self._last
+        if move is not None and now - move.at < self.config.judge_s and self._undoes(move, current, target):
+            self._streak = (None, 0)
+            return (f"moving toward {target} would undo {move.before} -> {move.after} before it is judged "
+                    f"({move.at + self.config.judge_s - now:.0f} s): no flapping")
         same, count = self._streak
         count = count + 1 if same == target else 1
         self._streak = (target, count)
         if count < self.config.confirm:
             return f"{target} advised {count} of {self.config.confirm} ticks in a row"
         return None
+
+    @staticmethod
+    def _undoes(move: _Move, current: Split, target: Split) -> bool:
+        """One step from `current` toward `target` lands on the split `move` left."""
+        action, role = step_toward(current, target)
+        return Decision(0.0, action, current, target, "", role).next_split == move.before
 
     def _judge(self, now: float, current: Split, window: Sequence[Seen]) -> Decision | None:
         """Roll the last move back when what arrived since did worse than what came before and

@@ -146,6 +146,19 @@ def test_a_move_that_made_things_worse_is_rolled_back_and_kept_out() -> None:
     assert again.action == "hold" and "rolled back" in again.reason and not again.waiting
 
 
+def test_a_move_is_not_undone_by_advice_before_it_is_judged() -> None:
+    """Live (issue 49, confirm 1): a flip to 1P3D at one tick, the flip back the next, 10 s later.
+    The move's reverse waits for its judgement; another direction does not."""
+    advisor = Scripted(Split(1, 3))
+    plan = Planner(PlannerConfig(mode="act", confirm=1, judge_s=30.0, min_gain=0.1).bounded(Split(2, 2)), advisor)
+    window = [Seen(t, 100, 100, met=True) for t in range(0, 60, 2)]
+    assert plan.tick(60.0, Split(2, 2), window).next_split == Split(1, 3)
+    advisor.best = Split(2, 2)
+    held = plan.tick(70.0, Split(1, 3), window)
+    assert held.action == "hold" and "would undo 2P2D -> 1P3D" in held.reason
+    assert plan.tick(91.0, Split(1, 3), window).next_split == Split(2, 2)  # judged (it held up): advice moves
+
+
 def test_a_fall_the_traffic_explains_is_no_reason_to_roll_back() -> None:
     """Attainment fell after the move, but the mix shifted: replayed, the traffic since is still
     served better by the new split."""
