@@ -211,11 +211,7 @@ class Decision:
         """The split after this decision's one step."""
         if self.action == "hold" or self.role is None:
             return self.current
-        p, d = self.current
-        if self.current.total == self.target.total:  # a flip (or a flip rolled back)
-            return Split(p + 1, d - 1) if self.role == "prefill" else Split(p - 1, d + 1)
-        sign = 1 if self.target.total > self.current.total else -1  # an add or a remove
-        return Split(p + sign, d) if self.role == "prefill" else Split(p, d + sign)
+        return stepped(self.current, self.target, self.role)
 
     def view(self) -> dict[str, object]:
         return {"at": self.at, "action": self.action, "current": str(self.current), "target": str(self.target),
@@ -296,8 +292,7 @@ class Planner:
     @staticmethod
     def _undoes(move: _Move, current: Split, target: Split) -> bool:
         """One step from `current` toward `target` lands on the split `move` left."""
-        action, role = step_toward(current, target)
-        return Decision(0.0, action, current, target, "", role).next_split == move.before
+        return stepped(current, target, step_toward(current, target)[1]) == move.before
 
     def _judge(self, now: float, current: Split, window: Sequence[Seen]) -> Decision | None:
         """Roll the last move back when what arrived since did worse than what came before and
@@ -353,6 +348,15 @@ def step_toward(current: Split, target: Split) -> tuple[Action, str]:
     if target.total > current.total:
         return "add", "prefill" if target.prefill > current.prefill else "decode"
     return "remove", "prefill" if target.prefill < current.prefill else "decode"
+
+
+def stepped(current: Split, target: Split, role: str) -> Split:
+    """The split after one step from `current` toward `target` (`role`: as `step_toward` names it)."""
+    p, d = current
+    if current.total == target.total:  # a flip (or a flip rolled back)
+        return Split(p + 1, d - 1) if role == "prefill" else Split(p - 1, d + 1)
+    sign = 1 if target.total > current.total else -1  # an add or a remove
+    return Split(p + sign, d) if role == "prefill" else Split(p, d + sign)
 
 
 def _gain(best: float, now: float, window_s: float) -> float:
