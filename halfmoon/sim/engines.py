@@ -155,25 +155,26 @@ class Cores:
         if n is not None and not n > 0:
             raise ValueError(f"cores must be > 0, got {n}")
         self.n = n
-        self._stepping: dict[int, Worker] = {}  # id(worker) -> worker, in the order they started
+        self._stepping: dict[Worker, None] = {}  # the workers stepping, in the order they started
 
     def start(self, worker: Worker) -> float:
         """`worker` steps now: its steps' stretch factor (the others' decode stretches end with
         the step they are in, to be timed again with one more sharing)."""
         if self.n is None:
             return 1.0
-        if id(worker) not in self._stepping:
-            self._stepping[id(worker)] = worker
+        if worker not in self._stepping:
+            self._stepping[worker] = None
             self._recut(worker)
         return max(1.0, len(self._stepping) / self.n)
 
     def stop(self, worker: Worker) -> None:
         """`worker` is idle: the others' stretches are timed again with one fewer."""
-        if self._stepping.pop(id(worker), None) is not None:
+        if worker in self._stepping:
+            del self._stepping[worker]
             self._recut(worker)
 
     def _recut(self, changed: Worker) -> None:
-        for other in self._stepping.values():
+        for other in self._stepping:
             if other is not changed and isinstance(other, Stepper):
                 other.cut()
 
