@@ -28,7 +28,7 @@ from halfmoon.core.params import SamplingParams
 from halfmoon.engine.config import EngineConfig
 from halfmoon.engine.errors import UnsupportedModelError
 from halfmoon.engine.device import place_weights
-from halfmoon.engine.loader import load_weights
+from halfmoon.engine.loader import load_config, load_weights
 from halfmoon.engine.model import DecoderModel
 from halfmoon.engine.request import Request
 from halfmoon.engine.runner import ModelRunner
@@ -42,17 +42,21 @@ from halfmoon.kvpool.errors import OutOfBlocksError
 DRAFT_SLOTS = 8
 
 
+def _check_vocabulary(model: str, draft_vocab: int, target_vocab: int) -> None:
+    if draft_vocab != target_vocab:  # its ids go into the target's embedding, and back
+        raise UnsupportedModelError(
+            f"draft model {model!r} has a vocabulary of {draft_vocab} tokens, the target {target_vocab}: "
+            "a draft model must share the target's tokenizer")
+
+
 class DraftModelProposer:
     """The `Proposer` of a draft model (module docstring)."""
 
     def __init__(self, model: str, target: EngineConfig, vocab_size: int, max_model_len: int) -> None:
+        _check_vocabulary(model, load_config(model).vocab_size, vocab_size)  # before its weights load
         # on the target's device: the engine builds this inside its device scope
         weights = place_weights(load_weights(model, target.torch_dtype), torch.empty(0).device)
         cfg = weights.config
-        if cfg.vocab_size != vocab_size:  # its ids go into the target's embedding, and back
-            raise UnsupportedModelError(
-                f"draft model {model!r} has a vocabulary of {cfg.vocab_size} tokens, the target {vocab_size}: "
-                "a draft model must share the target's tokenizer")
         self.block_size = target.block_size
         self.max_model_len = max_model_len
         self.model = DecoderModel(cfg, weights.weights, get_backend(target.attention_backend), target.torch_dtype,

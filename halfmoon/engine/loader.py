@@ -181,6 +181,17 @@ def load_weights(model: str, dtype: torch.dtype = torch.float32, q4_blocks: bool
     return loaded
 
 
+def load_config(model: str) -> ModelConfig:
+    """The config of `model` alone (its GGUF header or config.json), no tensor read: to refuse
+    a model before spending a load on it."""
+    path = resolve_model_path(model)
+    if path.is_dir():
+        return _hf_config(path)
+    from halfmoon.engine.gguf_header import read_header
+
+    return gguf_config(read_header(path), path)
+
+
 # ---------------------------------------------------------------- GGUF
 
 
