@@ -35,7 +35,7 @@ from halfmoon.bench.ray_nodes import LocalRayNodes
 from halfmoon.bench.report import Progress, utc_now
 from halfmoon.bench.serve_bench import ReplayOptions, System, replay, serving
 from halfmoon.bench.serve_metrics import RequestRecord, Slo, meets_slo, request_rows, summarize
-from halfmoon.bench.sim_vs_live import kv_blocks
+from halfmoon.bench.sim_vs_live import worker_kv_blocks
 from halfmoon.bench.workload import trace_workload
 from halfmoon.conductor.cost_model import CostModel
 from halfmoon.conductor.planner import PlannerConfig
@@ -93,13 +93,13 @@ def run_one(name: str, serve_args: str, workload: Any, opts: ReplayOptions, out:
         records, makespan = asyncio.run(replay(target, workload, opts))
         live = _get_json(f"{http}/dashboard/api/live") if http else {}
         cost = _get_json(f"{http}/dashboard/api/cost-model") if http else {}
-        blocks = kv_blocks(http)
+        blocks = worker_kv_blocks(http)
     metrics = summarize(records, workload.duration_s, makespan, opts.slo)
     per_phase = phase_goodput(records, phases, opts.slo)
     say(f"{name}: goodput {metrics['goodput_rps']:.3f} req/s, per phase {per_phase}, "
         f"{metrics['errors']} errors, {metrics['rejected']} rejected")
     return {"system": name, "serve_args": serve_args, "metrics": metrics, "per_phase": per_phase,
-            "planner": live.get("planner"), "cost_model": cost, "kv_blocks": blocks,
+            "planner": live.get("planner"), "cost_model": cost, "worker_kv_blocks": blocks,
             "requests": request_rows(records)}
 
 
@@ -143,7 +143,7 @@ def simulated(trace: Path, planner_run: dict[str, Any], phases: list[Phase], slo
         return None
     cost = CostModel.from_json(json.dumps(planner_run["cost_model"]))
     start = tuple(int(x) for x in args.start_split.split(":"))
-    blocks = planner_run["kv_blocks"] or 0
+    blocks = planner_run["worker_kv_blocks"] or 0
     seqs = re.search(r"--max-num-seqs[= ](\d+)", planner_run["serve_args"])
     admission = replace(SimConfig().admission, standard_ttft_ms=slo.ttft_ms, standard_tbt_ms=slo.tbt_ms)
     threads = re.search(r"--worker-threads[= ](\d+)", planner_run["serve_args"])

@@ -89,6 +89,25 @@ def kv_blocks(http_url: str | None) -> int | None:
     return int(float(m.group(1))) if m else None
 
 
+def worker_kv_blocks(http_url: str | None) -> int | None:
+    """The largest worker's device KV blocks (used, free and reserved): a cluster's
+    `halfmoon_kv_cache_blocks` sums its decode workers, and a simulated worker is one of them."""
+    if http_url is None:
+        return None
+    with urllib.request.urlopen(f"{http_url.rstrip('/')}/metrics", timeout=5.0) as response:
+        return largest_worker_blocks(response.read().decode())
+
+
+def largest_worker_blocks(text: str) -> int | None:
+    """`worker_kv_blocks` of a /metrics text."""
+    per_worker: dict[str, float] = {}
+    for m in re.finditer(r'^halfmoon_worker_kv_blocks\{([^}]*)\}\s+(\S+)', text, re.MULTILINE):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        if labels.get("tier") == "device":
+            per_worker[labels["worker"]] = per_worker.get(labels["worker"], 0.0) + float(m.group(2))
+    return int(max(per_worker.values())) if per_worker else None
+
+
 @dataclass(frozen=True, slots=True)
 class Live:
     """What the live server measured: its replays, its KV blocks, the lone probes' TTFTs (ms)."""

@@ -81,7 +81,9 @@ class SimConfig:
         decode steps from a TP=decode_tp one). Co-located: prefill_tp is the engine's.
     cores: the compute the workers share, in workers that step at full speed at once (CPU workers
         on one machine: its cores / each worker's threads); while more step, each step is
-        stretched by their share (sim/engines.py `Cores`). None (the default): each worker its
+        stretched by their share (sim/engines.py `Cores`), and the workers compute at the
+        profile: a cost model's `prefill_scale` (a start-up burst's slowdown, mostly this
+        sharing) prices admission only, not counted twice. None (the default): each worker its
         own device, as GPUs are.
     max_loras, adapter_load_ms: each prefill (or co-located) worker's LoRA slots and what
         reading an adapter it does not hold costs (a trace's `adapter` key): paid before its
@@ -215,6 +217,8 @@ class Simulator:
             config = dataclasses.replace(config, overhead_ms=cost.overhead_ms)
         self.config = config
         self.cost = cost
+        if config.cores is not None:  # the sharing is timed by `Cores`: each worker computes at its profile
+            cost = dataclasses.replace(cost, prefill_scale=1.0)
         if config.tokens_per_step != 1.0:  # the workers' steps: one token-time each
             cost = SpeculativeCost(cost, config.tokens_per_step)  # type: ignore[assignment]
         self.clock = after.clock if after is not None else Clock()

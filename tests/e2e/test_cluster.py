@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
+from halfmoon.bench.sim_vs_live import worker_kv_blocks
 from halfmoon.conductor.ledger import PendingPrefill
 from halfmoon.core.params import Constraint, ConstraintKind, SamplingParams
 from halfmoon.engine.engine import Engine
@@ -57,6 +58,8 @@ def test_2p2d_is_token_identical_to_one_process(cluster: RunningApi, engine: Eng
     stats = cluster.backend.stats()  # what /metrics shows: nothing in flight, the decode pools' blocks
     assert (stats.requests_running, stats.requests_waiting) == (0, 0)
     assert stats.kv_blocks_total == 2 * 256
+    # one worker's pool, what a simulated worker holds (`bench serve --planner-compare`), not the sum
+    assert worker_kv_blocks(cluster.http_url) == 256
 
 
 def test_a_prefix_computed_on_a_busy_worker_is_reused_by_the_other(cluster: RunningApi, engine: Engine) -> None:
