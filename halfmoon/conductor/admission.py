@@ -325,8 +325,10 @@ class Admission:
         joins_in_ms = p.ttft_ms - p.first_step_ms
         if c.held_ms > 0:  # the window's hold is spent already: part of the TTFT, exactly
             raw, p = raw._replace(ttft_ms=raw.ttft_ms + c.held_ms), p._replace(ttft_ms=p.ttft_ms + c.held_ms)
-        return replace(self._decide(c, p, prefill, decode, now, final), joins_in_ms=joins_in_ms,
-                       raw_ttft_ms=raw.ttft_ms, raw_tbt_ms=raw.tbt_ms)
+        decision = self._decide(c, p, prefill, decode, now, final)
+        if decision.admitted:
+            self.calibration.admitted()
+        return replace(decision, joins_in_ms=joins_in_ms, raw_ttft_ms=raw.ttft_ms, raw_tbt_ms=raw.tbt_ms)
 
     def _calibrated(self, p: Predicted) -> Predicted:
         t, b = self.calibration.ttft, self.calibration.tbt

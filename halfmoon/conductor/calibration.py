@@ -37,11 +37,18 @@ fit never saw the range it was wrong on (issue 49). Admitted at the edge's margi
 and the next fit covers them. TBT alike: a document's predicted TBT (a long context, steps
 stretched by prefills) was 3x chat's, and chat's TBT fit (x2, guard x1.49) refused every
 document at a 250 ms objective.
+
+A fit that has refused everything goes stale: when `STALE_S` passed with neither an admitted
+request nor a new sample, its samples are dropped and requests are priced by the profile again
+(then measured). Refused requests measure nothing, so a fit learned under one load would
+otherwise outlive it by the whole window: live, after documents gave way to chat, a TBT fit of
+x3 with a x2 guard refused every chat request of an 80 s phase on idle workers (issue 49).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import time
 from collections import deque
@@ -49,6 +56,8 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 class Fit(NamedTuple):
@@ -115,6 +124,8 @@ class Calibration:
     REFIT_S = 1.0  # a fit over a full window is redone at most this often (new samples or not)
     MIN_SPREAD = 1.5  # a slope needs predictions at least this far apart (max / min)
     LOW, HIGH, GUARD_MAX, OFFSET_MAX_MS = 0.5, 2.0, 2.0, 5000.0
+    STALE_S = 30.0  # nothing admitted nor measured for this long: the fit is dropped
+    NAMES = ("TTFT", "TBT")
 
     def __init__(self, quantile: float = 0.5, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -124,6 +135,7 @@ class Calibration:
         self._fits: list[tuple[object, Fit]] = [((), IDENTITY), ((), IDENTITY)]
         self._fitted_at = [-math.inf, -math.inf]
         self._added = [0, 0]  # samples ever observed, per fit: a new one means a new window
+        self._admitted_at = -math.inf
 
     @property
     def ttft(self) -> Fit:
@@ -132,6 +144,10 @@ class Calibration:
     @property
     def tbt(self) -> Fit:
         return self._fit(1)
+
+    def admitted(self) -> None:
+        """A request was admitted: it will measure (the fits are not stale)."""
+        self._admitted_at = self._clock()
 
     def observe(self, raw_ttft_ms: float, ttft_ms: float, raw_tbt_ms: float, tbt_ms: float | None) -> None:
         """An admitted request's predictions (before calibration) and what it measured."""
@@ -151,6 +167,11 @@ class Calibration:
         samples = self._samples[i]
         while samples and samples[0][0] < now - self.WINDOW_S:  # time only moves on: expired for good
             samples.popleft()
+        if samples and now - max(samples[-1][0], self._admitted_at) > self.STALE_S:
+            log.warning("admission: nothing admitted or measured for %.0f s: the %s calibration (x%.2f, guard "
+                        "x%.2f) is dropped; requests are priced by the profile until they measure again",
+                        self.STALE_S, self.NAMES[i], self._fits[i][1].scale, self._fits[i][1].guard)
+            samples.clear()
         key = (self._added[i], len(samples))
         cached_key, fit = self._fits[i]
         settled = bool(cached_key) and cached_key[1] >= self.MIN_FIT_SAMPLES and now - self._fitted_at[i] < self.REFIT_S

@@ -495,3 +495,42 @@ def test_a_window_of_chat_and_documents_calibrates_each_by_its_own() -> None:
     for raw, measured in chat + docs:
         adm.calibration.observe(raw, measured, 60.0, 60.0)
     assert 850.0 < adm.calibration.ttft(1500.0) < 1100.0
+
+
+def _contended(now: list[float]) -> Admission:
+    """TBT measured 2-8x the profile's 60 ms (the live 1P3D chat phase: three decode workers and
+    a prefill worker on two cores), so a 250 ms objective refuses a request on idle workers."""
+    adm = Admission(AdmissionConfig(), COST, clock=lambda: now[0])
+    rng = random.Random(5)
+    for _ in range(40):
+        adm.calibration.observe(560.0, 600.0, 60.0, rng.uniform(120.0, 480.0))
+    return adm
+
+
+def test_a_fit_that_refused_everything_for_stale_s_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    """Refused requests measure nothing: without this, the fit would refuse for its whole window
+    (live: a chat phase of 80 s, issue 49). After STALE_S with nothing admitted nor measured,
+    requests are priced by the profile again."""
+    now = [100.0]
+    adm, obj = _contended(now), resolve(AdmissionConfig(), "standard", Slo(ttft_ms=2000.0, tbt_ms=250.0))
+    assert decide(adm, obj=obj).reason is Reason.TBT
+    now[0] += Calibration.STALE_S - 1.0
+    assert decide(adm, obj=obj).reason is Reason.TBT  # not stale yet
+    now[0] += 2.0
+    with caplog.at_level("WARNING", logger="halfmoon.conductor.calibration"):
+        d = decide(adm, obj=obj)
+    assert d.admitted and d.prediction.predicted_tbt_ms == pytest.approx(60.0)
+    assert "the TBT calibration (x2.00" in caplog.text and "dropped" in caplog.text
+    for _ in range(Calibration.MIN_SAMPLES):  # what admitted requests measure starts the next fit
+        adm.calibration.observe(560.0, 600.0, 60.0, 420.0)
+    assert adm.calibration.tbt(60.0) > 60.0
+
+
+def test_a_fit_is_kept_while_requests_are_admitted() -> None:
+    """Admitted requests will measure: a quiet spell of samples (long generations) is no lock-out."""
+    now = [100.0]
+    adm, obj = _contended(now), resolve(AdmissionConfig(), "standard", Slo(ttft_ms=2000.0, tbt_ms=250.0))
+    now[0] += Calibration.STALE_S - 5.0
+    adm.calibration.admitted()
+    now[0] += 10.0
+    assert decide(adm, obj=obj).reason is Reason.TBT
