@@ -90,8 +90,9 @@ def kv_blocks(http_url: str | None) -> int | None:
 
 
 def worker_kv_blocks(http_url: str | None) -> int | None:
-    """The largest worker's device KV blocks (used, free and reserved): a cluster's
-    `halfmoon_kv_cache_blocks` sums its decode workers, and a simulated worker is one of them."""
+    """The largest decode worker's device KV blocks (used + free: reserved ones are used): a cluster's
+    `halfmoon_kv_cache_blocks` sums its decode workers, and a simulated worker is one of them
+    (a prefill worker's pool, sized for its prefix cache, may be larger)."""
     if http_url is None:
         return None
     with urllib.request.urlopen(f"{http_url.rstrip('/')}/metrics", timeout=5.0) as response:
@@ -100,12 +101,18 @@ def worker_kv_blocks(http_url: str | None) -> int | None:
 
 def largest_worker_blocks(text: str) -> int | None:
     """`worker_kv_blocks` of a /metrics text."""
+    decode = {labels["worker"] for labels, _ in _series(text, "halfmoon_worker_up") if labels.get("role") == "decode"}
     per_worker: dict[str, float] = {}
-    for m in re.finditer(r'^halfmoon_worker_kv_blocks\{([^}]*)\}\s+(\S+)', text, re.MULTILINE):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        if labels.get("tier") == "device":
-            per_worker[labels["worker"]] = per_worker.get(labels["worker"], 0.0) + float(m.group(2))
+    for labels, value in _series(text, "halfmoon_worker_kv_blocks"):
+        if labels.get("tier") == "device" and labels.get("state") in ("used", "free") and labels.get("worker") in decode:
+            per_worker[labels["worker"]] = per_worker.get(labels["worker"], 0.0) + value
     return int(max(per_worker.values())) if per_worker else None
+
+
+def _series(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The labelled samples of metric `name` in a Prometheus text."""
+    return [(dict(re.findall(r'(\w+)="([^"]*)"', m.group(1))), float(m.group(2)))
+            for m in re.finditer(rf'^{name}\{{([^}}]*)\}}\s+(\S+)', text, re.MULTILINE)]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,6 +1,6 @@
 """The start-up profile under every engine shape `serve` can give a worker (issue 45): prompts
-packed 1, 2, 4 or 8 a step, chunked prefill, speculation off or n-gram, tensor parallelism 1 or
-2, two model families (tiny random weights). Every grid point that fits is measured; none ends
+packed 1, 2, 4 or 8 a step (1 or 8 at TP=2), chunked prefill, speculation off or n-gram, tensor
+parallelism 1 or 2, two model families (tiny random weights). Every grid point that fits is measured; none ends
 early (what broke `make serve` on a fresh machine: one prompt a step made a batch of 4 take 4
 prefill steps and the first request finished before the timed steps), and the cost model fits.
 `prefill_steps`, the profiler's count of a batch's prefill steps, is checked against the
@@ -58,7 +58,9 @@ def _engine(folder: Path, packing: int, speculative: str, tp: int) -> Engine:
 
 
 def _engines(folders: dict[str, Path], tp: int) -> Iterator[tuple[str, Engine]]:
-    for name, packing, speculative in itertools.product(FAMILIES, PACKING, SPECULATION):
+    # a TP=2 engine starts a process group (about 3 s): the packings at both ends of the range
+    packings = PACKING if tp == 1 else (PACKING[0], PACKING[-1])
+    for name, packing, speculative in itertools.product(FAMILIES, packings, SPECULATION):
         engine = _engine(folders[name], packing, speculative, tp)
         try:
             yield f"{name} packing={packing} speculative={speculative} tp={tp}", engine
