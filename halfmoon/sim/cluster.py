@@ -81,9 +81,9 @@ class SimConfig:
         decode steps from a TP=decode_tp one). Co-located: prefill_tp is the engine's.
     cores: the compute the workers share, in workers that step at full speed at once (CPU workers
         on one machine: its cores / each worker's threads); while more step, each step is
-        stretched by their share (sim/engines.py `Cores`), and the workers compute at the
-        profile: a cost model's `prefill_scale` (a start-up burst's slowdown, mostly this
-        sharing) prices admission only, not counted twice. None (the default): each worker its
+        stretched by their share (sim/engines.py `Cores`), and a cost model's `prefill_scale`
+        (a start-up burst's slowdown, this sharing included) times the workers without the
+        share it measured (`unshared_scale`); admission prices with the whole scale. None (the default): each worker its
         own device, as GPUs are.
     max_loras, adapter_load_ms: each prefill (or co-located) worker's LoRA slots and what
         reading an adapter it does not hold costs (a trace's `adapter` key): paid before its
@@ -217,8 +217,8 @@ class Simulator:
             config = dataclasses.replace(config, overhead_ms=cost.overhead_ms)
         self.config = config
         self.cost = cost
-        if config.cores is not None:  # the sharing is timed by `Cores`: each worker computes at its profile
-            cost = dataclasses.replace(cost, prefill_scale=1.0)
+        if config.cores is not None:  # the sharing is timed by `Cores`, not by the scale too
+            cost = dataclasses.replace(cost, prefill_scale=unshared_scale(cost.prefill_scale, config))
         if config.tokens_per_step != 1.0:  # the workers' steps: one token-time each
             cost = SpeculativeCost(cost, config.tokens_per_step)  # type: ignore[assignment]
         self.clock = after.clock if after is not None else Clock()
@@ -429,6 +429,16 @@ class Simulator:
             cache.check_integrity()
             if cache.pool.num_free() != cache.pool.num_blocks:
                 raise AssertionError(f"{cache.pool.num_used()} cache blocks still held after the run")
+
+
+def unshared_scale(prefill_scale: float, config: SimConfig) -> float:
+    """A cost model's `prefill_scale` without the core sharing it measured: the start-up burst
+    runs every worker at once (prefills beside decoding steps), so its slowdown is the sharing,
+    max(1, workers / cores), times what sharing does not explain (the KV streamed out layer by
+    layer, the Conductor's own work: 1.1-1.3x on a 1P1D CPU, where no core is shared)."""
+    assert config.cores is not None
+    workers = 1 if config.colocated else config.prefill + config.decode
+    return max(1.0, prefill_scale / max(1.0, workers / config.cores))
 
 
 def simulate(workload: Workload, config: SimConfig, cost: CostModel) -> SimResult:
