@@ -328,6 +328,8 @@ class Admission:
         decision = self._decide(c, p, prefill, decode, now, final)
         if decision.admitted:
             self.calibration.admitted()
+        elif final:
+            self.calibration.refused()
         return replace(decision, joins_in_ms=joins_in_ms, raw_ttft_ms=raw.ttft_ms, raw_tbt_ms=raw.tbt_ms)
 
     def _calibrated(self, p: Predicted) -> Predicted:

@@ -136,6 +136,7 @@ class Calibration:
         self._fitted_at = [-math.inf, -math.inf]
         self._added = [0, 0]  # samples ever observed, per fit: a new one means a new window
         self._admitted_at = -math.inf
+        self._refused = 0  # requests refused since the last admitted one
 
     @property
     def ttft(self) -> Fit:
@@ -147,7 +148,11 @@ class Calibration:
 
     def admitted(self) -> None:
         """A request was admitted: it will measure (the fits are not stale)."""
-        self._admitted_at = self._clock()
+        self._admitted_at, self._refused = self._clock(), 0
+
+    def refused(self) -> None:
+        """A request was refused: it measures nothing."""
+        self._refused += 1
 
     def observe(self, raw_ttft_ms: float, ttft_ms: float, raw_tbt_ms: float, tbt_ms: float | None) -> None:
         """An admitted request's predictions (before calibration) and what it measured."""
@@ -168,9 +173,12 @@ class Calibration:
         while samples and samples[0][0] < now - self.WINDOW_S:  # time only moves on: expired for good
             samples.popleft()
         if samples and now - max(samples[-1][0], self._admitted_at) > self.STALE_S:
-            log.warning("admission: nothing admitted or measured for %.0f s: the %s calibration (x%.2f, guard "
-                        "x%.2f) is dropped; requests are priced by the profile until they measure again",
-                        self.STALE_S, self.NAMES[i], self._fits[i][1].scale, self._fits[i][1].guard)
+            # a warning where it refused (a lock-out ended); a quiet spell is no news
+            log.log(logging.WARNING if self._refused else logging.DEBUG,
+                    "admission: nothing admitted or measured for %.0f s (%d requests refused): the %s "
+                    "calibration (x%.2f, guard x%.2f) is dropped; requests are priced by the profile until "
+                    "they measure again", self.STALE_S, self._refused, self.NAMES[i], self._fits[i][1].scale,
+                    self._fits[i][1].guard)
             samples.clear()
         key = (self._added[i], len(samples))
         cached_key, fit = self._fits[i]

@@ -520,7 +520,7 @@ def test_a_fit_that_refused_everything_for_stale_s_is_dropped(caplog: pytest.Log
     with caplog.at_level("WARNING", logger="halfmoon.conductor.calibration"):
         d = decide(adm, obj=obj)
     assert d.admitted and d.prediction.predicted_tbt_ms == pytest.approx(60.0)
-    assert "the TBT calibration (x2.00" in caplog.text and "dropped" in caplog.text
+    assert "(2 requests refused): the TBT calibration (x2.00" in caplog.text and "dropped" in caplog.text
     for _ in range(Calibration.MIN_SAMPLES):  # what admitted requests measure starts the next fit
         adm.calibration.observe(560.0, 600.0, 60.0, 420.0)
     assert adm.calibration.tbt(60.0) > 60.0
@@ -534,3 +534,14 @@ def test_a_fit_is_kept_while_requests_are_admitted() -> None:
     adm.calibration.admitted()
     now[0] += 10.0
     assert decide(adm, obj=obj).reason is Reason.TBT
+
+
+def test_a_quiet_spell_drops_the_fit_without_a_warning(caplog: pytest.LogCaptureFixture) -> None:
+    """No traffic for STALE_S is no lock-out: the fit is dropped all the same (the load it learned
+    is gone), but only a refusing one is worth an operator's attention."""
+    now = [100.0]
+    adm, obj = _contended(now), resolve(AdmissionConfig(), "standard", Slo(ttft_ms=2000.0, tbt_ms=250.0))
+    now[0] += Calibration.STALE_S + 1.0
+    with caplog.at_level("DEBUG", logger="halfmoon.conductor.calibration"):
+        assert decide(adm, obj=obj).admitted
+    assert [r.levelname for r in caplog.records] == ["DEBUG", "DEBUG"]  # TTFT's and TBT's
