@@ -83,29 +83,31 @@ def kv_blocks(http_url: str | None) -> int | None:
     """The live server's KV blocks (its decode worker's, or the co-located engine's)."""
     if http_url is None:
         return None
-    with urllib.request.urlopen(f"{http_url.rstrip('/')}/metrics", timeout=5.0) as response:
-        text = response.read().decode()
-    m = re.search(r"^halfmoon_kv_cache_blocks\s+(\S+)", text, re.MULTILINE)
+    m = re.search(r"^halfmoon_kv_cache_blocks\s+(\S+)", _metrics(http_url), re.MULTILINE)
     return int(float(m.group(1))) if m else None
 
 
-def worker_kv_blocks(http_url: str | None) -> int | None:
-    """The largest decode worker's device KV blocks (used + free: reserved ones are used): a cluster's
-    `halfmoon_kv_cache_blocks` sums its decode workers, and a simulated worker is one of them
-    (a prefill worker's pool, sized for its prefix cache, may be larger)."""
-    if http_url is None:
-        return None
+def _metrics(http_url: str) -> str:
     with urllib.request.urlopen(f"{http_url.rstrip('/')}/metrics", timeout=5.0) as response:
-        return largest_worker_blocks(response.read().decode())
+        return response.read().decode()
+
+
+def worker_kv_blocks(http_url: str | None) -> int | None:
+    """The largest decode worker's device KV blocks (used + free: reserved ones are used): a
+    cluster's `halfmoon_kv_cache_blocks` sums its decode workers, and a simulated worker is one
+    of them (a prefill worker's pool, sized for its prefix cache, may be larger)."""
+    return None if http_url is None else largest_worker_blocks(_metrics(http_url))
 
 
 def largest_worker_blocks(text: str) -> int | None:
     """`worker_kv_blocks` of a /metrics text."""
-    decode = {labels["worker"] for labels, _ in _series(text, "halfmoon_worker_up") if labels.get("role") == "decode"}
+    decode = {labels["worker"] for labels, _ in _series(text, "halfmoon_worker_up")
+              if labels.get("role") == "decode"}
     per_worker: dict[str, float] = {}
     for labels, value in _series(text, "halfmoon_worker_kv_blocks"):
-        if labels.get("tier") == "device" and labels.get("state") in ("used", "free") and labels.get("worker") in decode:
-            per_worker[labels["worker"]] = per_worker.get(labels["worker"], 0.0) + value
+        worker = labels.get("worker")
+        if worker in decode and labels.get("tier") == "device" and labels.get("state") in ("used", "free"):
+            per_worker[worker] = per_worker.get(worker, 0.0) + value
     return int(max(per_worker.values())) if per_worker else None
 
 

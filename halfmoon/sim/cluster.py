@@ -83,8 +83,8 @@ class SimConfig:
         on one machine: its cores / each worker's threads); while more step, each step is
         stretched by their share (sim/engines.py `Cores`), and a cost model's `prefill_scale`
         (a start-up burst's slowdown, this sharing included) times the workers without the
-        share it measured (`unshared_scale`); admission prices with the whole scale. None (the default): each worker its
-        own device, as GPUs are.
+        share it measured (`unshared_scale`); admission prices with the whole scale. None (the
+        default): each worker its own device, as GPUs are.
     max_loras, adapter_load_ms: each prefill (or co-located) worker's LoRA slots and what
         reading an adapter it does not hold costs (a trace's `adapter` key): paid before its
         prefill, priced by the router as the Conductor prices it. The default is `halfmoon bench
